@@ -1,0 +1,29 @@
+//! Machine topology for keel: CPUs, NUMA nodes, NVIDIA GPUs, InfiniBand
+//! HCAs, network interfaces and NVMe drives, read from sysfs and procfs under
+//! a root directory; process-pinning plans for srun, mpirun, torchrun and
+//! numactl; and verification of running processes against the layout.
+//!
+//! This crate reads files only. It does not talk to NVML or CUDA (GPU facts
+//! that sysfs cannot give are passed in, see [`verify::GpuProcessMap`]),
+//! never prints, never reads the process environment or the clock, and
+//! changes nothing on the machine.
+
+pub mod error;
+pub mod idset;
+pub mod machine;
+pub mod pci;
+pub mod plan;
+pub mod procs;
+pub mod root;
+pub mod snapshot;
+pub mod verify;
+
+pub use error::TopoError;
+pub use idset::{CpuSet, IdSet, NodeSet};
+pub use machine::{read_machine, Machine};
+pub use pci::{PciAddr, Relation};
+pub use plan::{plan, Launcher, Plan, PlanError, PlanRequest};
+pub use procs::{read_processes, Process, Selection};
+pub use root::Root;
+pub use snapshot::{write_snapshot, SnapshotError, SnapshotSummary};
+pub use verify::{verify, Scope, Verification};

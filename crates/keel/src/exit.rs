@@ -1,0 +1,84 @@
+//! Exit codes, documented in README.md ("Exit codes").
+
+use std::process::ExitCode;
+
+use keel_topo::{PlanError, SnapshotError, TopoError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    /// Success; no problem found.
+    Ok = 0,
+    /// Warnings found.
+    Warning = 1,
+    /// Problems (failures) found.
+    Failed = 2,
+    /// Could not tell: something needed is unavailable (no GPU, nothing to
+    /// inspect, a tool or library missing).
+    Unknown = 3,
+    /// Bad command line or impossible request.
+    Usage = 64,
+    /// Input data (sysfs, procfs, a file given) is malformed.
+    Data = 65,
+    /// Reading or writing a file failed.
+    Io = 74,
+}
+
+impl From<Code> for ExitCode {
+    fn from(c: Code) -> Self {
+        ExitCode::from(c as u8)
+    }
+}
+
+/// Whether the error is stdout closing under us (`keel ... | head`), which
+/// is not a failure.
+pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Maps an error to its exit code by what failed.
+pub fn classify(err: &anyhow::Error) -> Code {
+    for e in err.chain() {
+        if let Some(t) = e.downcast_ref::<TopoError>() {
+            return topo_code(t);
+        }
+        if let Some(s) = e.downcast_ref::<SnapshotError>() {
+            return match s {
+                SnapshotError::Read(t) => topo_code(t),
+                SnapshotError::NotEmpty { .. } => Code::Usage,
+                SnapshotError::Write { .. } => Code::Io,
+            };
+        }
+        if let Some(p) = e.downcast_ref::<PlanError>() {
+            return match p {
+                PlanError::NoGpus | PlanError::GpuWithoutNode { .. } => Code::Unknown,
+                _ => Code::Usage,
+            };
+        }
+        if e.downcast_ref::<UsageError>().is_some() {
+            return Code::Usage;
+        }
+    }
+    Code::Io
+}
+
+fn topo_code(t: &TopoError) -> Code {
+    match t {
+        TopoError::Read { .. } => Code::Io,
+        TopoError::Missing { .. } | TopoError::Parse { .. } | TopoError::OutsideRoot { .. } => Code::Data,
+        TopoError::NoSuchProcess { .. } => Code::Usage,
+    }
+}
+
+/// A request that cannot be carried out as asked.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}

@@ -1,0 +1,77 @@
+//! The `keel` command line. This crate is the only one that knows clap,
+//! anyhow, terminals and exit codes; every capability lives in a library
+//! crate that returns typed results and errors.
+
+mod exit;
+mod output;
+mod table;
+mod topo;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::exit::Code;
+use crate::output::Out;
+
+/// keel keeps GPU AI infrastructure well-architected.
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// Read /sys, /proc and /dev under DIR instead of /: a fixture, or a
+    /// machine captured with `keel topo snapshot`.
+    #[arg(long, global = true, env = "KEEL_ROOT", value_name = "DIR", default_value = "/")]
+    root: PathBuf,
+
+    /// Print machine-readable JSON (`{"version": 1, ...}`) instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
+    /// plans; verification of running processes.
+    Topo {
+        #[command(subcommand)]
+        command: topo::TopoCommand,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            let code = match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => Code::Ok,
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Code::Usage,
+                _ => Code::Usage,
+            };
+            let _ = e.print();
+            return code.into();
+        }
+    };
+    let mut out = Out::stdout(cli.json);
+    let result = match &cli.command {
+        Command::Topo { command } => topo::run(&cli, command, &mut out),
+    };
+    let code = match result {
+        Ok(code) => code,
+        Err(err) => {
+            if exit::is_broken_pipe(&err) {
+                return Code::Ok.into();
+            }
+            let code = exit::classify(&err);
+            let mut stderr = std::io::stderr().lock();
+            let _ = writeln!(stderr, "keel: error: {err:#}");
+            code
+        }
+    };
+    code.into()
+}
