@@ -13,7 +13,11 @@ pub enum TopoError {
     #[error("{path} is missing; is the root a Linux machine (sysfs and procfs)?")]
     Missing { path: PathBuf },
     #[error("unexpected content in {path}: {content:?} ({reason})")]
-    Parse { path: PathBuf, content: String, reason: String },
+    Parse {
+        path: PathBuf,
+        content: String,
+        reason: String,
+    },
     #[error("{path} resolves to {target}, outside the machine root")]
     OutsideRoot { path: PathBuf, target: PathBuf },
     #[error("no process {pid} under {path}")]
@@ -22,6 +26,10 @@ pub enum TopoError {
 
 impl TopoError {
     pub(crate) fn parse(path: PathBuf, content: &str, reason: impl ToString) -> Self {
-        Self::Parse { path, content: content.trim_end().to_owned(), reason: reason.to_string() }
+        Self::Parse {
+            path,
+            content: content.trim_end().to_owned(),
+            reason: reason.to_string(),
+        }
     }
 }

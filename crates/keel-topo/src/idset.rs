@@ -252,21 +252,54 @@ mod tests {
 
     #[test]
     fn kernel_grouped_masks_parse() {
-        assert_eq!(IdSet::parse_mask("00000000,00ffffff").map(|s| s.to_list()), Ok("0-23".into()));
-        assert_eq!(IdSet::parse_mask("0xff000000").map(|s| s.to_list()), Ok("24-31".into()));
-        assert_eq!(IdSet::parse_mask("3\n").map(|s| s.to_list()), Ok("0-1".into()));
+        assert_eq!(
+            IdSet::parse_mask("00000000,00ffffff").map(|s| s.to_list()),
+            Ok("0-23".into())
+        );
+        assert_eq!(
+            IdSet::parse_mask("0xff000000").map(|s| s.to_list()),
+            Ok("24-31".into())
+        );
+        assert_eq!(
+            IdSet::parse_mask("3\n").map(|s| s.to_list()),
+            Ok("0-1".into())
+        );
     }
 
     #[test]
     fn bad_input_is_an_error_not_a_panic() {
-        assert_eq!(IdSet::parse_list("a-b"), Err(IdSetError::NotANumber("a".into())));
-        assert_eq!(IdSet::parse_list("5-3"), Err(IdSetError::Reversed { start: 5, end: 3 }));
-        assert_eq!(IdSet::parse_list("0-4294967295"), Err(IdSetError::TooLarge(4294967295)));
-        assert_eq!(IdSet::parse_list("1,,2"), Err(IdSetError::NotANumber(String::new())));
-        assert_eq!(IdSet::parse_list("-1"), Err(IdSetError::NotANumber(String::new())));
-        assert_eq!(IdSet::parse_list("+1"), Err(IdSetError::NotANumber("+1".into())));
-        assert_eq!(IdSet::parse_mask("xyz"), Err(IdSetError::BadMask("xyz".into())));
-        assert_eq!(IdSet::parse_mask(""), Err(IdSetError::BadMask(String::new())));
+        assert_eq!(
+            IdSet::parse_list("a-b"),
+            Err(IdSetError::NotANumber("a".into()))
+        );
+        assert_eq!(
+            IdSet::parse_list("5-3"),
+            Err(IdSetError::Reversed { start: 5, end: 3 })
+        );
+        assert_eq!(
+            IdSet::parse_list("0-4294967295"),
+            Err(IdSetError::TooLarge(4294967295))
+        );
+        assert_eq!(
+            IdSet::parse_list("1,,2"),
+            Err(IdSetError::NotANumber(String::new()))
+        );
+        assert_eq!(
+            IdSet::parse_list("-1"),
+            Err(IdSetError::NotANumber(String::new()))
+        );
+        assert_eq!(
+            IdSet::parse_list("+1"),
+            Err(IdSetError::NotANumber("+1".into()))
+        );
+        assert_eq!(
+            IdSet::parse_mask("xyz"),
+            Err(IdSetError::BadMask("xyz".into()))
+        );
+        assert_eq!(
+            IdSet::parse_mask(""),
+            Err(IdSetError::BadMask(String::new()))
+        );
     }
 
     fn any_set() -> impl Strategy<Value = IdSet> {

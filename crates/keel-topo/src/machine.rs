@@ -90,10 +90,17 @@ impl PcieLink {
 
 /// PCIe generation for a per-lane rate.
 pub fn pcie_gen(gts: f64) -> Option<u32> {
-    [(2.5, 1), (5.0, 2), (8.0, 3), (16.0, 4), (32.0, 5), (64.0, 6)]
-        .iter()
-        .find(|(rate, _)| (gts - rate).abs() < 0.01)
-        .map(|(_, g)| *g)
+    [
+        (2.5, 1),
+        (5.0, 2),
+        (8.0, 3),
+        (16.0, 4),
+        (32.0, 5),
+        (64.0, 6),
+    ]
+    .iter()
+    .find(|(rate, _)| (gts - rate).abs() < 0.01)
+    .map(|(_, g)| *g)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -132,7 +139,11 @@ pub struct Hca {
 impl Hca {
     /// `InfiniBand` when any port is, else the first port's link layer.
     pub fn link_layer(&self) -> Option<&str> {
-        if self.ports.iter().any(|p| p.link_layer.as_deref() == Some("InfiniBand")) {
+        if self
+            .ports
+            .iter()
+            .any(|p| p.link_layer.as_deref() == Some("InfiniBand"))
+        {
             return Some("InfiniBand");
         }
         self.ports.iter().find_map(|p| p.link_layer.as_deref())
@@ -197,18 +208,27 @@ impl Machine {
 
     /// The NUMA node holding a CPU.
     pub fn node_of_cpu(&self, cpu: u32) -> Option<u32> {
-        self.numa_nodes.iter().find(|n| n.cpus.contains(cpu)).map(|n| n.id)
+        self.numa_nodes
+            .iter()
+            .find(|n| n.cpus.contains(cpu))
+            .map(|n| n.id)
     }
 
     /// The NUMA nodes a set of CPUs touches.
     pub fn nodes_of(&self, cpus: &CpuSet) -> NodeSet {
-        self.numa_nodes.iter().filter(|n| n.cpus.intersects(cpus)).map(|n| n.id).collect()
+        self.numa_nodes
+            .iter()
+            .filter(|n| n.cpus.intersects(cpus))
+            .map(|n| n.id)
+            .collect()
     }
 
     /// Physical cores of a NUMA node, each as its logical CPUs, ordered by
     /// first CPU. Without topology files every CPU is its own core.
     pub fn cores_of_node(&self, node: u32) -> Vec<CpuSet> {
-        let Some(n) = self.node(node) else { return Vec::new() };
+        let Some(n) = self.node(node) else {
+            return Vec::new();
+        };
         let mut seen = CpuSet::new();
         let mut cores = Vec::new();
         for cpu in n.cpus.iter() {
@@ -222,7 +242,11 @@ impl Machine {
                 .and_then(|c| c.siblings.clone())
                 .unwrap_or_else(|| [cpu].into_iter().collect());
             let core = siblings.intersection(&n.cpus);
-            let core = if core.is_empty() { [cpu].into_iter().collect() } else { core };
+            let core = if core.is_empty() {
+                [cpu].into_iter().collect()
+            } else {
+                core
+            };
             seen = seen.union(&core);
             cores.push(core);
         }
@@ -246,7 +270,10 @@ impl Machine {
     /// InfiniBand HCA at all, so that the Azure accelerated-networking
     /// adapter or storage NICs are never picked for NCCL.
     pub fn nearest_hcas(&self, gpu: &Gpu) -> Vec<(&Hca, Relation)> {
-        let any_ib = self.hcas.iter().any(|h| h.link_layer() == Some("InfiniBand"));
+        let any_ib = self
+            .hcas
+            .iter()
+            .any(|h| h.link_layer() == Some("InfiniBand"));
         let mut found: Vec<(&Hca, Relation)> = self
             .hcas
             .iter()
@@ -279,11 +306,24 @@ pub fn read_machine(root: &Root) -> Result<Machine, TopoError> {
             Some(s) => Some(parse_list(root, &sib_path, &s)?),
             None => None,
         };
-        let numa_node = numa_nodes.iter().find(|n| n.cpus.contains(id)).map(|n| n.id);
-        cpu_info.push(Cpu { id, socket, core, siblings, numa_node });
+        let numa_node = numa_nodes
+            .iter()
+            .find(|n| n.cpus.contains(id))
+            .map(|n| n.id);
+        cpu_info.push(Cpu {
+            id,
+            socket,
+            core,
+            siblings,
+            numa_node,
+        });
     }
-    let threads_per_core = if cpu_info.iter().all(|c| c.siblings.is_some()) && !cpu_info.is_empty() {
-        cpu_info.iter().filter_map(|c| c.siblings.as_ref().map(|s| s.len() as u32)).max()
+    let threads_per_core = if cpu_info.iter().all(|c| c.siblings.is_some()) && !cpu_info.is_empty()
+    {
+        cpu_info
+            .iter()
+            .filter_map(|c| c.siblings.as_ref().map(|s| s.len() as u32))
+            .max()
     } else {
         None
     };
@@ -301,10 +341,19 @@ pub fn read_machine(root: &Root) -> Result<Machine, TopoError> {
     }
     let sockets = sockets
         .into_iter()
-        .map(|(id, (cpus, numa_nodes, cores))| Socket { id, cpus, numa_nodes, cores: cores.len() })
+        .map(|(id, (cpus, numa_nodes, cores))| Socket {
+            id,
+            cpus,
+            numa_nodes,
+            cores: cores.len(),
+        })
         .collect();
 
-    let single_node = if numa_nodes.len() == 1 { Some(numa_nodes[0].id) } else { None };
+    let single_node = if numa_nodes.len() == 1 {
+        Some(numa_nodes[0].id)
+    } else {
+        None
+    };
     let pci_devices = read_pci(root, single_node)?;
     let gpus = read_gpus(root, &pci_devices)?;
     let mut hcas = read_hcas(root, &pci_devices)?;
@@ -348,7 +397,12 @@ fn read_numa(root: &Root, cpus: &CpuSet) -> Result<(Vec<NumaNode>, bool), TopoEr
             Some(s) => meminfo_total(root, "proc/meminfo", &s, "MemTotal:")?,
             None => None,
         };
-        let node = NumaNode { id: 0, cpus: cpus.clone(), memory_bytes: memory, distances: None };
+        let node = NumaNode {
+            id: 0,
+            cpus: cpus.clone(),
+            memory_bytes: memory,
+            distances: None,
+        };
         return Ok((vec![node], false));
     };
     let ids = parse_list(root, online_path, &online)?;
@@ -366,18 +420,32 @@ fn read_numa(root: &Root, cpus: &CpuSet) -> Result<(Vec<NumaNode>, bool), TopoEr
         let distances = match root.read_opt(&distance)? {
             Some(s) => Some(
                 s.split_whitespace()
-                    .map(|t| t.parse::<u32>().map_err(|_| TopoError::parse(root.path(&distance), &s, "expected numbers")))
+                    .map(|t| {
+                        t.parse::<u32>().map_err(|_| {
+                            TopoError::parse(root.path(&distance), &s, "expected numbers")
+                        })
+                    })
                     .collect::<Result<Vec<_>, _>>()?,
             ),
             None => None,
         };
-        nodes.push(NumaNode { id, cpus: node_cpus.intersection(cpus), memory_bytes, distances });
+        nodes.push(NumaNode {
+            id,
+            cpus: node_cpus.intersection(cpus),
+            memory_bytes,
+            distances,
+        });
     }
     Ok((nodes, true))
 }
 
 /// Parses `Node 0 MemTotal:  263868708 kB` or `MemTotal: 263868708 kB`.
-fn meminfo_total(root: &Root, path: &str, content: &str, key: &str) -> Result<Option<u64>, TopoError> {
+fn meminfo_total(
+    root: &Root,
+    path: &str,
+    content: &str,
+    key: &str,
+) -> Result<Option<u64>, TopoError> {
     for line in content.lines() {
         let mut words = line.split_whitespace().skip_while(|w| *w != key);
         if words.next().is_some() {
@@ -385,7 +453,11 @@ fn meminfo_total(root: &Root, path: &str, content: &str, key: &str) -> Result<Op
             let unit = words.next();
             return match (value.and_then(|v| v.parse::<u64>().ok()), unit) {
                 (Some(v), Some("kB")) => Ok(Some(v * 1024)),
-                _ => Err(TopoError::parse(root.path(path), line, "expected `<number> kB`")),
+                _ => Err(TopoError::parse(
+                    root.path(path),
+                    line,
+                    "expected `<number> kB`",
+                )),
             };
         }
     }
@@ -404,7 +476,10 @@ pub(crate) struct PciDevice {
     pub placement: Placement,
 }
 
-fn read_pci(root: &Root, single_node: Option<u32>) -> Result<BTreeMap<PciAddr, PciDevice>, TopoError> {
+fn read_pci(
+    root: &Root,
+    single_node: Option<u32>,
+) -> Result<BTreeMap<PciAddr, PciDevice>, TopoError> {
     let mut out = BTreeMap::new();
     for name in root.list("sys/bus/pci/devices")? {
         let rel = PathBuf::from("sys/bus/pci/devices").join(&name);
@@ -417,8 +492,23 @@ fn read_pci(root: &Root, single_node: Option<u32>) -> Result<BTreeMap<PciAddr, P
         let numa_node = read_numa_node(root, rel.join("numa_node"))?.or(single_node);
         let resolved = root.resolve(&rel)?.unwrap_or_else(|| rel.clone());
         let (host_bridge, chain) = pci::chain(&resolved);
-        let placement = Placement { host_bridge, chain, numa_node };
-        out.insert(addr, PciDevice { addr, rel, vendor, device, class, numa_node, placement });
+        let placement = Placement {
+            host_bridge,
+            chain,
+            numa_node,
+        };
+        out.insert(
+            addr,
+            PciDevice {
+                addr,
+                rel,
+                vendor,
+                device,
+                class,
+                numa_node,
+                placement,
+            },
+        );
     }
     Ok(out)
 }
@@ -455,9 +545,13 @@ fn read_gpus(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Gpu>
 fn read_nvidia_minors(root: &Root) -> Result<BTreeMap<PciAddr, u32>, TopoError> {
     let mut out = BTreeMap::new();
     for name in root.list("proc/driver/nvidia/gpus")? {
-        let Ok(addr) = name.parse::<PciAddr>() else { continue };
+        let Ok(addr) = name.parse::<PciAddr>() else {
+            continue;
+        };
         let rel = format!("proc/driver/nvidia/gpus/{name}/information");
-        let Some(info) = root.read_opt(&rel)? else { continue };
+        let Some(info) = root.read_opt(&rel)? else {
+            continue;
+        };
         for line in info.lines() {
             if let Some(v) = line.strip_prefix("Device Minor:") {
                 let minor = v
@@ -483,7 +577,9 @@ fn read_link_info(root: &Root, dev: &Path) -> Result<PcieLink, TopoError> {
 /// `16.0 GT/s PCIe` (newer kernels), `16 GT/s`, `8.0 GT/s`; `Unknown` or an
 /// unreadable file is `None`.
 fn read_speed(root: &Root, rel: PathBuf) -> Result<Option<f64>, TopoError> {
-    let Some(s) = root.read_opt(&rel)? else { return Ok(None) };
+    let Some(s) = root.read_opt(&rel)? else {
+        return Ok(None);
+    };
     let t = s.trim();
     if t.eq_ignore_ascii_case("unknown") || t.is_empty() {
         return Ok(None);
@@ -492,7 +588,11 @@ fn read_speed(root: &Root, rel: PathBuf) -> Result<Option<f64>, TopoError> {
     let unit_ok = t.contains("GT/s");
     match number.parse::<f64>() {
         Ok(v) if unit_ok && v.is_finite() && v > 0.0 => Ok(Some(v)),
-        _ => Err(TopoError::parse(root.path(&rel), &s, "expected `<rate> GT/s`")),
+        _ => Err(TopoError::parse(
+            root.path(&rel),
+            &s,
+            "expected `<rate> GT/s`",
+        )),
     }
 }
 
@@ -503,7 +603,9 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
         let dev = pci_of(root, &rel.join("device"), pci)?;
         let mut ports = Vec::new();
         for port in root.list(rel.join("ports"))? {
-            let Ok(num) = port.parse::<u32>() else { continue };
+            let Ok(num) = port.parse::<u32>() else {
+                continue;
+            };
             let p = rel.join("ports").join(&port);
             let rate = root.read_opt(p.join("rate"))?.map(|s| s.trim().to_owned());
             let rate_gbps = match &rate {
@@ -511,7 +613,13 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
                     r.split_whitespace()
                         .next()
                         .and_then(|v| v.parse::<f64>().ok())
-                        .ok_or_else(|| TopoError::parse(root.path(p.join("rate")), r, "expected `<n> Gb/sec ...`"))?,
+                        .ok_or_else(|| {
+                            TopoError::parse(
+                                root.path(p.join("rate")),
+                                r,
+                                "expected `<n> Gb/sec ...`",
+                            )
+                        })?,
                 ),
                 None => None,
             };
@@ -521,7 +629,9 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
                 phys_state: read_state(root, p.join("phys_state"))?,
                 rate_gbps,
                 rate,
-                link_layer: root.read_opt(p.join("link_layer"))?.map(|s| s.trim().to_owned()),
+                link_layer: root
+                    .read_opt(p.join("link_layer"))?
+                    .map(|s| s.trim().to_owned()),
             });
         }
         ports.sort_by_key(|p| p.port);
@@ -530,7 +640,9 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
             pci: dev.map(|d| d.addr),
             device_id: dev.map(|d| format!("0x{:04x}", d.device)),
             numa_node: dev.and_then(|d| d.numa_node),
-            firmware: root.read_opt(rel.join("fw_ver"))?.map(|s| s.trim().to_owned()),
+            firmware: root
+                .read_opt(rel.join("fw_ver"))?
+                .map(|s| s.trim().to_owned()),
             ports,
             netdevs: Vec::new(),
             switch_gpus: Vec::new(),
@@ -544,7 +656,9 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
 fn read_state(root: &Root, rel: PathBuf) -> Result<Option<String>, TopoError> {
     Ok(root.read_opt(&rel)?.map(|s| {
         let t = s.trim();
-        t.split_once(':').map_or(t, |(_, name)| name.trim()).to_owned()
+        t.split_once(':')
+            .map_or(t, |(_, name)| name.trim())
+            .to_owned()
     }))
 }
 
@@ -552,7 +666,9 @@ fn read_nics(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nic>
     let mut nics = Vec::new();
     for name in root.list("sys/class/net")? {
         let rel = PathBuf::from("sys/class/net").join(&name);
-        let Some(resolved) = root.resolve(&rel)? else { continue };
+        let Some(resolved) = root.resolve(&rel)? else {
+            continue;
+        };
         if resolved.starts_with("sys/devices/virtual") {
             continue;
         }
@@ -578,11 +694,19 @@ fn read_nics(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nic>
         let mut lower = Vec::new();
         for entry in root.list(&rel)? {
             if let Some(l) = entry.strip_prefix("lower_") {
-                lower.push(l.to_owned());
+                // Read (and so record) the link, so snapshots keep it.
+                if root.read_link(rel.join(&entry))?.is_some() {
+                    lower.push(l.to_owned());
+                }
             }
         }
         let speed = match root.read_opt(rel.join("speed")) {
-            Ok(Some(s)) => s.trim().parse::<i64>().ok().filter(|v| *v > 0).map(|v| v as u64),
+            Ok(Some(s)) => s
+                .trim()
+                .parse::<i64>()
+                .ok()
+                .filter(|v| *v > 0)
+                .map(|v| v as u64),
             Ok(None) => None,
             // The kernel answers EINVAL for the speed of a link that is down.
             Err(TopoError::Read { .. }) => None,
@@ -594,7 +718,9 @@ fn read_nics(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nic>
             pci: addr,
             bus: bus.to_owned(),
             numa_node: dev.and_then(|d| d.numa_node),
-            operstate: root.read_opt(rel.join("operstate"))?.map(|s| s.trim().to_owned()),
+            operstate: root
+                .read_opt(rel.join("operstate"))?
+                .map(|s| s.trim().to_owned()),
             speed_mbps: speed,
             mtu: read_u32(root, rel.join("mtu"))?,
             virtual_function: physfn.is_some(),
@@ -630,7 +756,9 @@ fn read_nvme(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nvme
         let mut capacity: Option<u64> = None;
         let prefix = format!("{name}n");
         for entry in root.list(&rel)? {
-            let Some(rest) = entry.strip_prefix(&prefix) else { continue };
+            let Some(rest) = entry.strip_prefix(&prefix) else {
+                continue;
+            };
             if rest.is_empty() || !rest.bytes().all(|b| b.is_ascii_digit()) {
                 continue;
             }
@@ -640,7 +768,9 @@ fn read_nvme(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nvme
             namespaces.push(entry);
         }
         out.push(Nvme {
-            model: root.read_opt(rel.join("model"))?.map(|s| s.trim().to_owned()),
+            model: root
+                .read_opt(rel.join("model"))?
+                .map(|s| s.trim().to_owned()),
             pci: dev.map(|d| d.addr),
             numa_node: dev.and_then(|d| d.numa_node),
             capacity_bytes: capacity,
@@ -657,7 +787,9 @@ fn pci_of<'a>(
     device_link: &Path,
     pci: &'a BTreeMap<PciAddr, PciDevice>,
 ) -> Result<Option<&'a PciDevice>, TopoError> {
-    let Some(resolved) = root.resolve(device_link)? else { return Ok(None) };
+    let Some(resolved) = root.resolve(device_link)? else {
+        return Ok(None);
+    };
     Ok(pci::chain(&resolved).1.last().and_then(|a| pci.get(a)))
 }
 
@@ -674,11 +806,11 @@ pub(crate) fn parse_list(root: &Root, rel: impl AsRef<Path>, s: &str) -> Result<
 fn read_u64(root: &Root, rel: impl AsRef<Path>) -> Result<Option<u64>, TopoError> {
     let rel = rel.as_ref();
     match root.read_opt(rel)? {
-        Some(s) => s
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| TopoError::parse(root.path(rel), &s, "expected a non-negative integer")),
+        Some(s) => {
+            s.trim().parse().map(Some).map_err(|_| {
+                TopoError::parse(root.path(rel), &s, "expected a non-negative integer")
+            })
+        }
         None => Ok(None),
     }
 }
@@ -686,11 +818,11 @@ fn read_u64(root: &Root, rel: impl AsRef<Path>) -> Result<Option<u64>, TopoError
 fn read_u32(root: &Root, rel: impl AsRef<Path>) -> Result<Option<u32>, TopoError> {
     let rel = rel.as_ref();
     match root.read_opt(rel)? {
-        Some(s) => s
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| TopoError::parse(root.path(rel), &s, "expected a non-negative integer")),
+        Some(s) => {
+            s.trim().parse().map(Some).map_err(|_| {
+                TopoError::parse(root.path(rel), &s, "expected a non-negative integer")
+            })
+        }
         None => Ok(None),
     }
 }
@@ -701,7 +833,11 @@ fn read_numa_node(root: &Root, rel: PathBuf) -> Result<Option<u32>, TopoError> {
         Some(s) => match s.trim().parse::<i64>() {
             Ok(-1) => Ok(None),
             Ok(v) if (0..=i64::from(crate::idset::MAX_ID)).contains(&v) => Ok(Some(v as u32)),
-            _ => Err(TopoError::parse(root.path(&rel), &s, "expected a node number or -1")),
+            _ => Err(TopoError::parse(
+                root.path(&rel),
+                &s,
+                "expected a node number or -1",
+            )),
         },
         None => Ok(None),
     }

@@ -35,13 +35,22 @@ impl FromStr for PciAddr {
         if device > 0x1f || function > 7 {
             return Err(bad());
         }
-        Ok(Self { domain, bus, device: device as u8, function: function as u8 })
+        Ok(Self {
+            domain,
+            bus,
+            device: device as u8,
+            function: function as u8,
+        })
     }
 }
 
 impl fmt::Display for PciAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.device, self.function)
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.{:x}",
+            self.domain, self.bus, self.device, self.function
+        )
     }
 }
 
@@ -136,7 +145,11 @@ pub fn relation(a: &Placement, b: &Placement) -> Relation {
         // Bridges above each device (its chain without itself).
         let above_a = &a.chain[..a.chain.len().saturating_sub(1)];
         let above_b = &b.chain[..b.chain.len().saturating_sub(1)];
-        let common = above_a.iter().zip(above_b).take_while(|(x, y)| x == y).count();
+        let common = above_a
+            .iter()
+            .zip(above_b)
+            .take_while(|(x, y)| x == y)
+            .count();
         if common >= 1 {
             // The first common bridge is the root port, so sharing it means
             // sharing the switch below it. One private bridge each (the
@@ -196,29 +209,57 @@ mod tests {
         assert_eq!(a("0000:07:00.0").to_string(), "0000:07:00.0");
         assert_eq!(a("000B:00:00.0").to_string(), "000b:00:00.0");
         assert_eq!(a("10000:e1:00.3").to_string(), "10000:e1:00.3");
-        for bad in ["", "0000:07:00", "0000:07.00.0", "zz:07:00.0", "0000:107:00.0", "0000:07:20.0", "0000:07:00.8"] {
+        for bad in [
+            "",
+            "0000:07:00",
+            "0000:07.00.0",
+            "zz:07:00.0",
+            "0000:107:00.0",
+            "0000:07:20.0",
+            "0000:07:00.8",
+        ] {
             assert!(bad.parse::<PciAddr>().is_err(), "{bad:?} accepted");
         }
     }
 
     #[test]
     fn pci_bus_order_is_numeric() {
-        let mut v = vec![a("000b:00:00.0"), a("0002:00:00.0"), a("0001:00:00.0"), a("000e:00:00.0")];
+        let mut v = [
+            a("000b:00:00.0"),
+            a("0002:00:00.0"),
+            a("0001:00:00.0"),
+            a("000e:00:00.0"),
+        ];
         v.sort();
         let s: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-        assert_eq!(s, ["0001:00:00.0", "0002:00:00.0", "000b:00:00.0", "000e:00:00.0"]);
+        assert_eq!(
+            s,
+            [
+                "0001:00:00.0",
+                "0002:00:00.0",
+                "000b:00:00.0",
+                "000e:00:00.0"
+            ]
+        );
     }
 
     fn placed(path: &str, numa: Option<u32>) -> Placement {
         let (host_bridge, chain) = chain(Path::new(path));
-        Placement { host_bridge, chain, numa_node: numa }
+        Placement {
+            host_bridge,
+            chain,
+            numa_node: numa,
+        }
     }
 
     #[test]
     fn relations_follow_the_bridge_chain() {
         let gpu = placed("devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:00.0/0000:03:00.0/0000:04:00.0/0000:07:00.0", Some(3));
         let pix = placed("devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:00.0/0000:03:00.0/0000:04:08.0/0000:0c:00.0", Some(3));
-        let pxb = placed("devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:08.0/0000:12:00.0", Some(3));
+        let pxb = placed(
+            "devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:08.0/0000:12:00.0",
+            Some(3),
+        );
         let phb = placed("devices/pci0000:00/0000:00:01.2/0000:20:00.0", Some(3));
         let node = placed("devices/pci0000:40/0000:40:01.1/0000:41:00.0", Some(3));
         let sys = placed("devices/pci0000:80/0000:80:01.1/0000:81:00.0", Some(5));
@@ -236,7 +277,10 @@ mod tests {
         let h = placed("devices/LNXSYSTM:00/LNXSYBUS:00/ACPI0004:00/VMBUS:00/c0ffee00-0101-0000-3130-444531303244/pci0101:00/0101:00:00.0", Some(1));
         assert_eq!(g.chain, vec![a("0001:00:00.0")]);
         assert_eq!(relation(&g, &h), Relation::Node);
-        let far = Placement { numa_node: None, ..h };
+        let far = Placement {
+            numa_node: None,
+            ..h
+        };
         assert_eq!(relation(&g, &far), Relation::Sys);
     }
 

@@ -27,7 +27,9 @@ impl FromStr for Launcher {
             "mpirun" => Ok(Self::Mpirun),
             "torchrun" => Ok(Self::Torchrun),
             "numactl" => Ok(Self::Numactl),
-            _ => Err(format!("unknown launcher {s:?}: expected srun, mpirun, torchrun or numactl")),
+            _ => Err(format!(
+                "unknown launcher {s:?}: expected srun, mpirun, torchrun or numactl"
+            )),
         }
     }
 }
@@ -66,11 +68,19 @@ pub enum PlanError {
     ZeroCpus,
     #[error("{ranks} ranks cannot be spread evenly over {gpus} GPUs: use a multiple or a divisor of {gpus}")]
     Uneven { ranks: usize, gpus: usize },
-    #[error("GPU {gpu} ({pci}) has no NUMA node in sysfs (numa_node is -1): its local CPUs are unknown")]
+    #[error(
+        "GPU {gpu} ({pci}) has no NUMA node in sysfs (numa_node is -1): its local CPUs are unknown"
+    )]
     GpuWithoutNode { gpu: usize, pci: String },
     #[error("NUMA node {node} has {available} CPUs in {cores} cores; {ranks} ranks x {cpus_per_rank} CPUs do not fit")]
-    DoesNotFit { node: u32, available: usize, cores: usize, ranks: usize, cpus_per_rank: usize },
-    #[error("mpirun's --map-by ppr:K:numa places K ranks on every NUMA node, but {detail}; use --launcher srun or numactl")]
+    DoesNotFit {
+        node: u32,
+        available: usize,
+        cores: usize,
+        ranks: usize,
+        cpus_per_rank: usize,
+    },
+    #[error("mpirun's --map-by ppr:K:numa places K ranks on every NUMA node, but {detail}; use --launcher srun, or --launcher numactl and run its wrapper under mpirun")]
     NotPerNuma { detail: String },
 }
 
@@ -125,14 +135,20 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         return Err(PlanError::ZeroCpus);
     }
     if n > machine.cpus.len() {
-        return Err(PlanError::MoreRanksThanCpus { ranks: n, cpus: machine.cpus.len() });
+        return Err(PlanError::MoreRanksThanCpus {
+            ranks: n,
+            cpus: machine.cpus.len(),
+        });
     }
     if n % g != 0 && g % n != 0 {
         return Err(PlanError::Uneven { ranks: n, gpus: g });
     }
     for gpu in gpus {
         if gpu.numa_node.is_none() {
-            return Err(PlanError::GpuWithoutNode { gpu: gpu.index, pci: gpu.pci.to_string() });
+            return Err(PlanError::GpuWithoutNode {
+                gpu: gpu.index,
+                pci: gpu.pci.to_string(),
+            });
         }
     }
     let node_of = |i: usize| gpus[i].numa_node.unwrap_or_default();
@@ -157,11 +173,19 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
             }
         })
         .collect();
-    let rank_nodes: Vec<NodeSet> = rank_gpus.iter().map(|gs| gs.iter().map(|&i| node_of(i)).collect()).collect();
+    let rank_nodes: Vec<NodeSet> = rank_gpus
+        .iter()
+        .map(|gs| gs.iter().map(|&i| node_of(i)).collect())
+        .collect();
 
     // mpirun: ppr:K:numa needs the same number of ranks on every NUMA node
     // that has CPUs.
-    let cpu_nodes: Vec<u32> = machine.numa_nodes.iter().filter(|nd| !nd.cpus.is_empty()).map(|nd| nd.id).collect();
+    let cpu_nodes: Vec<u32> = machine
+        .numa_nodes
+        .iter()
+        .filter(|nd| !nd.cpus.is_empty())
+        .map(|nd| nd.id)
+        .collect();
     let mut ppr = 0;
     if req.launcher == Launcher::Mpirun {
         if rank_nodes.iter().any(|s| s.len() != 1) {
@@ -169,16 +193,20 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
                 detail: "some ranks drive GPUs on several NUMA nodes".to_owned(),
             });
         }
-        let counts: Vec<usize> =
-            cpu_nodes.iter().map(|&id| rank_nodes.iter().filter(|s| s.contains(id)).count()).collect();
+        let counts: Vec<usize> = cpu_nodes
+            .iter()
+            .map(|&id| rank_nodes.iter().filter(|s| s.contains(id)).count())
+            .collect();
         if counts.iter().any(|&c| c != counts[0]) || counts[0] == 0 {
             let detail = cpu_nodes
                 .iter()
                 .zip(&counts)
-                .map(|(id, c)| format!("NUMA {id} gets {c}"))
+                .map(|(id, c)| format!("{c} on NUMA {id}"))
                 .collect::<Vec<_>>()
                 .join(", ");
-            return Err(PlanError::NotPerNuma { detail: format!("the GPUs give {detail}") });
+            return Err(PlanError::NotPerNuma {
+                detail: format!("one rank per GPU puts {detail}"),
+            });
         }
         ppr = counts[0];
     }
@@ -191,16 +219,26 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         _ => req.cpus_per_rank,
     };
     for nodes in &rank_nodes {
-        let all: CpuSet = nodes.iter().filter_map(|id| machine.node(id)).fold(CpuSet::new(), |acc, nd| acc.union(&nd.cpus));
+        let all: CpuSet = nodes
+            .iter()
+            .filter_map(|id| machine.node(id))
+            .fold(CpuSet::new(), |acc, nd| acc.union(&nd.cpus));
         let Some(c) = per_rank else {
             rank_cpus.push(all);
             continue;
         };
         // Whole cores, in order, so that two ranks never share a core's
         // hardware threads.
-        let cores: Vec<CpuSet> = nodes.iter().flat_map(|id| machine.cores_of_node(id)).collect();
+        let cores: Vec<CpuSet> = nodes
+            .iter()
+            .flat_map(|id| machine.cores_of_node(id))
+            .collect();
         let tpc = cores.iter().map(CpuSet::len).max().unwrap_or(1).max(1);
-        let cores_each = if req.launcher == Launcher::Mpirun { c } else { c.div_ceil(tpc) };
+        let cores_each = if req.launcher == Launcher::Mpirun {
+            c
+        } else {
+            c.div_ceil(tpc)
+        };
         let j = taken.entry(nodes.clone()).or_insert(0);
         let start = *j * cores_each;
         let sharing = rank_nodes.iter().filter(|s| *s == nodes).count();
@@ -227,7 +265,8 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
 
     // HCAs: the nearest ones to the rank's first GPU, shared round-robin
     // among the ranks that have the same candidates.
-    let mut hca_use: std::collections::BTreeMap<Vec<String>, usize> = std::collections::BTreeMap::new();
+    let mut hca_use: std::collections::BTreeMap<Vec<String>, usize> =
+        std::collections::BTreeMap::new();
     let mut ranks = Vec::with_capacity(n);
     for r in 0..n {
         let first = &gpus[rank_gpus[r][0]];
@@ -251,7 +290,11 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         let cpus = rank_cpus[r].clone();
         let node_list = nodes.to_list();
         let numactl = if per_rank.is_some() {
-            format!("numactl --physcpubind={} --membind={}", cpus.to_list(), node_list)
+            format!(
+                "numactl --physcpubind={} --membind={}",
+                cpus.to_list(),
+                node_list
+            )
         } else {
             format!("numactl --cpunodebind={node_list} --membind={node_list}")
         };
@@ -275,9 +318,18 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
 
     // Explanation.
     for nd in &machine.numa_nodes {
-        let on: Vec<String> = gpus.iter().filter(|gp| gp.numa_node == Some(nd.id)).map(|gp| gp.index.to_string()).collect();
+        let on: Vec<String> = gpus
+            .iter()
+            .filter(|gp| gp.numa_node == Some(nd.id))
+            .map(|gp| gp.index.to_string())
+            .collect();
         if !on.is_empty() {
-            explain.push(format!("NUMA node {} has CPUs {} and GPUs {}", nd.id, nd.cpus, on.join(",")));
+            explain.push(format!(
+                "NUMA node {} has CPUs {} and GPUs {}",
+                nd.id,
+                nd.cpus,
+                on.join(",")
+            ));
         }
     }
     match req.launcher {
@@ -304,7 +356,11 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         let mut line = format!(
             "local rank {} -> GPU {} on NUMA {} -> CPUs {} (mask {})",
             rk.local_rank,
-            rk.gpus.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            rk.gpus
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             rk.numa_nodes,
             rk.cpus,
             rk.mask
@@ -316,14 +372,27 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         explain.push(line);
     }
 
-    let cvd = (req.launcher == Launcher::Mpirun).then(|| order.iter().map(ToString::to_string).collect::<Vec<_>>().join(","));
+    let cvd = (req.launcher == Launcher::Mpirun).then(|| {
+        order
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    });
     let command = match req.launcher {
         Launcher::Srun => format!(
             "srun --ntasks-per-node={n} --cpu-bind=mask_cpu:{}",
-            ranks.iter().map(|r| r.mask.as_str()).collect::<Vec<_>>().join(",")
+            ranks
+                .iter()
+                .map(|r| r.mask.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
         ),
         Launcher::Mpirun => {
-            let pe = req.cpus_per_rank.map(|c| format!(":pe={c}")).unwrap_or_default();
+            let pe = req
+                .cpus_per_rank
+                .map(|c| format!(":pe={c}"))
+                .unwrap_or_default();
             format!(
                 "mpirun -x CUDA_VISIBLE_DEVICES={} --map-by ppr:{ppr}:numa{pe} --bind-to core",
                 cvd.clone().unwrap_or_default()
@@ -361,7 +430,9 @@ fn wrapper_script(launcher: Launcher, n: usize, ranks: &[RankPlan]) -> String {
         Launcher::Torchrun => s.push_str(&format!(
             "# Use: torchrun --nproc-per-node={n} --no-python ./keel-bind.sh python train.py ...\n"
         )),
-        _ => s.push_str("# Use: ./keel-bind.sh COMMAND ... (one per local rank, e.g. under srun or mpirun)\n"),
+        _ => s.push_str(
+            "# Use: ./keel-bind.sh COMMAND ... (one per local rank, e.g. under srun or mpirun)\n",
+        ),
     }
     s.push_str("rank=\"${LOCAL_RANK:-${SLURM_LOCALID:-${OMPI_COMM_WORLD_LOCAL_RANK:-}}}\"\n");
     s.push_str("case \"$rank\" in\n");
@@ -370,7 +441,10 @@ fn wrapper_script(launcher: Launcher, n: usize, ranks: &[RankPlan]) -> String {
         if let (Some(n), Some(u)) = (&r.nccl_ib_hca, &r.ucx_net_devices) {
             env = format!("NCCL_IB_HCA={n} UCX_NET_DEVICES={u} ");
         }
-        s.push_str(&format!("  {}) exec env {env}{} \"$@\" ;;\n", r.local_rank, r.numactl));
+        s.push_str(&format!(
+            "  {}) exec env {env}{} \"$@\" ;;\n",
+            r.local_rank, r.numactl
+        ));
     }
     s.push_str(&format!(
         "  *) echo \"keel-bind.sh: local rank '$rank' is not 0-{}\" >&2; exit 64 ;;\n",

@@ -54,7 +54,9 @@ impl Process {
 
     /// The local rank from the launcher's variables.
     pub fn local_rank(&self) -> Option<u32> {
-        LOCAL_RANK_VARS.iter().find_map(|k| self.env_var(k)?.trim().parse().ok())
+        LOCAL_RANK_VARS
+            .iter()
+            .find_map(|k| self.env_var(k)?.trim().parse().ok())
     }
 
     /// Whether this looks like a rank of a distributed job.
@@ -87,7 +89,11 @@ pub enum Selection {
 /// are skipped.
 pub fn read_processes(root: &Root, selection: &Selection) -> Result<Vec<Process>, TopoError> {
     let pids: Vec<u32> = match selection {
-        Selection::All => root.list("proc")?.iter().filter_map(|n| n.parse().ok()).collect(),
+        Selection::All => root
+            .list("proc")?
+            .iter()
+            .filter_map(|n| n.parse().ok())
+            .collect(),
         Selection::Pids(p) => p.clone(),
     };
     let mut out = Vec::new();
@@ -95,7 +101,10 @@ pub fn read_processes(root: &Root, selection: &Selection) -> Result<Vec<Process>
         match read_process(root, pid)? {
             Some(p) => out.push(p),
             None if matches!(selection, Selection::Pids(_)) => {
-                return Err(TopoError::NoSuchProcess { pid, path: root.path(format!("proc/{pid}")) })
+                return Err(TopoError::NoSuchProcess {
+                    pid,
+                    path: root.path(format!("proc/{pid}")),
+                })
             }
             None => {}
         }
@@ -107,14 +116,20 @@ pub fn read_processes(root: &Root, selection: &Selection) -> Result<Vec<Process>
 /// Reads one process; `Ok(None)` if it does not exist (or just exited).
 pub fn read_process(root: &Root, pid: u32) -> Result<Option<Process>, TopoError> {
     let dir = PathBuf::from(format!("proc/{pid}"));
-    let Some(status) = root.read_opt(dir.join("status"))? else { return Ok(None) };
+    let Some(status) = root.read_opt(dir.join("status"))? else {
+        return Ok(None);
+    };
     let status_path = dir.join("status");
     let fields = status_fields(&status);
     let name = fields.get("Name").cloned().unwrap_or_default();
     let cpus_allowed = match fields.get("Cpus_allowed_list") {
         Some(v) => parse_list(root, &status_path, v)?,
         None => {
-            return Err(TopoError::parse(root.path(&status_path), "", "no Cpus_allowed_list line"));
+            return Err(TopoError::parse(
+                root.path(&status_path),
+                "",
+                "no Cpus_allowed_list line",
+            ));
         }
     };
     let mems_allowed = match fields.get("Mems_allowed_list") {
@@ -123,7 +138,11 @@ pub fn read_process(root: &Root, pid: u32) -> Result<Option<Process>, TopoError>
     };
 
     let argv0 = match root.read_opt(dir.join("cmdline")) {
-        Ok(Some(s)) => s.split('\0').next().filter(|a| !a.is_empty()).map(str::to_owned),
+        Ok(Some(s)) => s
+            .split('\0')
+            .next()
+            .filter(|a| !a.is_empty())
+            .map(str::to_owned),
         Ok(None) | Err(_) => None,
     };
 
@@ -140,7 +159,11 @@ pub fn read_process(root: &Root, pid: u32) -> Result<Option<Process>, TopoError>
         let tdir = dir.join("task").join(&t);
         let (state, last_cpu) = match root.read_opt(tdir.join("stat")).or_else(skip_denied)? {
             Some(stat) => parse_stat(&stat).ok_or_else(|| {
-                TopoError::parse(root.path(tdir.join("stat")), &stat, "expected the kernel's stat line")
+                TopoError::parse(
+                    root.path(tdir.join("stat")),
+                    &stat,
+                    "expected the kernel's stat line",
+                )
             })?,
             None => (None, None),
         };
@@ -152,13 +175,27 @@ pub fn read_process(root: &Root, pid: u32) -> Result<Option<Process>, TopoError>
             None => None,
         };
         let cpus_allowed = cpus.filter(|c| *c != cpus_allowed);
-        threads.push(Thread { tid, state, last_cpu, cpus_allowed });
+        threads.push(Thread {
+            tid,
+            state,
+            last_cpu,
+            cpus_allowed,
+        });
     }
     threads.sort_by_key(|t| t.tid);
 
     let nvidia_minors = read_nvidia_fds(root, &dir)?;
 
-    Ok(Some(Process { pid, name, argv0, cpus_allowed, mems_allowed, env, threads, nvidia_minors }))
+    Ok(Some(Process {
+        pid,
+        name,
+        argv0,
+        cpus_allowed,
+        mems_allowed,
+        env,
+        threads,
+        nvidia_minors,
+    }))
 }
 
 fn read_nvidia_fds(root: &Root, dir: &std::path::Path) -> Result<Option<Vec<u32>>, TopoError> {
@@ -178,7 +215,10 @@ fn read_nvidia_fds(root: &Root, dir: &std::path::Path) -> Result<Option<Vec<u32>
             continue;
         };
         let t = target.to_string_lossy();
-        if let Some(minor) = t.strip_prefix("/dev/nvidia").and_then(|m| m.parse::<u32>().ok()) {
+        if let Some(minor) = t
+            .strip_prefix("/dev/nvidia")
+            .and_then(|m| m.parse::<u32>().ok())
+        {
             root.note_link(&link);
             if !minors.contains(&minor) {
                 minors.push(minor);
@@ -236,9 +276,17 @@ mod tests {
 
     #[test]
     fn stat_with_awkward_command_name() {
-        let mut fields = vec!["41001".to_owned(), "(pt main) x)".to_owned(), "R".to_owned()];
+        let mut fields = vec![
+            "41001".to_owned(),
+            "(pt main) x)".to_owned(),
+            "R".to_owned(),
+        ];
         for i in 4..=52 {
-            fields.push(if i == 39 { "30".to_owned() } else { "0".to_owned() });
+            fields.push(if i == 39 {
+                "30".to_owned()
+            } else {
+                "0".to_owned()
+            });
         }
         assert_eq!(parse_stat(&fields.join(" ")), Some((Some('R'), Some(30))));
         assert_eq!(parse_stat("garbage"), None);
@@ -247,7 +295,9 @@ mod tests {
 
     #[test]
     fn environ_keeps_only_launcher_variables() {
-        let env = parse_environ("PATH=/bin\0LOCAL_RANK=3\0HF_TOKEN=hf_secret\0CUDA_VISIBLE_DEVICES=2,3\0");
+        let env = parse_environ(
+            "PATH=/bin\0LOCAL_RANK=3\0HF_TOKEN=hf_secret\0CUDA_VISIBLE_DEVICES=2,3\0",
+        );
         assert_eq!(env.len(), 2);
         assert_eq!(env["LOCAL_RANK"], "3");
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "2,3");

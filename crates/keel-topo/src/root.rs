@@ -39,12 +39,18 @@ pub struct Root {
 impl Root {
     /// A root that reads under `base`.
     pub fn new(base: impl Into<PathBuf>) -> Self {
-        Self { base: base.into(), recorder: None }
+        Self {
+            base: base.into(),
+            recorder: None,
+        }
     }
 
     /// A root that also records every path it reads.
     pub fn recording(base: impl Into<PathBuf>) -> Self {
-        Self { base: base.into(), recorder: Some(Mutex::new(Recorded::default())) }
+        Self {
+            base: base.into(),
+            recorder: Some(Mutex::new(Recorded::default())),
+        }
     }
 
     /// The root directory itself.
@@ -102,7 +108,9 @@ impl Root {
     /// Reads a file that must exist.
     pub fn read(&self, rel: impl AsRef<Path>) -> Result<String, TopoError> {
         let rel = rel.as_ref();
-        self.read_opt(rel)?.ok_or_else(|| TopoError::Missing { path: self.path(rel) })
+        self.read_opt(rel)?.ok_or_else(|| TopoError::Missing {
+            path: self.path(rel),
+        })
     }
 
     /// Reads the target of a symbolic link, `Ok(None)` when there is none.
@@ -138,7 +146,10 @@ impl Root {
         };
         let mut names = Vec::new();
         for entry in entries {
-            let entry = entry.map_err(|source| TopoError::Read { path: path.clone(), source })?;
+            let entry = entry.map_err(|source| TopoError::Read {
+                path: path.clone(),
+                source,
+            })?;
             names.push(entry.file_name().to_string_lossy().into_owned());
         }
         names.sort();
@@ -155,7 +166,9 @@ impl Root {
 
     /// Whether `rel` is itself a symbolic link.
     pub fn is_link(&self, rel: impl AsRef<Path>) -> bool {
-        fs::symlink_metadata(self.path(rel)).map(|m| m.file_type().is_symlink()).unwrap_or(false)
+        fs::symlink_metadata(self.path(rel))
+            .map(|m| m.file_type().is_symlink())
+            .unwrap_or(false)
     }
 
     /// The fully resolved location of `rel`, relative to the resolved root,
@@ -164,20 +177,36 @@ impl Root {
     pub fn resolve(&self, rel: impl AsRef<Path>) -> Result<Option<PathBuf>, TopoError> {
         let rel = rel.as_ref();
         let path = self.path(rel);
-        let canon_base = fs::canonicalize(&self.base)
-            .map_err(|source| TopoError::Read { path: self.base.clone(), source })?;
         let canon = match fs::canonicalize(&path) {
             Ok(c) => c,
             Err(e) if is_absent(&e) => return Ok(None),
             Err(source) => return Err(TopoError::Read { path, source }),
         };
         self.note_link(rel);
-        match canon.strip_prefix(&canon_base) {
-            Ok(r) => Ok(Some(r.to_path_buf())),
-            // A link that leaves the root (an absolute link in a copied
-            // tree) cannot be interpreted under it.
-            Err(_) => Err(TopoError::OutsideRoot { path, target: canon }),
+        // The top-level trees may themselves be links (a fixture sharing
+        // another's `sys`), so each is its own anchor.
+        let mut anchors = Vec::new();
+        for top in ["sys", "proc", "dev"] {
+            if let Ok(c) = fs::canonicalize(self.base.join(top)) {
+                anchors.push((PathBuf::from(top), c));
+            }
         }
+        let base = fs::canonicalize(&self.base).map_err(|source| TopoError::Read {
+            path: self.base.clone(),
+            source,
+        })?;
+        anchors.push((PathBuf::new(), base));
+        for (prefix, anchor) in anchors {
+            if let Ok(r) = canon.strip_prefix(&anchor) {
+                return Ok(Some(prefix.join(r)));
+            }
+        }
+        // A link that leaves the root (an absolute link in a copied tree)
+        // cannot be interpreted under it.
+        Err(TopoError::OutsideRoot {
+            path,
+            target: canon,
+        })
     }
 }
 

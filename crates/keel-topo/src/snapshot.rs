@@ -44,14 +44,26 @@ pub struct SnapshotSummary {
 /// Copies what `root` recorded into `out`, which must not exist or be
 /// empty. The copy is made in a sibling directory and renamed into place,
 /// so `out` never holds half a snapshot.
-pub fn write_snapshot(root: &Root, recorded: &Recorded, out: &Path) -> Result<SnapshotSummary, SnapshotError> {
+pub fn write_snapshot(
+    root: &Root,
+    recorded: &Recorded,
+    out: &Path,
+) -> Result<SnapshotSummary, SnapshotError> {
     if let Ok(mut entries) = fs::read_dir(out) {
         if entries.next().is_some() {
-            return Err(SnapshotError::NotEmpty { path: out.to_path_buf() });
+            return Err(SnapshotError::NotEmpty {
+                path: out.to_path_buf(),
+            });
         }
     }
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "snapshot".into());
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "snapshot".into());
     let staging = parent.join(format!(".{name}.partial-{}", std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     let werr = |path: &Path| {
@@ -72,18 +84,34 @@ pub fn write_snapshot(root: &Root, recorded: &Recorded, out: &Path) -> Result<Sn
         fs::remove_dir(out).map_err(werr(out))?;
     }
     fs::rename(&staging, out).map_err(werr(out))?;
-    Ok(SnapshotSummary { out: out.to_path_buf(), ..summary })
+    Ok(SnapshotSummary {
+        out: out.to_path_buf(),
+        ..summary
+    })
 }
 
-fn copy_all(root: &Root, recorded: &Recorded, dst: &Path) -> Result<SnapshotSummary, SnapshotError> {
+fn copy_all(
+    root: &Root,
+    recorded: &Recorded,
+    dst: &Path,
+) -> Result<SnapshotSummary, SnapshotError> {
     let mut made_links = BTreeSet::new();
-    let mut summary =
-        SnapshotSummary { out: dst.to_path_buf(), files: 0, links: 0, dirs: 0, bytes: 0, skipped: Vec::new() };
+    let mut summary = SnapshotSummary {
+        out: dst.to_path_buf(),
+        files: 0,
+        links: 0,
+        dirs: 0,
+        bytes: 0,
+        skipped: Vec::new(),
+    };
     for dir in &recorded.dirs {
         if let Some(real) = replicate_path(root, dst, dir, &mut made_links)? {
             let d = dst.join(&real);
             if root.path(&real).is_dir() {
-                fs::create_dir_all(&d).map_err(|source| SnapshotError::Write { path: d.clone(), source })?;
+                fs::create_dir_all(&d).map_err(|source| SnapshotError::Write {
+                    path: d.clone(),
+                    source,
+                })?;
                 summary.dirs += 1;
             }
         }
@@ -92,7 +120,9 @@ fn copy_all(root: &Root, recorded: &Recorded, dst: &Path) -> Result<SnapshotSumm
         replicate_path(root, dst, link, &mut made_links)?;
     }
     for file in &recorded.files {
-        let Some(real) = replicate_path(root, dst, file, &mut made_links)? else { continue };
+        let Some(real) = replicate_path(root, dst, file, &mut made_links)? else {
+            continue;
+        };
         let src = root.path(&real);
         let meta = match fs::metadata(&src) {
             Ok(m) => m,
@@ -111,9 +141,15 @@ fn copy_all(root: &Root, recorded: &Recorded, dst: &Path) -> Result<SnapshotSumm
         let content = filter(&real, content);
         let d = dst.join(&real);
         if let Some(p) = d.parent() {
-            fs::create_dir_all(p).map_err(|source| SnapshotError::Write { path: p.to_path_buf(), source })?;
+            fs::create_dir_all(p).map_err(|source| SnapshotError::Write {
+                path: p.to_path_buf(),
+                source,
+            })?;
         }
-        fs::write(&d, &content).map_err(|source| SnapshotError::Write { path: d.clone(), source })?;
+        fs::write(&d, &content).map_err(|source| SnapshotError::Write {
+            path: d.clone(),
+            source,
+        })?;
         summary.files += 1;
         summary.bytes += content.len() as u64;
     }
@@ -154,7 +190,11 @@ fn replicate_path(
     rel: &Path,
     made: &mut BTreeSet<PathBuf>,
 ) -> Result<Option<PathBuf>, SnapshotError> {
-    let mut pending: Vec<PathBuf> = rel.components().rev().map(|c| PathBuf::from(c.as_os_str())).collect();
+    let mut pending: Vec<PathBuf> = rel
+        .components()
+        .rev()
+        .map(|c| PathBuf::from(c.as_os_str()))
+        .collect();
     let mut cur = PathBuf::new();
     let mut hops = 0;
     while let Some(comp) = pending.pop() {
@@ -174,15 +214,25 @@ fn replicate_path(
             Ok(m) => m,
             Err(_) => return Ok(None),
         };
-        if !meta.file_type().is_symlink() {
+        // A top-level tree that is a link (`sys -> ../other/sys`) is copied
+        // as a real directory.
+        if !meta.file_type().is_symlink() || cur.as_os_str().is_empty() {
             cur = next;
             continue;
         }
-        let target = fs::read_link(&src).map_err(|source| SnapshotError::Read(TopoError::Read { path: src.clone(), source }))?;
+        let target = fs::read_link(&src).map_err(|source| {
+            SnapshotError::Read(TopoError::Read {
+                path: src.clone(),
+                source,
+            })
+        })?;
         if made.insert(next.clone()) {
             let d = dst.join(&next);
             if let Some(p) = d.parent() {
-                fs::create_dir_all(p).map_err(|source| SnapshotError::Write { path: p.to_path_buf(), source })?;
+                fs::create_dir_all(p).map_err(|source| SnapshotError::Write {
+                    path: p.to_path_buf(),
+                    source,
+                })?;
             }
             make_symlink(&target, &d)?;
         }
@@ -208,6 +258,9 @@ fn make_symlink(target: &Path, at: &Path) -> Result<(), SnapshotError> {
     match std::os::unix::fs::symlink(target, at) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(source) => Err(SnapshotError::Write { path: at.to_path_buf(), source }),
+        Err(source) => Err(SnapshotError::Write {
+            path: at.to_path_buf(),
+            source,
+        }),
     }
 }

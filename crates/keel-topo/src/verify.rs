@@ -88,9 +88,17 @@ impl Verification {
 }
 
 /// Checks `processes` against `machine`.
-pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Option<&GpuProcessMap>) -> Verification {
-    let by_minor: BTreeMap<u32, usize> =
-        machine.gpus.iter().filter_map(|g| g.minor.map(|m| (m, g.index))).collect();
+pub fn verify(
+    machine: &Machine,
+    processes: &[Process],
+    scope: Scope,
+    nvml: Option<&GpuProcessMap>,
+) -> Verification {
+    let by_minor: BTreeMap<u32, usize> = machine
+        .gpus
+        .iter()
+        .filter_map(|g| g.minor.map(|m| (m, g.index)))
+        .collect();
 
     let selected: Vec<&Process> = processes
         .iter()
@@ -110,7 +118,9 @@ pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Opti
     for p in &selected {
         let (gpu, source) = attribute(machine, p, &by_minor, nvml);
         let cpu_nodes = machine.nodes_of(&p.cpus_allowed);
-        let gpu_node = gpu.and_then(|g| machine.gpus.get(g)).and_then(|g| g.numa_node);
+        let gpu_node = gpu
+            .and_then(|g| machine.gpus.get(g))
+            .and_then(|g| g.numa_node);
         let cpus_used: CpuSet = p.threads.iter().filter_map(|t| t.last_cpu).collect();
         let running = p.threads.iter().filter(|t| t.state == Some('R')).count();
         reports.push(ProcessReport {
@@ -144,19 +154,17 @@ pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Opti
         }
 
         if let (Some(g), Some(node)) = (gpu, gpu_node) {
-            let node_cpus = machine.node(node).map(|n| n.cpus.clone()).unwrap_or_default();
+            let node_cpus = machine
+                .node(node)
+                .map(|n| n.cpus.clone())
+                .unwrap_or_default();
             if !p.cpus_allowed.intersects(&node_cpus) {
                 findings.push(Finding {
                     severity: Severity::Error,
                     code: "remote-numa",
                     message: format!(
                         "pid {} runs on CPUs {} (NUMA {}) but its GPU {} is on NUMA {} (CPUs {})",
-                        p.pid,
-                        p.cpus_allowed,
-                        cpu_nodes,
-                        g,
-                        node,
-                        node_cpus
+                        p.pid, p.cpus_allowed, cpu_nodes, g, node, node_cpus
                     ),
                     pids: vec![p.pid],
                     gpu: Some(g),
@@ -193,7 +201,10 @@ pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Opti
     // Ranks sharing cores. Two ranks bound to the same whole NUMA node are
     // the recommended per-node binding (the NDv4 tuning notes' srun masks)
     // and are not reported; ranks that span nodes are reported above.
-    let pinned: Vec<&ProcessReport> = reports.iter().filter(|r| r.cpu_numa_nodes.len() <= 1).collect();
+    let pinned: Vec<&ProcessReport> = reports
+        .iter()
+        .filter(|r| r.cpu_numa_nodes.len() <= 1)
+        .collect();
     for (i, a) in pinned.iter().enumerate() {
         for b in &pinned[i + 1..] {
             let overlap = a.cpus_allowed.intersection(&b.cpus_allowed);
@@ -231,7 +242,11 @@ pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Opti
             findings.push(Finding {
                 severity: Severity::Warning,
                 code: "threads-piled",
-                message: format!("{} running threads share CPU {cpu}: {}", threads.len(), list.join(", ")),
+                message: format!(
+                    "{} running threads share CPU {cpu}: {}",
+                    threads.len(),
+                    list.join(", ")
+                ),
                 pids: pids.into_iter().collect(),
                 gpu: None,
             });
@@ -269,8 +284,17 @@ pub fn verify(machine: &Machine, processes: &[Process], scope: Scope, nvml: Opti
         }
     }
 
-    findings.sort_by(|a, b| b.severity.cmp(&a.severity).then_with(|| a.code.cmp(b.code)).then_with(|| a.pids.cmp(&b.pids)));
-    Verification { processes: reports, findings, gpu_processes }
+    findings.sort_by(|a, b| {
+        b.severity
+            .cmp(&a.severity)
+            .then_with(|| a.code.cmp(b.code))
+            .then_with(|| a.pids.cmp(&b.pids))
+    });
+    Verification {
+        processes: reports,
+        findings,
+        gpu_processes,
+    }
 }
 
 /// Works out which GPU a process uses: NVML first, then the single device
@@ -286,8 +310,10 @@ fn attribute(
             return (Some(*g), Some(GpuSource::Nvml));
         }
     }
-    let held: Option<Vec<usize>> =
-        p.nvidia_minors.as_ref().map(|m| m.iter().filter_map(|x| by_minor.get(x).copied()).collect());
+    let held: Option<Vec<usize>> = p
+        .nvidia_minors
+        .as_ref()
+        .map(|m| m.iter().filter_map(|x| by_minor.get(x).copied()).collect());
     if let Some([g]) = held.as_deref() {
         return (Some(*g), Some(GpuSource::DeviceFile));
     }
@@ -306,7 +332,9 @@ fn attribute(
         None => p.local_rank().map(|r| r as usize),
     };
     match from_env {
-        Some(g) if g < gpu_count && held.as_ref().is_none_or(|h| h.is_empty() || h.contains(&g)) => {
+        Some(g)
+            if g < gpu_count && held.as_ref().is_none_or(|h| h.is_empty() || h.contains(&g)) =>
+        {
             (Some(g), Some(GpuSource::Environment))
         }
         _ => (None, None),

@@ -33,7 +33,8 @@ impl From<Code> for ExitCode {
 /// is not a failure.
 pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
     err.chain().any(|e| {
-        e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
 }
 
@@ -66,7 +67,9 @@ pub fn classify(err: &anyhow::Error) -> Code {
 fn topo_code(t: &TopoError) -> Code {
     match t {
         TopoError::Read { .. } => Code::Io,
-        TopoError::Missing { .. } | TopoError::Parse { .. } | TopoError::OutsideRoot { .. } => Code::Data,
+        TopoError::Missing { .. } | TopoError::Parse { .. } | TopoError::OutsideRoot { .. } => {
+            Code::Data
+        }
         TopoError::NoSuchProcess { .. } => Code::Usage,
     }
 }

@@ -22,7 +22,13 @@ use crate::output::Out;
 pub struct Cli {
     /// Read /sys, /proc and /dev under DIR instead of /: a fixture, or a
     /// machine captured with `keel topo snapshot`.
-    #[arg(long, global = true, env = "KEEL_ROOT", value_name = "DIR", default_value = "/")]
+    #[arg(
+        long,
+        global = true,
+        env = "KEEL_ROOT",
+        value_name = "DIR",
+        default_value = "/"
+    )]
     root: PathBuf,
 
     /// Print machine-readable JSON (`{"version": 1, ...}`) instead of text.

@@ -15,7 +15,10 @@ pub struct Out {
 
 impl Out {
     pub fn stdout(json: bool) -> Self {
-        Self { json, w: Box::new(io::stdout().lock()) }
+        Self {
+            json,
+            w: Box::new(io::stdout().lock()),
+        }
     }
 
     /// Writes `{"version": 1, "command": ..., <body fields>}`.

@@ -60,17 +60,32 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
             let root = Root::new(&cli.root);
             let m = read(&root)?;
             if out.json {
-                out.json("topo show", &ShowJson { root: &cli.root, machine: &m })?;
+                out.json(
+                    "topo show",
+                    &ShowJson {
+                        root: &cli.root,
+                        machine: &m,
+                    },
+                )?;
             } else {
                 out.text(&render_show(&m))?;
             }
             Ok(Code::Ok)
         }
-        TopoCommand::Plan { launcher, ranks_per_node, cpus_per_rank, explain } => {
+        TopoCommand::Plan {
+            launcher,
+            ranks_per_node,
+            cpus_per_rank,
+            explain,
+        } => {
             let root = Root::new(&cli.root);
             let m = read(&root)?;
             let launcher: Launcher = launcher.parse().map_err(UsageError)?;
-            let req = PlanRequest { launcher, ranks_per_node: *ranks_per_node, cpus_per_rank: *cpus_per_rank };
+            let req = PlanRequest {
+                launcher,
+                ranks_per_node: *ranks_per_node,
+                cpus_per_rank: *cpus_per_rank,
+            };
             let plan = keel_topo::plan(&m, &req).context("cannot make a pinning plan")?;
             if out.json {
                 out.json("topo plan", &plan)?;
@@ -101,7 +116,13 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
                 }
             };
             if out.json {
-                out.json("topo verify", &VerifyJson { status: status_word(code), verification: &v })?;
+                out.json(
+                    "topo verify",
+                    &VerifyJson {
+                        status: status_word(code),
+                        verification: &v,
+                    },
+                )?;
             } else {
                 out.text(&render_verify(&m, &v, code))?;
             }
@@ -136,7 +157,10 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
                 for f in &summary.skipped {
                     s.push_str(&format!("left out (too large): {}\n", f.display()));
                 }
-                s.push_str(&format!("reproduce with: keel --root {} topo show\n", summary.out.display()));
+                s.push_str(&format!(
+                    "reproduce with: keel --root {} topo show\n",
+                    summary.out.display()
+                ));
                 out.text(&s)?;
             }
             Ok(Code::Ok)
@@ -145,7 +169,8 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
 }
 
 fn read(root: &Root) -> anyhow::Result<Machine> {
-    keel_topo::read_machine(root).with_context(|| format!("cannot read the machine under {}", root.base().display()))
+    keel_topo::read_machine(root)
+        .with_context(|| format!("cannot read the machine under {}", root.base().display()))
 }
 
 fn status_word(code: Code) -> &'static str {
@@ -170,6 +195,14 @@ struct VerifyJson<'a> {
     verification: &'a Verification,
 }
 
+fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
 fn list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
     let v: Vec<String> = items.into_iter().map(|x| x.to_string()).collect();
     if v.is_empty() {
@@ -183,7 +216,10 @@ fn link(l: &PcieLink) -> String {
     let one = |speed: Option<f64>, width: Option<u32>| match (speed, width) {
         (None, None) => "?".to_owned(),
         (s, w) => {
-            let g = s.and_then(pcie_gen).map_or_else(|| s.map_or("?".into(), |v| format!("{v} GT/s")), |g| format!("Gen{g}"));
+            let g = s.and_then(pcie_gen).map_or_else(
+                || s.map_or("?".into(), |v| format!("{v} GT/s")),
+                |g| format!("Gen{g}"),
+            );
             format!("{g} x{}", opt(w))
         }
     };
@@ -204,45 +240,87 @@ pub fn render_show(m: &Machine) -> String {
         None => "SMT unknown".to_owned(),
     };
     s.push_str(&format!(
-        "{} sockets, {} NUMA nodes{}, {} CPUs ({smt}), {} GPUs, {} HCAs, {} NVMe\n\n",
-        m.sockets.len(),
-        m.numa_nodes.len(),
-        if m.numa_from_sysfs { "" } else { " (no NUMA in sysfs)" },
-        m.cpus.len(),
-        m.gpus.len(),
-        m.hcas.len(),
-        m.nvme.len()
+        "{}, {}{}, {} ({smt}), {}, {}, {}\n\n",
+        plural(m.sockets.len(), "socket"),
+        plural(m.numa_nodes.len(), "NUMA node"),
+        if m.numa_from_sysfs {
+            ""
+        } else {
+            " (no NUMA in sysfs)"
+        },
+        plural(m.cpus.len(), "CPU"),
+        plural(m.gpus.len(), "GPU"),
+        plural(m.hcas.len(), "HCA"),
+        plural(m.nvme.len(), "NVMe drive")
     ));
 
     let mut t = Table::new(&["NUMA", "Socket", "CPUs", "Memory", "GPUs", "HCAs", "NVMe"]);
     for n in &m.numa_nodes {
-        let sockets = list(m.sockets.iter().filter(|so| so.numa_nodes.contains(n.id)).map(|so| so.id));
+        let sockets = list(
+            m.sockets
+                .iter()
+                .filter(|so| so.numa_nodes.contains(n.id))
+                .map(|so| so.id),
+        );
         t.row(vec![
             n.id.to_string(),
             sockets,
-            if n.cpus.is_empty() { "-".into() } else { n.cpus.to_list() },
+            if n.cpus.is_empty() {
+                "-".into()
+            } else {
+                n.cpus.to_list()
+            },
             opt(n.memory_bytes.map(bytes)),
-            list(m.gpus.iter().filter(|g| g.numa_node == Some(n.id)).map(|g| g.index)),
-            list(m.hcas.iter().filter(|h| h.numa_node == Some(n.id)).map(|h| h.name.clone())),
-            list(m.nvme.iter().filter(|d| d.numa_node == Some(n.id)).map(|d| d.name.clone())),
+            list(
+                m.gpus
+                    .iter()
+                    .filter(|g| g.numa_node == Some(n.id))
+                    .map(|g| g.index),
+            ),
+            list(
+                m.hcas
+                    .iter()
+                    .filter(|h| h.numa_node == Some(n.id))
+                    .map(|h| h.name.clone()),
+            ),
+            list(
+                m.nvme
+                    .iter()
+                    .filter(|d| d.numa_node == Some(n.id))
+                    .map(|d| d.name.clone()),
+            ),
         ]);
     }
     s.push_str(&t.render());
 
     if !m.gpus.is_empty() {
         s.push('\n');
-        let mut t = Table::new(&["GPU", "PCI", "Model", "NUMA", "Local CPUs", "PCIe now / max", "Nearest HCA"]);
+        let mut t = Table::new(&[
+            "GPU",
+            "PCI",
+            "Model",
+            "NUMA",
+            "Local CPUs",
+            "PCIe now / max",
+            "Nearest HCA",
+        ]);
         for g in &m.gpus {
             let near = m.nearest_hcas(g);
             let near = if near.is_empty() {
                 "-".to_owned()
             } else {
-                format!("{} ({})", list(near.iter().map(|(h, _)| h.name.clone())), near[0].1.as_str())
+                format!(
+                    "{} ({})",
+                    list(near.iter().map(|(h, _)| h.name.clone())),
+                    near[0].1.as_str()
+                )
             };
             t.row(vec![
                 g.index.to_string(),
                 g.pci.to_string(),
-                g.model.clone().unwrap_or_else(|| format!("NVIDIA device {}", g.device_id)),
+                g.model
+                    .clone()
+                    .unwrap_or_else(|| format!("NVIDIA device {}", g.device_id)),
                 opt(g.numa_node),
                 opt(g.local_cpus.as_ref().map(|c| c.to_list())),
                 link(&g.link),
@@ -254,7 +332,17 @@ pub fn render_show(m: &Machine) -> String {
 
     if !m.hcas.is_empty() {
         s.push('\n');
-        let mut t = Table::new(&["HCA", "PCI", "NUMA", "Port", "State", "Rate", "Layer", "Netdev", "Switch GPUs"]);
+        let mut t = Table::new(&[
+            "HCA",
+            "PCI",
+            "NUMA",
+            "Port",
+            "State",
+            "Rate",
+            "Layer",
+            "Netdev",
+            "Switch GPUs",
+        ]);
         for h in &m.hcas {
             let port = h.ports.first();
             t.row(vec![
@@ -275,7 +363,9 @@ pub fn render_show(m: &Machine) -> String {
     let eth: Vec<_> = m.nics.iter().filter(|n| n.kind != "ipoib").collect();
     if !eth.is_empty() {
         s.push('\n');
-        let mut t = Table::new(&["NIC", "Driver", "Bus", "PCI", "NUMA", "State", "Speed", "SR-IOV"]);
+        let mut t = Table::new(&[
+            "NIC", "Driver", "Bus", "PCI", "NUMA", "State", "Speed", "SR-IOV",
+        ]);
         for n in eth {
             let sriov = if n.virtual_function {
                 match (&n.physfn, &n.master) {
@@ -367,14 +457,22 @@ pub fn render_verify(m: &Machine, v: &Verification, code: Code) -> String {
         s.push_str("no GPU process found: nothing to verify\n");
         return s;
     }
-    let mut t = Table::new(&["PID", "Name", "Rank", "GPU", "GPU NUMA", "CPUs", "CPU NUMA", "Mems", "Threads"]);
+    let mut t = Table::new(&[
+        "PID", "Name", "Rank", "GPU", "GPU NUMA", "CPUs", "CPU NUMA", "Mems", "Threads",
+    ]);
     for p in &v.processes {
         t.row(vec![
             p.pid.to_string(),
             p.name.clone(),
             opt(p.local_rank),
             match (p.gpu, p.gpu_source) {
-                (Some(g), Some(src)) => format!("{g} ({})", serde_json::to_value(src).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()),
+                (Some(g), Some(src)) => format!(
+                    "{g} ({})",
+                    serde_json::to_value(src)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ),
                 _ => "?".to_owned(),
             },
             opt(p.gpu_numa_node),
@@ -387,7 +485,11 @@ pub fn render_verify(m: &Machine, v: &Verification, code: Code) -> String {
     s.push_str(&t.render());
     s.push('\n');
     let used = v.gpu_processes.len();
-    s.push_str(&format!("{} processes on {used} of {} GPUs\n", v.processes.len(), m.gpus.len()));
+    s.push_str(&format!(
+        "{} processes on {used} of {} GPUs\n",
+        v.processes.len(),
+        m.gpus.len()
+    ));
     if v.findings.is_empty() {
         s.push_str("ok: every process is on its GPU's NUMA node, with cores of its own\n");
     } else {
