@@ -148,11 +148,11 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
                     summary.out.display()
                 );
                 s.push_str(&format!(
-                    "machine: {} CPUs, {} NUMA nodes, {} GPUs, {} HCAs\n",
-                    m.cpus.len(),
-                    m.numa_nodes.len(),
-                    m.gpus.len(),
-                    m.hcas.len()
+                    "machine: {}, {}, {}, {}\n",
+                    plural(m.cpus.len(), "CPU"),
+                    plural(m.numa_nodes.len(), "NUMA node"),
+                    plural(m.gpus.len(), "GPU"),
+                    plural(m.hcas.len(), "HCA")
                 ));
                 for f in &summary.skipped {
                     s.push_str(&format!("left out (too large): {}\n", f.display()));
