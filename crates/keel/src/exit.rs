@@ -60,6 +60,24 @@ pub fn classify(err: &anyhow::Error) -> Code {
         if e.downcast_ref::<UsageError>().is_some() {
             return Code::Usage;
         }
+        if e.downcast_ref::<DataError>().is_some() {
+            return Code::Data;
+        }
+        if let Some(p) = e.downcast_ref::<keel_check::profile::ProfileError>() {
+            return match p {
+                keel_check::profile::ProfileError::Read { .. } => Code::Io,
+                _ => Code::Usage,
+            };
+        }
+        if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
+            return match g {
+                keel_gpu::GpuError::Unavailable { .. }
+                | keel_gpu::GpuError::Timeout { .. }
+                | keel_gpu::GpuError::Nvml { .. } => Code::Unknown,
+                keel_gpu::GpuError::Read { .. } => Code::Io,
+                keel_gpu::GpuError::Format { .. } => Code::Data,
+            };
+        }
     }
     Code::Io
 }
@@ -85,3 +103,15 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+/// Input that is not what it should be (a report that is not JSON).
+#[derive(Debug)]
+pub struct DataError(pub String);
+
+impl std::fmt::Display for DataError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DataError {}

@@ -2,7 +2,10 @@
 //! anyhow, terminals and exit codes; every capability lives in a library
 //! crate that returns typed results and errors.
 
+mod check;
+mod config;
 mod exit;
+mod gpu;
 mod output;
 mod table;
 mod topo;
@@ -41,6 +44,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Node health checks (passive tier): GPUs, ECC, XIDs, PCIe, NVLink,
+    /// InfiniBand, topology, host. Usable as Slurm's HealthCheckProgram.
+    Check(check::CheckArgs),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -66,6 +72,7 @@ fn main() -> ExitCode {
     let mut out = Out::stdout(cli.json);
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
+        Command::Check(args) => check::run(&cli, args, &mut out),
     };
     let code = match result {
         Ok(code) => code,

@@ -1,0 +1,252 @@
+//! Reading what the checks need from a node, each read with a timeout.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
+use keel_topo::{Machine, Root};
+
+use crate::kmsg::{self, Record};
+use crate::with_timeout;
+
+/// What the checks look at.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// The machine layout, or why it could not be read.
+    pub machine: Result<Machine, String>,
+    /// The GPUs as NVML sees them, or why NVML could not be read.
+    pub gpu: Result<GpuSnapshot, GpuUnavailable>,
+    pub host: HostFacts,
+    /// Counters from the previous run on this node, for growth checks.
+    pub previous: Option<State>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuUnavailable {
+    /// `NVML_UNAVAILABLE`, `NVML_TIMEOUT`, `NVML_ERROR`.
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl From<GpuError> for GpuUnavailable {
+    fn from(e: GpuError) -> Self {
+        let code = match e {
+            GpuError::Unavailable { .. } => "NVML_UNAVAILABLE",
+            GpuError::Timeout { .. } => "NVML_TIMEOUT",
+            _ => "NVML_ERROR",
+        };
+        Self {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Host facts from procfs, the kernel log and the file systems.
+#[derive(Debug, Clone)]
+pub struct HostFacts {
+    pub hostname: Option<String>,
+    pub boot_id: Option<String>,
+    /// Seconds since boot: "now" for kernel-log windows.
+    pub uptime_s: Option<f64>,
+    pub mem_total_bytes: Option<u64>,
+    pub swap_total_bytes: Option<u64>,
+    /// Loaded kernel modules, or why they could not be read.
+    pub modules: Result<Vec<String>, String>,
+    /// Kernel log records, or why the log could not be read.
+    pub kernel_log: Result<Vec<Record>, String>,
+    /// Free bytes per mount point, or why it could not be read.
+    pub disk_free: BTreeMap<String, Result<u64, String>>,
+}
+
+/// Counters remembered between runs (the state file).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub version: u32,
+    pub boot_id: Option<String>,
+    /// PCIe replay counter per GPU PCI address.
+    pub pcie_replay: BTreeMap<String, u64>,
+}
+
+impl State {
+    pub fn from_inputs(inputs: &Inputs) -> State {
+        let mut pcie_replay = BTreeMap::new();
+        if let Ok(snap) = &inputs.gpu {
+            for g in &snap.gpus {
+                if let Some(c) = g.pcie.replay_counter {
+                    pcie_replay.insert(g.pci_bus_id.clone(), c);
+                }
+            }
+        }
+        State {
+            version: 1,
+            boot_id: inputs.host.boot_id.clone(),
+            pcie_replay,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GatherOptions {
+    /// Time allowed for each read (the machine layout, the kernel log, each
+    /// file system).
+    pub timeout: Duration,
+    /// Mount points whose free space is checked.
+    pub mounts: Vec<String>,
+    /// The state file from the previous run, if any.
+    pub state_file: Option<PathBuf>,
+}
+
+/// Reads everything the passive checks need from the node under `root`.
+pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs {
+    let base = root.to_path_buf();
+    let machine = match with_timeout(opts.timeout, move || {
+        keel_topo::read_machine(&Root::new(base)).map_err(|e| error_chain(&e))
+    }) {
+        Some(r) => r,
+        None => Err(format!(
+            "reading sysfs did not finish within {:?}",
+            opts.timeout
+        )),
+    };
+    let gpu = probe.snapshot().map_err(GpuUnavailable::from);
+    let host = gather_host(root, opts);
+    let previous = opts.state_file.as_ref().and_then(|f| {
+        let text = std::fs::read_to_string(f).ok()?;
+        serde_json::from_str::<State>(&text).ok()
+    });
+    Inputs {
+        machine,
+        gpu,
+        host,
+        previous,
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn read_small(root: &Path, rel: &str) -> Option<String> {
+    std::fs::read_to_string(root.join(rel)).ok()
+}
+
+fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
+    let meminfo = read_small(root, "proc/meminfo").unwrap_or_default();
+    let kb = |key: &str| -> Option<u64> {
+        meminfo.lines().find_map(|l| {
+            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+            let mut w = rest.split_whitespace();
+            let v: u64 = w.next()?.parse().ok()?;
+            (w.next() == Some("kB")).then_some(v * 1024)
+        })
+    };
+    let modules = match std::fs::read_to_string(root.join("proc/modules")) {
+        Ok(s) => Ok(s
+            .lines()
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .collect()),
+        Err(e) => Err(format!(
+            "cannot read {}: {e}",
+            root.join("proc/modules").display()
+        )),
+    };
+    let kmsg_path = root.join("dev/kmsg");
+    let kernel_log = match with_timeout(opts.timeout, move || read_kmsg(&kmsg_path)) {
+        Some(Ok(text)) => Ok(kmsg::parse(&text)),
+        Some(Err(e)) => Err(e),
+        None => Err(format!(
+            "reading the kernel log did not finish within {:?}",
+            opts.timeout
+        )),
+    };
+    HostFacts {
+        hostname: read_small(root, "proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty()),
+        boot_id: read_small(root, "proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()),
+        uptime_s: read_small(root, "proc/uptime")
+            .and_then(|s| s.split_whitespace().next()?.parse().ok()),
+        mem_total_bytes: kb("MemTotal"),
+        swap_total_bytes: kb("SwapTotal"),
+        modules,
+        kernel_log,
+        disk_free: disk_free(root, opts),
+    }
+}
+
+/// Free space on each of `opts.mounts` (under the root), each statvfs with
+/// the timeout: a hung network mount makes that mount unknown, no more.
+pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u64, String>> {
+    let mut disk_free = BTreeMap::new();
+    for mount in &opts.mounts {
+        let path = root.join(mount.trim_start_matches('/'));
+        let shown = mount.clone();
+        let r = match with_timeout(opts.timeout, move || free_bytes(&path)) {
+            Some(r) => r,
+            None => Err(format!(
+                "statvfs({shown}) did not finish within {:?}",
+                opts.timeout
+            )),
+        };
+        disk_free.insert(mount.clone(), r);
+    }
+    disk_free
+}
+
+/// Reads the kernel log. `/dev/kmsg` hands out one record per read and
+/// would block at the end, so it is opened non-blocking; a regular file (a
+/// fixture or snapshot) is read to its end.
+fn read_kmsg(path: &Path) -> Result<String, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    const O_NONBLOCK: i32 = 0o4000;
+    const MAX: usize = 32 << 20;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read the kernel log {}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                out.extend_from_slice(&buf[..n]);
+                if buf[n - 1] != b'\n' && n < buf.len() {
+                    out.push(b'\n');
+                }
+                if out.len() > MAX {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            // EPIPE: older records were overwritten while reading; go on.
+            Err(e) if e.raw_os_error() == Some(32) => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(format!(
+                    "cannot read the kernel log {}: {e}",
+                    path.display()
+                ))
+            }
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+fn free_bytes(path: &Path) -> Result<u64, String> {
+    let st = rustix::fs::statvfs(path).map_err(|e| format!("statvfs({}): {e}", path.display()))?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}

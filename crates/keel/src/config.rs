@@ -1,0 +1,208 @@
+//! keel's configuration: built-in defaults < config file < environment
+//! (`KEEL_*`) < flags. The file is TOML (`--config FILE`, `KEEL_CONFIG`, or
+//! `~/.config/keel/keel.toml` when it exists); every key is documented in
+//! docs/config.md, which a test keeps in step with this file.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// The file as written: every key optional, unknown keys rejected.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub check: FileCheck,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileCheck {
+    pub sku: Option<String>,
+    pub profile_file: Option<PathBuf>,
+    pub gpu_snapshot: Option<PathBuf>,
+    pub imds_endpoint: Option<String>,
+    pub imds_timeout_ms: Option<u64>,
+    pub read_timeout_s: Option<f64>,
+    pub state_dir: Option<PathBuf>,
+    pub prometheus_textfile: Option<PathBuf>,
+    pub slurm_timeout_s: Option<f64>,
+    pub fail_closed: Option<bool>,
+}
+
+/// The effective `keel check` settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckConfig {
+    /// SKU profile name; unset: from Azure IMDS, else from the GPUs.
+    pub sku: Option<String>,
+    /// A TOML file whose values override the chosen profile's.
+    pub profile_file: Option<PathBuf>,
+    /// Read GPUs from a recorded snapshot instead of NVML.
+    pub gpu_snapshot: Option<PathBuf>,
+    pub imds_endpoint: String,
+    pub imds_timeout_ms: u64,
+    /// Timeout of each read (sysfs tree, kernel log, file system, NVML).
+    pub read_timeout_s: f64,
+    /// Where counters are kept between runs (PCIe replay growth).
+    pub state_dir: Option<PathBuf>,
+    pub prometheus_textfile: Option<PathBuf>,
+    pub slurm_timeout_s: f64,
+    pub fail_closed: bool,
+}
+
+impl Default for CheckConfig {
+    fn default() -> Self {
+        Self {
+            sku: None,
+            profile_file: None,
+            gpu_snapshot: None,
+            imds_endpoint: keel_check::imds::DEFAULT_ENDPOINT.to_owned(),
+            imds_timeout_ms: 1000,
+            read_timeout_s: 10.0,
+            state_dir: None,
+            prometheus_textfile: None,
+            slurm_timeout_s: 10.0,
+            fail_closed: false,
+        }
+    }
+}
+
+/// Environment variables read, in the order they are documented.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    ("KEEL_CONFIG", "config file path"),
+    (
+        "KEEL_ROOT",
+        "root directory for /sys, /proc and /dev (--root)",
+    ),
+    ("KEEL_SKU", "check.sku"),
+    ("KEEL_PROFILE_FILE", "check.profile_file"),
+    ("KEEL_GPU_SNAPSHOT", "check.gpu_snapshot"),
+    ("KEEL_IMDS_ENDPOINT", "check.imds_endpoint"),
+    ("KEEL_STATE_DIR", "check.state_dir"),
+    ("KEEL_PROMETHEUS_TEXTFILE", "check.prometheus_textfile"),
+    ("KEEL_SLURM_TIMEOUT_S", "check.slurm_timeout_s"),
+    ("KEEL_FAIL_CLOSED", "check.fail_closed (true/false)"),
+];
+
+/// Loads the file (if any) and applies the environment. `env` is the
+/// process environment, injected for tests.
+pub fn load(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(CheckConfig, Option<PathBuf>)> {
+    let path = explicit
+        .map(Path::to_path_buf)
+        .or_else(|| env("KEEL_CONFIG").map(PathBuf::from))
+        .or_else(|| {
+            let p = PathBuf::from(env("HOME")?).join(".config/keel/keel.toml");
+            p.exists().then_some(p)
+        });
+    let file = match &path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the config file {}", p.display()))?;
+            toml::from_str::<FileConfig>(&text).map_err(|e| {
+                crate::exit::UsageError(format!("invalid config file {}: {e}", p.display()))
+            })?
+        }
+        None => FileConfig::default(),
+    };
+    let mut c = CheckConfig::default();
+    let f = file.check;
+    macro_rules! take {
+        ($($field:ident),*) => { $( if let Some(v) = f.$field { c.$field = v.into(); } )* };
+    }
+    take!(
+        imds_endpoint,
+        imds_timeout_ms,
+        read_timeout_s,
+        slurm_timeout_s,
+        fail_closed
+    );
+    c.sku = f.sku.or(c.sku);
+    c.profile_file = f.profile_file.or(c.profile_file);
+    c.gpu_snapshot = f.gpu_snapshot.or(c.gpu_snapshot);
+    c.state_dir = f.state_dir.or(c.state_dir);
+    c.prometheus_textfile = f.prometheus_textfile.or(c.prometheus_textfile);
+
+    if let Some(v) = env("KEEL_SKU") {
+        c.sku = Some(v);
+    }
+    if let Some(v) = env("KEEL_PROFILE_FILE") {
+        c.profile_file = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_GPU_SNAPSHOT") {
+        c.gpu_snapshot = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_IMDS_ENDPOINT") {
+        c.imds_endpoint = v;
+    }
+    if let Some(v) = env("KEEL_STATE_DIR") {
+        c.state_dir = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_PROMETHEUS_TEXTFILE") {
+        c.prometheus_textfile = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_SLURM_TIMEOUT_S") {
+        c.slurm_timeout_s = v.parse().map_err(|_| {
+            crate::exit::UsageError(format!(
+                "KEEL_SLURM_TIMEOUT_S={v:?} is not a number of seconds"
+            ))
+        })?;
+    }
+    if let Some(v) = env("KEEL_FAIL_CLOSED") {
+        c.fail_closed = match v.as_str() {
+            "1" | "true" | "yes" => true,
+            "0" | "false" | "no" => false,
+            _ => {
+                return Err(crate::exit::UsageError(format!(
+                    "KEEL_FAIL_CLOSED={v:?} is not true or false"
+                ))
+                .into())
+            }
+        };
+    }
+    Ok((c, path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precedence_file_then_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(&f, "[check]\nsku = \"nd96asr_v4\"\nslurm_timeout_s = 3.0\n")
+            .expect("write");
+        let env = |k: &str| (k == "KEEL_SKU").then(|| "nd96isr_h100_v5".to_owned());
+        let (c, path) = load(Some(&f), &env).expect("config");
+        assert_eq!(path.as_deref(), Some(f.as_path()));
+        assert_eq!(c.sku.as_deref(), Some("nd96isr_h100_v5"));
+        assert_eq!(c.slurm_timeout_s, 3.0);
+        assert_eq!(c.imds_timeout_ms, 1000);
+
+        std::fs::write(&f, "[check]\nskus = \"x\"\n").expect("write");
+        let err = load(Some(&f), &|_| None).expect_err("unknown key");
+        assert!(format!("{err:#}").contains("skus"), "{err:#}");
+    }
+
+    #[test]
+    fn every_key_is_documented() {
+        let doc = include_str!("../../../docs/config.md");
+        // Every field of the effective config, read from the struct itself.
+        let value = serde_json::to_value(CheckConfig::default()).expect("serialises");
+        let keys: Vec<String> = value.as_object().expect("object").keys().cloned().collect();
+        assert_eq!(keys.len(), 10);
+        for k in keys {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document check.{k}"
+            );
+        }
+        for (var, _) in ENV_VARS {
+            assert!(doc.contains(var), "docs/config.md does not document {var}");
+        }
+    }
+}
