@@ -18,8 +18,10 @@
 //! with those on the PCI bus reports it missing.
 //!
 //! This module holds no `unsafe`: everything goes through `nvml-wrapper`'s
-//! safe API. Readings that need a raw NVML call are not taken (see
-//! [`read_device`] for the list).
+//! safe API. No reading needs a raw call: remapped rows, for which
+//! `nvml-wrapper` has no method, come from NVML field values
+//! (`NVML_FI_DEV_REMAPPED_*`), and ECC counters per SRAM/DRAM location from
+//! `nvmlDeviceGetMemoryErrorCounter`.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -173,10 +175,6 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
 }
 
 /// Reads one GPU; `index` is its NVML index and `bus_id` NVML's PCI bus id.
-///
-/// Not read: nothing the model asks for needs a raw call. Remapped rows,
-/// which `nvml-wrapper` 0.13 has no method for (`nvmlDeviceGetRemappedRows`),
-/// come from NVML field values (`NVML_FI_DEV_REMAPPED_*`) instead.
 fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
     let ecc_mode = device.is_ecc_enabled().ok();
     GpuReading {
