@@ -3,15 +3,20 @@
 //! [`GpuProbe`] is the boundary: the check engine asks a probe for a
 //! [`GpuSnapshot`] and never knows where it came from. Two probes exist:
 //! [`recorded::RecordedProbe`] reads a snapshot recorded on a real machine
-//! (JSON, used by fixtures and tests), and the NVML probe reads the driver
-//! through `libnvidia-ml.so.1`, loaded at run time so that keel builds and
-//! runs on machines without a GPU.
+//! (JSON, used by fixtures and tests), and [`nvml::NvmlProbe`] reads the
+//! driver through `libnvidia-ml.so.1`, loaded at run time so that keel builds
+//! and runs on machines without a GPU. [`record`] takes a snapshot from any
+//! probe for writing to a file (`keel check record`).
 //!
 //! Every reading is an `Option`: `None` means it could not be read (not
 //! supported by the device, or the call failed), never zero. This crate runs
 //! no GPU work and decides nothing about health.
 
+pub mod nvml;
 pub mod recorded;
+
+pub use nvml::NvmlProbe;
+pub use recorded::record;
 
 use serde::{Deserialize, Serialize};
 
