@@ -124,7 +124,10 @@ pub fn run(cli: &Cli, args: &CheckArgs, out: &mut Out) -> anyhow::Result<Code> {
             out: file,
             description,
         }) => {
-            let probe = crate::gpu::nvml_probe(Duration::from_secs(30));
+            let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+            let (cfg, _) = config::load(None, &env)?;
+            let probe =
+                crate::gpu::nvml_probe(cfg.nvml_library.as_deref(), Duration::from_secs(30));
             let snap = probe.snapshot().context("cannot read the GPUs")?;
             let snap = keel_gpu::GpuSnapshot {
                 description: description.clone().or(snap.description),
@@ -240,7 +243,7 @@ pub fn check_node(cli: &Cli, cfg: &CheckConfig, expect_idle: bool) -> anyhow::Re
     let timeout = Duration::from_secs_f64(cfg.read_timeout_s.max(0.1));
     let probe: Box<dyn GpuProbe> = match &cfg.gpu_snapshot {
         Some(f) => Box::new(RecordedProbe::new(f)),
-        None => crate::gpu::nvml_probe(timeout),
+        None => crate::gpu::nvml_probe(cfg.nvml_library.as_deref(), timeout),
     };
     // The mounts to check come from the profile, which may depend on the
     // GPUs: read the profile's disks after choosing it, so gather twice only

@@ -22,6 +22,7 @@ pub struct FileCheck {
     pub sku: Option<String>,
     pub profile_file: Option<PathBuf>,
     pub gpu_snapshot: Option<PathBuf>,
+    pub nvml_library: Option<PathBuf>,
     pub imds_endpoint: Option<String>,
     pub imds_timeout_ms: Option<u64>,
     pub read_timeout_s: Option<f64>,
@@ -40,6 +41,9 @@ pub struct CheckConfig {
     pub profile_file: Option<PathBuf>,
     /// Read GPUs from a recorded snapshot instead of NVML.
     pub gpu_snapshot: Option<PathBuf>,
+    /// The NVML library to load; unset: `libnvidia-ml.so.1` from the
+    /// loader's search path.
+    pub nvml_library: Option<PathBuf>,
     pub imds_endpoint: String,
     pub imds_timeout_ms: u64,
     /// Timeout of each read (sysfs tree, kernel log, file system, NVML).
@@ -57,6 +61,7 @@ impl Default for CheckConfig {
             sku: None,
             profile_file: None,
             gpu_snapshot: None,
+            nvml_library: None,
             imds_endpoint: keel_check::imds::DEFAULT_ENDPOINT.to_owned(),
             imds_timeout_ms: 1000,
             read_timeout_s: 10.0,
@@ -78,6 +83,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_SKU", "check.sku"),
     ("KEEL_PROFILE_FILE", "check.profile_file"),
     ("KEEL_GPU_SNAPSHOT", "check.gpu_snapshot"),
+    ("KEEL_NVML_LIBRARY", "check.nvml_library"),
     ("KEEL_IMDS_ENDPOINT", "check.imds_endpoint"),
     ("KEEL_STATE_DIR", "check.state_dir"),
     ("KEEL_PROMETHEUS_TEXTFILE", "check.prometheus_textfile"),
@@ -123,6 +129,7 @@ pub fn load(
     c.sku = f.sku.or(c.sku);
     c.profile_file = f.profile_file.or(c.profile_file);
     c.gpu_snapshot = f.gpu_snapshot.or(c.gpu_snapshot);
+    c.nvml_library = f.nvml_library.or(c.nvml_library);
     c.state_dir = f.state_dir.or(c.state_dir);
     c.prometheus_textfile = f.prometheus_textfile.or(c.prometheus_textfile);
 
@@ -134,6 +141,9 @@ pub fn load(
     }
     if let Some(v) = env("KEEL_GPU_SNAPSHOT") {
         c.gpu_snapshot = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_NVML_LIBRARY") {
+        c.nvml_library = Some(v.into());
     }
     if let Some(v) = env("KEEL_IMDS_ENDPOINT") {
         c.imds_endpoint = v;
@@ -194,7 +204,8 @@ mod tests {
         // Every field of the effective config, read from the struct itself.
         let value = serde_json::to_value(CheckConfig::default()).expect("serialises");
         let keys: Vec<String> = value.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 10);
+        assert_eq!(keys.len(), 11);
+        let keys: Vec<String> = keys;
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

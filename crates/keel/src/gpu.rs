@@ -1,20 +1,17 @@
 //! The GPU probe keel uses on a live node.
 
+use std::path::Path;
 use std::time::Duration;
 
-use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
+use keel_gpu::nvml::NvmlProbe;
+use keel_gpu::GpuProbe;
 
-/// NVML, loaded at run time.
-pub fn nvml_probe(_timeout: Duration) -> Box<dyn GpuProbe> {
-    Box::new(NoNvml)
-}
-
-struct NoNvml;
-
-impl GpuProbe for NoNvml {
-    fn snapshot(&self) -> Result<GpuSnapshot, GpuError> {
-        Err(GpuError::Unavailable {
-            reason: "this build has no NVML support".into(),
-        })
-    }
+/// NVML (`libnvidia-ml.so.1`), loaded at run time; on a machine without
+/// the driver every reading is `unknown`.
+pub fn nvml_probe(library: Option<&Path>, timeout: Duration) -> Box<dyn GpuProbe> {
+    let probe = match library {
+        Some(l) => NvmlProbe::with_library(l),
+        None => NvmlProbe::new(),
+    };
+    Box::new(probe.with_timeout(timeout))
 }

@@ -1,0 +1,791 @@
+//! `keel check` on the machine fixtures: every check passes on a healthy
+//! node and fails (or warns) on its own fault, injected into a copy of the
+//! fixture at the lowest boundary (a sysfs/procfs file, a kernel-log line,
+//! a recorded NVML reading).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("workspace root")
+}
+
+/// A writable copy of a fixture machine.
+struct Node {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    profile: String,
+    sku: &'static str,
+}
+
+impl Node {
+    fn new(fixture: &str, sku: &'static str) -> Node {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().join("root");
+        let src = workspace().join("tests/fixtures").join(fixture);
+        // Everything but sys/ is copied; sys/ (a thousand small files) is
+        // linked, and copied only by cases that change it.
+        std::fs::create_dir(&root).expect("mkdir");
+        for entry in std::fs::read_dir(&src).expect("fixture") {
+            let entry = entry.expect("entry");
+            let name = entry.file_name();
+            if name == "sys" {
+                std::os::unix::fs::symlink(entry.path(), root.join("sys")).expect("link sys");
+            } else {
+                copy(&entry.path(), &root.join(&name));
+            }
+        }
+        // The test machine's disks are not the fixture's: leave them out
+        // unless a case asks for them.
+        Node {
+            _tmp: tmp,
+            root,
+            profile: "[host]\ndisks = []\n".into(),
+            sku,
+        }
+    }
+
+    fn ndv4() -> Node {
+        Node::new("nd96asr_v4", "nd96asr_v4")
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    /// Replaces the linked sys/ with a private copy before it is changed.
+    fn own(&self, rel: &str) {
+        let sys = self.path("sys");
+        if rel.starts_with("sys/") && std::fs::symlink_metadata(&sys).is_ok_and(|m| m.file_type().is_symlink()) {
+            let target = std::fs::read_link(&sys).expect("link");
+            std::fs::remove_file(&sys).expect("unlink");
+            copy(&target, &sys);
+        }
+    }
+
+    fn write(&self, rel: &str, content: &str) {
+        self.own(rel);
+        std::fs::write(self.path(rel), content).expect("write");
+    }
+
+    fn remove(&self, rel: &str) {
+        self.own(rel);
+        std::fs::remove_file(self.path(rel)).expect("remove");
+    }
+
+    fn gpu(&self, f: impl FnOnce(&mut Value)) {
+        let p = self.path("gpu.json");
+        let mut v: Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
+        f(&mut v);
+        std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).expect("write");
+    }
+
+    fn uptime(&self) -> f64 {
+        let s = std::fs::read_to_string(self.path("proc/uptime")).expect("uptime");
+        s.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("seconds")
+    }
+
+    /// Appends a kernel-log record `ago` seconds before now.
+    fn log(&self, ago: f64, msg: &str) {
+        let usec = ((self.uptime() - ago) * 1e6) as u64;
+        let p = self.path("dev/kmsg");
+        let mut s = std::fs::read_to_string(&p).expect("kmsg");
+        s.push_str(&format!("3,9999,{usec},-;{msg}\n"));
+        std::fs::write(&p, s).expect("write");
+    }
+
+    fn profile(&mut self, toml: &str) {
+        self.profile = toml.to_owned();
+    }
+
+    fn run(&self, extra: &[&str]) -> (i32, Value, String) {
+        let pf = self.root.with_file_name("profile.toml");
+        std::fs::write(&pf, &self.profile).expect("profile");
+        let mut args: Vec<String> = vec![
+            "--root".into(),
+            self.root.display().to_string(),
+            "--json".into(),
+            "check".into(),
+            "--sku".into(),
+            self.sku.into(),
+            "--profile-file".into(),
+            pf.display().to_string(),
+            "--gpu-snapshot".into(),
+            self.path("gpu.json").display().to_string(),
+            "--imds-endpoint".into(),
+            "127.0.0.1:1".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = keel(&args, &[]);
+        let v: Value =
+            serde_json::from_str(&out.1).unwrap_or_else(|e| panic!("{e}: {}\n{}", out.1, out.2));
+        (out.0, v, out.2)
+    }
+}
+
+fn copy(from: &Path, to: &Path) {
+    let st = Command::new("cp").arg("-a").arg(from).arg(to).status().expect("cp");
+    assert!(st.success(), "cp -a {} {}", from.display(), to.display());
+}
+
+fn keel(args: &[String], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
+    c.args(args).current_dir(workspace());
+    for var in [
+        "KEEL_ROOT",
+        "KEEL_CONFIG",
+        "KEEL_SKU",
+        "KEEL_PROFILE_FILE",
+        "KEEL_GPU_SNAPSHOT",
+        "KEEL_STATE_DIR",
+        "KEEL_IMDS_ENDPOINT",
+        "NO_COLOR",
+    ] {
+        c.env_remove(var);
+    }
+    c.env("HOME", "/nonexistent");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run keel");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn results<'a>(report: &'a Value, id: &str) -> Vec<&'a Value> {
+    report["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .filter(|r| r["id"] == id)
+        .collect()
+}
+
+/// Other checks a fault legitimately affects: a GPU gone from PCI is also
+/// missing from its NUMA node.
+const ALSO: &[(&str, &[&str])] = &[("GPU_MISSING", &["topology"])];
+
+/// Asserts that check `id` has a result with `status` and `code`, and that
+/// no other check is worse than pass/skip (the fault is the only finding).
+fn assert_fault(report: &Value, id: &str, status: &str, code: &str) {
+    let also: &[&str] = ALSO.iter().find(|(c, _)| *c == code).map_or(&[], |(_, a)| a);
+    let rs = results(report, id);
+    assert!(
+        rs.iter()
+            .any(|r| r["status"] == status && r["code"] == code),
+        "{id}: no {status}/{code} in {}",
+        serde_json::to_string_pretty(&rs).unwrap_or_default()
+    );
+    for r in report["results"].as_array().expect("results") {
+        if r["id"] != id && !also.iter().any(|a| r["id"] == *a) {
+            assert!(
+                r["status"] == "pass" || r["status"] == "skip",
+                "{id} fault also affected {r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn healthy_fixtures_pass_every_check() {
+    for (fixture, sku) in [
+        ("nd96asr_v4", "nd96asr_v4"),
+        ("nd96isr_h100_v5", "nd96isr_h100_v5"),
+    ] {
+        let n = Node::new(fixture, sku);
+        let (code, report, stderr) = n.run(&[]);
+        assert_eq!(code, 0, "{fixture}: {stderr}");
+        assert_eq!(report["status"], "pass");
+        for r in report["results"].as_array().expect("results") {
+            assert!(
+                r["status"] == "pass" || r["status"] == "skip",
+                "{fixture}: {r}"
+            );
+        }
+        // Every passive check that applies to a GPU node reads a value.
+        for id in [
+            "gpu.count",
+            "gpu.ecc_errors",
+            "gpu.row_remap",
+            "gpu.xid",
+            "gpu.throttle",
+            "gpu.pcie_link",
+            "gpu.pcie_replay",
+            "gpu.nvlink",
+            "ib.ports",
+            "ib.flaps",
+            "ib.peermem",
+            "topology",
+            "host.cpu",
+            "host.memory",
+            "host.nvme",
+        ] {
+            let rs = results(&report, id);
+            assert!(
+                !rs.is_empty() && rs.iter().all(|r| r["status"] == "pass"),
+                "{fixture}: {id} {rs:?}"
+            );
+        }
+        assert_eq!(
+            report["summary"],
+            format!("{} | Healthy", report["host"].as_str().unwrap_or_default())
+        );
+    }
+}
+
+type Inject = fn(&mut Node);
+
+#[test]
+fn every_check_fails_on_its_fault() {
+    let cases: &[(&str, &str, &str, Inject)] = &[
+        ("gpu.count", "fail", "GPU_MISSING", |n| {
+            n.remove("sys/bus/pci/devices/000e:00:00.0")
+        }),
+        ("gpu.count", "fail", "GPU_MODEL_MISMATCH", |n| {
+            n.profile("[gpu]\nmodel = \"H100\"\n[host]\ndisks = []\n")
+        }),
+        ("gpu.visible", "fail", "GPU_FELL_OFF_BUS", |n| {
+            n.gpu(|v| {
+                v["gpus"].as_array_mut().expect("gpus").pop();
+            })
+        }),
+        ("gpu.persistence", "warn", "PERSISTENCE_OFF", |n| {
+            n.gpu(|v| v["gpus"][2]["persistence_mode"] = json!(false))
+        }),
+        ("gpu.ecc_mode", "fail", "ECC_DISABLED", |n| {
+            n.gpu(|v| v["gpus"][0]["ecc_enabled"] = json!(false))
+        }),
+        ("gpu.ecc_mode", "warn", "ECC_MODE_PENDING", |n| {
+            n.gpu(|v| v["gpus"][0]["ecc_pending"] = json!(false))
+        }),
+        ("gpu.ecc_errors", "fail", "ECC_UNCORRECTABLE", |n| {
+            n.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2))
+        }),
+        ("gpu.ecc_errors", "fail", "ECC_SRAM_CORRECTED", |n| {
+            n.gpu(|v| v["gpus"][3]["ecc"]["aggregate_sram_corrected"] = json!(10_000))
+        }),
+        ("gpu.ecc_errors", "fail", "ECC_DRAM_AGGREGATE", |n| {
+            n.gpu(|v| v["gpus"][3]["ecc"]["aggregate_dram_corrected"] = json!(20_000_000))
+        }),
+        ("gpu.row_remap", "fail", "ROW_REMAP_PENDING", |n| {
+            n.gpu(|v| v["gpus"][5]["remapped_rows"]["pending"] = json!(true))
+        }),
+        ("gpu.row_remap", "fail", "ROW_REMAP_FAILURE", |n| {
+            n.gpu(|v| v["gpus"][5]["remapped_rows"]["failure"] = json!(true))
+        }),
+        ("gpu.xid", "fail", "XID_FATAL", |n| {
+            n.log(600.0, "NVRM: Xid (PCI:0003:00:00): 79, pid=4242, name=python, GPU has fallen off the bus.")
+        }),
+        ("gpu.xid", "warn", "XID", |n| {
+            n.log(
+                60.0,
+                "NVRM: Xid (PCI:0003:00:00): 13, pid=4242, name=python, Graphics Exception",
+            )
+        }),
+        ("gpu.throttle", "fail", "THROTTLE_HW", |n| {
+            n.gpu(|v| v["gpus"][1]["throttle_reasons"] = json!(0x40))
+        }),
+        ("gpu.throttle", "warn", "THROTTLE_THERMAL", |n| {
+            n.gpu(|v| v["gpus"][1]["throttle_reasons"] = json!(0x20))
+        }),
+        ("gpu.pcie_link", "fail", "PCIE_WIDTH_DEGRADED", |n| {
+            n.gpu(|v| v["gpus"][4]["pcie"]["current_width"] = json!(8))
+        }),
+        ("gpu.pcie_link", "warn", "PCIE_GEN_DEGRADED", |n| {
+            n.gpu(|v| {
+                v["gpus"][4]["pcie"]["current_gen"] = json!(3);
+                v["gpus"][4]["throttle_reasons"] = json!(0);
+            })
+        }),
+        ("gpu.pcie_replay", "warn", "PCIE_REPLAY", |n| {
+            n.gpu(|v| v["gpus"][6]["pcie"]["replay_counter"] = json!(500))
+        }),
+        ("gpu.nvlink", "fail", "NVLINK_DOWN", |n| {
+            n.gpu(|v| v["gpus"][7]["nvlink_active"][4] = json!(false))
+        }),
+        ("gpu.nvlink", "unknown", "NVML_FIELD_UNREADABLE", |n| {
+            n.gpu(|v| v["gpus"][7]["nvlink_active"] = json!(null))
+        }),
+        ("ib.ports", "fail", "IB_PORT_DOWN", |n| {
+            n.write("sys/class/infiniband/mlx5_ib3/ports/1/state", "1: DOWN\n")
+        }),
+        ("ib.ports", "fail", "IB_RATE_LOW", |n| {
+            n.write(
+                "sys/class/infiniband/mlx5_ib3/ports/1/rate",
+                "100 Gb/sec (4X EDR)\n",
+            )
+        }),
+        ("ib.flaps", "fail", "IB_LINK_FLAPS", |n| {
+            for i in 0..5 {
+                n.log(
+                    3600.0 * f64::from(i + 1),
+                    "mlx5_core 0101:00:00.0 ib0: lost carrier",
+                );
+            }
+        }),
+        ("ib.peermem", "fail", "PEERMEM_MISSING", |n| {
+            let m = std::fs::read_to_string(n.path("proc/modules")).expect("modules");
+            let kept: String = m
+                .lines()
+                .filter(|l| !l.starts_with("nvidia_peermem "))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            n.write("proc/modules", &kept);
+        }),
+        ("topology", "fail", "TOPOLOGY_MISMATCH", |n| {
+            n.profile(
+                "[[topology]]\nnuma_node = 0\ngpus = [\"0001:00:00.0\"]\n[host]\ndisks = []\n",
+            )
+        }),
+        ("host.cpu", "fail", "CPU_MISMATCH", |n| {
+            n.profile("[host]\ncores = 128\ndisks = []\n")
+        }),
+        ("host.memory", "fail", "MEMORY_LOW", |n| {
+            n.profile("[host]\nmemory_gib = 1900\ndisks = []\n")
+        }),
+        ("host.swap", "warn", "SWAP_ENABLED", |n| {
+            let m = std::fs::read_to_string(n.path("proc/meminfo")).expect("meminfo");
+            n.write(
+                "proc/meminfo",
+                &m.replace("SwapTotal:             0 kB", "SwapTotal:       8388604 kB"),
+            );
+        }),
+        ("host.disk", "fail", "DISK_FULL", |n| {
+            n.profile("[host]\ndisks = [{ mount = \"/\", min_free_gib = 1e12 }]\n")
+        }),
+        ("host.nvme", "fail", "NVME_MISSING", |n| {
+            n.remove("sys/class/nvme/nvme7")
+        }),
+    ];
+    for (id, status, code, inject) in cases {
+        let mut n = Node::ndv4();
+        inject(&mut n);
+        let (exit, report, stderr) = n.run(&[]);
+        assert_fault(&report, id, status, code);
+        let want = match *status {
+            "fail" => 2,
+            "unknown" => 3,
+            _ => 1,
+        };
+        assert_eq!(exit, want, "{id}/{code}: {stderr}");
+    }
+}
+
+#[test]
+fn leftover_gpu_processes_fail_only_when_the_node_should_be_idle() {
+    let n = Node::ndv4();
+    n.gpu(|v| {
+        v["gpus"][0]["processes"] = json!([{"pid": 4242, "used_memory_bytes": 1073741824u64}])
+    });
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 0);
+    assert_eq!(results(&report, "gpu.processes")[0]["status"], "skip");
+    let (code, report, _) = n.run(&["--expect-idle"]);
+    assert_eq!(code, 2);
+    assert_fault(&report, "gpu.processes", "fail", "GPU_PROCESSES_LEFT");
+}
+
+#[test]
+fn old_xids_age_out_so_a_fixed_node_comes_back_healthy() {
+    let n = Node::ndv4();
+    n.log(1800.0, "NVRM: Xid (PCI:000b:00:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error");
+    n.log(1700.0, "NVRM: Xid (PCI:000b:00:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error");
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 2);
+    let xids = results(&report, "gpu.xid");
+    assert_eq!(xids.len(), 1, "duplicates are merged: {xids:?}");
+    assert_eq!(xids[0]["device"]["gpu"], 4);
+    assert!(xids[0]["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("2 time(s)"));
+    // Three hours later, with the GPU replaced, the window has passed.
+    let up = n.uptime() + 3.0 * 3600.0;
+    n.write("proc/uptime", &format!("{up:.2} 0.00\n"));
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 0, "{}", report["summary"]);
+}
+
+#[test]
+fn checks_that_cannot_run_are_unknown_never_fail() {
+    let n = Node::ndv4();
+    n.remove("dev/kmsg");
+    n.remove("proc/modules");
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 3);
+    assert_eq!(results(&report, "gpu.xid")[0]["status"], "unknown");
+    assert_eq!(results(&report, "ib.flaps")[0]["status"], "unknown");
+    assert_eq!(results(&report, "ib.peermem")[0]["status"], "unknown");
+    assert!(
+        report["summary"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("| UNKNOWN: gpu.xid:"),
+        "{}",
+        report["summary"]
+    );
+
+    // No NVML: every GPU-reading check is unknown, none fails.
+    let args: Vec<String> = [
+        "--root",
+        &n.root.display().to_string(),
+        "--json",
+        "check",
+        "--sku",
+        "nd96asr_v4",
+        "--imds-endpoint",
+        "127.0.0.1:1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (code, out, _) = keel(
+        &args,
+        &[("KEEL_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")],
+    );
+    assert_eq!(code, 3);
+    let report: Value = serde_json::from_str(&out).expect("json");
+    for r in report["results"].as_array().expect("results") {
+        assert_ne!(r["status"], "fail", "{r}");
+    }
+    assert_eq!(
+        results(&report, "gpu.driver")[0]["code"],
+        "NVML_UNAVAILABLE"
+    );
+}
+
+#[test]
+fn replay_growth_uses_the_state_of_the_previous_run() {
+    let n = Node::ndv4();
+    n.gpu(|v| v["gpus"][6]["pcie"]["replay_counter"] = json!(500));
+    let state = n.root.with_file_name("state");
+    let s = state.display().to_string();
+    let (code, _, _) = n.run(&["--state-dir", &s]);
+    assert_eq!(code, 1, "500 replays since driver load warn");
+    let (code, report, _) = n.run(&["--state-dir", &s]);
+    assert_eq!(
+        code, 0,
+        "no growth since the last run: {}",
+        report["summary"]
+    );
+    n.gpu(|v| v["gpus"][6]["pcie"]["replay_counter"] = json!(700));
+    let (code, report, _) = n.run(&["--state-dir", &s]);
+    assert_eq!(code, 1);
+    assert_fault(&report, "gpu.pcie_replay", "warn", "PCIE_REPLAY");
+}
+
+fn redact(s: &str) -> String {
+    s.lines()
+        .map(|l| match l.find(" results in ") {
+            Some(i) => format!("{} results in <ms>", &l[..i]),
+            None => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn human_summary_json_and_prometheus_outputs() {
+    let n = Node::ndv4();
+    n.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
+    n.log(600.0, "NVRM: Xid (PCI:0004:00:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error");
+    let pf = n.root.with_file_name("profile.toml");
+    std::fs::write(&pf, &n.profile).expect("profile");
+    let prom = n.root.with_file_name("keel.prom");
+    let base = |json: bool, extra: &[&str]| {
+        let mut a: Vec<String> = vec!["--root".into(), n.root.display().to_string()];
+        if json {
+            a.push("--json".into());
+        }
+        a.extend(
+            [
+                "check",
+                "--sku",
+                "nd96asr_v4",
+                "--profile-file",
+                &pf.display().to_string(),
+                "--gpu-snapshot",
+                &n.path("gpu.json").display().to_string(),
+                "--imds-endpoint",
+                "127.0.0.1:1",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let (code, text, _) = keel(&base(false, &[]), &[]);
+    assert_eq!(code, 2);
+    insta::assert_snapshot!("check-human-failing", redact(&text));
+    let (_, text, _) = keel(&base(false, &["--verbose"]), &[]);
+    assert!(
+        text.lines()
+            .filter(|l| l.starts_with("gpu.ecc_errors"))
+            .count()
+            == 8,
+        "{text}"
+    );
+    let (code, text, _) = keel(&base(false, &["--summary"]), &[]);
+    assert_eq!(code, 2);
+    assert_eq!(
+        text,
+        "ndv4-0001 | ERROR: gpu.ecc_errors: GPU 3 (0004:00:00.0): 2 uncorrectable ECC errors since driver load (+1 more)\n"
+    );
+    let (_, json, _) = keel(
+        &base(
+            true,
+            &["--prometheus-textfile", &prom.display().to_string()],
+        ),
+        &[],
+    );
+    let mut v: Value = serde_json::from_str(&json).expect("json");
+    assert_eq!(v["version"], 1);
+    v["duration_ms"] = json!(0);
+    for r in v["results"].as_array_mut().expect("results") {
+        r["duration_ms"] = json!(0);
+    }
+    let failing: Vec<&Value> = v["results"]
+        .as_array()
+        .expect("r")
+        .iter()
+        .filter(|r| r["status"] != "pass" && r["status"] != "skip")
+        .collect();
+    insta::assert_snapshot!(
+        "check-json-failing-results",
+        serde_json::to_string_pretty(&failing).expect("json")
+    );
+    let prom = std::fs::read_to_string(&prom).expect("textfile written");
+    assert!(prom.contains("keel_check_status{check=\"gpu.ecc_errors\",host=\"ndv4-0001\",device=\"GPU 3 (0004:00:00.0)\",code=\"ECC_UNCORRECTABLE\"} 2"), "{prom}");
+    assert!(
+        prom.contains("keel_check_overall{host=\"ndv4-0001\",sku=\"nd96asr_v4\"} 2"),
+        "{prom}"
+    );
+    assert!(!prom.contains("NaN"));
+}
+
+#[test]
+fn healthy_human_output() {
+    for (fixture, sku) in [
+        ("nd96asr_v4", "nd96asr_v4"),
+        ("nd96isr_h100_v5", "nd96isr_h100_v5"),
+        ("cpu-only", "generic"),
+    ] {
+        let n = Node::new(fixture, sku);
+        let pf = n.root.with_file_name("profile.toml");
+        std::fs::write(&pf, &n.profile).expect("profile");
+        let mut args: Vec<String> = vec![
+            "--root".into(),
+            n.root.display().to_string(),
+            "check".into(),
+            "--sku".into(),
+            sku.into(),
+            "--profile-file".into(),
+            pf.display().to_string(),
+            "--imds-endpoint".into(),
+            "127.0.0.1:1".into(),
+        ];
+        if n.path("gpu.json").exists() {
+            args.push("--gpu-snapshot".into());
+            args.push(n.path("gpu.json").display().to_string());
+        }
+        let (code, text, err) = keel(&args, &[]);
+        assert_eq!(code, 0, "{err}");
+        insta::assert_snapshot!(format!("check-human-{fixture}"), redact(&text));
+    }
+}
+
+#[test]
+fn sku_selection_flag_imds_gpus_generic() {
+    let n = Node::ndv4();
+    let pf = n.root.with_file_name("profile.toml");
+    std::fs::write(&pf, &n.profile).expect("profile");
+    let root = n.root.display().to_string();
+    let snap = n.path("gpu.json").display().to_string();
+    let run = |extra: &[&str]| {
+        let mut a: Vec<String> = [
+            "--root",
+            &root,
+            "--json",
+            "check",
+            "--gpu-snapshot",
+            &snap,
+            "--profile-file",
+            &pf.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let (_, out, err) = keel(&a, &[]);
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {err}"));
+        (
+            v["sku"].as_str().unwrap_or_default().to_owned(),
+            v["sku_source"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    // A local IMDS answering with a vmSize.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let server = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut s, _) = l.accept().expect("accept");
+        let mut buf = [0u8; 2048];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nStandard_ND96asr_v4");
+    });
+    assert_eq!(
+        run(&["--imds-endpoint", &addr]),
+        ("nd96asr_v4".into(), "imds (Standard_ND96asr_v4)".into())
+    );
+    server.join().expect("imds server");
+    assert_eq!(run(&["--imds-endpoint", "127.0.0.1:1"]).0, "nd96asr_v4");
+    assert!(run(&["--imds-endpoint", "127.0.0.1:1"])
+        .1
+        .starts_with("gpus (8x NVIDIA A100-SXM4-40GB)"));
+    assert_eq!(
+        run(&["--sku", "generic", "--imds-endpoint", "127.0.0.1:1"]),
+        ("generic".into(), "flag".into())
+    );
+    let (code, _, err) = keel(
+        &[
+            "--root".into(),
+            root.clone(),
+            "check".into(),
+            "--sku".into(),
+            "nd96".into(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("unknown SKU \"nd96\""), "{err}");
+}
+
+#[test]
+fn config_precedence_defaults_file_env_flags() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let cfg = tmp.path().join("keel.toml");
+    std::fs::write(
+        &cfg,
+        "[check]\nsku = \"nd96asr_v4\"\nslurm_timeout_s = 4.0\nimds_timeout_ms = 250\n",
+    )
+    .expect("write");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = vec!["--json".into(), "check".into(), "--print-config".into()];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let c = cfg.display().to_string();
+    let (_, out, _) = keel(&args(&["--config", &c]), &[]);
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["check"]["sku"], "nd96asr_v4");
+    assert_eq!(v["check"]["imds_timeout_ms"], 250);
+    assert_eq!(v["check"]["read_timeout_s"], 10.0);
+    let (_, out, _) = keel(
+        &args(&[]),
+        &[("KEEL_CONFIG", &c), ("KEEL_SKU", "nd96isr_h100_v5")],
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["check"]["sku"], "nd96isr_h100_v5");
+    assert_eq!(v["check"]["slurm_timeout_s"], 4.0);
+    let (_, out, _) = keel(
+        &args(&["--sku", "generic"]),
+        &[("KEEL_CONFIG", &c), ("KEEL_SKU", "nd96isr_h100_v5")],
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["check"]["sku"], "generic");
+    std::fs::write(&cfg, "[check]\nsku = 3\n").expect("write");
+    let (code, _, err) = keel(&args(&["--config", &c]), &[]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("invalid config file"), "{err}");
+}
+
+#[test]
+fn profiles_list_and_record_without_nvml() {
+    let (code, out, _) = keel(&["check".into(), "profiles".into()], &[]);
+    assert_eq!(code, 0);
+    insta::assert_snapshot!("check-profiles", out);
+    let (code, out, _) = keel(
+        &["check".into(), "profiles".into(), "nd96isr_h100_v5".into()],
+        &[],
+    );
+    assert_eq!(code, 0);
+    assert!(out.contains("nvlink_links = 18"), "{out}");
+    let (code, out, _) = keel(&["check".into(), "list".into()], &[]);
+    assert_eq!(code, 0);
+    assert_eq!(out.lines().count(), 23, "{out}");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let f = tmp.path().join("snap.json").display().to_string();
+    let (code, _, err) = keel(
+        &["check".into(), "record".into(), "--out".into(), f.clone()],
+        &[("KEEL_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("NVML is unavailable"), "{err}");
+    assert!(!Path::new(&f).exists(), "nothing half-written");
+}
+
+#[test]
+fn fleet_merge_flags_failing_nodes_and_outliers() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("reports");
+    std::fs::create_dir(&dir).expect("mkdir");
+    // Three healthy nodes and one with a GPU fault; node b's memory sits
+    // below the fleet's.
+    for (name, mem, fault) in [
+        ("a", None, false),
+        ("b", Some(860), false),
+        ("c", None, false),
+        ("d", None, true),
+    ] {
+        let n = Node::ndv4();
+        n.write("proc/sys/kernel/hostname", &format!("node-{name}\n"));
+        if let Some(gib) = mem {
+            let m = std::fs::read_to_string(n.path("proc/meminfo")).expect("meminfo");
+            let total = m.lines().next().expect("line").to_owned();
+            n.write(
+                "proc/meminfo",
+                &m.replace(&total, &format!("MemTotal:       {} kB", gib * 1024 * 1024)),
+            );
+        }
+        if fault {
+            n.gpu(|v| v["gpus"][1]["remapped_rows"]["failure"] = json!(true));
+        }
+        let (_, report, _) = n.run(&[]);
+        std::fs::write(dir.join(format!("{name}.json")), report.to_string()).expect("write");
+    }
+    let (code, out, err) = keel(
+        &[
+            "check".into(),
+            "merge".into(),
+            "--outlier-pct".into(),
+            "3".into(),
+            dir.display().to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    insta::assert_snapshot!("check-merge", out);
+    std::fs::write(dir.join("junk.json"), "{}").expect("write");
+    let (code, _, err) = keel(
+        &["check".into(), "merge".into(), dir.display().to_string()],
+        &[],
+    );
+    assert_eq!(code, 65, "{err}");
+    assert!(
+        err.contains("junk.json is not a keel check --json report"),
+        "{err}"
+    );
+}
