@@ -38,7 +38,10 @@ pub enum GpuError {
         source: std::io::Error,
     },
     #[error("{path} is not a GPU snapshot: {message}")]
-    Format { path: std::path::PathBuf, message: String },
+    Format {
+        path: std::path::PathBuf,
+        message: String,
+    },
 }
 
 /// Something that can read the GPUs.

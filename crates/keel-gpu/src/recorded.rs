@@ -25,18 +25,26 @@ impl GpuProbe for RecordedProbe {
 
 /// Reads and validates a snapshot file.
 pub fn load(path: &Path) -> Result<GpuSnapshot, GpuError> {
-    let text = std::fs::read_to_string(path).map_err(|source| GpuError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| GpuError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     parse(path, &text)
 }
 
 /// Parses snapshot JSON; `path` only names the source in errors.
 pub fn parse(path: &Path, text: &str) -> Result<GpuSnapshot, GpuError> {
-    let snap: GpuSnapshot = serde_json::from_str(text)
-        .map_err(|e| GpuError::Format { path: path.to_path_buf(), message: e.to_string() })?;
+    let snap: GpuSnapshot = serde_json::from_str(text).map_err(|e| GpuError::Format {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
     if snap.version != SNAPSHOT_VERSION {
         return Err(GpuError::Format {
             path: path.to_path_buf(),
-            message: format!("version {} is not supported (expected {SNAPSHOT_VERSION})", snap.version),
+            message: format!(
+                "version {} is not supported (expected {SNAPSHOT_VERSION})",
+                snap.version
+            ),
         });
     }
     Ok(snap)
