@@ -1,7 +1,9 @@
 //! Slurm's hostlist syntax, expanded without asking Slurm:
 //! `n[1-3,5],gpu01` is `n1 n2 n3 n5 gpu01`. Zero padding is kept
 //! (`gpu[01-10]`); several bracket groups multiply (`r[1-2]n[1-2]` is
-//! `r1n1 r1n2 r2n1 r2n2`), the way `scontrol show hostnames` does.
+//! `r1n1 r1n2 r2n1 r2n2`), the way `scontrol show hostnames` does. Text
+//! after the last bracket (`n[1-2]-ib`) is kept as a suffix, which Slurm
+//! 22.05 rejects as an invalid hostlist.
 
 /// The most names one hostlist may expand to; more is an error rather than
 /// an allocation the size of the input's numbers.
