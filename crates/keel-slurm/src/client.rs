@@ -292,6 +292,111 @@ mod tests {
         }
     }
 
+    /// A client whose `scontrol` and `sinfo` are these shell scripts.
+    fn fake(scontrol: &str, sinfo: &str) -> (tempfile::TempDir, Slurm) {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        for (name, body) in [("scontrol", scontrol), ("sinfo", sinfo)] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        let slurm = Slurm::new(SlurmConfig {
+            bin_dir: Some(dir.path().to_owned()),
+            timeout: Duration::from_secs(10),
+            env: vec![("KEEL_FAKE".into(), "n1".into())],
+        });
+        (dir, slurm)
+    }
+
+    const PING_UP: &str = r#"[ "$1" = ping ] && { echo "Slurmctld(primary) at a is UP"; exit 0; }"#;
+
+    #[test]
+    fn one_controller_up_is_enough() {
+        let (_dir, slurm) = fake(
+            "echo 'Slurmctld(primary) at a is UP'; echo 'Slurmctld(backup) at b is DOWN'; exit 1",
+            "",
+        );
+        assert!(slurm.ping().is_ok());
+        let (_dir, slurm) = fake("echo 'Slurmctld(primary) at a is DOWN'; exit 1", "");
+        match slurm.ping() {
+            Err(SlurmError::Failed {
+                command, stderr, ..
+            }) => {
+                assert_eq!(command, "scontrol ping");
+                assert_eq!(stderr, "Slurmctld(primary) at a is DOWN");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn node_reads_sinfo_with_the_configured_environment() {
+        let (_dir, slurm) = fake(PING_UP, r#"echo "$KEEL_FAKE|draining@|keel: x""#);
+        let node = slurm.node("n1").expect("reads");
+        assert_eq!(node.state, crate::NodeState::Draining);
+        assert!(node.flags.reboot_pending);
+        assert_eq!(node.reason.as_deref(), Some("keel: x"));
+    }
+
+    #[test]
+    fn a_node_sinfo_does_not_list_is_looked_up_with_scontrol() {
+        let show = r#"[ "$2" = node ] && [ "$4" = n9 ] && { echo "NodeName=n9 State=DOWN+NOT_RESPONDING Reason=gone [root@2025-01-01T00:00:00]"; exit 0; }"#;
+        let missing = r#"echo "Node $4 not found"; exit 1"#;
+        let (_dir, slurm) = fake(&format!("{PING_UP}\n{show}\n{missing}"), "exit 0");
+        let node = slurm.node("n9").expect("reads");
+        assert_eq!(node.state, crate::NodeState::Down);
+        assert_eq!(node.reason.as_deref(), Some("gone"));
+        assert!(matches!(
+            slurm.node("n8"),
+            Err(SlurmError::NoSuchNode { name }) if name == "n8"
+        ));
+    }
+
+    #[test]
+    fn unreadable_sinfo_output_is_a_parse_error() {
+        let (_dir, slurm) = fake(PING_UP, "echo 'n1 idle none'");
+        assert!(matches!(
+            slurm.node("n1"),
+            Err(SlurmError::Parse { command, .. }) if command == "sinfo -h -N -n n1 -o '%N|%T|%E'"
+        ));
+    }
+
+    #[test]
+    fn a_refused_update_is_failed_with_stderr() {
+        let update = r#"echo "slurm_update error: Invalid node state specified" >&2; exit 1"#;
+        let (_dir, slurm) = fake(&format!("{PING_UP}\n{update}"), "");
+        match slurm.resume("n1") {
+            Err(SlurmError::Failed {
+                command, stderr, ..
+            }) => {
+                assert_eq!(command, "scontrol update NodeName=n1 State=RESUME");
+                assert_eq!(stderr, "slurm_update error: Invalid node state specified");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_deadline_covers_the_ping_and_the_update() {
+        let (_dir, mut slurm) = fake(
+            r#"[ "$1" = ping ] && { sleep 0.4; echo "x is UP"; exit 0; }; sleep 5"#,
+            "",
+        );
+        slurm.config.timeout = Duration::from_millis(800);
+        let started = std::time::Instant::now();
+        let result = slurm.drain("n1", "keel: x");
+        assert!(
+            matches!(result, Err(SlurmError::Timeout { .. })),
+            "{result:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
     #[test]
     fn missing_commands_are_not_installed() {
         let slurm = Slurm::new(SlurmConfig {

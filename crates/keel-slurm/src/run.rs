@@ -152,7 +152,7 @@ pub(crate) fn display(program: &Path, args: &[String]) -> String {
         let plain = !arg.is_empty()
             && arg
                 .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_=.,:/%|[]@+".contains(c));
+                .all(|c| c.is_ascii_alphanumeric() || "-_=.,:/%[]@+".contains(c));
         if plain {
             line.push_str(arg);
         } else {
