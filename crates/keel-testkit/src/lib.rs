@@ -258,14 +258,20 @@ impl SlurmCluster {
         }
     }
 
-    /// Waits until every node is idle.
+    /// Waits until every node is plainly `idle` (not drained, not `idle*`).
     pub fn wait_until_idle(&self, timeout: Duration) -> Result<(), TestkitError> {
         let deadline = Instant::now() + timeout;
         loop {
             let idle = self
-                .command("sinfo", &["-h", "-N", "-t", "idle", "-o", "%N"])
+                .command("sinfo", &["-h", "-N", "-o", "%N %T"])
                 .map(|out| {
-                    let mut names: Vec<&str> = out.lines().map(str::trim).collect();
+                    // Plain `idle`: `sinfo -t idle` would count drained nodes.
+                    let mut names: Vec<&str> = out
+                        .lines()
+                        .filter_map(|l| l.split_once(' '))
+                        .filter(|(_, state)| state.trim() == "idle")
+                        .map(|(name, _)| name)
+                        .collect();
                     names.sort_unstable();
                     names.dedup();
                     names.len()
