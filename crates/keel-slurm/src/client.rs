@@ -1,0 +1,421 @@
+//! [`Slurm`]: the client that runs `scontrol` and `sinfo`.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::node::{parse_scontrol_node, parse_sinfo};
+use crate::run::{self, Output};
+use crate::{Action, NodeInfo, SlurmError};
+
+/// How to run Slurm's commands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmConfig {
+    /// The directory holding `scontrol` and `sinfo`; `None` finds them on
+    /// the inherited `PATH`.
+    pub bin_dir: Option<PathBuf>,
+    /// The longest one call ([`Slurm::node`], [`Slurm::drain`], ...) may
+    /// take, all its commands together; past it the running command is
+    /// killed and the call returns [`SlurmError::Timeout`].
+    pub timeout: Duration,
+    /// Variables added to the inherited environment of every command, such
+    /// as `SLURM_CONF`. This crate reads no variables itself.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+impl Default for SlurmConfig {
+    fn default() -> Self {
+        Self {
+            bin_dir: None,
+            timeout: Duration::from_secs(10),
+            env: Vec::new(),
+        }
+    }
+}
+
+/// Runs Slurm's client commands, each with a deadline.
+///
+/// Every call that changes a node first pings the controller and sends the
+/// change only if the controller answered: a request sent to a hung
+/// slurmctld waits in its socket backlog and would be carried out when it
+/// wakes up, after keel has reported a timeout. (The window between the
+/// ping and the change remains; it is milliseconds wide.)
+#[derive(Debug, Clone, Default)]
+pub struct Slurm {
+    config: SlurmConfig,
+}
+
+impl Slurm {
+    pub fn new(config: SlurmConfig) -> Self {
+        Self { config }
+    }
+
+    pub fn config(&self) -> &SlurmConfig {
+        &self.config
+    }
+
+    /// Whether a controller answers (`scontrol ping`). With a primary and a
+    /// backup, one answering is enough.
+    pub fn ping(&self) -> Result<(), SlurmError> {
+        self.ping_by(self.deadline())
+    }
+
+    /// The node's state, flags and reason, from
+    /// `sinfo -h -N -n NAME -o %N|%T|%E`; a node sinfo does not list (one in
+    /// no partition) is looked up with `scontrol show node -o NAME`.
+    pub fn node(&self, name: &str) -> Result<NodeInfo, SlurmError> {
+        check_name(name)?;
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        let args = strings(&["-h", "-N", "-n", name, "-o", "%N|%T|%E"]);
+        let out = self.run_ok("sinfo", &args, deadline)?;
+        let parse_error =
+            |program: &str, args: &[String], out: &Output, reason: String| SlurmError::Parse {
+                command: run::display(&self.program(program), args),
+                output: out.stdout.clone(),
+                reason,
+            };
+        match parse_sinfo(&out.stdout, name) {
+            Ok(Some(node)) => return Ok(node),
+            Ok(None) => {}
+            Err(e) => return Err(parse_error("sinfo", &args, &out, e.0)),
+        }
+        let args = strings(&["show", "node", "-o", name]);
+        let out = self.run("scontrol", &args, deadline)?;
+        if !out.status.success() {
+            if out.stderr.contains("not found") || out.stdout.contains("not found") {
+                return Err(SlurmError::NoSuchNode {
+                    name: name.to_owned(),
+                });
+            }
+            return Err(self.failed("scontrol", &args, &out));
+        }
+        match parse_scontrol_node(&out.stdout, name) {
+            Ok(Some(node)) => Ok(node),
+            Ok(None) => Err(SlurmError::NoSuchNode {
+                name: name.to_owned(),
+            }),
+            Err(e) => Err(parse_error("scontrol", &args, &out, e.0)),
+        }
+    }
+
+    /// `scontrol update NodeName=NAME State=DRAIN Reason=REASON`. The reason
+    /// is passed as one argument, never through a shell; it must be one
+    /// non-empty line.
+    pub fn drain(&self, name: &str, reason: &str) -> Result<(), SlurmError> {
+        check_name(name)?;
+        check_reason(reason)?;
+        self.update(
+            name,
+            &["State=DRAIN".to_owned(), format!("Reason={reason}")],
+        )
+    }
+
+    /// `scontrol update NodeName=NAME State=RESUME`. Slurm refuses to resume
+    /// a node that is not drained or down ([`SlurmError::Failed`]).
+    pub fn resume(&self, name: &str) -> Result<(), SlurmError> {
+        check_name(name)?;
+        self.update(name, &["State=RESUME".to_owned()])
+    }
+
+    /// Carries out what [`crate::decide`] returned; `Nothing` runs nothing.
+    pub fn apply(&self, name: &str, action: &Action) -> Result<(), SlurmError> {
+        match action {
+            Action::Drain { reason } => self.drain(name, reason),
+            Action::Resume => self.resume(name),
+            Action::Nothing { .. } => Ok(()),
+        }
+    }
+
+    fn update(&self, name: &str, changes: &[String]) -> Result<(), SlurmError> {
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        let mut args = vec!["update".to_owned(), format!("NodeName={name}")];
+        args.extend_from_slice(changes);
+        let out = self.run("scontrol", &args, deadline)?;
+        if out.status.success() {
+            return Ok(());
+        }
+        if out.stderr.contains("Invalid node name") {
+            return Err(SlurmError::NoSuchNode {
+                name: name.to_owned(),
+            });
+        }
+        Err(self.failed("scontrol", &args, &out))
+    }
+
+    fn ping_by(&self, deadline: Instant) -> Result<(), SlurmError> {
+        let args = strings(&["ping"]);
+        let out = self.run("scontrol", &args, deadline)?;
+        // "Slurmctld(primary) at HOST is UP"; scontrol exits 1 when any
+        // controller, a backup too, is down.
+        let up = out.stdout.lines().any(|l| l.trim_end().ends_with(" is UP"));
+        let down = out.stdout.contains(" is DOWN");
+        if up || (out.status.success() && !down) {
+            Ok(())
+        } else {
+            Err(self.failed("scontrol", &args, &out))
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    fn program(&self, name: &str) -> PathBuf {
+        match &self.config.bin_dir {
+            Some(dir) => dir.join(name),
+            None => PathBuf::from(name),
+        }
+    }
+
+    fn run(&self, program: &str, args: &[String], deadline: Instant) -> Result<Output, SlurmError> {
+        run::run(
+            &self.program(program),
+            args,
+            &self.config.env,
+            deadline,
+            self.config.timeout,
+        )
+    }
+
+    /// Runs the command and turns a non-zero exit into [`SlurmError::Failed`].
+    fn run_ok(
+        &self,
+        program: &str,
+        args: &[String],
+        deadline: Instant,
+    ) -> Result<Output, SlurmError> {
+        let out = self.run(program, args, deadline)?;
+        if out.status.success() {
+            Ok(out)
+        } else {
+            Err(self.failed(program, args, &out))
+        }
+    }
+
+    fn failed(&self, program: &str, args: &[String], out: &Output) -> SlurmError {
+        let text = if out.stderr.trim().is_empty() {
+            &out.stdout
+        } else {
+            &out.stderr
+        };
+        SlurmError::Failed {
+            command: run::display(&self.program(program), args),
+            status: out.status,
+            stderr: text.trim().to_owned(),
+        }
+    }
+}
+
+fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A node name scontrol and sinfo read as exactly one node.
+fn check_name(name: &str) -> Result<(), SlurmError> {
+    let problem = if name.is_empty() {
+        Some("empty")
+    } else if name.starts_with('-') {
+        Some("starts with '-'")
+    } else if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("contains whitespace")
+    } else if name.contains(['=', ',', '[', ']']) {
+        Some("contains '=', ',' or brackets: one node name expected")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(SlurmError::Invalid {
+            what: "node name",
+            value: name.to_owned(),
+            problem,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A drain reason Slurm stores and sinfo prints back on one line.
+fn check_reason(reason: &str) -> Result<(), SlurmError> {
+    let problem = if reason.trim().is_empty() {
+        Some("empty: Slurm requires a reason to drain")
+    } else if reason.chars().any(char::is_control) {
+        Some("contains a line break or control character")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(SlurmError::Invalid {
+            what: "drain reason",
+            value: reason.to_owned(),
+            problem,
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_reasons_are_checked_before_running_anything() {
+        // No Slurm is needed: validation fails first.
+        let slurm = Slurm::new(SlurmConfig {
+            bin_dir: Some("/nonexistent".into()),
+            ..SlurmConfig::default()
+        });
+        for name in ["", "-h", "n1 n2", "n1,n2", "n[1-2]", "NodeName=n1", "n1\n"] {
+            assert!(
+                matches!(
+                    slurm.drain(name, "keel: x"),
+                    Err(SlurmError::Invalid {
+                        what: "node name",
+                        ..
+                    })
+                ),
+                "{name:?}"
+            );
+            assert!(matches!(slurm.node(name), Err(SlurmError::Invalid { .. })));
+        }
+        for reason in ["", "  ", "keel: a\nb", "keel: \t"] {
+            assert!(
+                matches!(
+                    slurm.drain("n1", reason),
+                    Err(SlurmError::Invalid {
+                        what: "drain reason",
+                        ..
+                    })
+                ),
+                "{reason:?}"
+            );
+        }
+    }
+
+    /// A client whose `scontrol` and `sinfo` are these shell scripts.
+    fn fake(scontrol: &str, sinfo: &str) -> (tempfile::TempDir, Slurm) {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        for (name, body) in [("scontrol", scontrol), ("sinfo", sinfo)] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        let slurm = Slurm::new(SlurmConfig {
+            bin_dir: Some(dir.path().to_owned()),
+            timeout: Duration::from_secs(10),
+            env: vec![("KEEL_FAKE".into(), "n1".into())],
+        });
+        (dir, slurm)
+    }
+
+    const PING_UP: &str = r#"[ "$1" = ping ] && { echo "Slurmctld(primary) at a is UP"; exit 0; }"#;
+
+    #[test]
+    fn one_controller_up_is_enough() {
+        let (_dir, slurm) = fake(
+            "echo 'Slurmctld(primary) at a is UP'; echo 'Slurmctld(backup) at b is DOWN'; exit 1",
+            "",
+        );
+        assert!(slurm.ping().is_ok());
+        let (_dir, slurm) = fake("echo 'Slurmctld(primary) at a is DOWN'; exit 1", "");
+        match slurm.ping() {
+            Err(SlurmError::Failed {
+                command, stderr, ..
+            }) => {
+                assert_eq!(command, "scontrol ping");
+                assert_eq!(stderr, "Slurmctld(primary) at a is DOWN");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn node_reads_sinfo_with_the_configured_environment() {
+        let (_dir, slurm) = fake(PING_UP, r#"echo "$KEEL_FAKE|draining@|keel: x""#);
+        let node = slurm.node("n1").expect("reads");
+        assert_eq!(node.state, crate::NodeState::Draining);
+        assert!(node.flags.reboot_pending);
+        assert_eq!(node.reason.as_deref(), Some("keel: x"));
+    }
+
+    #[test]
+    fn a_node_sinfo_does_not_list_is_looked_up_with_scontrol() {
+        let show = r#"[ "$2" = node ] && [ "$4" = n9 ] && { echo "NodeName=n9 State=DOWN+NOT_RESPONDING Reason=gone [root@2025-01-01T00:00:00]"; exit 0; }"#;
+        let missing = r#"echo "Node $4 not found"; exit 1"#;
+        let (_dir, slurm) = fake(&format!("{PING_UP}\n{show}\n{missing}"), "exit 0");
+        let node = slurm.node("n9").expect("reads");
+        assert_eq!(node.state, crate::NodeState::Down);
+        assert_eq!(node.reason.as_deref(), Some("gone"));
+        assert!(matches!(
+            slurm.node("n8"),
+            Err(SlurmError::NoSuchNode { name }) if name == "n8"
+        ));
+    }
+
+    #[test]
+    fn unreadable_sinfo_output_is_a_parse_error() {
+        let (_dir, slurm) = fake(PING_UP, "echo 'n1 idle none'");
+        assert!(matches!(
+            slurm.node("n1"),
+            Err(SlurmError::Parse { command, .. }) if command == "sinfo -h -N -n n1 -o '%N|%T|%E'"
+        ));
+    }
+
+    #[test]
+    fn a_refused_update_is_failed_with_stderr() {
+        let update = r#"echo "slurm_update error: Invalid node state specified" >&2; exit 1"#;
+        let (_dir, slurm) = fake(&format!("{PING_UP}\n{update}"), "");
+        match slurm.resume("n1") {
+            Err(SlurmError::Failed {
+                command, stderr, ..
+            }) => {
+                assert_eq!(command, "scontrol update NodeName=n1 State=RESUME");
+                assert_eq!(stderr, "slurm_update error: Invalid node state specified");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_deadline_covers_the_ping_and_the_update() {
+        let (_dir, mut slurm) = fake(
+            r#"[ "$1" = ping ] && { sleep 0.4; echo "x is UP"; exit 0; }; sleep 5"#,
+            "",
+        );
+        slurm.config.timeout = Duration::from_millis(800);
+        let started = std::time::Instant::now();
+        let result = slurm.drain("n1", "keel: x");
+        assert!(
+            matches!(result, Err(SlurmError::Timeout { .. })),
+            "{result:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn missing_commands_are_not_installed() {
+        let slurm = Slurm::new(SlurmConfig {
+            bin_dir: Some("/nonexistent/slurm/bin".into()),
+            ..SlurmConfig::default()
+        });
+        match slurm.node("n1") {
+            Err(SlurmError::NotInstalled { program }) => {
+                assert_eq!(program, PathBuf::from("/nonexistent/slurm/bin/scontrol"));
+            }
+            other => panic!("expected NotInstalled, got {other:?}"),
+        }
+        assert!(matches!(
+            slurm.apply("n1", &Action::Resume),
+            Err(SlurmError::NotInstalled { .. })
+        ));
+        // Nothing runs nothing, so it cannot fail.
+        assert!(slurm
+            .apply("n1", &Action::Nothing { why: "fine".into() })
+            .is_ok());
+    }
+}
