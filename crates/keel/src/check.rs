@@ -62,6 +62,20 @@ pub struct RunArgs {
     /// Show every result, not one line per passing check.
     #[arg(long, short)]
     verbose: bool,
+    /// Drain this node through Slurm on a failure, resume it when healthy
+    /// if keel drained it (HealthCheckProgram, prolog, epilog).
+    #[arg(long)]
+    slurm: bool,
+    /// With --slurm: also drain when a check is unknown.
+    #[arg(long, requires = "slurm")]
+    fail_closed: bool,
+    /// With --slurm: seconds each scontrol/sinfo call may take.
+    #[arg(long, value_name = "SECS", requires = "slurm")]
+    slurm_timeout: Option<f64>,
+    /// With --slurm: the Slurm node name (default: SLURMD_NODENAME, then
+    /// the short hostname).
+    #[arg(long, value_name = "NAME", requires = "slurm")]
+    node: Option<String>,
     /// Config file (default: KEEL_CONFIG, then ~/.config/keel/keel.toml).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -173,6 +187,18 @@ fn effective_config(r: &RunArgs) -> anyhow::Result<(CheckConfig, Option<PathBuf>
     if let Some(v) = &r.prometheus_textfile {
         c.prometheus_textfile = Some(v.clone());
     }
+    if let Some(v) = r.slurm_timeout {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(UsageError(format!(
+                "--slurm-timeout {v} must be a positive number of seconds"
+            ))
+            .into());
+        }
+        c.slurm_timeout_s = v;
+    }
+    if r.fail_closed {
+        c.fail_closed = true;
+    }
     Ok((c, path))
 }
 
@@ -218,12 +244,49 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
         write_atomic(path, keel_check::report::prometheus(report, now).as_bytes())
             .with_context(|| format!("cannot write the Prometheus textfile {}", path.display()))?;
     }
+    let slurm = if r.slurm {
+        let env_node = std::env::var("SLURMD_NODENAME")
+            .ok()
+            .filter(|v| !v.is_empty());
+        let node = r.node.clone().or(env_node).or_else(|| {
+            report
+                .host
+                .split('.')
+                .next()
+                .map(str::to_owned)
+                .filter(|h| h != "unknown-host")
+        });
+        Some(crate::slurm::apply(report, node, &cfg))
+    } else {
+        None
+    };
     if out.json {
-        out.json("check", report)?;
+        #[derive(serde::Serialize)]
+        struct WithSlurm<'a> {
+            #[serde(flatten)]
+            report: &'a Report,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            slurm: Option<&'a crate::slurm::SlurmOutcome>,
+        }
+        out.json(
+            "check",
+            &WithSlurm {
+                report,
+                slurm: slurm.as_ref(),
+            },
+        )?;
     } else if r.summary {
         out.text(&format!("{}\n", report.summary))?;
     } else {
         out.text(&render(report, r.verbose, colour_wanted()))?;
+    }
+    if let Some(s) = &slurm {
+        if !out.json {
+            out.text(&format!("slurm: {}\n", s.message))?;
+        }
+        if s.error.is_some() {
+            eprintln!("keel: slurm: {}", s.message);
+        }
     }
     Ok(code_of(report.status))
 }

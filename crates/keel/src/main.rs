@@ -7,6 +7,7 @@ mod config;
 mod exit;
 mod gpu;
 mod output;
+mod slurm;
 mod table;
 mod topo;
 
@@ -46,7 +47,7 @@ pub struct Cli {
 enum Command {
     /// Node health checks (passive tier): GPUs, ECC, XIDs, PCIe, NVLink,
     /// InfiniBand, topology, host. Usable as Slurm's HealthCheckProgram.
-    Check(check::CheckArgs),
+    Check(Box<check::CheckArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {

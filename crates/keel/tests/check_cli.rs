@@ -3,175 +3,12 @@
 //! fixture at the lowest boundary (a sysfs/procfs file, a kernel-log line,
 //! a recorded NVML reading).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
+use std::path::Path;
+
+use common::{keel, results, Node};
 use serde_json::{json, Value};
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("workspace root")
-}
-
-/// A writable copy of a fixture machine.
-struct Node {
-    _tmp: tempfile::TempDir,
-    root: PathBuf,
-    profile: String,
-    sku: &'static str,
-}
-
-impl Node {
-    fn new(fixture: &str, sku: &'static str) -> Node {
-        let tmp = tempfile::tempdir().expect("tempdir");
-        let root = tmp.path().join("root");
-        let src = workspace().join("tests/fixtures").join(fixture);
-        // Everything but sys/ is copied; sys/ (a thousand small files) is
-        // linked, and copied only by cases that change it.
-        std::fs::create_dir(&root).expect("mkdir");
-        for entry in std::fs::read_dir(&src).expect("fixture") {
-            let entry = entry.expect("entry");
-            let name = entry.file_name();
-            if name == "sys" {
-                std::os::unix::fs::symlink(entry.path(), root.join("sys")).expect("link sys");
-            } else {
-                copy(&entry.path(), &root.join(&name));
-            }
-        }
-        // The test machine's disks are not the fixture's: leave them out
-        // unless a case asks for them.
-        Node {
-            _tmp: tmp,
-            root,
-            profile: "[host]\ndisks = []\n".into(),
-            sku,
-        }
-    }
-
-    fn ndv4() -> Node {
-        Node::new("nd96asr_v4", "nd96asr_v4")
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.root.join(rel)
-    }
-
-    /// Replaces the linked sys/ with a private copy before it is changed.
-    fn own(&self, rel: &str) {
-        let sys = self.path("sys");
-        if rel.starts_with("sys/") && std::fs::symlink_metadata(&sys).is_ok_and(|m| m.file_type().is_symlink()) {
-            let target = std::fs::read_link(&sys).expect("link");
-            std::fs::remove_file(&sys).expect("unlink");
-            copy(&target, &sys);
-        }
-    }
-
-    fn write(&self, rel: &str, content: &str) {
-        self.own(rel);
-        std::fs::write(self.path(rel), content).expect("write");
-    }
-
-    fn remove(&self, rel: &str) {
-        self.own(rel);
-        std::fs::remove_file(self.path(rel)).expect("remove");
-    }
-
-    fn gpu(&self, f: impl FnOnce(&mut Value)) {
-        let p = self.path("gpu.json");
-        let mut v: Value =
-            serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
-        f(&mut v);
-        std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).expect("write");
-    }
-
-    fn uptime(&self) -> f64 {
-        let s = std::fs::read_to_string(self.path("proc/uptime")).expect("uptime");
-        s.split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .expect("seconds")
-    }
-
-    /// Appends a kernel-log record `ago` seconds before now.
-    fn log(&self, ago: f64, msg: &str) {
-        let usec = ((self.uptime() - ago) * 1e6) as u64;
-        let p = self.path("dev/kmsg");
-        let mut s = std::fs::read_to_string(&p).expect("kmsg");
-        s.push_str(&format!("3,9999,{usec},-;{msg}\n"));
-        std::fs::write(&p, s).expect("write");
-    }
-
-    fn profile(&mut self, toml: &str) {
-        self.profile = toml.to_owned();
-    }
-
-    fn run(&self, extra: &[&str]) -> (i32, Value, String) {
-        let pf = self.root.with_file_name("profile.toml");
-        std::fs::write(&pf, &self.profile).expect("profile");
-        let mut args: Vec<String> = vec![
-            "--root".into(),
-            self.root.display().to_string(),
-            "--json".into(),
-            "check".into(),
-            "--sku".into(),
-            self.sku.into(),
-            "--profile-file".into(),
-            pf.display().to_string(),
-            "--gpu-snapshot".into(),
-            self.path("gpu.json").display().to_string(),
-            "--imds-endpoint".into(),
-            "127.0.0.1:1".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let out = keel(&args, &[]);
-        let v: Value =
-            serde_json::from_str(&out.1).unwrap_or_else(|e| panic!("{e}: {}\n{}", out.1, out.2));
-        (out.0, v, out.2)
-    }
-}
-
-fn copy(from: &Path, to: &Path) {
-    let st = Command::new("cp").arg("-a").arg(from).arg(to).status().expect("cp");
-    assert!(st.success(), "cp -a {} {}", from.display(), to.display());
-}
-
-fn keel(args: &[String], env: &[(&str, &str)]) -> (i32, String, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
-    c.args(args).current_dir(workspace());
-    for var in [
-        "KEEL_ROOT",
-        "KEEL_CONFIG",
-        "KEEL_SKU",
-        "KEEL_PROFILE_FILE",
-        "KEEL_GPU_SNAPSHOT",
-        "KEEL_STATE_DIR",
-        "KEEL_IMDS_ENDPOINT",
-        "NO_COLOR",
-    ] {
-        c.env_remove(var);
-    }
-    c.env("HOME", "/nonexistent");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    let out = c.output().expect("run keel");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn results<'a>(report: &'a Value, id: &str) -> Vec<&'a Value> {
-    report["results"]
-        .as_array()
-        .expect("results")
-        .iter()
-        .filter(|r| r["id"] == id)
-        .collect()
-}
 
 /// Other checks a fault legitimately affects: a GPU gone from PCI is also
 /// missing from its NUMA node.
@@ -180,7 +17,10 @@ const ALSO: &[(&str, &[&str])] = &[("GPU_MISSING", &["topology"])];
 /// Asserts that check `id` has a result with `status` and `code`, and that
 /// no other check is worse than pass/skip (the fault is the only finding).
 fn assert_fault(report: &Value, id: &str, status: &str, code: &str) {
-    let also: &[&str] = ALSO.iter().find(|(c, _)| *c == code).map_or(&[], |(_, a)| a);
+    let also: &[&str] = ALSO
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or(&[], |(_, a)| a);
     let rs = results(report, id);
     assert!(
         rs.iter()

@@ -1,0 +1,194 @@
+//! `keel check --slurm` against the real Slurm test cluster
+//! (`scripts/slurm-cluster`): a node is drained on an injected fault,
+//! resumed once it is fixed, an administrator's drain is left alone, and a
+//! hung controller does not hold the check beyond its timeout. States are
+//! read back through Slurm itself (raw `sinfo`).
+//!
+//! `scripts/test` starts the cluster and runs these one at a time (nextest
+//! group `slurm`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{keel, Node};
+use keel_testkit::SlurmCluster;
+use serde_json::{json, Value};
+
+/// Runs `keel check --slurm` for `node` on the fixture copy `n`.
+fn check_slurm(
+    cluster: &SlurmCluster,
+    n: &Node,
+    node: &str,
+    extra: &[&str],
+) -> (i32, Value, String) {
+    let pf = n.root.with_file_name("profile.toml");
+    std::fs::write(&pf, &n.profile).expect("profile");
+    let mut args: Vec<String> = [
+        "--root",
+        &n.root.display().to_string(),
+        "--json",
+        "check",
+        "--sku",
+        n.sku,
+        "--profile-file",
+        &pf.display().to_string(),
+        "--gpu-snapshot",
+        &n.path("gpu.json").display().to_string(),
+        "--imds-endpoint",
+        "127.0.0.1:1",
+        "--slurm",
+        "--node",
+        node,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let conf = cluster.conf().display().to_string();
+    let (code, out, err) = keel(&args, &[("SLURM_CONF", &conf)]);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    (code, v, err)
+}
+
+fn ecc_fault(n: &Node) {
+    n.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_faulty_node_is_drained_and_resumed_once_fixed() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(1).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    let n = Node::ndv4();
+    ecc_fault(&n);
+    let (code, v, err) = check_slurm(&cluster, &n, &node, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(v["slurm"]["action"], "drain", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+    assert_eq!(
+        raw.reason,
+        "keel: gpu.ecc_errors: GPU 3 (0004:00:00.0): 2 uncorrectable ECC errors since driver load"
+    );
+
+    // The same fault again: the identical reason is not rewritten.
+    let before = cluster.raw_node(&node).expect("sinfo");
+    std::thread::sleep(Duration::from_millis(1100));
+    let (_, v, _) = check_slurm(&cluster, &n, &node, &[]);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    assert_eq!(
+        cluster.raw_node(&node).expect("sinfo").reason_time,
+        before.reason_time
+    );
+
+    // The GPU is replaced: the next run resumes the node keel drained.
+    let fixed = Node::ndv4();
+    let (code, v, err) = check_slurm(&cluster, &fixed, &node, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["slurm"]["action"], "resume", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(!raw.state.contains("drain"), "{raw:?}");
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn an_administrators_drain_is_left_alone() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(2).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    cluster
+        .admin_drain(&node, "maintenance: reseat DIMM B2")
+        .expect("admin drain");
+    // Healthy: keel does not resume a node it did not drain.
+    let (code, v, _) = check_slurm(&cluster, &Node::ndv4(), &node, &[]);
+    assert_eq!(code, 0);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    // Faulty: keel does not overwrite someone else's reason.
+    let n = Node::ndv4();
+    ecc_fault(&n);
+    let (code, v, _) = check_slurm(&cluster, &n, &node, &[]);
+    assert_eq!(code, 2);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+    assert_eq!(raw.reason, "maintenance: reseat DIMM B2");
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn unknown_never_drains_unless_fail_closed() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(0).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    let n = Node::ndv4();
+    n.remove("dev/kmsg");
+    let (code, v, _) = check_slurm(&cluster, &n, &node, &[]);
+    assert_eq!(code, 3);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    assert!(!cluster
+        .raw_node(&node)
+        .expect("sinfo")
+        .state
+        .contains("drain"));
+    let (code, v, _) = check_slurm(&cluster, &n, &node, &["--fail-closed"]);
+    assert_eq!(code, 3);
+    assert_eq!(v["slurm"]["action"], "drain", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(raw.reason.starts_with("keel: gpu.xid: "), "{raw:?}");
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_hung_controller_does_not_hold_the_check() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(0).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    let n = Node::ndv4();
+    ecc_fault(&n);
+    let paused = cluster.pause_controller().expect("SIGSTOP slurmctld");
+    let start = Instant::now();
+    let (code, v, err) = check_slurm(&cluster, &n, &node, &["--slurm-timeout", "2"]);
+    let took = start.elapsed();
+    paused.resume().expect("SIGCONT slurmctld");
+    assert_eq!(code, 2, "the check's own verdict stands: {err}");
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    assert!(
+        v["slurm"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("did not finish"),
+        "{v}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(err.contains("did nothing"), "{err}");
+    // Nothing queued behind the stopped controller drains the node later.
+    cluster
+        .wait_until_idle(Duration::from_secs(30))
+        .expect("cluster back");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!cluster
+        .raw_node(&node)
+        .expect("sinfo")
+        .state
+        .contains("drain"));
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn without_a_controller_the_check_says_so_and_does_nothing() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(0).to_owned();
+    let n = Node::ndv4();
+    ecc_fault(&n);
+    let stopped = cluster.stop_controller().expect("stop slurmctld");
+    let start = Instant::now();
+    let (code, v, _) = check_slurm(&cluster, &n, &node, &["--slurm-timeout", "3"]);
+    let took = start.elapsed();
+    stopped.restart().expect("restart slurmctld");
+    assert_eq!(code, 2);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    assert!(v["slurm"]["error"].is_string(), "{v}");
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+}
