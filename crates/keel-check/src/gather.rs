@@ -115,9 +115,12 @@ pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs
     };
     let gpu = probe.snapshot().map_err(GpuUnavailable::from);
     let host = gather_host(root, opts);
-    let previous = opts.state_file.as_ref().and_then(|f| {
-        let text = std::fs::read_to_string(f).ok()?;
-        serde_json::from_str::<State>(&text).ok()
+    let previous = opts.state_file.clone().and_then(|f| {
+        with_timeout(opts.timeout, move || {
+            let text = std::fs::read_to_string(f).ok()?;
+            serde_json::from_str::<State>(&text).ok()
+        })
+        .flatten()
     });
     Inputs {
         machine,
@@ -142,8 +145,44 @@ fn read_small(root: &Path, rel: &str) -> Option<String> {
     std::fs::read_to_string(root.join(rel)).ok()
 }
 
+/// The small procfs files, read together on one thread under the timeout.
+struct Small {
+    meminfo: String,
+    modules: Result<Vec<String>, String>,
+    hostname: Option<String>,
+    boot_id: Option<String>,
+    uptime: Option<String>,
+}
+
 fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
-    let meminfo = read_small(root, "proc/meminfo").unwrap_or_default();
+    let base = root.to_path_buf();
+    let small = with_timeout(opts.timeout, move || {
+        let modules_path = base.join("proc/modules");
+        Small {
+            meminfo: read_small(&base, "proc/meminfo").unwrap_or_default(),
+            modules: match std::fs::read_to_string(&modules_path) {
+                Ok(s) => Ok(s
+                    .lines()
+                    .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+                    .collect()),
+                Err(e) => Err(format!("cannot read {}: {e}", modules_path.display())),
+            },
+            hostname: read_small(&base, "proc/sys/kernel/hostname"),
+            boot_id: read_small(&base, "proc/sys/kernel/random/boot_id"),
+            uptime: read_small(&base, "proc/uptime"),
+        }
+    })
+    .unwrap_or_else(|| Small {
+        meminfo: String::new(),
+        modules: Err(format!(
+            "reading /proc did not finish within {:?}",
+            opts.timeout
+        )),
+        hostname: None,
+        boot_id: None,
+        uptime: None,
+    });
+    let meminfo = small.meminfo;
     let kb = |key: &str| -> Option<u64> {
         meminfo.lines().find_map(|l| {
             let rest = l.strip_prefix(key)?.strip_prefix(':')?;
@@ -152,16 +191,7 @@ fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
             (w.next() == Some("kB")).then_some(v * 1024)
         })
     };
-    let modules = match std::fs::read_to_string(root.join("proc/modules")) {
-        Ok(s) => Ok(s
-            .lines()
-            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-            .collect()),
-        Err(e) => Err(format!(
-            "cannot read {}: {e}",
-            root.join("proc/modules").display()
-        )),
-    };
+    let modules = small.modules;
     let kmsg_path = root.join("dev/kmsg");
     let kernel_log = match with_timeout(opts.timeout, move || read_kmsg(&kmsg_path)) {
         Some(Ok(text)) => Ok(kmsg::parse(&text)),
@@ -172,11 +202,13 @@ fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
         )),
     };
     HostFacts {
-        hostname: read_small(root, "proc/sys/kernel/hostname")
+        hostname: small
+            .hostname
             .map(|s| s.trim().to_owned())
             .filter(|s| !s.is_empty()),
-        boot_id: read_small(root, "proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()),
-        uptime_s: read_small(root, "proc/uptime")
+        boot_id: small.boot_id.map(|s| s.trim().to_owned()),
+        uptime_s: small
+            .uptime
             .and_then(|s| s.split_whitespace().next()?.parse().ok()),
         mem_total_bytes: kb("MemTotal"),
         swap_total_bytes: kb("SwapTotal"),

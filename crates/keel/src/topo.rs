@@ -105,7 +105,8 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
                 (Selection::All, Scope::GpuProcesses)
             };
             let procs = keel_topo::read_processes(&root, &selection)?;
-            let v = keel_topo::verify(&m, &procs, scope, None);
+            let nvml = nvml_processes(cli, &m);
+            let v = keel_topo::verify(&m, &procs, scope, nvml.as_ref());
             let code = if v.processes.is_empty() {
                 Code::Unknown
             } else {
@@ -166,6 +167,39 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
             Ok(Code::Ok)
         }
     }
+}
+
+/// NVML's processes per GPU, when NVML is there and the root is the live
+/// machine (a fixture's GPUs are not the ones NVML sees).
+fn nvml_processes(cli: &Cli, m: &Machine) -> Option<keel_topo::verify::GpuProcessMap> {
+    if cli.root != std::path::Path::new("/") || m.gpus.is_empty() {
+        return None;
+    }
+    let probe = crate::gpu::nvml_probe(None, std::time::Duration::from_secs(5));
+    let snap = probe.snapshot().ok()?;
+    Some(gpu_process_map(m, &snap))
+}
+
+/// Maps NVML's per-GPU process lists onto keel-topo's GPU indices (by PCI
+/// address).
+pub fn gpu_process_map(
+    m: &Machine,
+    snap: &keel_gpu::GpuSnapshot,
+) -> keel_topo::verify::GpuProcessMap {
+    let mut map = keel_topo::verify::GpuProcessMap::new();
+    for reading in &snap.gpus {
+        let Some(gpu) = m
+            .gpus
+            .iter()
+            .find(|g| g.pci.to_string() == reading.pci_bus_id)
+        else {
+            continue;
+        };
+        for p in reading.processes.iter().flatten() {
+            map.entry(p.pid).or_default().push(gpu.index);
+        }
+    }
+    map
 }
 
 fn read(root: &Root) -> anyhow::Result<Machine> {
@@ -503,4 +537,27 @@ pub fn render_verify(m: &Machine, v: &Verification, code: Code) -> String {
         s.push_str(&format!("{}\n", status_word(code)));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvml_processes_map_to_topo_gpu_indices_by_pci_address() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/nd96asr_v4");
+        let m = keel_topo::read_machine(&Root::new(&root)).expect("machine");
+        let mut snap = keel_gpu::recorded::load(&root.join("gpu.json")).expect("snapshot");
+        // NVML lists GPU 5 (000c:00:00.0) as running pid 41006.
+        let i = snap.gpus.iter().position(|g| g.pci_bus_id == "000c:00:00.0").expect("gpu");
+        snap.gpus[i].processes = Some(vec![keel_gpu::GpuProcess { pid: 41006, used_memory_bytes: Some(1 << 30) }]);
+        let map = gpu_process_map(&m, &snap);
+        assert_eq!(map.get(&41006), Some(&vec![5]));
+        assert_eq!(map.len(), 1);
+        let procs = keel_topo::read_processes(&Root::new(&root), &Selection::All).expect("procs");
+        let v = keel_topo::verify(&m, &procs, Scope::GpuProcesses, Some(&map));
+        let p = v.processes.iter().find(|p| p.pid == 41006).expect("pid");
+        assert_eq!(p.gpu, Some(5));
+        assert_eq!(p.gpu_source, Some(keel_topo::verify::GpuSource::Nvml));
+    }
 }
