@@ -341,32 +341,8 @@ fn human_summary_json_and_prometheus_outputs() {
     let n = Node::ndv4();
     n.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
     n.log(600.0, "NVRM: Xid (PCI:0004:00:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error");
-    let pf = n.root.with_file_name("profile.toml");
-    std::fs::write(&pf, &n.profile).expect("profile");
     let prom = n.root.with_file_name("keel.prom");
-    let base = |json: bool, extra: &[&str]| {
-        let mut a: Vec<String> = vec!["--root".into(), n.root.display().to_string()];
-        if json {
-            a.push("--json".into());
-        }
-        a.extend(
-            [
-                "check",
-                "--sku",
-                "nd96asr_v4",
-                "--profile-file",
-                &pf.display().to_string(),
-                "--gpu-snapshot",
-                &n.path("gpu.json").display().to_string(),
-                "--imds-endpoint",
-                "127.0.0.1:1",
-            ]
-            .iter()
-            .map(|s| s.to_string()),
-        );
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
-    };
+    let base = |json: bool, extra: &[&str]| n.check_args(json, extra);
     let (code, text, _) = keel(&base(false, &[]), &[]);
     assert_eq!(code, 2);
     insta::assert_snapshot!("check-human-failing", redact(&text));
@@ -424,23 +400,7 @@ fn healthy_human_output() {
         ("cpu-only", "generic"),
     ] {
         let n = Node::new(fixture, sku);
-        let pf = n.root.with_file_name("profile.toml");
-        std::fs::write(&pf, &n.profile).expect("profile");
-        let mut args: Vec<String> = vec![
-            "--root".into(),
-            n.root.display().to_string(),
-            "check".into(),
-            "--sku".into(),
-            sku.into(),
-            "--profile-file".into(),
-            pf.display().to_string(),
-            "--imds-endpoint".into(),
-            "127.0.0.1:1".into(),
-        ];
-        if n.path("gpu.json").exists() {
-            args.push("--gpu-snapshot".into());
-            args.push(n.path("gpu.json").display().to_string());
-        }
+        let args = n.check_args(false, &[]);
         let (code, text, err) = keel(&args, &[]);
         assert_eq!(code, 0, "{err}");
         insta::assert_snapshot!(format!("check-human-{fixture}"), redact(&text));

@@ -22,29 +22,9 @@ fn check_slurm(
     node: &str,
     extra: &[&str],
 ) -> (i32, Value, String) {
-    let pf = n.root.with_file_name("profile.toml");
-    std::fs::write(&pf, &n.profile).expect("profile");
-    let mut args: Vec<String> = [
-        "--root",
-        &n.root.display().to_string(),
-        "--json",
-        "check",
-        "--sku",
-        n.sku,
-        "--profile-file",
-        &pf.display().to_string(),
-        "--gpu-snapshot",
-        &n.path("gpu.json").display().to_string(),
-        "--imds-endpoint",
-        "127.0.0.1:1",
-        "--slurm",
-        "--node",
-        node,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut with_slurm = vec!["--slurm", "--node", node];
+    with_slurm.extend_from_slice(extra);
+    let args = n.check_args(true, &with_slurm);
     let conf = cluster.conf().display().to_string();
     let (code, out, err) = keel(&args, &[("SLURM_CONF", &conf)]);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));

@@ -122,107 +122,24 @@ fn plan_every_launcher_on_every_gpu_fixture() {
     }
 }
 
+/// Splits a command line of the cases below into arguments.
+fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
 #[test]
 fn plan_variants() {
-    let cases: &[(&str, &[&str])] = &[
-        (
-            "ndv4-srun-explain",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--explain",
-            ],
-        ),
-        (
-            "ndv4-srun-12cpus",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--cpus-per-rank",
-                "12",
-            ],
-        ),
-        (
-            "ndv4-mpirun-pe",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "mpirun",
-                "--cpus-per-rank",
-                "12",
-                "--explain",
-            ],
-        ),
-        (
-            "ndv4-4ranks",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--ranks-per-node",
-                "4",
-            ],
-        ),
-        (
-            "ndv4-16ranks",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--ranks-per-node",
-                "16",
-                "--cpus-per-rank",
-                "6",
-            ],
-        ),
-        (
-            "dgx-smt-torchrun",
-            &[
-                "--root",
-                "tests/fixtures/dgx-a100",
-                "topo",
-                "plan",
-                "--launcher",
-                "torchrun",
-                "--cpus-per-rank",
-                "6",
-                "--explain",
-            ],
-        ),
-        (
-            "h100-json",
-            &[
-                "--root",
-                "tests/fixtures/nd96isr_h100_v5",
-                "--json",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--cpus-per-rank",
-                "12",
-            ],
-        ),
+    let cases = [
+        ("ndv4-srun-explain", "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --explain"),
+        ("ndv4-srun-12cpus", "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --cpus-per-rank 12"),
+        ("ndv4-mpirun-pe", "--root tests/fixtures/nd96asr_v4 topo plan --launcher mpirun --cpus-per-rank 12 --explain"),
+        ("ndv4-4ranks", "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --ranks-per-node 4"),
+        ("ndv4-16ranks", "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --ranks-per-node 16 --cpus-per-rank 6"),
+        ("dgx-smt-torchrun", "--root tests/fixtures/dgx-a100 topo plan --launcher torchrun --cpus-per-rank 6 --explain"),
+        ("h100-json", "--root tests/fixtures/nd96isr_h100_v5 --json topo plan --launcher srun --cpus-per-rank 12"),
     ];
-    for (name, args) in cases {
-        let (code, text) = transcript(args);
+    for (name, line) in cases {
+        let (code, text) = transcript(&words(line));
         assert_eq!(code, 0, "{text}");
         insta::assert_snapshot!(format!("plan-{name}"), text);
     }
@@ -230,167 +147,87 @@ fn plan_variants() {
 
 #[test]
 fn plan_refuses_without_guessing() {
-    let cases: &[(&str, &[&str], i32)] = &[
+    let cases = [
         (
             "no-gpu",
-            &[
-                "--root",
-                "tests/fixtures/cpu-only",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-            ],
+            "--root tests/fixtures/cpu-only topo plan --launcher srun",
             3,
         ),
         (
             "more-ranks-than-cpus",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--ranks-per-node",
-                "128",
-            ],
+            "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --ranks-per-node 128",
             64,
         ),
         (
             "too-many-cpus",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--cpus-per-rank",
-                "13",
-            ],
+            "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --cpus-per-rank 13",
             64,
         ),
         (
             "uneven",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "srun",
-                "--ranks-per-node",
-                "3",
-            ],
+            "--root tests/fixtures/nd96asr_v4 topo plan --launcher srun --ranks-per-node 3",
             64,
         ),
         (
             "mpirun-gpu-less-numa",
-            &[
-                "--root",
-                "tests/fixtures/dgx-a100",
-                "topo",
-                "plan",
-                "--launcher",
-                "mpirun",
-            ],
+            "--root tests/fixtures/dgx-a100 topo plan --launcher mpirun",
             64,
         ),
         (
             "bad-launcher",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4",
-                "topo",
-                "plan",
-                "--launcher",
-                "pdsh",
-            ],
+            "--root tests/fixtures/nd96asr_v4 topo plan --launcher pdsh",
             64,
         ),
     ];
-    for (name, args, expected) in cases {
-        let (code, text) = transcript(args);
-        assert_eq!(code, *expected, "{text}");
+    for (name, line, expected) in cases {
+        let (code, text) = transcript(&words(line));
+        assert_eq!(code, expected, "{text}");
         insta::assert_snapshot!(format!("plan-refuses-{name}"), text);
     }
 }
 
 #[test]
 fn verify_fixtures() {
-    let cases: &[(&str, &[&str], i32)] = &[
+    let cases = [
         (
             "ndv4-healthy",
-            &["--root", "tests/fixtures/nd96asr_v4", "topo", "verify"],
+            "--root tests/fixtures/nd96asr_v4 topo verify",
             0,
         ),
         (
             "ndv4-misbound",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4-misbound",
-                "topo",
-                "verify",
-            ],
+            "--root tests/fixtures/nd96asr_v4-misbound topo verify",
             2,
         ),
         (
             "ndv4-misbound-json",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4-misbound",
-                "--json",
-                "topo",
-                "verify",
-            ],
+            "--root tests/fixtures/nd96asr_v4-misbound --json topo verify",
             2,
         ),
         (
             "ndv4-misbound-pid",
-            &[
-                "--root",
-                "tests/fixtures/nd96asr_v4-misbound",
-                "topo",
-                "verify",
-                "--pid",
-                "52005",
-                "52006",
-            ],
+            "--root tests/fixtures/nd96asr_v4-misbound topo verify --pid 52005 52006",
             1,
         ),
         (
             "h100-healthy",
-            &[
-                "--root",
-                "tests/fixtures/nd96isr_h100_v5",
-                "topo",
-                "verify",
-                "--all",
-            ],
+            "--root tests/fixtures/nd96isr_h100_v5 topo verify --all",
             0,
         ),
         (
             "cpu-only-nothing",
-            &["--root", "tests/fixtures/cpu-only", "topo", "verify"],
+            "--root tests/fixtures/cpu-only topo verify",
             3,
         ),
         (
             "no-such-pid",
-            &[
-                "--root",
-                "tests/fixtures/cpu-only",
-                "topo",
-                "verify",
-                "--pid",
-                "4242",
-            ],
+            "--root tests/fixtures/cpu-only topo verify --pid 4242",
             64,
         ),
     ];
-    for (name, args, expected) in cases {
-        let (code, text) = transcript(args);
-        assert_eq!(code, *expected, "{text}");
+    for (name, line, expected) in cases {
+        let (code, text) = transcript(&words(line));
+        assert_eq!(code, expected, "{text}");
         insta::assert_snapshot!(format!("verify-{name}"), text);
     }
 }

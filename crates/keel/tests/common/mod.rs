@@ -108,24 +108,29 @@ impl Node {
         self.profile = toml.to_owned();
     }
 
-    pub fn run(&self, extra: &[&str]) -> (i32, Value, String) {
+    /// `keel --root ROOT [--json] check --sku ... --profile-file ...
+    /// [--gpu-snapshot ...] --imds-endpoint 127.0.0.1:1 EXTRA...`: the node's
+    /// profile overrides written, no real IMDS asked.
+    pub fn check_args(&self, json: bool, extra: &[&str]) -> Vec<String> {
         let pf = self.root.with_file_name("profile.toml");
         std::fs::write(&pf, &self.profile).expect("profile");
-        let mut args: Vec<String> = vec![
-            "--root".into(),
-            self.root.display().to_string(),
-            "--json".into(),
-            "check".into(),
-            "--sku".into(),
-            self.sku.into(),
-            "--profile-file".into(),
-            pf.display().to_string(),
-            "--gpu-snapshot".into(),
-            self.path("gpu.json").display().to_string(),
-            "--imds-endpoint".into(),
-            "127.0.0.1:1".into(),
-        ];
+        let mut args: Vec<String> = vec!["--root".into(), self.root.display().to_string()];
+        if json {
+            args.push("--json".into());
+        }
+        args.extend(["check", "--sku", self.sku, "--profile-file"].map(String::from));
+        args.push(pf.display().to_string());
+        if self.path("gpu.json").exists() {
+            args.push("--gpu-snapshot".into());
+            args.push(self.path("gpu.json").display().to_string());
+        }
+        args.extend(["--imds-endpoint", "127.0.0.1:1"].map(String::from));
         args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    pub fn run(&self, extra: &[&str]) -> (i32, Value, String) {
+        let args = self.check_args(true, extra);
         let out = keel(&args, &[]);
         let v: Value =
             serde_json::from_str(&out.1).unwrap_or_else(|e| panic!("{e}: {}\n{}", out.1, out.2));
