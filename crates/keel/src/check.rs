@@ -306,6 +306,11 @@ pub fn check_node(cli: &Cli, cfg: &CheckConfig, expect_idle: bool) -> anyhow::Re
     let timeout = Duration::from_secs_f64(cfg.read_timeout_s.max(0.1));
     let probe: Box<dyn GpuProbe> = match &cfg.gpu_snapshot {
         Some(f) => Box::new(RecordedProbe::new(f)),
+        // NVML sees the GPUs of this machine, not those of another root.
+        None if cli.root != Path::new("/") => Box::new(crate::gpu::Unavailable(format!(
+            "NVML reads this machine's GPUs, not those under --root {}; pass --gpu-snapshot FILE",
+            cli.root.display()
+        ))),
         None => crate::gpu::nvml_probe(cfg.nvml_library.as_deref(), timeout),
     };
     // The mounts to check come from the profile, which may depend on the

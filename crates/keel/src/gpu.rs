@@ -15,3 +15,14 @@ pub fn nvml_probe(library: Option<&Path>, timeout: Duration) -> Box<dyn GpuProbe
     };
     Box::new(probe.with_timeout(timeout))
 }
+
+/// A probe that always answers "unavailable", with the reason.
+pub struct Unavailable(pub String);
+
+impl GpuProbe for Unavailable {
+    fn snapshot(&self) -> Result<keel_gpu::GpuSnapshot, keel_gpu::GpuError> {
+        Err(keel_gpu::GpuError::Unavailable {
+            reason: self.0.clone(),
+        })
+    }
+}
