@@ -53,7 +53,11 @@ fn answer(child: std::process::Child) -> String {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         // libtest may print "test child_rank ... " before it on the line.
-        .find_map(|l| l.find("ID ").or_else(|| l.find("ERROR ")).map(|i| l[i..].to_owned()))
+        .find_map(|l| {
+            l.find("ID ")
+                .or_else(|| l.find("ERROR "))
+                .map(|i| l[i..].to_owned())
+        })
         .unwrap_or_else(|| "(no answer)".to_owned())
 }
 
