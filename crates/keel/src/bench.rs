@@ -441,7 +441,7 @@ fn nccl(cli: &Cli, a: &NcclArgs, out: &mut Out) -> anyhow::Result<Code> {
         factor: a.step_factor,
         step_bytes: parse_bytes("-i", &a.step_bytes)?,
     };
-    sweep.sizes().map_err(|e| usage(e))?;
+    sweep.sizes().map_err(usage)?;
     if !(a.rendezvous_timeout > 0.0 && a.rendezvous_timeout.is_finite()) {
         return Err(usage(
             "--rendezvous-timeout must be a positive number of seconds",
