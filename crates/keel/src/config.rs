@@ -14,6 +14,21 @@ use serde::{Deserialize, Serialize};
 pub struct FileConfig {
     #[serde(default)]
     pub check: FileCheck,
+    #[serde(default)]
+    pub bench: FileBench,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileBench {
+    pub cuda_lib_dir: Option<PathBuf>,
+}
+
+/// The effective `keel bench` settings.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchConfig {
+    /// Directory searched first for libcuda, libcublas and libnccl.
+    pub cuda_lib_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -89,6 +104,11 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_PROMETHEUS_TEXTFILE", "check.prometheus_textfile"),
     ("KEEL_SLURM_TIMEOUT_S", "check.slurm_timeout_s"),
     ("KEEL_FAIL_CLOSED", "check.fail_closed (true/false)"),
+    ("KEEL_CUDA_LIB_DIR", "bench.cuda_lib_dir"),
+    (
+        "KEEL_RENDEZVOUS",
+        "keel bench nccl --rendezvous (HOST:PORT of rank 0)",
+    ),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
@@ -97,6 +117,31 @@ pub fn load(
     explicit: Option<&Path>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<(CheckConfig, Option<PathBuf>)> {
+    let (file, path) = load_file(explicit, env)?;
+    Ok((check_config(file, env)?, path))
+}
+
+/// The `keel bench` settings: file < `KEEL_CUDA_LIB_DIR` (the flag is
+/// applied by the caller).
+pub fn load_bench(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(BenchConfig, Option<PathBuf>)> {
+    let (file, path) = load_file(explicit, env)?;
+    let mut c = BenchConfig {
+        cuda_lib_dir: file.bench.cuda_lib_dir,
+    };
+    if let Some(v) = env("KEEL_CUDA_LIB_DIR") {
+        c.cuda_lib_dir = Some(v.into());
+    }
+    Ok((c, path))
+}
+
+/// Reads the config file, if there is one.
+fn load_file(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(FileConfig, Option<PathBuf>)> {
     let path = explicit
         .map(Path::to_path_buf)
         .or_else(|| env("KEEL_CONFIG").map(PathBuf::from))
@@ -114,6 +159,13 @@ pub fn load(
         }
         None => FileConfig::default(),
     };
+    Ok((file, path))
+}
+
+fn check_config(
+    file: FileConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<CheckConfig> {
     let mut c = CheckConfig::default();
     let f = file.check;
     macro_rules! take {
@@ -173,7 +225,7 @@ pub fn load(
             }
         };
     }
-    Ok((c, path))
+    Ok(c)
 }
 
 #[cfg(test)]
@@ -215,5 +267,26 @@ mod tests {
         for (var, _) in ENV_VARS {
             assert!(doc.contains(var), "docs/config.md does not document {var}");
         }
+        let bench = serde_json::to_value(BenchConfig::default()).expect("serialises");
+        for k in bench.as_object().expect("object").keys() {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document bench.{k}"
+            );
+        }
+    }
+
+    #[test]
+    fn bench_settings_file_then_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(&f, "[bench]\ncuda_lib_dir = \"/opt/a\"\n").expect("write");
+        let (c, _) = load_bench(Some(&f), &|_| None).expect("config");
+        assert_eq!(c.cuda_lib_dir.as_deref(), Some(Path::new("/opt/a")));
+        let env = |k: &str| (k == "KEEL_CUDA_LIB_DIR").then(|| "/opt/b".to_owned());
+        let (c, _) = load_bench(Some(&f), &env).expect("config");
+        assert_eq!(c.cuda_lib_dir.as_deref(), Some(Path::new("/opt/b")));
+        // The check settings still load from a file with a [bench] table.
+        assert!(load(Some(&f), &|_| None).is_ok());
     }
 }

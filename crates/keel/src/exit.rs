@@ -69,6 +69,12 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 _ => Code::Usage,
             };
         }
+        if let Some(b) = e.downcast_ref::<keel_bench::BenchError>() {
+            return bench_code(b);
+        }
+        if let Some(c) = e.downcast_ref::<keel_cuda::CudaError>() {
+            return cuda_code(c);
+        }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
             return match g {
                 keel_gpu::GpuError::Unavailable { .. }
@@ -80,6 +86,34 @@ pub fn classify(err: &anyhow::Error) -> Code {
         }
     }
     Code::Io
+}
+
+fn bench_code(b: &keel_bench::BenchError) -> Code {
+    use keel_bench::rendezvous::RendezvousError as R;
+    use keel_bench::BenchError as B;
+    match b {
+        B::Cuda(c) => cuda_code(c),
+        B::Invalid(_) => Code::Usage,
+        // The other ranks never came (or rank 0 never answered): the
+        // benchmark could not run.
+        B::Rendezvous(R::Timeout { .. }) => Code::Unknown,
+        B::Rendezvous(R::Protocol { .. } | R::Resolve { .. }) => Code::Usage,
+        B::Rendezvous(R::Bind { .. } | R::Io { .. }) => Code::Io,
+        B::Affinity { .. } => Code::Io,
+        B::Panicked { .. } => Code::Failed,
+    }
+}
+
+/// Missing libraries and drivers are "unavailable" (3); a GPU that cannot
+/// do what was asked, or a GPU that does not exist, is a usage error; a
+/// CUDA, cuBLAS or NCCL call failing during the run is a failure (2).
+fn cuda_code(c: &keel_cuda::CudaError) -> Code {
+    use keel_cuda::CudaError as C;
+    match c {
+        C::Unavailable { .. } | C::MissingSymbol { .. } => Code::Unknown,
+        C::NoSuchDevice { .. } | C::Unsupported { .. } => Code::Usage,
+        C::Driver { .. } | C::Blas { .. } | C::Nccl { .. } | C::OutOfBounds { .. } => Code::Failed,
+    }
 }
 
 fn topo_code(t: &TopoError) -> Code {

@@ -2,6 +2,7 @@
 //! anyhow, terminals and exit codes; every capability lives in a library
 //! crate that returns typed results and errors.
 
+mod bench;
 mod check;
 mod config;
 mod exit;
@@ -45,6 +46,12 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// GPU benchmarks: host-device copies, GEMM, NCCL collectives
+    /// (nccl-tests compatible).
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
     /// Node health checks (passive tier): GPUs, ECC, XIDs, PCIe, NVLink,
     /// InfiniBand, topology, host. Usable as Slurm's HealthCheckProgram.
     Check(Box<check::CheckArgs>),
@@ -74,6 +81,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
         Command::Check(args) => check::run(&cli, args, &mut out),
+        Command::Bench { command } => bench::run(&cli, command, &mut out),
     };
     let code = match result {
         Ok(code) => code,
