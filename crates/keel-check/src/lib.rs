@@ -12,6 +12,7 @@
 //! (time comes from the node's own `/proc/uptime` and an injected
 //! [`Clock`]).
 
+pub mod active;
 pub mod checks;
 pub mod fleet;
 pub mod gather;

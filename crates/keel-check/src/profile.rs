@@ -59,6 +59,37 @@ pub struct Profile {
     /// Expected GPU and HCA PCI addresses per NUMA node.
     #[serde(default)]
     pub topology: Vec<NumaLayout>,
+    /// Floors for `keel bench` results (`keel check --bench FILE`).
+    #[serde(default)]
+    pub active: ActiveExpect,
+}
+
+/// Floors for the active tier; a result below one fails, below
+/// `warn_factor` times it warns. Unset: the value is reported, not judged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActiveExpect {
+    pub h2d_gbps: Option<f64>,
+    pub d2h_gbps: Option<f64>,
+    /// GPU-to-GPU peer copy.
+    pub peer_gbps: Option<f64>,
+    /// Device-to-device copy, bytes read plus written.
+    pub hbm_tbps: Option<f64>,
+    pub gemm_bf16_tflops: Option<f64>,
+    /// NCCL all-reduce bus bandwidth at the largest size, on
+    /// `allreduce_ranks` ranks.
+    pub allreduce_busbw_gbps: Option<f64>,
+    #[serde(default = "d_ranks")]
+    pub allreduce_ranks: u32,
+    #[serde(default = "d_warn_factor")]
+    pub warn_factor: f64,
+}
+
+fn d_ranks() -> u32 {
+    8
+}
+fn d_warn_factor() -> f64 {
+    1.05
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -220,6 +251,7 @@ default_from_toml!(GpuExpect);
 default_from_toml!(XidPolicy);
 default_from_toml!(IbExpect);
 default_from_toml!(HostExpect);
+default_from_toml!(ActiveExpect);
 
 /// Names of the built-in profiles.
 pub fn builtin_names() -> Vec<&'static str> {

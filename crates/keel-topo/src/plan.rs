@@ -140,7 +140,7 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
             cpus: machine.cpus.len(),
         });
     }
-    if n % g != 0 && g % n != 0 {
+    if !n.is_multiple_of(g) && !g.is_multiple_of(n) {
         return Err(PlanError::Uneven { ranks: n, gpus: g });
     }
     for gpu in gpus {

@@ -46,6 +46,10 @@ pub struct RunArgs {
     /// Azure IMDS address (host:port), for tests and proxies.
     #[arg(long, value_name = "HOST:PORT")]
     imds_endpoint: Option<String>,
+    /// Judge `keel bench ... --json` results (files or directories of
+    /// *.json) against the profile: the active tier.
+    #[arg(long, value_name = "PATH", num_args = 1..)]
+    bench: Vec<PathBuf>,
     /// The node must have no GPU processes (prolog/epilog use).
     #[arg(long)]
     expect_idle: bool,
@@ -233,7 +237,7 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
         }
         return Ok(Code::Ok);
     }
-    let outcome = check_node(cli, &cfg, r.expect_idle)?;
+    let outcome = check_node(cli, &cfg, r.expect_idle, &r.bench)?;
     let report = &outcome.report;
 
     if let Some(path) = &cfg.prometheus_textfile {
@@ -301,7 +305,12 @@ pub fn code_of(s: Status) -> Code {
 }
 
 /// Gathers inputs, chooses the profile and runs the passive checks.
-pub fn check_node(cli: &Cli, cfg: &CheckConfig, expect_idle: bool) -> anyhow::Result<Outcome> {
+pub fn check_node(
+    cli: &Cli,
+    cfg: &CheckConfig,
+    expect_idle: bool,
+    bench: &[PathBuf],
+) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let timeout = Duration::from_secs_f64(cfg.read_timeout_s.max(0.1));
     let probe: Box<dyn GpuProbe> = match &cfg.gpu_snapshot {
@@ -330,8 +339,17 @@ pub fn check_node(cli: &Cli, cfg: &CheckConfig, expect_idle: bool) -> anyhow::Re
     opts.mounts = profile.host.disks.iter().map(|d| d.mount.clone()).collect();
     inputs.host.disk_free = keel_check::gather::disk_free(&cli.root, &opts);
 
-    let results: Vec<CheckResult> =
+    let mut results: Vec<CheckResult> =
         keel_check::run(&profile, &inputs, RunOptions { expect_idle }, &SystemClock);
+    for file in json_files(bench)? {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        let doc: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| crate::exit::DataError(format!("{} is not JSON: {e}", file.display())))?;
+        let active = keel_check::active::from_bench(&profile, &file.display().to_string(), &doc)
+            .map_err(|e| crate::exit::DataError(e.to_string()))?;
+        results.extend(active);
+    }
     let host = inputs
         .host
         .hostname
@@ -526,10 +544,8 @@ pub fn render(report: &Report, verbose: bool, colour: bool) -> String {
     s
 }
 
-fn merge(paths: &[PathBuf], pct: f64, out: &mut Out) -> anyhow::Result<Code> {
-    if !(0.0..100.0).contains(&pct) {
-        return Err(UsageError(format!("--outlier-pct {pct} must be between 0 and 100")).into());
-    }
+/// The files named, with directories replaced by the *.json files in them.
+fn json_files(paths: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for p in paths {
         if p.is_dir() {
@@ -544,6 +560,14 @@ fn merge(paths: &[PathBuf], pct: f64, out: &mut Out) -> anyhow::Result<Code> {
             files.push(p.clone());
         }
     }
+    Ok(files)
+}
+
+fn merge(paths: &[PathBuf], pct: f64, out: &mut Out) -> anyhow::Result<Code> {
+    if !(0.0..100.0).contains(&pct) {
+        return Err(UsageError(format!("--outlier-pct {pct} must be between 0 and 100")).into());
+    }
+    let files = json_files(paths)?;
     if files.is_empty() {
         return Err(
             UsageError("no report to merge (directories are searched for *.json)".into()).into(),
