@@ -256,6 +256,15 @@ impl Store {
         self.backend
     }
 
+    /// The smallest part a multipart upload may have (but its last): S3
+    /// refuses parts under 5 MiB.
+    pub fn min_part_size(&self) -> u64 {
+        match self.backend {
+            Backend::S3 => 5 << 20,
+            _ => 0,
+        }
+    }
+
     /// The object_store handle and the absolute path of a key, for the
     /// transfer module.
     pub(crate) fn raw(&self) -> &Arc<dyn ObjectStore> {
