@@ -22,7 +22,14 @@ fn file_env() -> Env {
     let tmp = tempfile::tempdir().expect("tmp");
     let url = StoreUrl::parse(&format!("file://{}", tmp.path().display())).expect("url");
     Env {
-        store: Store::open(&url, &StoreOptions::default()).expect("open"),
+        store: Store::open(
+            &url,
+            &StoreOptions {
+                create_root: true,
+                ..Default::default()
+            },
+        )
+        .expect("open"),
         _tmp: Some(tmp),
     }
 }
