@@ -116,16 +116,16 @@ fn scale(v: f64) -> (String, &'static str) {
     (s, pick.0)
 }
 
-/// A token bucket shared by all transfers of a process (clone the `Arc`).
-/// A transfer asks for its bytes before it moves them; the limiter hands out
-/// time slots so that the total rate stays at the cap, with a burst of at
-/// most `burst` worth of bytes after an idle spell.
+/// A pacer shared by all transfers of a process (clone the `Arc`). A
+/// transfer asks for its bytes before it moves them; each request gets the
+/// next slot of `bytes / cap` seconds on one timeline and returns when its
+/// slot ends, so bytes are released no faster than the cap however many
+/// transfers ask at once. Idle time is not banked: after a pause the
+/// timeline restarts from now.
 #[derive(Debug)]
 pub struct Limiter {
     rate: Option<Bandwidth>,
-    burst: Duration,
-    /// The virtual time at which the bytes granted so far will have gone
-    /// out at the cap.
+    /// When the bytes granted so far will have gone out at the cap.
     next: Mutex<Option<Instant>>,
 }
 
@@ -134,7 +134,6 @@ impl Limiter {
     pub fn unlimited() -> Self {
         Self {
             rate: None,
-            burst: Duration::ZERO,
             next: Mutex::new(None),
         }
     }
@@ -142,7 +141,6 @@ impl Limiter {
     pub fn new(cap: Bandwidth) -> Self {
         Self {
             rate: Some(cap),
-            burst: Duration::from_millis(50),
             next: Mutex::new(None),
         }
     }
@@ -155,21 +153,18 @@ impl Limiter {
     pub async fn acquire(&self, bytes: u64) {
         let Some(rate) = self.rate else { return };
         let cost = Duration::from_secs_f64(bytes as f64 / rate.bytes_per_sec());
-        let wait_until = {
+        let end = {
             let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
-            // Idle time is not banked beyond the burst allowance.
             let start = match *next {
-                Some(t) if t + self.burst > now => t,
-                _ => now.checked_sub(self.burst).unwrap_or(now),
+                Some(t) if t > now => t,
+                _ => now,
             };
             let end = start + cost;
             *next = Some(end);
-            // The bytes may go once their slot has started and the slot
-            // before them is done, less the burst allowance.
-            end.checked_sub(self.burst).unwrap_or(end)
+            end
         };
-        tokio::time::sleep_until(wait_until).await;
+        tokio::time::sleep_until(end).await;
     }
 }
 
@@ -237,9 +232,9 @@ mod tests {
         for t in tasks {
             t.await.expect("task");
         }
-        // 2 MB at 1 MB/s: 2 s, less the 50 ms burst.
+        // 2 MB at 1 MB/s: 2 s, never less.
         let took = start.elapsed().as_secs_f64();
-        assert!((1.9..=2.01).contains(&took), "{took}");
+        assert!((2.0..=2.01).contains(&took), "{took}");
     }
 
     #[tokio::test(start_paused = true)]
