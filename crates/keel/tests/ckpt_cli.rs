@@ -194,7 +194,10 @@ fn crash_safety(t: Target) {
             now >= last_latest,
             "trial {trial}: latest moved back from {last_latest} to {now}"
         );
-        assert!(now == last_latest || now == step, "trial {trial}: {now}");
+        // A request a killed push had already sent may still land after
+        // the kill (the server finishes it): latest may name the step of an
+        // earlier trial, never one that was not pushed.
+        assert!(now <= step, "trial {trial}: latest {now} was never pushed");
         last_latest = now;
         let (code, v, err) = json(&t, &["ckpt", "verify", &t.url, "--run", "r"]);
         assert_eq!(code, 0, "trial {trial}: latest does not verify: {v} {err}");
