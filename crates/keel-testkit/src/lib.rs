@@ -9,8 +9,15 @@
 //! check keel-slurm's parser with itself), and pauses, stops and restarts
 //! slurmctld to simulate a hung or dead controller.
 //!
-//! It does not start the cluster: `scripts/test` does, once, before the
-//! tests. Unlike the library crates it reads the process environment and
+//! [`serve`] finds the gateway tests' services: Redis
+//! (`KEEL_TEST_REDIS_URL`, from `scripts/services/redis start`), the Python
+//! with the `openai` client (`KEEL_TEST_PYTHON`, from
+//! `scripts/services/python-openai`), the test model backend
+//! (`keel-testbackend`, started as a process), gateway processes, and a
+//! small blocking HTTP/1.1 client ([`http`]).
+//!
+//! It does not start the cluster or the services: `scripts/test` does,
+//! once, before the tests. Unlike the library crates it reads the process environment and
 //! the clock: finding services is what it is for.
 
 use std::ffi::OsString;
@@ -20,6 +27,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use keel_slurm::{Slurm, SlurmConfig};
+
+pub mod http;
+pub mod serve;
 
 /// The variable naming the test cluster's slurm.conf.
 pub const CONF_VAR: &str = "KEEL_TEST_SLURM_CONF";

@@ -7,6 +7,7 @@ mod config;
 mod exit;
 mod gpu;
 mod output;
+mod serve;
 mod slurm;
 mod table;
 mod topo;
@@ -54,6 +55,10 @@ enum Command {
         #[command(subcommand)]
         command: topo::TopoCommand,
     },
+    /// The inference gateway: authentication, RBAC, limits, traffic
+    /// splitting, fallback, metrics and audit in front of OpenAI-compatible
+    /// and OIP v2 model servers.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -74,6 +79,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
         Command::Check(args) => check::run(&cli, args, &mut out),
+        Command::Serve(args) => serve::run(args, &mut out),
     };
     let code = match result {
         Ok(code) => code,
