@@ -66,6 +66,24 @@ struct Inner {
     budget: RetryBudget,
     reload: Option<ReloadFnBox>,
     reload_lock: tokio::sync::Mutex<()>,
+    /// Stream and mirror tasks still running.
+    tasks: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a background task from spawn to end.
+struct TaskGuard(Arc<Inner>);
+
+impl TaskGuard {
+    fn new(inner: &Arc<Inner>) -> Self {
+        inner.tasks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(inner.clone())
+    }
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.0.tasks.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 struct ReloadFnBox(ReloadFn);
@@ -294,6 +312,7 @@ impl Gateway {
                 budget,
                 reload: opts.reload.map(ReloadFnBox),
                 reload_lock: tokio::sync::Mutex::new(()),
+                tasks: std::sync::atomic::AtomicUsize::new(0),
             }),
         };
         gw.start_background();
@@ -344,6 +363,11 @@ impl Gateway {
         m.insert("ok".into(), true.into());
         self.audit_event("reload", m);
         Ok(())
+    }
+
+    /// Streams being passed on and mirror requests still running.
+    pub fn tasks_in_flight(&self) -> usize {
+        self.inner.tasks.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Stops the audit writer after writing what is queued.
@@ -777,7 +801,9 @@ impl Gateway {
             }
         }
         ctx.status = parts.status.as_u16();
+        let guard = TaskGuard::new(&self.inner);
         tokio::spawn(async move {
+            let _guard = guard;
             let mut f = SseFilter::new(strip);
             let mut ok = true;
             let mut captured = Vec::new();
@@ -954,7 +980,9 @@ impl Gateway {
         let timeout = gen.cfg.traffic.timeout();
         let gw = self.clone();
         let model = model.name.clone();
+        let guard = TaskGuard::new(&self.inner);
         tokio::spawn(async move {
+            let _guard = guard;
             let backend = shadow.backend.clone();
             let outcome = match upstream.send(method, &backend.url.uri(&path), &headers, body, timeout).await {
                 Ok(r) => {

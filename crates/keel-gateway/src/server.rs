@@ -294,7 +294,7 @@ pub async fn run(gateway: Gateway, listeners: Listeners, shutdown: impl Future<O
     }
     // Streams finish in their own tasks; give them the same grace.
     let deadline = Instant::now() + opts.grace;
-    while Instant::now() < deadline && tokio::runtime::Handle::current().metrics().num_alive_tasks() > 1 {
+    while Instant::now() < deadline && gateway.tasks_in_flight() > 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     gateway.close();
