@@ -66,10 +66,14 @@ pub fn verify(r: impl BufRead) -> Result<VerifyReport, ChainBroken> {
         let line = line.map_err(|e| broken(format!("cannot read: {e}")))?;
         let (seq, p, hash) = check_line(&line).map_err(broken)?;
         if seq != n {
-            return Err(broken(format!("sequence number {seq}, expected {n}: lines missing or reordered")));
+            return Err(broken(format!(
+                "sequence number {seq}, expected {n}: lines missing or reordered"
+            )));
         }
         if p != prev {
-            return Err(broken("does not follow the line before it (prev hash differs)".into()));
+            return Err(broken(
+                "does not follow the line before it (prev hash differs)".into(),
+            ));
         }
         prev = hash;
     }
@@ -109,7 +113,10 @@ impl AuditLog {
             Ok(f) => {
                 let mut last = None;
                 for line in BufReader::new(f).lines() {
-                    let line = line.map_err(|source| GatewayError::Read { path: path.to_owned(), source })?;
+                    let line = line.map_err(|source| GatewayError::Read {
+                        path: path.to_owned(),
+                        source,
+                    })?;
                     if !line.is_empty() {
                         last = Some(line);
                     }
@@ -124,10 +131,22 @@ impl AuditLog {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(GatewayError::Read { path: path.to_owned(), source }),
+            Err(source) => {
+                return Err(GatewayError::Read {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
         }
-        let werr = |source| GatewayError::Write { path: path.to_owned(), source };
-        let file = OpenOptions::new().create(true).append(true).open(path).map_err(werr)?;
+        let werr = |source| GatewayError::Write {
+            path: path.to_owned(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(werr)?;
         let (tx, rx) = mpsc::channel::<Map<String, Value>>();
         let thread = std::thread::Builder::new()
             .name("keel-audit".into())
@@ -213,10 +232,18 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         let edited = text.replacen("\"n\":3", "\"n\":4", 1);
         assert_eq!(verify(edited.as_bytes()).expect_err("edited").line, 4);
-        let dropped: String = lines.iter().enumerate().filter(|(i, _)| *i != 2).map(|(_, l)| format!("{l}\n")).collect();
+        let dropped: String = lines
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, l)| format!("{l}\n"))
+            .collect();
         assert_eq!(verify(dropped.as_bytes()).expect_err("dropped").line, 3);
         let truncated: String = lines[..9].iter().map(|l| format!("{l}\n")).collect();
-        assert!(verify(truncated.as_bytes()).is_ok(), "a cut tail is only detectable against a kept last hash");
+        assert!(
+            verify(truncated.as_bytes()).is_ok(),
+            "a cut tail is only detectable against a kept last hash"
+        );
         let garbage = format!("{text}not json\n");
         assert_eq!(verify(garbage.as_bytes()).expect_err("garbage").line, 11);
     }

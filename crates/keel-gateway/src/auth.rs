@@ -27,14 +27,20 @@ pub struct Identity {
 
 /// The credential a request carries, if any.
 pub fn credential(headers: &HeaderMap) -> Option<&str> {
-    if let Some(v) = headers.get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+    if let Some(v) = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
         let v = v.trim();
         if v.len() > 7 && v[..7].eq_ignore_ascii_case("bearer ") {
             return Some(v[7..].trim());
         }
         return None;
     }
-    headers.get("api-key").and_then(|v| v.to_str().ok()).map(str::trim)
+    headers
+        .get("api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
 }
 
 /// Whether a token looks like a JWT (three base64url parts).
@@ -42,7 +48,9 @@ pub fn looks_like_jwt(t: &str) -> bool {
     let parts: Vec<&str> = t.split('.').collect();
     parts.len() == 3
         && parts.iter().all(|p| {
-            !p.is_empty() && p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         })
 }
 
@@ -105,12 +113,18 @@ impl JwtVerifier {
         v.validate_nbf = false;
         v.set_issuer(&[&self.cfg.issuer]);
         v.set_audience(&[&self.cfg.audience]);
-        v.required_spec_claims = ["exp", "iss", "aud", "sub"].iter().map(|s| s.to_string()).collect::<HashSet<_>>();
+        v.required_spec_claims = ["exp", "iss", "aud", "sub"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect::<HashSet<_>>();
         let data = jsonwebtoken::decode::<Value>(token, &key, &v).map_err(|e| e.to_string())?;
         let c = data.claims;
         let now = (self.clock.now_ms() / 1000) as i64;
         let leeway = self.cfg.leeway_s as i64;
-        let exp = c.get("exp").and_then(Value::as_i64).ok_or("exp is not a number")?;
+        let exp = c
+            .get("exp")
+            .and_then(Value::as_i64)
+            .ok_or("exp is not a number")?;
         if now > exp + leeway {
             return Err("expired".into());
         }
@@ -119,13 +133,23 @@ impl JwtVerifier {
                 return Err("not valid yet".into());
             }
         }
-        let sub = c.get("sub").and_then(Value::as_str).ok_or("sub is not a string")?;
+        let sub = c
+            .get("sub")
+            .and_then(Value::as_str)
+            .ok_or("sub is not a string")?;
         let roles = match c.get(&self.cfg.roles_claim) {
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).map(str::to_owned).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect(),
             Some(Value::String(s)) => s.split_whitespace().map(str::to_owned).collect(),
             _ => Vec::new(),
         };
-        let team = c.get(&self.cfg.team_claim).and_then(Value::as_str).map(str::to_owned);
+        let team = c
+            .get(&self.cfg.team_claim)
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         Ok(Identity {
             id: format!("jwt:{sub}"),
             team,
@@ -168,7 +192,11 @@ mod tests {
         h.insert("authorization", "Bearer xyz".parse().expect("hv"));
         assert_eq!(credential(&h), Some("xyz"));
         h.insert("authorization", "Basic xyz".parse().expect("hv"));
-        assert_eq!(credential(&h), None, "a non-bearer Authorization is not a key");
+        assert_eq!(
+            credential(&h),
+            None,
+            "a non-bearer Authorization is not a key"
+        );
         assert!(looks_like_jwt("a.b.c"));
         assert!(!looks_like_jwt("sk-keel-abc"));
     }
@@ -176,8 +204,20 @@ mod tests {
     #[test]
     fn rbac() {
         let mut roles = BTreeMap::new();
-        roles.insert("user".into(), RoleConfig { models: vec!["chat".into()], operations: vec!["chat".into(), "models".into()] });
-        roles.insert("ops".into(), RoleConfig { models: vec!["*".into()], operations: vec!["*".into()] });
+        roles.insert(
+            "user".into(),
+            RoleConfig {
+                models: vec!["chat".into()],
+                operations: vec!["chat".into(), "models".into()],
+            },
+        );
+        roles.insert(
+            "ops".into(),
+            RoleConfig {
+                models: vec!["*".into()],
+                operations: vec!["*".into()],
+            },
+        );
         let r = Rbac::new(roles);
         let user = vec!["user".to_owned()];
         assert!(r.allows(&user, "chat", Some("chat")));

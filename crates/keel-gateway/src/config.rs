@@ -501,10 +501,7 @@ impl GatewayConfig {
             let mut dnames = HashSet::new();
             for d in m.deployments {
                 if !dnames.insert(d.name.clone()) {
-                    return bad(format!(
-                        "model {:?}: deployment {:?} twice",
-                        m.name, d.name
-                    ));
+                    return bad(format!("model {:?}: deployment {:?} twice", m.name, d.name));
                 }
                 crate::proxy::BackendUrl::parse(&d.url).map_err(|reason| {
                     GatewayError::Config(format!(
@@ -627,7 +624,10 @@ url = "http://127.0.0.1:8002/prefix"
     #[test]
     fn example_validates() {
         let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/etc/keel")).expect("valid");
-        assert_eq!(c.auth.keys_file.as_deref(), Some(Path::new("/etc/keel/keys.json")));
+        assert_eq!(
+            c.auth.keys_file.as_deref(),
+            Some(Path::new("/etc/keel/keys.json"))
+        );
         assert_eq!(c.models[0].deployments[0].model, "chat");
         assert_eq!(c.models[0].deployments[0].health_path, "/health");
         assert_eq!(c.traffic.retries, 2);
@@ -639,7 +639,10 @@ url = "http://127.0.0.1:8002/prefix"
             let e = GatewayConfig::from_toml(text, Path::new("/")).expect_err(text);
             assert!(e.to_string().contains(expect), "{e} lacks {expect}");
         };
-        check("[server]\nlisten = \"127.0.0.1:1\"\n", "no endpoint is anonymous");
+        check(
+            "[server]\nlisten = \"127.0.0.1:1\"\n",
+            "no endpoint is anonymous",
+        );
         check("[auth]\nkeys_file = \"k\"\nbogus = 1\n", "bogus");
         check(
             &EXAMPLE.replace("fallback = [\"small\"]", "fallback = [\"nope\"]"),
@@ -650,7 +653,10 @@ url = "http://127.0.0.1:8002/prefix"
             "only http",
         );
         check(
-            &EXAMPLE.replace("operations = [\"chat\", \"models\"]", "operations = [\"fly\"]"),
+            &EXAMPLE.replace(
+                "operations = [\"chat\", \"models\"]",
+                "operations = [\"fly\"]",
+            ),
             "unknown operation",
         );
     }

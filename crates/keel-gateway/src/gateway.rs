@@ -18,7 +18,9 @@ use crate::clock::{rfc3339, Clock};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
 use crate::error::{ApiError, GatewayError};
 use crate::keys::KeyRing;
-use crate::limits::{reset_header, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope};
+use crate::limits::{
+    reset_header, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
+};
 use crate::metrics::{Metrics, RequestLabels};
 use crate::proxy::{retry_after, upstream_headers, usage_of, SseFilter, TokenUsage, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
@@ -39,7 +41,10 @@ pub struct GatewayOptions {
 
 impl std::fmt::Debug for GatewayOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatewayOptions").field("clock", &self.clock).field("seed", &self.seed).finish()
+        f.debug_struct("GatewayOptions")
+            .field("clock", &self.clock)
+            .field("seed", &self.seed)
+            .finish()
     }
 }
 
@@ -75,14 +80,18 @@ struct TaskGuard(Arc<Inner>);
 
 impl TaskGuard {
     fn new(inner: &Arc<Inner>) -> Self {
-        inner.tasks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        inner
+            .tasks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Self(inner.clone())
     }
 }
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {
-        self.0.tasks.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0
+            .tasks
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -135,8 +144,17 @@ struct Ctx {
 
 /// What is sent upstream, rendered per deployment (the model name differs).
 enum Payload {
-    OpenAi { path: &'static str, obj: Map<String, Value> },
-    Oip { method: Method, version: Option<String>, action: &'static str, body: Bytes, content_type: Option<HeaderValue> },
+    OpenAi {
+        path: &'static str,
+        obj: Map<String, Value>,
+    },
+    Oip {
+        method: Method,
+        version: Option<String>,
+        action: &'static str,
+        body: Bytes,
+        content_type: Option<HeaderValue>,
+    },
 }
 
 impl Payload {
@@ -145,9 +163,20 @@ impl Payload {
             Payload::OpenAi { path, obj } => {
                 let mut o = obj.clone();
                 o.insert("model".into(), Value::String(backend_model.to_owned()));
-                (Method::POST, (*path).to_owned(), Bytes::from(Value::Object(o).to_string()), None)
+                (
+                    Method::POST,
+                    (*path).to_owned(),
+                    Bytes::from(Value::Object(o).to_string()),
+                    None,
+                )
             }
-            Payload::Oip { method, version, action, body, content_type } => {
+            Payload::Oip {
+                method,
+                version,
+                action,
+                body,
+                content_type,
+            } => {
                 let mut p = format!("/v2/models/{backend_model}");
                 if let Some(v) = version {
                     p.push_str("/versions/");
@@ -206,7 +235,12 @@ enum BodyError {
     Broken,
 }
 
-async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+async fn read_body(
+    body: Incoming,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -217,13 +251,21 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize, timeout: D
     match read_limited(body, limit, timeout).await {
         Ok(b) => Ok(b),
         Err(BodyError::TooLarge) => Err(too_large(limit)),
-        Err(BodyError::Timeout) => Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "the request body did not arrive in time")),
+        Err(BodyError::Timeout) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "the request body did not arrive in time",
+        )),
         Err(BodyError::Broken) => Err(ApiError::bad_request("the request body could not be read")),
     }
 }
 
 fn too_large(limit: usize) -> ApiError {
-    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("the request body is larger than {limit} bytes"))
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        format!("the request body is larger than {limit} bytes"),
+    )
 }
 
 async fn read_limited<B>(body: B, limit: usize, timeout: Duration) -> Result<Bytes, BodyError>
@@ -233,7 +275,12 @@ where
 {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Err(_) => Err(BodyError::Timeout),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(BodyError::TooLarge),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(BodyError::TooLarge)
+        }
         Ok(Err(_)) => Err(BodyError::Broken),
         Ok(Ok(c)) => Ok(c.to_bytes()),
     }
@@ -245,11 +292,17 @@ pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
     let mut v = Vec::new();
     let own = l.keys.get(&id.id).copied().unwrap_or(l.default);
     if !own.is_empty() {
-        v.push(Scope { name: format!("key:{}", id.id), limits: own });
+        v.push(Scope {
+            name: format!("key:{}", id.id),
+            limits: own,
+        });
     }
     if let Some(t) = &id.team {
         if let Some(tl) = l.teams.get(t).filter(|tl| !tl.is_empty()) {
-            v.push(Scope { name: format!("team:{t}"), limits: *tl });
+            v.push(Scope {
+                name: format!("team:{t}"),
+                limits: *tl,
+            });
         }
     }
     v
@@ -263,20 +316,35 @@ fn rate_headers(h: &mut HeaderMap, info: &RateInfo) {
     };
     if let Some(l) = info.limit_requests {
         put("x-ratelimit-limit-requests", l.to_string());
-        put("x-ratelimit-remaining-requests", info.remaining_requests.to_string());
-        put("x-ratelimit-reset-requests", reset_header(info.reset_requests_ms));
+        put(
+            "x-ratelimit-remaining-requests",
+            info.remaining_requests.to_string(),
+        );
+        put(
+            "x-ratelimit-reset-requests",
+            reset_header(info.reset_requests_ms),
+        );
     }
     if let Some(l) = info.limit_tokens {
         put("x-ratelimit-limit-tokens", l.to_string());
-        put("x-ratelimit-remaining-tokens", info.remaining_tokens.to_string());
-        put("x-ratelimit-reset-tokens", reset_header(info.reset_tokens_ms));
+        put(
+            "x-ratelimit-remaining-tokens",
+            info.remaining_tokens.to_string(),
+        );
+        put(
+            "x-ratelimit-reset-tokens",
+            reset_header(info.reset_tokens_ms),
+        );
     }
 }
 
 fn json_response(status: StatusCode, v: Value) -> Response<GwBody> {
     let mut r = Response::new(GwBody::full(v.to_string()));
     *r.status_mut() = status;
-    r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -321,7 +389,11 @@ impl Gateway {
     }
 
     pub fn generation(&self) -> Arc<Generation> {
-        self.inner.generation.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner
+            .generation
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -335,7 +407,9 @@ impl Gateway {
     /// Reloads through the reload function given at construction.
     pub async fn reload(&self) -> Result<(), GatewayError> {
         let Some(f) = &self.inner.reload else {
-            return Err(GatewayError::Config("this gateway was started without a config file to reload".into()));
+            return Err(GatewayError::Config(
+                "this gateway was started without a config file to reload".into(),
+            ));
         };
         let cfg = (f.0)();
         match cfg {
@@ -356,8 +430,18 @@ impl Gateway {
     pub async fn apply(&self, cfg: GatewayConfig) -> Result<(), GatewayError> {
         let _g = self.inner.reload_lock.lock().await;
         let old = self.generation();
-        let new = build_generation(cfg, Some(&old.traffic), &self.inner.upstream, &self.inner.clock).await?;
-        *self.inner.generation.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        let new = build_generation(
+            cfg,
+            Some(&old.traffic),
+            &self.inner.upstream,
+            &self.inner.clock,
+        )
+        .await?;
+        *self
+            .inner
+            .generation
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
         self.start_background();
         let mut m = Map::new();
         m.insert("ok".into(), true.into());
@@ -414,7 +498,9 @@ impl Gateway {
                         let Some(j) = weak.upgrade() else { break };
                         match fetch_jwks(&upstream, &url).await {
                             Ok(k) => j.set_keys(k),
-                            Err(e) => tracing::warn!(%e, "JWKS refresh failed; keeping the keys we have"),
+                            Err(e) => {
+                                tracing::warn!(%e, "JWKS refresh failed; keeping the keys we have")
+                            }
                         }
                     }
                 });
@@ -430,7 +516,13 @@ impl Gateway {
             .traffic
             .backends
             .values()
-            .map(|b| (b.url.label(), b.healthy.load(std::sync::atomic::Ordering::Relaxed), b.open_until(now).is_some()))
+            .map(|b| {
+                (
+                    b.url.label(),
+                    b.healthy.load(std::sync::atomic::Ordering::Relaxed),
+                    b.open_until(now).is_some(),
+                )
+            })
             .collect();
         b.sort();
         self.inner.metrics.render(&b)
@@ -472,7 +564,11 @@ impl Gateway {
     pub async fn handle(&self, req: Request<Incoming>) -> Response<GwBody> {
         let started = Instant::now();
         let gen = self.generation();
-        let mut ctx = Ctx { id: self.request_id(), route: "unmatched", ..Ctx::default() };
+        let mut ctx = Ctx {
+            id: self.request_id(),
+            route: "unmatched",
+            ..Ctx::default()
+        };
         let (mut resp, streaming) = match self.dispatch(&gen, req, &mut ctx, started).await {
             Ok((r, s)) => (r, s),
             Err(Fail::Api(e)) => (e.into_response(), false),
@@ -483,7 +579,10 @@ impl Gateway {
                     r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
                 }
                 if let Some(ra) = ra {
-                    r.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from(ra.as_secs_f64().ceil() as u64));
+                    r.headers_mut().insert(
+                        http::header::RETRY_AFTER,
+                        HeaderValue::from(ra.as_secs_f64().ceil() as u64),
+                    );
                 }
                 (r, false)
             }
@@ -520,10 +619,24 @@ impl Gateway {
     fn finish(&self, ctx: &Ctx, started: Instant) {
         let total = started.elapsed();
         let m = &self.inner.metrics;
-        let model = ctx.served_model.as_deref().or(ctx.model.as_deref()).unwrap_or("");
+        let model = ctx
+            .served_model
+            .as_deref()
+            .or(ctx.model.as_deref())
+            .unwrap_or("");
         let deployment = ctx.deployment.as_deref().unwrap_or("");
         let key = ctx.key.as_deref().unwrap_or("");
-        m.request(RequestLabels { route: ctx.route, model, deployment, key, code: ctx.status }, total, ctx.backend_time);
+        m.request(
+            RequestLabels {
+                route: ctx.route,
+                model,
+                deployment,
+                key,
+                code: ctx.status,
+            },
+            total,
+            ctx.backend_time,
+        );
         if let Some(u) = ctx.usage {
             m.tokens(model, deployment, key, u.prompt, u.completion);
         }
@@ -546,9 +659,15 @@ impl Gateway {
         e.insert("served_model".into(), ctx.served_model.clone().into());
         e.insert("deployment".into(), ctx.deployment.clone().into());
         e.insert("status".into(), ctx.status.into());
-        e.insert("duration_ms".into(), json!((total.as_secs_f64() * 1e6).round() / 1e3));
+        e.insert(
+            "duration_ms".into(),
+            json!((total.as_secs_f64() * 1e6).round() / 1e3),
+        );
         e.insert("prompt_tokens".into(), ctx.usage.map(|u| u.prompt).into());
-        e.insert("completion_tokens".into(), ctx.usage.map(|u| u.completion).into());
+        e.insert(
+            "completion_tokens".into(),
+            ctx.usage.map(|u| u.completion).into(),
+        );
         e.insert("retries".into(), ctx.retries.into());
         e.insert("fallback".into(), ctx.fallback.into());
         e.insert("stream".into(), ctx.stream.into());
@@ -559,15 +678,33 @@ impl Gateway {
             e.insert("error".into(), err.clone().into());
         }
         if let Some(b) = &ctx.request_body {
-            e.insert("request_body".into(), String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into());
+            e.insert(
+                "request_body".into(),
+                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
+            );
         }
         if let Some(b) = &ctx.response_body {
-            e.insert("response_body".into(), String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into());
+            e.insert(
+                "response_body".into(),
+                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
+            );
         }
-        self.audit_event(if ctx.denied.is_some() { "denied" } else { "request" }, e);
+        self.audit_event(
+            if ctx.denied.is_some() {
+                "denied"
+            } else {
+                "request"
+            },
+            e,
+        );
     }
 
-    fn authenticate(&self, gen: &Generation, headers: &HeaderMap, ctx: &mut Ctx) -> Result<Identity, ApiError> {
+    fn authenticate(
+        &self,
+        gen: &Generation,
+        headers: &HeaderMap,
+        ctx: &mut Ctx,
+    ) -> Result<Identity, ApiError> {
         let denied = |ctx: &mut Ctx, why: String| {
             ctx.denied = Some("unauthenticated");
             ctx.error = Some(why);
@@ -577,13 +714,19 @@ impl Gateway {
             return Err(denied(ctx, "no credentials".into()));
         };
         if let (Some(j), true) = (&gen.jwt, looks_like_jwt(token)) {
-            return j.verify(token).map_err(|why| denied(ctx, format!("JWT: {why}")));
+            return j
+                .verify(token)
+                .map_err(|why| denied(ctx, format!("JWT: {why}")));
         }
         let Some(ring) = &gen.keys else {
             return Err(denied(ctx, "not a JWT, and no keys are configured".into()));
         };
         match ring.lookup(token) {
-            Ok(Some(k)) => Ok(Identity { id: k.id.clone(), team: k.team.clone(), roles: k.roles.clone() }),
+            Ok(Some(k)) => Ok(Identity {
+                id: k.id.clone(),
+                team: k.team.clone(),
+                roles: k.roles.clone(),
+            }),
             Ok(None) => Err(denied(ctx, "unknown or revoked key".into())),
             Err(e) => {
                 tracing::error!(error = %e, "key file unreadable: refusing every key until it is fixed");
@@ -592,12 +735,23 @@ impl Gateway {
         }
     }
 
-    async fn dispatch(&self, gen: &Arc<Generation>, req: Request<Incoming>, ctx: &mut Ctx, started: Instant) -> Result<(Response<GwBody>, bool), Fail> {
+    async fn dispatch(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        ctx: &mut Ctx,
+        started: Instant,
+    ) -> Result<(Response<GwBody>, bool), Fail> {
         let route = request::route(req.method(), req.uri().path());
         if let Ok(r) = &route {
             ctx.route = r.template();
             match r {
-                Route::Live => return Ok((json_response(StatusCode::OK, json!({"status": "live"})), false)),
+                Route::Live => {
+                    return Ok((
+                        json_response(StatusCode::OK, json!({"status": "live"})),
+                        false,
+                    ))
+                }
                 Route::Ready => return Ok((self.readiness(gen), false)),
                 _ => {}
             }
@@ -609,7 +763,12 @@ impl Gateway {
             Ok(r) => r,
             Err(RouteError::NotFound) => return Err(ApiError::not_found("no such route").into()),
             Err(RouteError::MethodNotAllowed) => {
-                return Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed on this route").into())
+                return Err(ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "invalid_request_error",
+                    "method not allowed on this route",
+                )
+                .into())
             }
         };
         let op = route.operation().unwrap_or("models");
@@ -617,7 +776,9 @@ impl Gateway {
             Route::Models => {
                 if !gen.rbac.allows(&ident.roles, op, None) {
                     ctx.denied = Some("forbidden");
-                    return Err(ApiError::forbidden("your roles do not allow listing models").into());
+                    return Err(
+                        ApiError::forbidden("your roles do not allow listing models").into(),
+                    );
                 }
                 let mut names: Vec<&String> = gen
                     .traffic
@@ -626,28 +787,55 @@ impl Gateway {
                     .filter(|m| gen.rbac.allows(&ident.roles, "models", Some(m)))
                     .collect();
                 names.sort();
-                let data: Vec<Value> = names.iter().map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "keel"})).collect();
-                Ok((json_response(StatusCode::OK, json!({"object": "list", "data": data})), false))
+                let data: Vec<Value> = names
+                    .iter()
+                    .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "keel"}))
+                    .collect();
+                Ok((
+                    json_response(StatusCode::OK, json!({"object": "list", "data": data})),
+                    false,
+                ))
             }
-            Route::ChatCompletions | Route::Completions | Route::Embeddings => self.openai(gen, req, route, op, ident, ctx, started).await,
-            Route::OipMetadata(m) => self.oip(gen, req, m, op, "", ident, ctx).await.map(|r| (r, false)),
-            Route::OipReady(m) => self.oip(gen, req, m, op, "/ready", ident, ctx).await.map(|r| (r, false)),
-            Route::OipInfer(m) => self.oip(gen, req, m, op, "/infer", ident, ctx).await.map(|r| (r, false)),
+            Route::ChatCompletions | Route::Completions | Route::Embeddings => {
+                self.openai(gen, req, route, op, ident, ctx, started).await
+            }
+            Route::OipMetadata(m) => self
+                .oip(gen, req, m, op, "", ident, ctx)
+                .await
+                .map(|r| (r, false)),
+            Route::OipReady(m) => self
+                .oip(gen, req, m, op, "/ready", ident, ctx)
+                .await
+                .map(|r| (r, false)),
+            Route::OipInfer(m) => self
+                .oip(gen, req, m, op, "/infer", ident, ctx)
+                .await
+                .map(|r| (r, false)),
             Route::Live | Route::Ready => Err(ApiError::not_found("no such route").into()),
         }
     }
 
     fn readiness(&self, gen: &Generation) -> Response<GwBody> {
         let now = Instant::now();
-        let ready = gen.traffic.backends.values().any(|b| b.healthy.load(std::sync::atomic::Ordering::Relaxed) && b.open_until(now).is_none());
+        let ready = gen.traffic.backends.values().any(|b| {
+            b.healthy.load(std::sync::atomic::Ordering::Relaxed) && b.open_until(now).is_none()
+        });
         if ready {
             json_response(StatusCode::OK, json!({"status": "ready"}))
         } else {
-            json_response(StatusCode::SERVICE_UNAVAILABLE, json!({"status": "not ready", "error": "no backend can serve"}))
+            json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "not ready", "error": "no backend can serve"}),
+            )
         }
     }
 
-    fn model_route(&self, gen: &Generation, name: &str, protocol: Protocol) -> Result<Arc<ModelRoute>, ApiError> {
+    fn model_route(
+        &self,
+        gen: &Generation,
+        name: &str,
+        protocol: Protocol,
+    ) -> Result<Arc<ModelRoute>, ApiError> {
         gen.traffic
             .models
             .get(name)
@@ -656,7 +844,13 @@ impl Gateway {
             .ok_or_else(|| ApiError::not_found(format!("the model {name:?} does not exist")))
     }
 
-    async fn admit(&self, gen: &Generation, ident: &Identity, tokens: u64, ctx: &mut Ctx) -> Result<Option<Reservation>, ApiError> {
+    async fn admit(
+        &self,
+        gen: &Generation,
+        ident: &Identity,
+        tokens: u64,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Reservation>, ApiError> {
         let scopes = scopes_for(&gen.cfg.limits, ident);
         if scopes.is_empty() {
             return Ok(None);
@@ -666,23 +860,44 @@ impl Gateway {
                 tracing::error!(error = %e, "limit store unavailable; refusing");
                 ctx.error = Some(e.to_string());
                 ctx.denied = Some("limits_unavailable");
-                Err(ApiError::unavailable("limits cannot be checked right now", Some(1)))
+                Err(ApiError::unavailable(
+                    "limits cannot be checked right now",
+                    Some(1),
+                ))
             }
             Ok(Admission::Admitted { reservation, info }) => {
                 ctx.rate = Some(info);
                 Ok(Some(reservation))
             }
-            Ok(Admission::Refused { refusal, retry_after_ms, info }) => {
+            Ok(Admission::Refused {
+                refusal,
+                retry_after_ms,
+                info,
+            }) => {
                 ctx.rate = Some(info);
                 let retry = Some(retry_after_s(retry_after_ms));
                 Err(match refusal {
                     Refusal::Rate => {
                         ctx.denied = Some("rate_limited");
-                        ApiError { retry_after_s: retry, ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "rate limit reached for requests or tokens per minute") }
+                        ApiError {
+                            retry_after_s: retry,
+                            ..ApiError::new(
+                                StatusCode::TOO_MANY_REQUESTS,
+                                "rate_limit_exceeded",
+                                "rate limit reached for requests or tokens per minute",
+                            )
+                        }
                     }
                     Refusal::Quota => {
                         ctx.denied = Some("quota_exhausted");
-                        ApiError { retry_after_s: retry, ..ApiError::new(StatusCode::FORBIDDEN, "insufficient_quota", "token quota for this period is used up") }
+                        ApiError {
+                            retry_after_s: retry,
+                            ..ApiError::new(
+                                StatusCode::FORBIDDEN,
+                                "insufficient_quota",
+                                "token quota for this period is used up",
+                            )
+                        }
                     }
                 })
             }
@@ -698,11 +913,27 @@ impl Gateway {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn openai(&self, gen: &Arc<Generation>, req: Request<Incoming>, route: Route, op: &'static str, ident: Identity, ctx: &mut Ctx, started: Instant) -> Result<(Response<GwBody>, bool), Fail> {
+    async fn openai(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        route: Route,
+        op: &'static str,
+        ident: Identity,
+        ctx: &mut Ctx,
+        started: Instant,
+    ) -> Result<(Response<GwBody>, bool), Fail> {
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
-        let bytes = read_body(body, &parts.headers, s.max_body_bytes, Duration::from_millis(s.body_timeout_ms)).await?;
-        let (mut obj, parsed) = request::parse_openai(&bytes, request::prompt_field(&route)).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let bytes = read_body(
+            body,
+            &parts.headers,
+            s.max_body_bytes,
+            Duration::from_millis(s.body_timeout_ms),
+        )
+        .await?;
+        let (mut obj, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
         if gen.cfg.audit.include_content {
@@ -710,12 +941,21 @@ impl Gateway {
         }
         if !gen.rbac.allows(&ident.roles, op, Some(&parsed.model)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!("your roles do not allow {op} on {:?}", parsed.model)).into());
+            return Err(ApiError::forbidden(format!(
+                "your roles do not allow {op} on {:?}",
+                parsed.model
+            ))
+            .into());
         }
         let model = self.model_route(gen, &parsed.model, Protocol::Openai)?;
         let tokens = match route {
             Route::Embeddings => parsed.prompt_estimate,
-            _ => parsed.prompt_estimate + parsed.max_tokens.unwrap_or(gen.cfg.limits.default_max_tokens),
+            _ => {
+                parsed.prompt_estimate
+                    + parsed
+                        .max_tokens
+                        .unwrap_or(gen.cfg.limits.default_max_tokens)
+            }
         };
         let reservation = self.admit(gen, &ident, tokens, ctx).await?;
         let strip = parsed.stream && !parsed.include_usage;
@@ -731,8 +971,15 @@ impl Gateway {
         }
         let path = route.template();
         let payload = Payload::OpenAi { path, obj };
-        let pin = parts.headers.get(s.pin_header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let served = match self.forward(gen, &model, pin.as_deref(), &payload, ctx).await {
+        let pin = parts
+            .headers
+            .get(s.pin_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let served = match self
+            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .await
+        {
             Ok(s) => s,
             Err(f) => {
                 self.settle(reservation.as_ref(), 0).await;
@@ -746,13 +993,25 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if parsed.stream && served.resp.status().is_success() && is_sse {
-            return Ok((self.stream(gen, served, strip, reservation, ctx.clone(), started), true));
+            return Ok((
+                self.stream(gen, served, strip, reservation, ctx.clone(), started),
+                true,
+            ));
         }
-        self.deliver(gen, served, reservation.as_ref(), ctx, true).await.map(|r| (r, false))
+        self.deliver(gen, served, reservation.as_ref(), ctx, true)
+            .await
+            .map(|r| (r, false))
     }
 
     /// Reads a whole backend response, settles, and answers.
-    async fn deliver(&self, gen: &Generation, served: Served, reservation: Option<&Reservation>, ctx: &mut Ctx, usage: bool) -> Result<Response<GwBody>, Fail> {
+    async fn deliver(
+        &self,
+        gen: &Generation,
+        served: Served,
+        reservation: Option<&Reservation>,
+        ctx: &mut Ctx,
+        usage: bool,
+    ) -> Result<Response<GwBody>, Fail> {
         let (parts, body) = served.resp.into_parts();
         let read = read_limited(body, 64 << 20, gen.cfg.traffic.timeout()).await;
         ctx.backend_time = Some(served.sent_at.elapsed());
@@ -761,12 +1020,20 @@ impl Gateway {
             Err(_) => {
                 self.settle(reservation, 0).await;
                 ctx.error = Some("backend response body failed or timed out".into());
-                return Err(ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", "the backend's response broke off").into());
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "the backend's response broke off",
+                )
+                .into());
             }
         };
         let ok = parts.status.is_success();
         if ok && usage {
-            ctx.usage = serde_json::from_slice::<Value>(&bytes).ok().as_ref().and_then(usage_of);
+            ctx.usage = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .as_ref()
+                .and_then(usage_of);
         }
         match (ok, ctx.usage) {
             (false, _) => self.settle(reservation, 0).await,
@@ -779,14 +1046,23 @@ impl Gateway {
         let mut r = Response::new(GwBody::full(bytes));
         *r.status_mut() = parts.status;
         if let Some(ct) = parts.headers.get(http::header::CONTENT_TYPE) {
-            r.headers_mut().insert(http::header::CONTENT_TYPE, ct.clone());
+            r.headers_mut()
+                .insert(http::header::CONTENT_TYPE, ct.clone());
         }
         Ok(r)
     }
 
     /// Passes an SSE stream on chunk by chunk from a task that settles,
     /// counts and audits when it ends.
-    fn stream(&self, gen: &Generation, served: Served, strip: bool, reservation: Option<Reservation>, mut ctx: Ctx, started: Instant) -> Response<GwBody> {
+    fn stream(
+        &self,
+        gen: &Generation,
+        served: Served,
+        strip: bool,
+        reservation: Option<Reservation>,
+        mut ctx: Ctx,
+        started: Instant,
+    ) -> Response<GwBody> {
         let (parts, mut body) = served.resp.into_parts();
         let (tx, gw_body) = GwBody::channel(16);
         let idle = Duration::from_millis(gen.cfg.traffic.stream_idle_timeout_ms);
@@ -821,7 +1097,9 @@ impl Gateway {
                         break;
                     }
                     Ok(Some(Ok(frame))) => {
-                        let Ok(data) = frame.into_data() else { continue };
+                        let Ok(data) = frame.into_data() else {
+                            continue;
+                        };
                         let out = f.push(&data);
                         if out.is_empty() {
                             continue;
@@ -829,7 +1107,10 @@ impl Gateway {
                         if capture && captured.len() < CONTENT_CAP {
                             captured.extend_from_slice(&out);
                         }
-                        if !matches!(tokio::time::timeout(idle, tx.send(Bytes::from(out))).await, Ok(Ok(()))) {
+                        if !matches!(
+                            tokio::time::timeout(idle, tx.send(Bytes::from(out))).await,
+                            Ok(Ok(()))
+                        ) {
                             ok = false;
                             ctx.error = Some("client stopped reading the stream".into());
                             break;
@@ -863,27 +1144,56 @@ impl Gateway {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn oip(&self, gen: &Arc<Generation>, req: Request<Incoming>, m: OipModel, op: &'static str, action: &'static str, ident: Identity, ctx: &mut Ctx) -> Result<Response<GwBody>, Fail> {
+    async fn oip(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        m: OipModel,
+        op: &'static str,
+        action: &'static str,
+        ident: Identity,
+        ctx: &mut Ctx,
+    ) -> Result<Response<GwBody>, Fail> {
         ctx.model = Some(m.name.clone());
         if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!("your roles do not allow {op} on {:?}", m.name)).into());
+            return Err(ApiError::forbidden(format!(
+                "your roles do not allow {op} on {:?}",
+                m.name
+            ))
+            .into());
         }
         let model = self.model_route(gen, &m.name, Protocol::Oip)?;
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
         let bytes = if action == "/infer" {
-            read_body(body, &parts.headers, s.max_body_bytes, Duration::from_millis(s.body_timeout_ms)).await?
+            read_body(
+                body,
+                &parts.headers,
+                s.max_body_bytes,
+                Duration::from_millis(s.body_timeout_ms),
+            )
+            .await?
         } else {
             Bytes::new()
         };
-        if action == "/infer" && serde_json::from_slice::<Value>(&bytes).map(|v| !v.is_object()).unwrap_or(true) {
-            return Err(ApiError::bad_request("the inference request must be a JSON object").into());
+        if action == "/infer"
+            && serde_json::from_slice::<Value>(&bytes)
+                .map(|v| !v.is_object())
+                .unwrap_or(true)
+        {
+            return Err(
+                ApiError::bad_request("the inference request must be a JSON object").into(),
+            );
         }
         if gen.cfg.audit.include_content && !bytes.is_empty() {
             ctx.request_body = Some(bytes.clone());
         }
-        let reservation = if action == "/infer" { self.admit(gen, &ident, 0, ctx).await? } else { None };
+        let reservation = if action == "/infer" {
+            self.admit(gen, &ident, 0, ctx).await?
+        } else {
+            None
+        };
         let payload = Payload::Oip {
             method: parts.method.clone(),
             version: m.version.clone(),
@@ -891,14 +1201,31 @@ impl Gateway {
             body: bytes,
             content_type: parts.headers.get(http::header::CONTENT_TYPE).cloned(),
         };
-        let pin = parts.headers.get(s.pin_header.as_str()).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let served = self.forward(gen, &model, pin.as_deref(), &payload, ctx).await?;
-        self.deliver(gen, served, reservation.as_ref(), ctx, false).await
+        let pin = parts
+            .headers
+            .get(s.pin_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let served = self
+            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .await?;
+        self.deliver(gen, served, reservation.as_ref(), ctx, false)
+            .await
     }
 
     /// Tries the candidates in order within the retry limit and budget.
-    async fn forward(&self, gen: &Generation, model: &Arc<ModelRoute>, pin: Option<&str>, payload: &Payload, ctx: &mut Ctx) -> Result<Served, Fail> {
-        let cands = gen.traffic.candidates(model, pin, &self.inner.rng).map_err(ApiError::bad_request)?;
+    async fn forward(
+        &self,
+        gen: &Generation,
+        model: &Arc<ModelRoute>,
+        pin: Option<&str>,
+        payload: &Payload,
+        ctx: &mut Ctx,
+    ) -> Result<Served, Fail> {
+        let cands = gen
+            .traffic
+            .candidates(model, pin, &self.inner.rng)
+            .map_err(ApiError::bad_request)?;
         let start = Instant::now();
         self.inner.budget.record_request(start);
         if pin.is_none() {
@@ -925,7 +1252,10 @@ impl Gateway {
                 }
                 continue;
             }
-            let lease = Lease { backend: &backend, done: false };
+            let lease = Lease {
+                backend: &backend,
+                done: false,
+            };
             if sent > 0 {
                 self.inner.budget.take_retry(now);
                 self.inner.metrics.retry(&model.name);
@@ -935,14 +1265,27 @@ impl Gateway {
             let (method, path, body, ct) = payload.render(&c.deployment.backend_model);
             let headers = upstream_headers(ct.as_ref(), &ctx.id);
             let sent_at = Instant::now();
-            match self.inner.upstream.send(method, &backend.url.uri(&path), &headers, body, timeout).await {
-                Ok(resp) if resp.status().is_server_error() || resp.status() == StatusCode::TOO_MANY_REQUESTS => {
+            match self
+                .inner
+                .upstream
+                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .await
+            {
+                Ok(resp)
+                    if resp.status().is_server_error()
+                        || resp.status() == StatusCode::TOO_MANY_REQUESTS =>
+                {
                     let ra = retry_after(resp.headers());
                     lease.done(false, ra);
                     let status = resp.status();
                     let ct = resp.headers().get(http::header::CONTENT_TYPE).cloned();
-                    let body = read_limited(resp.into_body(), 64 << 10, timeout).await.unwrap_or_default();
-                    ctx.error = Some(format!("{}: {} answered {status}", c.model, c.deployment.name));
+                    let body = read_limited(resp.into_body(), 64 << 10, timeout)
+                        .await
+                        .unwrap_or_default();
+                    ctx.error = Some(format!(
+                        "{}: {} answered {status}",
+                        c.model, c.deployment.name
+                    ));
                     last_fail = Some(Fail::Upstream(status, ct, body, ra));
                 }
                 Ok(resp) => {
@@ -967,13 +1310,32 @@ impl Gateway {
         if let Some(f) = last_fail {
             return Err(f);
         }
-        let retry = soonest.map(|u| u.saturating_duration_since(Instant::now()).as_secs_f64().ceil().max(1.0) as u64);
-        Err(ApiError::unavailable(format!("no deployment of {:?} can serve the request now", model.name), retry.or(Some(1))).into())
+        let retry = soonest.map(|u| {
+            u.saturating_duration_since(Instant::now())
+                .as_secs_f64()
+                .ceil()
+                .max(1.0) as u64
+        });
+        Err(ApiError::unavailable(
+            format!(
+                "no deployment of {:?} can serve the request now",
+                model.name
+            ),
+            retry.or(Some(1)),
+        )
+        .into())
     }
 
     /// Sends a copy to the shadow deployment and throws the answer away;
     /// never charged to the caller's limits.
-    fn mirror(&self, gen: &Generation, model: &ModelRoute, shadow: crate::traffic::Deployment, payload: &Payload, id: &str) {
+    fn mirror(
+        &self,
+        gen: &Generation,
+        model: &ModelRoute,
+        shadow: crate::traffic::Deployment,
+        payload: &Payload,
+        id: &str,
+    ) {
         let (method, path, body, ct) = payload.render(&shadow.backend_model);
         let headers = upstream_headers(ct.as_ref(), id);
         let upstream = self.inner.upstream.clone();
@@ -984,11 +1346,18 @@ impl Gateway {
         tokio::spawn(async move {
             let _guard = guard;
             let backend = shadow.backend.clone();
-            let outcome = match upstream.send(method, &backend.url.uri(&path), &headers, body, timeout).await {
+            let outcome = match upstream
+                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .await
+            {
                 Ok(r) => {
                     let ok = r.status().is_success();
                     let _ = read_limited(r.into_body(), 64 << 20, timeout).await;
-                    if ok { "ok" } else { "error" }
+                    if ok {
+                        "ok"
+                    } else {
+                        "error"
+                    }
                 }
                 Err(_) => "error",
             };
@@ -997,44 +1366,84 @@ impl Gateway {
     }
 }
 
-async fn build_generation(cfg: GatewayConfig, previous: Option<&Traffic>, upstream: &Upstream, clock: &Arc<dyn Clock>) -> Result<Generation, GatewayError> {
-    let keys = cfg.auth.keys_file.as_deref().map(KeyRing::open).transpose()?;
+async fn build_generation(
+    cfg: GatewayConfig,
+    previous: Option<&Traffic>,
+    upstream: &Upstream,
+    clock: &Arc<dyn Clock>,
+) -> Result<Generation, GatewayError> {
+    let keys = cfg
+        .auth
+        .keys_file
+        .as_deref()
+        .map(KeyRing::open)
+        .transpose()?;
     let jwt = match &cfg.auth.jwt {
         None => None,
         Some(j) => {
             let set = match (&j.jwks_file, &j.jwks_url) {
                 (Some(f), _) => JwtVerifier::load_file(f)?,
                 (None, Some(u)) => fetch_jwks(upstream, u).await?,
-                (None, None) => return Err(GatewayError::Config("auth.jwt has no key source".into())),
+                (None, None) => {
+                    return Err(GatewayError::Config("auth.jwt has no key source".into()))
+                }
             };
             Some(Arc::new(JwtVerifier::new(j.clone(), set, clock.clone())))
         }
     };
     let traffic = Traffic::build(&cfg, previous);
     let rbac = Rbac::new(cfg.roles.clone());
-    Ok(Generation { cfg, traffic, keys, jwt, rbac })
+    Ok(Generation {
+        cfg,
+        traffic,
+        keys,
+        jwt,
+        rbac,
+    })
 }
 
-async fn fetch_jwks(upstream: &Upstream, url: &str) -> Result<jsonwebtoken::jwk::JwkSet, GatewayError> {
-    let err = |reason: String| GatewayError::Jwks { url: url.to_owned(), reason };
+async fn fetch_jwks(
+    upstream: &Upstream,
+    url: &str,
+) -> Result<jsonwebtoken::jwk::JwkSet, GatewayError> {
+    let err = |reason: String| GatewayError::Jwks {
+        url: url.to_owned(),
+        reason,
+    };
     let mut h = HeaderMap::new();
-    h.insert(http::header::ACCEPT, HeaderValue::from_static("application/json"));
-    let r = upstream.send(Method::GET, url, &h, Bytes::new(), Duration::from_secs(5)).await.map_err(err)?;
+    h.insert(
+        http::header::ACCEPT,
+        HeaderValue::from_static("application/json"),
+    );
+    let r = upstream
+        .send(Method::GET, url, &h, Bytes::new(), Duration::from_secs(5))
+        .await
+        .map_err(err)?;
     if !r.status().is_success() {
         return Err(err(format!("status {}", r.status())));
     }
-    let b = read_limited(r.into_body(), 1 << 20, Duration::from_secs(5)).await.map_err(|_| err("body failed".into()))?;
+    let b = read_limited(r.into_body(), 1 << 20, Duration::from_secs(5))
+        .await
+        .map_err(|_| err("body failed".into()))?;
     crate::auth::parse_jwks(&String::from_utf8_lossy(&b), url)
 }
 
-async fn probe_loop(backend: Weak<Backend>, upstream: Upstream, path: String, h: crate::config::HealthConfig) {
+async fn probe_loop(
+    backend: Weak<Backend>,
+    upstream: Upstream,
+    path: String,
+    h: crate::config::HealthConfig,
+) {
     let every = Duration::from_millis(h.interval_ms);
     let timeout = Duration::from_millis(h.timeout_ms);
     loop {
         tokio::time::sleep(every).await;
         let Some(b) = backend.upgrade() else { break };
         let uri = b.url.uri(&path);
-        let ok = match upstream.send(Method::GET, &uri, &HeaderMap::new(), Bytes::new(), timeout).await {
+        let ok = match upstream
+            .send(Method::GET, &uri, &HeaderMap::new(), Bytes::new(), timeout)
+            .await
+        {
             Ok(r) => {
                 let ok = r.status().is_success();
                 let _ = read_limited(r.into_body(), 64 << 10, timeout).await;

@@ -163,11 +163,14 @@ pub struct KeyEntry {
 
 type Stamp = Option<(u64, i64, i64, u64)>;
 
+/// Live keys by the hex SHA-256 of their secret.
+pub type KeyMap = HashMap<String, Arc<KeyEntry>>;
+
 /// The live key set, re-read whenever the file changes.
 #[derive(Debug)]
 pub struct KeyRing {
     path: PathBuf,
-    state: RwLock<(Stamp, Arc<HashMap<String, Arc<KeyEntry>>>)>,
+    state: RwLock<(Stamp, Arc<KeyMap>)>,
 }
 
 fn stamp(path: &Path) -> Stamp {
@@ -207,7 +210,7 @@ impl KeyRing {
     /// The keys as of now: the file is checked (one `stat`) on every call
     /// and re-read when it changed. A file that cannot be read or parsed
     /// after a change leaves no key valid (fail closed) until it is fixed.
-    pub fn current(&self) -> Result<Arc<HashMap<String, Arc<KeyEntry>>>, GatewayError> {
+    pub fn current(&self) -> Result<Arc<KeyMap>, GatewayError> {
         let st = stamp(&self.path);
         {
             let g = self.state.read().unwrap_or_else(|p| p.into_inner());
@@ -264,7 +267,10 @@ mod tests {
         let mut f = KeyFile::load(&path).expect("load");
         f.revoke(&rec.id, 2000).expect("revoke");
         f.store(&path).expect("store");
-        assert!(ring.lookup(&secret).expect("ok").is_none(), "revoked at once");
+        assert!(
+            ring.lookup(&secret).expect("ok").is_none(),
+            "revoked at once"
+        );
         assert!(matches!(
             f.revoke("key_nope", 1),
             Err(GatewayError::NoSuchKey { .. })

@@ -173,7 +173,9 @@ fn judge(scopes: &[Scope], counters: &[Counter], tokens: u64, now: u64) -> Optio
         if l.tokens_per_day.is_some_and(|m| c.day_tokens + tokens > m) {
             quota = Some(quota.unwrap_or(0).max(day_end_ms(now) - now));
         }
-        if l.tokens_per_month.is_some_and(|m| c.month_tokens + tokens > m) {
+        if l.tokens_per_month
+            .is_some_and(|m| c.month_tokens + tokens > m)
+        {
             quota = Some(quota.unwrap_or(0).max(month_end_ms(now) - now));
         }
         let reset = (c.window_start + WINDOW_MS).saturating_sub(now);
@@ -267,7 +269,9 @@ impl LocalLimiter {
         let mut map = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         let adj = |v: &mut u64| *v = (*v + actual).saturating_sub(res.tokens);
         for (s, start) in res.scopes.iter().zip(&res.window_starts) {
-            let Some(c) = map.get_mut(&s.name) else { continue };
+            let Some(c) = map.get_mut(&s.name) else {
+                continue;
+            };
             if c.window_start == *start {
                 adj(&mut c.tokens);
             }
@@ -291,8 +295,16 @@ impl LocalLimiter {
             window_start_ms: c.window_start,
             requests: c.requests,
             tokens: c.tokens,
-            day_tokens: if c.day == day_of(now) { c.day_tokens } else { 0 },
-            month_tokens: if c.month == month_of(now) { c.month_tokens } else { 0 },
+            day_tokens: if c.day == day_of(now) {
+                c.day_tokens
+            } else {
+                0
+            },
+            month_tokens: if c.month == month_of(now) {
+                c.month_tokens
+            } else {
+                0
+            },
         }
     }
 }
@@ -430,7 +442,10 @@ impl RedisLimiter {
             .await
             .map_err(|e| LimitError(e.to_string()))?;
         if out.len() != 3 + 3 * scopes.len() {
-            return Err(LimitError(format!("unexpected reply of {} values", out.len())));
+            return Err(LimitError(format!(
+                "unexpected reply of {} values",
+                out.len()
+            )));
         }
         let rnow = out[2] as u64;
         let counters: Vec<Counter> = (0..scopes.len())
@@ -454,7 +469,11 @@ impl RedisLimiter {
                 },
             },
             k => Admission::Refused {
-                refusal: if k == 2 { Refusal::Quota } else { Refusal::Rate },
+                refusal: if k == 2 {
+                    Refusal::Quota
+                } else {
+                    Refusal::Rate
+                },
                 retry_after_ms: out[1].max(0) as u64,
                 info,
             },
@@ -541,12 +560,24 @@ mod tests {
             },
         )];
         let a = l.reserve(&s, 40).await.expect("ok");
-        let Admission::Admitted { reservation, info } = a else { panic!("{a:?}") };
+        let Admission::Admitted { reservation, info } = a else {
+            panic!("{a:?}")
+        };
         assert_eq!((info.remaining_requests, info.remaining_tokens), (2, 60));
         assert!(admitted(&l.reserve(&s, 40).await.expect("ok")));
         // 80 reserved: 40 more would be 120.
         let r = l.reserve(&s, 40).await.expect("ok");
-        assert!(matches!(r, Admission::Refused { refusal: Refusal::Rate, retry_after_ms: 60_000, .. }), "{r:?}");
+        assert!(
+            matches!(
+                r,
+                Admission::Refused {
+                    refusal: Refusal::Rate,
+                    retry_after_ms: 60_000,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
         // Settling the first to 10 tokens frees 30.
         l.settle(&reservation, 10).await.expect("ok");
         assert!(admitted(&l.reserve(&s, 40).await.expect("ok")));
@@ -561,12 +592,34 @@ mod tests {
         // 2026-01-31T23:59:00Z: the day and the month end in a minute.
         let clock = Arc::new(ManualClock::new(1_769_903_940_000));
         let l = Limiter::local(clock.clone());
-        let day = [scope("team:ml", LimitSet { tokens_per_day: Some(100), ..LimitSet::default() })];
-        let month = [scope("key:m", LimitSet { tokens_per_month: Some(100), ..LimitSet::default() })];
+        let day = [scope(
+            "team:ml",
+            LimitSet {
+                tokens_per_day: Some(100),
+                ..LimitSet::default()
+            },
+        )];
+        let month = [scope(
+            "key:m",
+            LimitSet {
+                tokens_per_month: Some(100),
+                ..LimitSet::default()
+            },
+        )];
         assert!(admitted(&l.reserve(&day, 100).await.expect("ok")));
         assert!(admitted(&l.reserve(&month, 100).await.expect("ok")));
         let r = l.reserve(&day, 1).await.expect("ok");
-        assert!(matches!(r, Admission::Refused { refusal: Refusal::Quota, retry_after_ms: 60_000, .. }), "{r:?}");
+        assert!(
+            matches!(
+                r,
+                Admission::Refused {
+                    refusal: Refusal::Quota,
+                    retry_after_ms: 60_000,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
         clock.advance(59_999);
         assert!(!admitted(&l.reserve(&day, 1).await.expect("ok")));
         assert!(!admitted(&l.reserve(&month, 1).await.expect("ok")));
@@ -578,7 +631,14 @@ mod tests {
         clock.advance(86_400_000);
         assert!(admitted(&l.reserve(&day, 1).await.expect("ok")));
         let r = l.reserve(&month, 1).await.expect("ok");
-        let Admission::Refused { refusal: Refusal::Quota, retry_after_ms, .. } = r else { panic!("{r:?}") };
+        let Admission::Refused {
+            refusal: Refusal::Quota,
+            retry_after_ms,
+            ..
+        } = r
+        else {
+            panic!("{r:?}")
+        };
         assert_eq!(retry_after_ms, 27 * 86_400_000, "until 2026-03-01");
     }
 
@@ -586,21 +646,53 @@ mod tests {
     async fn all_scopes_or_none() {
         let l = Limiter::local(Arc::new(ManualClock::new(5)));
         let both = [
-            scope("key:a", LimitSet { requests_per_minute: Some(10), ..LimitSet::default() }),
-            scope("team:t", LimitSet { requests_per_minute: Some(1), ..LimitSet::default() }),
+            scope(
+                "key:a",
+                LimitSet {
+                    requests_per_minute: Some(10),
+                    ..LimitSet::default()
+                },
+            ),
+            scope(
+                "team:t",
+                LimitSet {
+                    requests_per_minute: Some(1),
+                    ..LimitSet::default()
+                },
+            ),
         ];
         assert!(admitted(&l.reserve(&both, 0).await.expect("ok")));
         assert!(!admitted(&l.reserve(&both, 0).await.expect("ok")));
-        assert_eq!(l.usage("key:a").await.expect("ok").requests, 1, "refusal charged nothing");
+        assert_eq!(
+            l.usage("key:a").await.expect("ok").requests,
+            1,
+            "refusal charged nothing"
+        );
     }
 
     #[test]
     fn concurrent_clients_never_exceed() {
-        let l = Arc::new(LocalLimiter { clock: Arc::new(ManualClock::new(1)), counters: Mutex::default() });
-        let s = [scope("key:a", LimitSet { requests_per_minute: Some(1000), tokens_per_minute: Some(7000), ..LimitSet::default() })];
+        let l = Arc::new(LocalLimiter {
+            clock: Arc::new(ManualClock::new(1)),
+            counters: Mutex::default(),
+        });
+        let s = [scope(
+            "key:a",
+            LimitSet {
+                requests_per_minute: Some(1000),
+                tokens_per_minute: Some(7000),
+                ..LimitSet::default()
+            },
+        )];
         let admitted: usize = std::thread::scope(|t| {
             let hs: Vec<_> = (0..8)
-                .map(|_| t.spawn(|| (0..200).filter(|_| matches!(l.reserve(&s, 10), Admission::Admitted { .. })).count()))
+                .map(|_| {
+                    t.spawn(|| {
+                        (0..200)
+                            .filter(|_| matches!(l.reserve(&s, 10), Admission::Admitted { .. }))
+                            .count()
+                    })
+                })
                 .collect();
             hs.into_iter().map(|h| h.join().expect("thread")).sum()
         });

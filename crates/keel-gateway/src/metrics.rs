@@ -28,7 +28,8 @@ impl Histogram {
         if let Some(i) = BUCKETS.iter().position(|b| s <= *b) {
             self.counts[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.sum_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -54,7 +55,12 @@ impl<T: Default> Family<T> {
     fn get(&self, values: &[&str]) -> Arc<T> {
         debug_assert_eq!(values.len(), self.labels.len());
         let key: Box<[String]> = values.iter().map(|v| (*v).to_owned()).collect();
-        if let Some(s) = self.series.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        if let Some(s) = self
+            .series
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
             return s.clone();
         }
         self.series
@@ -84,24 +90,40 @@ impl<T: Default> Family<T> {
 }
 
 fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 impl Family<AtomicU64> {
     fn render(&self, out: &mut String) {
-        let _ = writeln!(out, "# HELP {} {}\n# TYPE {} counter", self.name, self.help, self.name);
+        let _ = writeln!(
+            out,
+            "# HELP {} {}\n# TYPE {} counter",
+            self.name, self.help, self.name
+        );
         let series = self.series.read().unwrap_or_else(|p| p.into_inner());
         let mut rows: Vec<_> = series.iter().collect();
         rows.sort_by(|a, b| a.0.cmp(b.0));
         for (k, v) in rows {
-            let _ = writeln!(out, "{}{{{}}} {}", self.name, self.label_text(k, None), v.load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "{}{{{}}} {}",
+                self.name,
+                self.label_text(k, None),
+                v.load(Ordering::Relaxed)
+            );
         }
     }
 }
 
 impl Family<Histogram> {
     fn render(&self, out: &mut String) {
-        let _ = writeln!(out, "# HELP {} {}\n# TYPE {} histogram", self.name, self.help, self.name);
+        let _ = writeln!(
+            out,
+            "# HELP {} {}\n# TYPE {} histogram",
+            self.name, self.help, self.name
+        );
         let series = self.series.read().unwrap_or_else(|p| p.into_inner());
         let mut rows: Vec<_> = series.iter().collect();
         rows.sort_by(|a, b| a.0.cmp(b.0));
@@ -109,12 +131,27 @@ impl Family<Histogram> {
             let mut cum = 0;
             for (i, b) in BUCKETS.iter().enumerate() {
                 cum += h.counts[i].load(Ordering::Relaxed);
-                let _ = writeln!(out, "{}_bucket{{{}}} {cum}", self.name, self.label_text(k, Some(("le", &b.to_string()))));
+                let _ = writeln!(
+                    out,
+                    "{}_bucket{{{}}} {cum}",
+                    self.name,
+                    self.label_text(k, Some(("le", &b.to_string())))
+                );
             }
             let count = h.count.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{}_bucket{{{}}} {count}", self.name, self.label_text(k, Some(("le", "+Inf"))));
+            let _ = writeln!(
+                out,
+                "{}_bucket{{{}}} {count}",
+                self.name,
+                self.label_text(k, Some(("le", "+Inf")))
+            );
             let l = self.label_text(k, None);
-            let _ = writeln!(out, "{}_sum{{{l}}} {}", self.name, h.sum_ns.load(Ordering::Relaxed) as f64 / 1e9);
+            let _ = writeln!(
+                out,
+                "{}_sum{{{l}}} {}",
+                self.name,
+                h.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
+            );
             let _ = writeln!(out, "{}_count{{{l}}} {count}", self.name);
         }
     }
@@ -153,21 +190,59 @@ pub struct RequestLabels<'a> {
 impl Metrics {
     pub fn new() -> Self {
         Self {
-            requests: Family::new("keel_requests_total", "Requests answered.", &["route", "model", "deployment", "key", "code"]),
-            duration: Family::new("keel_request_duration_seconds", "Time from request to the end of the response.", &["route", "model", "deployment"]),
-            backend: Family::new("keel_backend_duration_seconds", "Time spent waiting on the backend.", &["route", "model", "deployment"]),
-            overhead: Family::new("keel_gateway_overhead_seconds", "Gateway overhead: total time minus backend time.", &["route", "model", "deployment"]),
-            tokens: Family::new("keel_tokens_total", "Tokens by direction (in: prompt, out: completion).", &["direction", "model", "deployment", "key"]),
-            errors: Family::new("keel_errors_total", "Refused or failed requests by kind.", &["route", "kind"]),
-            retries: Family::new("keel_retries_total", "Requests sent again to another deployment.", &["model"]),
-            fallbacks: Family::new("keel_fallbacks_total", "Requests served by a fallback model.", &["model", "fallback"]),
-            mirrored: Family::new("keel_mirrored_requests_total", "Requests copied to a shadow deployment (never charged).", &["model", "deployment", "outcome"]),
+            requests: Family::new(
+                "keel_requests_total",
+                "Requests answered.",
+                &["route", "model", "deployment", "key", "code"],
+            ),
+            duration: Family::new(
+                "keel_request_duration_seconds",
+                "Time from request to the end of the response.",
+                &["route", "model", "deployment"],
+            ),
+            backend: Family::new(
+                "keel_backend_duration_seconds",
+                "Time spent waiting on the backend.",
+                &["route", "model", "deployment"],
+            ),
+            overhead: Family::new(
+                "keel_gateway_overhead_seconds",
+                "Gateway overhead: total time minus backend time.",
+                &["route", "model", "deployment"],
+            ),
+            tokens: Family::new(
+                "keel_tokens_total",
+                "Tokens by direction (in: prompt, out: completion).",
+                &["direction", "model", "deployment", "key"],
+            ),
+            errors: Family::new(
+                "keel_errors_total",
+                "Refused or failed requests by kind.",
+                &["route", "kind"],
+            ),
+            retries: Family::new(
+                "keel_retries_total",
+                "Requests sent again to another deployment.",
+                &["model"],
+            ),
+            fallbacks: Family::new(
+                "keel_fallbacks_total",
+                "Requests served by a fallback model.",
+                &["model", "fallback"],
+            ),
+            mirrored: Family::new(
+                "keel_mirrored_requests_total",
+                "Requests copied to a shadow deployment (never charged).",
+                &["model", "deployment", "outcome"],
+            ),
         }
     }
 
     pub fn request(&self, l: RequestLabels<'_>, total: Duration, backend: Option<Duration>) {
         let code = l.code.to_string();
-        self.requests.get(&[l.route, l.model, l.deployment, l.key, &code]).fetch_add(1, Ordering::Relaxed);
+        self.requests
+            .get(&[l.route, l.model, l.deployment, l.key, &code])
+            .fetch_add(1, Ordering::Relaxed);
         let dl = [l.route, l.model, l.deployment];
         self.duration.get(&dl).observe(total);
         if let Some(b) = backend {
@@ -177,12 +252,18 @@ impl Metrics {
     }
 
     pub fn tokens(&self, model: &str, deployment: &str, key: &str, prompt: u64, completion: u64) {
-        self.tokens.get(&["in", model, deployment, key]).fetch_add(prompt, Ordering::Relaxed);
-        self.tokens.get(&["out", model, deployment, key]).fetch_add(completion, Ordering::Relaxed);
+        self.tokens
+            .get(&["in", model, deployment, key])
+            .fetch_add(prompt, Ordering::Relaxed);
+        self.tokens
+            .get(&["out", model, deployment, key])
+            .fetch_add(completion, Ordering::Relaxed);
     }
 
     pub fn error(&self, route: &str, kind: &str) {
-        self.errors.get(&[route, kind]).fetch_add(1, Ordering::Relaxed);
+        self.errors
+            .get(&[route, kind])
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn retry(&self, model: &str) {
@@ -190,11 +271,15 @@ impl Metrics {
     }
 
     pub fn fallback(&self, model: &str, fallback: &str) {
-        self.fallbacks.get(&[model, fallback]).fetch_add(1, Ordering::Relaxed);
+        self.fallbacks
+            .get(&[model, fallback])
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn mirrored(&self, model: &str, deployment: &str, outcome: &str) {
-        self.mirrored.get(&[model, deployment, outcome]).fetch_add(1, Ordering::Relaxed);
+        self.mirrored
+            .get(&[model, deployment, outcome])
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// The text exposition, followed by per-backend gauges
@@ -212,11 +297,21 @@ impl Metrics {
         self.mirrored.render(&mut out);
         out.push_str("# HELP keel_backend_healthy Whether active probes find the backend healthy.\n# TYPE keel_backend_healthy gauge\n");
         for (b, h, _) in backends {
-            let _ = writeln!(out, "keel_backend_healthy{{backend=\"{}\"}} {}", escape(b), *h as u8);
+            let _ = writeln!(
+                out,
+                "keel_backend_healthy{{backend=\"{}\"}} {}",
+                escape(b),
+                *h as u8
+            );
         }
         out.push_str("# HELP keel_backend_circuit_open Whether the backend's circuit breaker is open.\n# TYPE keel_backend_circuit_open gauge\n");
         for (b, _, o) in backends {
-            let _ = writeln!(out, "keel_backend_circuit_open{{backend=\"{}\"}} {}", escape(b), *o as u8);
+            let _ = writeln!(
+                out,
+                "keel_backend_circuit_open{{backend=\"{}\"}} {}",
+                escape(b),
+                *o as u8
+            );
         }
         out
     }
@@ -229,7 +324,13 @@ mod tests {
     #[test]
     fn renders() {
         let m = Metrics::new();
-        let l = RequestLabels { route: "/v1/chat/completions", model: "chat", deployment: "blue", key: "key_1", code: 200 };
+        let l = RequestLabels {
+            route: "/v1/chat/completions",
+            model: "chat",
+            deployment: "blue",
+            key: "key_1",
+            code: 200,
+        };
         m.request(l, Duration::from_millis(3), Some(Duration::from_millis(2)));
         m.tokens("chat", "blue", "key_1", 5, 7);
         let t = m.render(&[("http://b\"".into(), true, false)]);

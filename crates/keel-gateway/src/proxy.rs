@@ -299,12 +299,42 @@ mod tests {
         (String::from_utf8(out).expect("utf8"), f)
     }
 
+    proptest::proptest! {
+        #[test]
+        fn sse_filter_never_panics_and_passes_streams_without_usage_unchanged(
+            data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+            split in 1usize..64,
+            strip in proptest::prelude::any::<bool>(),
+        ) {
+            let mut f = SseFilter::new(strip);
+            let mut out = Vec::new();
+            for c in data.chunks(split) {
+                out.extend(f.push(c));
+            }
+            out.extend(f.finish());
+            if !data.windows(7).any(|w| w == b"\"usage\"") {
+                proptest::prop_assert_eq!(out, data);
+            }
+        }
+
+        #[test]
+        fn audit_verify_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            let _ = crate::audit::verify(&data[..]);
+        }
+    }
+
     #[test]
     fn sse_usage_read_and_stripped() {
         for split in [1, 7, 1000] {
             let (out, f) = run(false, split);
             assert_eq!(out, STREAM);
-            assert_eq!(f.usage, Some(TokenUsage { prompt: 3, completion: 2 }));
+            assert_eq!(
+                f.usage,
+                Some(TokenUsage {
+                    prompt: 3,
+                    completion: 2
+                })
+            );
             assert!(f.done);
             let (out, f) = run(true, split);
             assert!(!out.contains("prompt_tokens"), "{out}");

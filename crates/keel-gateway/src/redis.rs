@@ -37,7 +37,10 @@ impl RedisAddr {
         let password = auth.map(|a| a.split_once(':').map_or(a, |(_, p)| p).to_owned());
         let (host_port, db) = match hostpart.split_once('/') {
             Some((h, "")) => (h, None),
-            Some((h, d)) => (h, Some(d.parse().map_err(|_| bad("the database is not a number"))?)),
+            Some((h, d)) => (
+                h,
+                Some(d.parse().map_err(|_| bad("the database is not a number"))?),
+            ),
             None => (hostpart, None),
         };
         if host_port.is_empty() {
@@ -263,7 +266,10 @@ mod tests {
         assert_eq!(a.host_port, "127.0.0.1:6380");
         assert_eq!(a.password.as_deref(), Some("secret"));
         assert_eq!(a.db, Some(2));
-        assert_eq!(RedisAddr::parse("redis://h").expect("ok").host_port, "h:6379");
+        assert_eq!(
+            RedisAddr::parse("redis://h").expect("ok").host_port,
+            "h:6379"
+        );
         assert!(RedisAddr::parse("rediss://h").is_err());
         assert_eq!(redact("redis://:secret@h:1"), "redis://***@h:1");
     }

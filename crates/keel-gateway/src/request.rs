@@ -116,7 +116,9 @@ pub fn route(method: &Method, path: &str) -> Result<Route, RouteError> {
         "/v1/models" => return want(Method::GET, Route::Models),
         _ => {}
     }
-    let rest = path.strip_prefix("/v2/models/").ok_or(RouteError::NotFound)?;
+    let rest = path
+        .strip_prefix("/v2/models/")
+        .ok_or(RouteError::NotFound)?;
     let parts: Vec<&str> = rest.split('/').collect();
     let (name, version, action) = match parts.as_slice() {
         [n] => (*n, None, None),
@@ -216,9 +218,21 @@ pub fn parse_openai(
             None | Some(Value::Null) => {}
             Some(Value::Number(n)) => match n.as_u64() {
                 Some(n) => max_tokens = Some(n),
-                None => return Err(ParseError::Field(if f == "max_tokens" { "max_tokens" } else { "max_completion_tokens" })),
+                None => {
+                    return Err(ParseError::Field(if f == "max_tokens" {
+                        "max_tokens"
+                    } else {
+                        "max_completion_tokens"
+                    }))
+                }
             },
-            Some(_) => return Err(ParseError::Field(if f == "max_tokens" { "max_tokens" } else { "max_completion_tokens" })),
+            Some(_) => {
+                return Err(ParseError::Field(if f == "max_tokens" {
+                    "max_tokens"
+                } else {
+                    "max_completion_tokens"
+                }))
+            }
         }
     }
     let prompt_estimate = obj.get(prompt_field).map_or(0, estimate_tokens);
@@ -272,16 +286,34 @@ mod tests {
     fn routes() {
         let get = Method::GET;
         let post = Method::POST;
-        assert_eq!(route(&post, "/v1/chat/completions"), Ok(Route::ChatCompletions));
-        assert_eq!(route(&get, "/v1/chat/completions"), Err(RouteError::MethodNotAllowed));
+        assert_eq!(
+            route(&post, "/v1/chat/completions"),
+            Ok(Route::ChatCompletions)
+        );
+        assert_eq!(
+            route(&get, "/v1/chat/completions"),
+            Err(RouteError::MethodNotAllowed)
+        );
         assert_eq!(
             route(&post, "/v2/models/resnet/versions/2/infer"),
-            Ok(Route::OipInfer(OipModel { name: "resnet".into(), version: Some("2".into()) }))
+            Ok(Route::OipInfer(OipModel {
+                name: "resnet".into(),
+                version: Some("2".into())
+            }))
         );
-        assert_eq!(route(&get, "/v2/models/resnet").map(|r| r.template()), Ok("/v2/models/{name}"));
-        assert_eq!(route(&get, "/v2/models/../ready"), Err(RouteError::NotFound));
+        assert_eq!(
+            route(&get, "/v2/models/resnet").map(|r| r.template()),
+            Ok("/v2/models/{name}")
+        );
+        assert_eq!(
+            route(&get, "/v2/models/../ready"),
+            Err(RouteError::NotFound)
+        );
         assert_eq!(route(&get, "/v2/models//ready"), Err(RouteError::NotFound));
-        assert_eq!(route(&get, "/v2/models/a/b/c/d/e"), Err(RouteError::NotFound));
+        assert_eq!(
+            route(&get, "/v2/models/a/b/c/d/e"),
+            Err(RouteError::NotFound)
+        );
         assert_eq!(route(&get, "/nope"), Err(RouteError::NotFound));
         for (m, p, public) in ROUTES {
             let p = p.replace("{name}", "m").replace("{version}", "1");
@@ -299,15 +331,37 @@ mod tests {
         .expect("ok");
         assert_eq!(
             r,
-            OpenAiRequest { model: "m".into(), stream: true, include_usage: false, max_tokens: Some(10), prompt_estimate: 2 }
+            OpenAiRequest {
+                model: "m".into(),
+                stream: true,
+                include_usage: false,
+                max_tokens: Some(10),
+                prompt_estimate: 2
+            }
         );
-        let (_, r) = parse_openai(br#"{"model":"m","prompt":[1,2,3],"stream_options":{"include_usage":true}}"#, "prompt").expect("ok");
+        let (_, r) = parse_openai(
+            br#"{"model":"m","prompt":[1,2,3],"stream_options":{"include_usage":true}}"#,
+            "prompt",
+        )
+        .expect("ok");
         assert_eq!((r.prompt_estimate, r.include_usage), (3, true));
-        assert!(matches!(parse_openai(b"{", "messages"), Err(ParseError::Json(_))));
+        assert!(matches!(
+            parse_openai(b"{", "messages"),
+            Err(ParseError::Json(_))
+        ));
         assert_eq!(parse_openai(b"[]", "messages"), Err(ParseError::NotObject));
-        assert_eq!(parse_openai(br#"{"model":1}"#, "messages"), Err(ParseError::Model));
-        assert_eq!(parse_openai(br#"{"model":"m","stream":"yes"}"#, "messages"), Err(ParseError::Field("stream")));
-        assert_eq!(parse_openai(br#"{"model":"m","max_tokens":-1}"#, "messages"), Err(ParseError::Field("max_tokens")));
+        assert_eq!(
+            parse_openai(br#"{"model":1}"#, "messages"),
+            Err(ParseError::Model)
+        );
+        assert_eq!(
+            parse_openai(br#"{"model":"m","stream":"yes"}"#, "messages"),
+            Err(ParseError::Field("stream"))
+        );
+        assert_eq!(
+            parse_openai(br#"{"model":"m","max_tokens":-1}"#, "messages"),
+            Err(ParseError::Field("max_tokens"))
+        );
     }
 
     proptest! {

@@ -39,9 +39,17 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 /// Serves HTTP/1.1 on an already-bound listener until `shutdown`
 /// resolves, then stops accepting and waits up to the grace period for
 /// open connections to finish.
-pub async fn serve<S>(listener: TcpListener, app: S, shutdown: impl Future<Output = ()>, opts: ServeOptions) -> std::io::Result<()>
+pub async fn serve<S>(
+    listener: TcpListener,
+    app: S,
+    shutdown: impl Future<Output = ()>,
+    opts: ServeOptions,
+) -> std::io::Result<()>
 where
-    S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     let graceful = GracefulShutdown::new();
@@ -71,8 +79,14 @@ where
         }
     }
     drop(listener);
-    if tokio::time::timeout(opts.grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(grace_s = opts.grace.as_secs_f64(), "connections still open after the grace period; closing them");
+    if tokio::time::timeout(opts.grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_s = opts.grace.as_secs_f64(),
+            "connections still open after the grace period; closing them"
+        );
     }
     Ok(())
 }
@@ -102,7 +116,10 @@ pub struct AccessLogLayer {
 impl<S> Layer<S> for AccessLogLayer {
     type Service = AccessLog<S>;
     fn layer(&self, inner: S) -> AccessLog<S> {
-        AccessLog { inner, enabled: self.enabled }
+        AccessLog {
+            inner,
+            enabled: self.enabled,
+        }
     }
 }
 
@@ -133,7 +150,11 @@ where
         Box::pin(async move {
             let resp = fut.await?;
             if enabled {
-                let i = resp.extensions().get::<AccessInfo>().cloned().unwrap_or_default();
+                let i = resp
+                    .extensions()
+                    .get::<AccessInfo>()
+                    .cloned()
+                    .unwrap_or_default();
                 tracing::info!(
                     target: "keel::access",
                     request_id = %i.request_id,
@@ -155,17 +176,23 @@ where
 
 /// Compares two hex digests without an early exit.
 fn same_digest(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 fn bearer_ok(req: &Request<Incoming>, token_sha256: &str) -> bool {
-    crate::auth::credential(req.headers()).is_some_and(|t| same_digest(&sha256_hex(t.as_bytes()), token_sha256))
+    crate::auth::credential(req.headers())
+        .is_some_and(|t| same_digest(&sha256_hex(t.as_bytes()), token_sha256))
 }
 
 fn text(status: StatusCode, ct: &'static str, body: impl Into<Bytes>) -> Response<GwBody> {
     let mut r = Response::new(GwBody::full(body));
     *r.status_mut() = status;
-    r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+    r.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
     r
 }
 
@@ -202,7 +229,11 @@ impl Service<Request<Incoming>> for AdminService {
                     Ok(()) => json_ok(json!({"reloaded": true})),
                     Err(e) => {
                         tracing::error!(error = %e, "reload failed; the previous configuration stays");
-                        text(StatusCode::UNPROCESSABLE_ENTITY, "application/json", json!({"reloaded": false, "error": format!("{e}")}).to_string())
+                        text(
+                            StatusCode::UNPROCESSABLE_ENTITY,
+                            "application/json",
+                            json!({"reloaded": false, "error": format!("{e}")}).to_string(),
+                        )
                     }
                 },
                 (Method::GET, "/admin/status") => json_ok(s.gateway.status()),
@@ -242,7 +273,11 @@ impl Service<Request<Incoming>> for MetricsService {
                 return Ok(ApiError::unauthorized().into_response());
             }
             Ok(match (req.method(), req.uri().path()) {
-                (&Method::GET, "/metrics") => text(StatusCode::OK, "text/plain; version=0.0.4", s.gateway.render_metrics()),
+                (&Method::GET, "/metrics") => text(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    s.gateway.render_metrics(),
+                ),
                 _ => ApiError::not_found("no such route").into_response(),
             })
         })
@@ -259,7 +294,11 @@ pub struct Listeners {
 
 /// Serves the public, admin and metrics listeners until `shutdown`, then
 /// drains them within the configured grace period and closes the audit log.
-pub async fn run(gateway: Gateway, listeners: Listeners, shutdown: impl Future<Output = ()> + Send) -> std::io::Result<()> {
+pub async fn run(
+    gateway: Gateway,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
     let gen = gateway.generation();
     let cfg = &gen.cfg;
     let opts = ServeOptions {
@@ -270,15 +309,30 @@ pub async fn run(gateway: Gateway, listeners: Listeners, shutdown: impl Future<O
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
     };
-    let public = ServiceBuilder::new().layer(AccessLogLayer { enabled: cfg.server.access_log }).service(gateway.clone());
+    let public = ServiceBuilder::new()
+        .layer(AccessLogLayer {
+            enabled: cfg.server.access_log,
+        })
+        .service(gateway.clone());
     let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(serve(listeners.public, public, wait(rx.clone()), opts)));
+    tasks.push(tokio::spawn(serve(
+        listeners.public,
+        public,
+        wait(rx.clone()),
+        opts,
+    )));
     if let (Some(l), Some(a)) = (listeners.admin, &cfg.admin) {
-        let svc = AdminService { gateway: gateway.clone(), token_sha256: a.token_sha256.clone() };
+        let svc = AdminService {
+            gateway: gateway.clone(),
+            token_sha256: a.token_sha256.clone(),
+        };
         tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
     }
     if let (Some(l), Some(m)) = (listeners.metrics, &cfg.metrics) {
-        let svc = MetricsService { gateway: gateway.clone(), token_sha256: m.token_sha256.clone() };
+        let svc = MetricsService {
+            gateway: gateway.clone(),
+            token_sha256: m.token_sha256.clone(),
+        };
         tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
     }
     drop(gen);

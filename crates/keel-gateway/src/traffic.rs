@@ -137,14 +137,17 @@ impl Circuit {
 
     pub fn record(&mut self, now: Instant, ok: bool, retry_after: Option<Duration>) {
         let trip = Duration::from_secs_f64(self.cfg.trip_s);
-        let open_for = |ra: Option<Duration>| trip.max(ra.unwrap_or_default().min(Duration::from_secs(300)));
+        let open_for =
+            |ra: Option<Duration>| trip.max(ra.unwrap_or_default().min(Duration::from_secs(300)));
         match self.state {
             CState::HalfOpen { .. } => {
                 if ok {
                     self.state = CState::Closed;
                     self.buckets.clear();
                 } else {
-                    self.state = CState::Open { until: now + open_for(retry_after) };
+                    self.state = CState::Open {
+                        until: now + open_for(retry_after),
+                    };
                 }
                 return;
             }
@@ -152,12 +155,20 @@ impl Circuit {
             CState::Closed => {}
         }
         let window = Duration::from_secs(self.cfg.window_s);
-        while self.buckets.front().is_some_and(|b| now.duration_since(b.0) >= window) {
+        while self
+            .buckets
+            .front()
+            .is_some_and(|b| now.duration_since(b.0) >= window)
+        {
             self.buckets.pop_front();
         }
         match self.buckets.back_mut() {
             Some(b) if now.duration_since(b.0) < Duration::from_secs(1) => {
-                if ok { b.1 += 1 } else { b.2 += 1 }
+                if ok {
+                    b.1 += 1
+                } else {
+                    b.2 += 1
+                }
             }
             _ => self.buckets.push_back((now, ok as u32, (!ok) as u32)),
         }
@@ -166,10 +177,15 @@ impl Circuit {
         }
         // A backend that says when to come back is believed at once.
         if let Some(ra) = retry_after {
-            self.state = CState::Open { until: now + open_for(Some(ra)) };
+            self.state = CState::Open {
+                until: now + open_for(Some(ra)),
+            };
             return;
         }
-        let (oks, fails) = self.buckets.iter().fold((0u32, 0u32), |a, b| (a.0 + b.1, a.1 + b.2));
+        let (oks, fails) = self
+            .buckets
+            .iter()
+            .fold((0u32, 0u32), |a, b| (a.0 + b.1, a.1 + b.2));
         let total = oks + fails;
         if total >= self.cfg.min_requests && fails as f64 >= self.cfg.failure_ratio * total as f64 {
             self.state = CState::Open { until: now + trip };
@@ -239,7 +255,10 @@ impl Rng {
         Self(AtomicU64::new(seed))
     }
     pub fn next_u64(&self) -> u64 {
-        let mut z = self.0.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self
+            .0
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
@@ -270,7 +289,10 @@ impl RetryBudget {
 
     fn bump(&self, now: Instant, req: u32, retry: u32) -> (u32, u32) {
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
-        while w.front().is_some_and(|b| now.duration_since(b.0) >= Duration::from_secs(10)) {
+        while w
+            .front()
+            .is_some_and(|b| now.duration_since(b.0) >= Duration::from_secs(10))
+        {
             w.pop_front();
         }
         match w.back_mut() {
@@ -377,14 +399,23 @@ impl Traffic {
     /// pick among the primary's deployments, then its others by weight,
     /// then each fallback model the same way. Deployments the caller cannot
     /// use now (circuit open, unhealthy) are filtered when tried.
-    pub fn candidates(&self, model: &ModelRoute, pin: Option<&str>, rng: &Rng) -> Result<Vec<Candidate>, String> {
+    pub fn candidates(
+        &self,
+        model: &ModelRoute,
+        pin: Option<&str>,
+        rng: &Rng,
+    ) -> Result<Vec<Candidate>, String> {
         if let Some(p) = pin {
             let d = model
                 .all
                 .iter()
                 .find(|d| d.name == p)
                 .ok_or_else(|| format!("model {:?} has no deployment {p:?}", model.name))?;
-            return Ok(vec![Candidate { model: model.name.clone(), deployment: d.clone(), fallback: false }]);
+            return Ok(vec![Candidate {
+                model: model.name.clone(),
+                deployment: d.clone(),
+                fallback: false,
+            }]);
         }
         let mut out = Vec::new();
         push_weighted(&mut out, model, rng, false);
@@ -411,12 +442,20 @@ fn push_weighted(out: &mut Vec<Candidate>, m: &ModelRoute, rng: &Rng, fallback: 
         });
         if let Some(i) = first {
             let d = rest.remove(i);
-            out.push(Candidate { model: m.name.clone(), deployment: d.clone(), fallback });
+            out.push(Candidate {
+                model: m.name.clone(),
+                deployment: d.clone(),
+                fallback,
+            });
         }
     }
-    rest.sort_by(|a, b| b.weight.cmp(&a.weight));
+    rest.sort_by_key(|d| std::cmp::Reverse(d.weight));
     for d in rest {
-        out.push(Candidate { model: m.name.clone(), deployment: d.clone(), fallback });
+        out.push(Candidate {
+            model: m.name.clone(),
+            deployment: d.clone(),
+            fallback,
+        });
     }
 }
 
@@ -425,7 +464,12 @@ mod tests {
     use super::*;
 
     fn cfg() -> CircuitConfig {
-        CircuitConfig { window_s: 10, min_requests: 4, failure_ratio: 0.5, trip_s: 5.0 }
+        CircuitConfig {
+            window_s: 10,
+            min_requests: 4,
+            failure_ratio: 0.5,
+            trip_s: 5.0,
+        }
     }
 
     #[test]
@@ -436,7 +480,11 @@ mod tests {
             assert!(c.allow(t0));
             c.record(t0, i == 0, None);
         }
-        assert_eq!(c.state_name(t0), "closed", "3 requests are below min_requests");
+        assert_eq!(
+            c.state_name(t0),
+            "closed",
+            "3 requests are below min_requests"
+        );
         c.record(t0, false, None);
         assert_eq!(c.state_name(t0), "open");
         assert!(!c.allow(t0 + Duration::from_secs(4)));

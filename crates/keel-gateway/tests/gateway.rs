@@ -14,14 +14,22 @@ use keel_gateway::ManualClock;
 use serde_json::{json, Value};
 
 fn one_backend(dir: &std::path::Path, b: &TestBackend, extra_head: &str) -> String {
-    format!("{}{extra_head}{}", head(dir), model("chat", "", &[("blue", b.url(), 1)]))
+    format!(
+        "{}{extra_head}{}",
+        head(dir),
+        model("chat", "", &[("blue", b.url(), 1)])
+    )
 }
 
 #[test]
 fn every_route_rejects_missing_wrong_and_revoked_keys() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--name", "b"]);
-    let cfg = format!("{}{}", one_backend(dir.path(), &b, ""), model("resnet", "protocol = \"oip\"", &[("r", b.url(), 1)]));
+    let cfg = format!(
+        "{}{}",
+        one_backend(dir.path(), &b, ""),
+        model("resnet", "protocol = \"oip\"", &[("r", b.url(), 1)])
+    );
     let (id, secret) = add_key(dir.path(), "ops", &["ops"], None);
     let (revoked_id, revoked) = add_key(dir.path(), "gone", &["ops"], None);
     let g = Running::start(dir.path(), &cfg);
@@ -30,67 +38,161 @@ fn every_route_rejects_missing_wrong_and_revoked_keys() {
     let mut checked = 0;
     for (method, path, public) in ROUTES {
         let path = path.replace("{name}", "resnet").replace("{version}", "1");
-        let body: &[u8] = if *method == "POST" { body.as_bytes() } else { b"" };
-        let send = |h: &[(&str, &str)]| http::request(g.public, method, &path, h, body).expect("request");
+        let body: &[u8] = if *method == "POST" {
+            body.as_bytes()
+        } else {
+            b""
+        };
+        let send =
+            |h: &[(&str, &str)]| http::request(g.public, method, &path, h, body).expect("request");
         let missing = send(&[]);
         if *public {
-            assert_eq!(missing.status, 200, "{method} {path} is a probe: {}", missing.text());
+            assert_eq!(
+                missing.status,
+                200,
+                "{method} {path} is a probe: {}",
+                missing.text()
+            );
             continue;
         }
         assert_eq!(missing.status, 401, "{method} {path} without a key");
         assert_eq!(missing.json()["error"]["type"], "authentication_error");
-        for bad in ["Bearer sk-keel-wrong", "Bearer ", "Basic Zm9vOmJhcg==", &format!("Bearer {revoked}")] {
+        for bad in [
+            "Bearer sk-keel-wrong",
+            "Bearer ",
+            "Basic Zm9vOmJhcg==",
+            &format!("Bearer {revoked}"),
+        ] {
             let r = send(&[("Authorization", bad)]);
             assert_eq!(r.status, 401, "{method} {path} with {bad:?}");
         }
         assert_eq!(send(&[("api-key", "sk-keel-wrong")]).status, 401);
-        assert_eq!(send(&[("api-key", &revoked)]).status, 401, "revoked at once, without a reload");
+        assert_eq!(
+            send(&[("api-key", &revoked)]).status,
+            401,
+            "revoked at once, without a reload"
+        );
         let auth = format!("Bearer {secret}");
-        let ok = send(&[("Authorization", &auth), ("Content-Type", "application/json")]);
+        let ok = send(&[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+        ]);
         assert_ne!(ok.status, 401, "{method} {path} with a good key");
         checked += 1;
     }
     assert_eq!(checked, ROUTES.iter().filter(|r| !r.2).count());
     // Unknown paths need a key too, then are 404.
-    assert_eq!(http::request(g.public, "GET", "/admin/reload", &[], b"").expect("r").status, 401);
-    assert_eq!(http::get(g.public, "/nope", &secret).expect("r").status, 404);
+    assert_eq!(
+        http::request(g.public, "GET", "/admin/reload", &[], b"")
+            .expect("r")
+            .status,
+        401
+    );
+    assert_eq!(
+        http::get(g.public, "/nope", &secret).expect("r").status,
+        404
+    );
     // The admin and metrics listeners take their own tokens only.
-    for (addr, path, method, token) in [(g.admin, "/admin/status", "GET", ADMIN_TOKEN), (g.admin, "/admin/reload", "POST", ADMIN_TOKEN), (g.metrics, "/metrics", "GET", METRICS_TOKEN)] {
-        assert_eq!(http::request(addr, method, path, &[], b"").expect("r").status, 401);
-        for wrong in [secret.as_str(), "nope", if token == ADMIN_TOKEN { METRICS_TOKEN } else { ADMIN_TOKEN }] {
+    for (addr, path, method, token) in [
+        (g.admin, "/admin/status", "GET", ADMIN_TOKEN),
+        (g.admin, "/admin/reload", "POST", ADMIN_TOKEN),
+        (g.metrics, "/metrics", "GET", METRICS_TOKEN),
+    ] {
+        assert_eq!(
+            http::request(addr, method, path, &[], b"")
+                .expect("r")
+                .status,
+            401
+        );
+        for wrong in [
+            secret.as_str(),
+            "nope",
+            if token == ADMIN_TOKEN {
+                METRICS_TOKEN
+            } else {
+                ADMIN_TOKEN
+            },
+        ] {
             let a = format!("Bearer {wrong}");
-            assert_eq!(http::request(addr, method, path, &[("Authorization", &a)], b"").expect("r").status, 401, "{path} with {wrong}");
+            assert_eq!(
+                http::request(addr, method, path, &[("Authorization", &a)], b"")
+                    .expect("r")
+                    .status,
+                401,
+                "{path} with {wrong}"
+            );
         }
         let a = format!("Bearer {token}");
-        assert_eq!(http::request(addr, method, path, &[("Authorization", &a)], b"").expect("r").status, 200, "{path}");
+        assert_eq!(
+            http::request(addr, method, path, &[("Authorization", &a)], b"")
+                .expect("r")
+                .status,
+            200,
+            "{path}"
+        );
     }
     revoke(dir.path(), &id);
     assert_eq!(g.chat(&secret, chat_body("chat")).status, 401);
     let audit = g.stop();
-    assert!(audit.iter().any(|e| e["event"] == "denied" && e["reason"] == "unauthenticated"));
+    assert!(audit
+        .iter()
+        .any(|e| e["event"] == "denied" && e["reason"] == "unauthenticated"));
     let text = serde_json::to_string(&audit).expect("json");
-    assert!(!text.contains(&secret) && !text.contains(&revoked), "no secret in the audit log");
+    assert!(
+        !text.contains(&secret) && !text.contains(&revoked),
+        "no secret in the audit log"
+    );
 }
 
 #[test]
 fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&[]);
-    let g = Running::start(dir.path(), &one_backend(dir.path(), &b, "").replace("[server]", "[server]\nmax_body_bytes = 1000"));
+    let g = Running::start(
+        dir.path(),
+        &one_backend(dir.path(), &b, "").replace("[server]", "[server]\nmax_body_bytes = 1000"),
+    );
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let auth = format!("Bearer {key}");
-    let h = [("Authorization", auth.as_str()), ("Content-Type", "application/json")];
-    let post = |body: &[u8]| http::request(g.public, "POST", "/v1/chat/completions", &h, body).expect("request");
+    let h = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let post = |body: &[u8]| {
+        http::request(g.public, "POST", "/v1/chat/completions", &h, body).expect("request")
+    };
     assert_eq!(post(&vec![b'x'; 5000]).status, 413);
     assert_eq!(post(b"{\"model\": ").status, 400);
     assert_eq!(post(b"[1,2]").status, 400);
     assert_eq!(post(b"{\"model\": 3}").status, 400);
-    assert_eq!(post(b"{\"model\": \"chat\", \"max_tokens\": \"many\"}").status, 400);
+    assert_eq!(
+        post(b"{\"model\": \"chat\", \"max_tokens\": \"many\"}").status,
+        400
+    );
     assert_eq!(post(b"\xff\xfe").status, 400);
-    assert_eq!(post(json!({"model": "nope"}).to_string().as_bytes()).status, 403, "roles first: no telling what exists");
+    assert_eq!(
+        post(json!({"model": "nope"}).to_string().as_bytes()).status,
+        403,
+        "roles first: no telling what exists"
+    );
     let (_, ops) = add_key(dir.path(), "ops", &["ops"], None);
-    assert_eq!(http::post_json(g.public, "/v1/chat/completions", &ops, &json!({"model": "nope"})).expect("r").status, 404);
-    assert_eq!(http::request(g.public, "GET", "/v1/chat/completions", &h, b"").expect("r").status, 405);
+    assert_eq!(
+        http::post_json(
+            g.public,
+            "/v1/chat/completions",
+            &ops,
+            &json!({"model": "nope"})
+        )
+        .expect("r")
+        .status,
+        404
+    );
+    assert_eq!(
+        http::request(g.public, "GET", "/v1/chat/completions", &h, b"")
+            .expect("r")
+            .status,
+        405
+    );
 
     // Chunked body over the limit (no Content-Length to refuse early).
     let mut s = TcpStream::connect(g.public).expect("connect");
@@ -106,15 +208,21 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
     // A client that never finishes its head is cut off (header_timeout 500 ms).
     let t = Instant::now();
     let mut s = TcpStream::connect(g.public).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n").expect("w");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .expect("w");
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
-    assert!(t.elapsed() < Duration::from_secs(5), "slow head not cut off");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "slow head not cut off"
+    );
     // A body that stalls gets 408 (body_timeout 500 ms).
     let t = Instant::now();
     let mut s = TcpStream::connect(g.public).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Length: 100\r\n\r\n{{\"model\"").expect("w");
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
@@ -122,11 +230,16 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
     assert!(t.elapsed() < Duration::from_secs(5));
     // Garbage instead of HTTP.
     let mut s = TcpStream::connect(g.public).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     s.write_all(b"\x00\x01\x02 garbage\r\n\r\n").expect("w");
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
-    assert!(out.is_empty() || out.starts_with(b"HTTP/1.1 4"), "{}", String::from_utf8_lossy(&out));
+    assert!(
+        out.is_empty() || out.starts_with(b"HTTP/1.1 4"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
     // Still serving.
     let r = g.chat(&key, chat_body("chat"));
     assert_eq!(r.status, 200, "{}", r.text());
@@ -137,7 +250,11 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
 fn chat_plain_and_streaming_with_exact_token_accounting() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--tokens", "16"]);
-    let cfg = one_backend(dir.path(), &b, "[limits.default]\ntokens_per_minute = 100000\nrequests_per_minute = 1000\n");
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\ntokens_per_minute = 100000\nrequests_per_minute = 1000\n",
+    );
     let (id, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
 
@@ -150,7 +267,11 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("999"));
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("99990"));
     assert!(r.header("x-ratelimit-reset-tokens").is_some());
-    assert_eq!(b.count("model:backend-blue"), 1, "the model name is rewritten for the backend");
+    assert_eq!(
+        b.count("model:backend-blue"),
+        1,
+        "the model name is rewritten for the backend"
+    );
 
     // Streaming without asking for usage: keel asks, reads it, strips it.
     let mut body = chat_body("chat");
@@ -160,7 +281,10 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let text = r.text();
     assert_eq!(text.matches("\"content\":\"tok \"").count(), 8, "{text}");
-    assert!(!text.contains("prompt_tokens"), "usage chunk stripped: {text}");
+    assert!(
+        !text.contains("prompt_tokens"),
+        "usage chunk stripped: {text}"
+    );
     assert!(text.ends_with("data: [DONE]\n\n"));
     assert_eq!(b.count("include_usage"), 1);
     // Asking for it: passed through.
@@ -168,7 +292,13 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     let text = g.chat(&key, body).text();
     assert!(text.contains("\"total_tokens\":10"), "{text}");
     // Embeddings: prompt tokens only.
-    let r = http::post_json(g.public, "/v1/embeddings", &key, &json!({"model": "chat", "input": "abcdefgh"})).expect("r");
+    let r = http::post_json(
+        g.public,
+        "/v1/embeddings",
+        &key,
+        &json!({"model": "chat", "input": "abcdefgh"}),
+    )
+    .expect("r");
     assert_eq!(r.status, 403, "role user may not embed");
     std::thread::sleep(Duration::from_millis(200));
     let u = g.usage(&format!("key:{id}"));
@@ -180,9 +310,20 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     let audit = g.stop();
     let req: Vec<&Value> = audit.iter().filter(|e| e["event"] == "request").collect();
     assert_eq!(req.len(), 3);
-    assert!(req.iter().all(|e| e["completion_tokens"] == 8 && e["prompt_tokens"] == 2), "{req:?}");
-    assert!(audit.iter().any(|e| e["event"] == "denied" && e["reason"] == "forbidden" && e["route"] == "/v1/embeddings"));
-    assert!(!serde_json::to_string(&audit).expect("json").contains("12345678"), "no prompt content by default");
+    assert!(
+        req.iter()
+            .all(|e| e["completion_tokens"] == 8 && e["prompt_tokens"] == 2),
+        "{req:?}"
+    );
+    assert!(audit.iter().any(|e| e["event"] == "denied"
+        && e["reason"] == "forbidden"
+        && e["route"] == "/v1/embeddings"));
+    assert!(
+        !serde_json::to_string(&audit)
+            .expect("json")
+            .contains("12345678"),
+        "no prompt content by default"
+    );
 }
 
 fn hammer(g: &Running, key: &str, clients: usize, each: usize) -> (usize, usize) {
@@ -234,7 +375,11 @@ fn quotas_reset_at_the_period_boundary_by_the_injected_clock() {
     let (_, key) = add_key(dir.path(), "q", &["user"], None);
     // 2026-01-31T23:59:00Z
     let clock = Arc::new(ManualClock::new(1_769_903_940_000));
-    let g = Running::start_with_clock(dir.path(), &one_backend(dir.path(), &b, "[limits.default]\ntokens_per_day = 30\n"), clock.clone());
+    let g = Running::start_with_clock(
+        dir.path(),
+        &one_backend(dir.path(), &b, "[limits.default]\ntokens_per_day = 30\n"),
+        clock.clone(),
+    );
     for _ in 0..3 {
         assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
     }
@@ -252,7 +397,15 @@ fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
     let dir = tempfile::tempdir().expect("tempdir");
     let blue = TestBackend::start(&["--name", "blue"]);
     let green = TestBackend::start(&["--name", "green"]);
-    let cfg = format!("{}{}", head(dir.path()), model("chat", "", &[("blue", blue.url(), 80), ("green", green.url(), 20)]));
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "",
+            &[("blue", blue.url(), 80), ("green", green.url(), 20)]
+        )
+    );
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
     let n = 400;
@@ -265,13 +418,20 @@ fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
         }
     }
     // Binomial(400, 0.2): mean 80, sd 8; allow 4 sd.
-    assert!((48..=112).contains(&greens), "{greens} of {n} went to green");
+    assert!(
+        (48..=112).contains(&greens),
+        "{greens} of {n} went to green"
+    );
     assert_eq!(green.count("/v1/chat/completions"), greens);
     for _ in 0..20 {
         let r = g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "green")]);
         assert_eq!(r.header("x-keel-deployment"), Some("green"));
     }
-    assert_eq!(g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "nope")]).status, 400);
+    assert_eq!(
+        g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "nope")])
+            .status,
+        400
+    );
     g.stop();
 }
 
@@ -283,12 +443,19 @@ fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
     let cfg = format!(
         "{}{}{}",
         head(dir.path()),
-        model("chat", "fallback = [\"small\"]", &[("big", primary.url(), 1)]),
+        model(
+            "chat",
+            "fallback = [\"small\"]",
+            &[("big", primary.url(), 1)]
+        ),
         model("small", "", &[("tiny", small.url(), 1)])
     );
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
-    assert_eq!(g.chat(&key, chat_body("chat")).header("x-keel-model"), Some("chat"));
+    assert_eq!(
+        g.chat(&key, chat_body("chat")).header("x-keel-model"),
+        Some("chat")
+    );
     primary.kill();
     for _ in 0..10 {
         let r = g.chat(&key, chat_body("chat"));
@@ -302,7 +469,10 @@ fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.header("retry-after").is_some());
     let m = g.metrics_text();
-    assert!(m.contains("keel_fallbacks_total{model=\"chat\",fallback=\"small\"} 10"), "{m}");
+    assert!(
+        m.contains("keel_fallbacks_total{model=\"chat\",fallback=\"small\"} 10"),
+        "{m}"
+    );
     g.stop();
 }
 
@@ -317,18 +487,32 @@ fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
     for _ in 0..3 {
-        assert_eq!(g.chat(&key, chat_body("chat")).status, 500, "the backend's own error passed on");
+        assert_eq!(
+            g.chat(&key, chat_body("chat")).status,
+            500,
+            "the backend's own error passed on"
+        );
     }
     let sent = b.count("/v1/chat/completions");
     assert_eq!(sent, 3);
     let r = g.chat(&key, chat_body("chat"));
     assert_eq!(r.status, 503, "circuit open: {}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
-    assert_eq!(b.count("/v1/chat/completions"), sent, "nothing sent while open");
-    assert!(g.metrics_text().contains("keel_backend_circuit_open{backend=\"http://"));
+    assert_eq!(
+        b.count("/v1/chat/completions"),
+        sent,
+        "nothing sent while open"
+    );
+    assert!(g
+        .metrics_text()
+        .contains("keel_backend_circuit_open{backend=\"http://"));
     b.control(json!({"mode": "ok"}));
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "half-open trial succeeds");
+    assert_eq!(
+        g.chat(&key, chat_body("chat")).status,
+        200,
+        "half-open trial succeeds"
+    );
     for _ in 0..5 {
         assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "closed again");
     }
@@ -347,7 +531,15 @@ fn retries_go_to_another_deployment_and_unhealthy_backends_are_skipped() {
     let dir = tempfile::tempdir().expect("tempdir");
     let bad = TestBackend::start(&["--mode", "error"]);
     let good = TestBackend::start(&[]);
-    let cfg = format!("{}{}", head(dir.path()), model("chat", "", &[("bad", bad.url(), 50), ("good", good.url(), 50)]));
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "",
+            &[("bad", bad.url(), 50), ("good", good.url(), 50)]
+        )
+    );
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
     bad.control(json!({"healthy": false}));
@@ -363,8 +555,14 @@ fn retries_go_to_another_deployment_and_unhealthy_backends_are_skipped() {
     for _ in 0..20 {
         assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
     }
-    assert_eq!(bad.count("/v1/chat/completions"), before, "unhealthy: not tried");
-    assert!(g.metrics_text().contains("keel_retries_total{model=\"chat\"}"));
+    assert_eq!(
+        bad.count("/v1/chat/completions"),
+        before,
+        "unhealthy: not tried"
+    );
+    assert!(g
+        .metrics_text()
+        .contains("keel_retries_total{model=\"chat\"}"));
     g.stop();
 }
 
@@ -376,7 +574,11 @@ fn mirrored_traffic_is_sent_but_never_charged() {
     let cfg = format!(
         "{}[limits.default]\ntokens_per_minute = 1000000\n{}",
         head(dir.path()),
-        model("chat", "mirror = { deployment = \"shadow\", percent = 100 }", &[("main", main.url(), 1), ("shadow", shadow.url(), 0)])
+        model(
+            "chat",
+            "mirror = { deployment = \"shadow\", percent = 100 }",
+            &[("main", main.url(), 1), ("shadow", shadow.url(), 0)]
+        )
     );
     let (id, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
@@ -391,8 +593,14 @@ fn mirrored_traffic_is_sent_but_never_charged() {
     assert_eq!(shadow.count("/v1/chat/completions"), 10);
     assert_eq!(main.count("/v1/chat/completions"), 10);
     let u = g.usage(&format!("key:{id}"));
-    assert_eq!((u["requests"].as_u64(), u["tokens"].as_u64()), (Some(10), Some(100)), "only the served requests are charged");
-    assert!(g.metrics_text().contains("keel_mirrored_requests_total{model=\"chat\",deployment=\"shadow\",outcome=\"ok\"} 10"));
+    assert_eq!(
+        (u["requests"].as_u64(), u["tokens"].as_u64()),
+        (Some(10), Some(100)),
+        "only the served requests are charged"
+    );
+    assert!(g.metrics_text().contains(
+        "keel_mirrored_requests_total{model=\"chat\",deployment=\"shadow\",outcome=\"ok\"} 10"
+    ));
     g.stop();
 }
 
@@ -400,24 +608,57 @@ fn mirrored_traffic_is_sent_but_never_charged() {
 fn oip_infer_metadata_and_ready() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&[]);
-    let cfg = format!("{}{}", head(dir.path()), model("resnet", "protocol = \"oip\"", &[("r1", b.url(), 1)]));
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model("resnet", "protocol = \"oip\"", &[("r1", b.url(), 1)])
+    );
     let (_, key) = add_key(dir.path(), "o", &["ops"], None);
     let (_, user) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
     let body = json!({"id": "42", "inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]});
-    let r = http::post_json(g.public, "/v2/models/resnet/versions/3/infer", &key, &body).expect("r");
+    let r =
+        http::post_json(g.public, "/v2/models/resnet/versions/3/infer", &key, &body).expect("r");
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["model_name"], "backend-r1");
     assert_eq!(b.count("/v2/models/backend-r1/versions/3/infer"), 1);
-    assert_eq!(http::get(g.public, "/v2/models/resnet/ready", &key).expect("r").status, 200);
-    assert_eq!(http::get(g.public, "/v2/models/resnet", &key).expect("r").json()["name"], "backend-r1");
-    assert_eq!(http::post_json(g.public, "/v2/models/resnet/infer", &user, &body).expect("r").status, 403);
-    assert_eq!(http::post_json(g.public, "/v2/models/resnet/infer", &key, &json!([1])).expect("r").status, 400);
-    assert_eq!(http::post_json(g.public, "/v2/models/nope/infer", &key, &body).expect("r").status, 404);
+    assert_eq!(
+        http::get(g.public, "/v2/models/resnet/ready", &key)
+            .expect("r")
+            .status,
+        200
+    );
+    assert_eq!(
+        http::get(g.public, "/v2/models/resnet", &key)
+            .expect("r")
+            .json()["name"],
+        "backend-r1"
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/resnet/infer", &user, &body)
+            .expect("r")
+            .status,
+        403
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/resnet/infer", &key, &json!([1]))
+            .expect("r")
+            .status,
+        400
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/nope/infer", &key, &body)
+            .expect("r")
+            .status,
+        404
+    );
     // /v1/models lists what the caller's roles allow.
     let list = http::get(g.public, "/v1/models", &key).expect("r").json();
     assert_eq!(list["data"][0]["id"], "resnet");
-    assert_eq!(http::get(g.public, "/v1/models", &user).expect("r").json()["data"], json!([]));
+    assert_eq!(
+        http::get(g.public, "/v1/models", &user).expect("r").json()["data"],
+        json!([])
+    );
     g.stop();
 }
 
@@ -453,7 +694,9 @@ fn jwt_from_a_jwks_file_with_issuer_audience_expiry_and_roles() {
     let forged = token(good).replace('.', ".x");
     assert_eq!(g.chat(&forged, chat_body("chat")).status, 401);
     let audit = g.stop();
-    assert!(audit.iter().any(|e| e["key"] == "jwt:alice" && e["team"] == "ml" && e["status"] == 200));
+    assert!(audit
+        .iter()
+        .any(|e| e["key"] == "jwt:alice" && e["team"] == "ml" && e["status"] == 200));
 }
 
 #[test]
@@ -461,7 +704,17 @@ fn reload_swaps_weights_without_dropping_a_stream_in_flight() {
     let dir = tempfile::tempdir().expect("tempdir");
     let blue = TestBackend::start(&["--chunk-delay-ms", "50"]);
     let green = TestBackend::start(&[]);
-    let make = |wb: u32, wg: u32| format!("{}{}", head(dir.path()), model("chat", "", &[("blue", blue.url(), wb), ("green", green.url(), wg)]));
+    let make = |wb: u32, wg: u32| {
+        format!(
+            "{}{}",
+            head(dir.path()),
+            model(
+                "chat",
+                "",
+                &[("blue", blue.url(), wb), ("green", green.url(), wg)]
+            )
+        )
+    };
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let g = Running::start(dir.path(), &make(1, 0));
     let mut body = chat_body("chat");
@@ -470,16 +723,37 @@ fn reload_swaps_weights_without_dropping_a_stream_in_flight() {
         let stream = s.spawn(|| g.chat(&key, body.clone()));
         std::thread::sleep(Duration::from_millis(100));
         std::fs::write(dir.path().join("gateway.toml"), make(0, 1)).expect("write");
-        let r = http::request(g.admin, "POST", "/admin/reload", &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))], b"").expect("reload");
+        let r = http::request(
+            g.admin,
+            "POST",
+            "/admin/reload",
+            &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+            b"",
+        )
+        .expect("reload");
         assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(g.chat(&key, chat_body("chat")).header("x-keel-deployment"), Some("green"));
+        assert_eq!(
+            g.chat(&key, chat_body("chat")).header("x-keel-deployment"),
+            Some("green")
+        );
         let r = stream.join().expect("thread");
         assert_eq!(r.status, 200);
-        assert_eq!(r.text().matches("tok ").count(), 8, "the stream finished on the old configuration");
+        assert_eq!(
+            r.text().matches("tok ").count(),
+            8,
+            "the stream finished on the old configuration"
+        );
     });
     // A broken file is refused and the running configuration stays.
     std::fs::write(dir.path().join("gateway.toml"), "[server]\nbogus = 1\n").expect("write");
-    let r = http::request(g.admin, "POST", "/admin/reload", &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))], b"").expect("reload");
+    let r = http::request(
+        g.admin,
+        "POST",
+        "/admin/reload",
+        &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+        b"",
+    )
+    .expect("reload");
     assert_eq!(r.status, 422);
     assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
     let audit = g.stop();

@@ -56,7 +56,10 @@ enum TBody {
 impl Body for TBody {
     type Data = Bytes;
     type Error = Infallible;
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.get_mut() {
             TBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             TBody::Chan(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
@@ -67,7 +70,10 @@ impl Body for TBody {
 fn reply(status: StatusCode, v: Value) -> Response<TBody> {
     let mut r = Response::new(TBody::Full(Some(Bytes::from(v.to_string()))));
     *r.status_mut() = status;
-    r.headers_mut().insert("content-type", http::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -101,20 +107,33 @@ fn estimate_tokens(v: &Value) -> u64 {
 
 impl State {
     fn count(&self, key: &str) {
-        *self.stats.lock().unwrap_or_else(|p| p.into_inner()).entry(key.to_owned()).or_default() += 1;
+        *self
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.to_owned())
+            .or_default() += 1;
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<TBody> {
         let method = req.method().clone();
         let path = req.uri().path().to_owned();
-        let body = req.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
         match (&method, path.as_str()) {
             (&Method::GET, "/health" | "/v2/health/live" | "/v2/health/ready") => {
                 self.count("health");
                 return if self.healthy.load(Ordering::Relaxed) {
                     reply(StatusCode::OK, json!({"status": "ok"}))
                 } else {
-                    reply(StatusCode::SERVICE_UNAVAILABLE, json!({"error": "unhealthy"}))
+                    reply(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        json!({"error": "unhealthy"}),
+                    )
                 };
             }
             (&Method::GET, "/_stats") => {
@@ -145,10 +164,19 @@ impl State {
         self.count(&path);
         let mode = self.mode.lock().unwrap_or_else(|p| p.into_inner()).clone();
         match mode.as_str() {
-            "error" => return reply(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "test backend in error mode"})),
+            "error" => {
+                return reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    json!({"error": "test backend in error mode"}),
+                )
+            }
             "ratelimit" => {
-                let mut r = reply(StatusCode::TOO_MANY_REQUESTS, json!({"error": "test backend rate limited"}));
-                r.headers_mut().insert("retry-after", http::HeaderValue::from_static("2"));
+                let mut r = reply(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    json!({"error": "test backend rate limited"}),
+                );
+                r.headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("2"));
                 return r;
             }
             "hang" => {
@@ -165,18 +193,31 @@ impl State {
         if let Some(m) = v.get("model").and_then(Value::as_str) {
             self.count(&format!("model:{m}"));
         }
-        let max = ["max_completion_tokens", "max_tokens"].iter().find_map(|k| v.get(*k).and_then(Value::as_u64));
-        let completion = max.map_or(self.tokens.load(Ordering::Relaxed), |m| m.min(self.tokens.load(Ordering::Relaxed)));
+        let max = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|k| v.get(*k).and_then(Value::as_u64));
+        let completion = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
+            m.min(self.tokens.load(Ordering::Relaxed))
+        });
         let model = v.get("model").cloned().unwrap_or(json!("test"));
         match (&method, path.as_str()) {
-            (&Method::GET, "/v1/models") => reply(StatusCode::OK, json!({"object": "list", "data": [{"id": "test", "object": "model", "owned_by": self.name}]})),
+            (&Method::GET, "/v1/models") => reply(
+                StatusCode::OK,
+                json!({"object": "list", "data": [{"id": "test", "object": "model", "owned_by": self.name}]}),
+            ),
             (&Method::POST, "/v1/chat/completions" | "/v1/completions") => {
                 let chat = path == "/v1/chat/completions";
-                let prompt = estimate_tokens(v.get(if chat { "messages" } else { "prompt" }).unwrap_or(&Value::Null));
+                let prompt = estimate_tokens(
+                    v.get(if chat { "messages" } else { "prompt" })
+                        .unwrap_or(&Value::Null),
+                );
                 let usage = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
                 let text = "tok ".repeat(completion as usize);
                 if v.get("stream").and_then(Value::as_bool) == Some(true) {
-                    let asked = v.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+                    let asked = v
+                        .pointer("/stream_options/include_usage")
+                        .and_then(Value::as_bool)
+                        == Some(true);
                     if asked {
                         self.count("include_usage");
                     }
@@ -207,32 +248,57 @@ impl State {
             }
             (&Method::POST, "/v1/embeddings") => {
                 let prompt = estimate_tokens(v.get("input").unwrap_or(&Value::Null));
-                reply(StatusCode::OK, json!({"object": "list", "model": model, "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}], "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}))
+                reply(
+                    StatusCode::OK,
+                    json!({"object": "list", "model": model, "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}], "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}),
+                )
             }
             (m, p) if p.starts_with("/v2/models/") => {
                 let rest: Vec<&str> = p["/v2/models/".len()..].split('/').collect();
                 let name = rest.first().copied().unwrap_or("");
                 match (m, rest.last().copied()) {
-                    (&Method::GET, Some("ready")) => reply(StatusCode::OK, json!({"name": name, "ready": true})),
+                    (&Method::GET, Some("ready")) => {
+                        reply(StatusCode::OK, json!({"name": name, "ready": true}))
+                    }
                     (&Method::POST, Some("infer")) => {
                         let Some(inputs) = v.get("inputs").and_then(Value::as_array) else {
                             return reply(StatusCode::BAD_REQUEST, json!({"error": "no inputs"}));
                         };
-                        reply(StatusCode::OK, json!({"model_name": name, "id": v.get("id"), "outputs": [{"name": "output0", "shape": [inputs.len()], "datatype": "FP32", "data": vec![1.0; inputs.len()]}], "parameters": {"backend": self.name}}))
+                        reply(
+                            StatusCode::OK,
+                            json!({"model_name": name, "id": v.get("id"), "outputs": [{"name": "output0", "shape": [inputs.len()], "datatype": "FP32", "data": vec![1.0; inputs.len()]}], "parameters": {"backend": self.name}}),
+                        )
                     }
-                    (&Method::GET, _) => reply(StatusCode::OK, json!({"name": name, "versions": ["1"], "platform": "keel-testbackend", "inputs": [], "outputs": []})),
+                    (&Method::GET, _) => reply(
+                        StatusCode::OK,
+                        json!({"name": name, "versions": ["1"], "platform": "keel-testbackend", "inputs": [], "outputs": []}),
+                    ),
                     _ => reply(StatusCode::NOT_FOUND, json!({"error": "not found"})),
                 }
             }
-            _ => reply(StatusCode::NOT_FOUND, json!({"error": format!("no route {method} {path}")})),
+            _ => reply(
+                StatusCode::NOT_FOUND,
+                json!({"error": format!("no route {method} {path}")}),
+            ),
         }
     }
 
-    fn stream(&self, n: u64, chat: bool, model: Value, completion: u64, usage: Option<Value>) -> Response<TBody> {
+    fn stream(
+        &self,
+        n: u64,
+        chat: bool,
+        model: Value,
+        completion: u64,
+        usage: Option<Value>,
+    ) -> Response<TBody> {
         let (tx, rx) = mpsc::channel::<Bytes>(4);
         let delay = Duration::from_millis(self.chunk_delay_ms.load(Ordering::Relaxed));
         let id = format!("cmpl-{n}");
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         tokio::spawn(async move {
             let ev = |v: Value| Bytes::from(format!("data: {v}\n\n"));
             let choice = |content: Option<&str>, finish: Option<&str>| {
@@ -253,11 +319,17 @@ impl State {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                if tx.send(ev(chunk(json!([choice(Some("tok "), None)])))).await.is_err() {
+                if tx
+                    .send(ev(chunk(json!([choice(Some("tok "), None)]))))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }
-            let _ = tx.send(ev(chunk(json!([choice(None, Some("stop"))])))).await;
+            let _ = tx
+                .send(ev(chunk(json!([choice(None, Some("stop"))]))))
+                .await;
             if let Some(u) = usage {
                 let mut c = chunk(json!([]));
                 c["usage"] = u;
@@ -266,8 +338,12 @@ impl State {
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
         let mut r = Response::new(TBody::Chan(rx));
-        r.headers_mut().insert("content-type", http::HeaderValue::from_static("text/event-stream"));
-        r.headers_mut().insert("cache-control", http::HeaderValue::from_static("no-cache"));
+        r.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+        r.headers_mut()
+            .insert("cache-control", http::HeaderValue::from_static("no-cache"));
         r
     }
 }
@@ -288,8 +364,14 @@ fn main() {
     };
     let mut threads = 0usize;
     while let Some(a) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| die(&format!("{a} needs a value")));
-        let num = |v: String| v.parse::<u64>().unwrap_or_else(|_| die(&format!("{a}: {v:?} is not a number")));
+        let mut val = || {
+            args.next()
+                .unwrap_or_else(|| die(&format!("{a} needs a value")))
+        };
+        let num = |v: String| {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| die(&format!("{a}: {v:?} is not a number")))
+        };
         match a.as_str() {
             "--listen" => listen = val(),
             "--name" => st.name = val(),
@@ -310,15 +392,22 @@ fn main() {
     if threads > 0 {
         rt.worker_threads(threads);
     }
-    let rt = rt.enable_all().build().unwrap_or_else(|e| die(&format!("runtime: {e}")));
+    let rt = rt
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| die(&format!("runtime: {e}")));
     rt.block_on(async move {
-        let l = tokio::net::TcpListener::bind(&listen).await.unwrap_or_else(|e| die(&format!("bind {listen}: {e}")));
+        let l = tokio::net::TcpListener::bind(&listen)
+            .await
+            .unwrap_or_else(|e| die(&format!("bind {listen}: {e}")));
         let addr = l.local_addr().unwrap_or_else(|e| die(&e.to_string()));
         println!("listening on {addr}");
         let _ = std::io::stdout().flush();
         let st = Arc::new(st);
         loop {
-            let Ok((s, _)) = l.accept().await else { continue };
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
             let _ = s.set_nodelay(true);
             let st = st.clone();
             tokio::spawn(async move {
@@ -326,7 +415,9 @@ fn main() {
                     let st = st.clone();
                     async move { Ok::<_, Infallible>(st.handle(req).await) }
                 });
-                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
             });
         }
     });

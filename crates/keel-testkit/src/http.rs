@@ -69,7 +69,10 @@ pub fn post_json(
         addr,
         "POST",
         path,
-        &[("Authorization", &auth), ("Content-Type", "application/json")],
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+        ],
         body.to_string().as_bytes(),
     )
 }

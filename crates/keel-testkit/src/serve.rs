@@ -60,7 +60,11 @@ pub fn testbackend_bin() -> PathBuf {
                 .current_dir(workspace_root())
                 .status()
                 .is_ok_and(|s| s.success());
-            assert!(ok && bin.exists(), "cannot build keel-testbackend into {}", bin.display());
+            assert!(
+                ok && bin.exists(),
+                "cannot build keel-testbackend into {}",
+                bin.display()
+            );
         }
         bin
     })
@@ -75,7 +79,10 @@ fn wait_line(child: &mut Child, prefix: &str) -> Vec<String> {
     loop {
         let mut l = String::new();
         let n = r.read_line(&mut l).expect("read child stdout");
-        assert!(n > 0, "the process exited before printing {prefix:?}; it printed {lines:?}");
+        assert!(
+            n > 0,
+            "the process exited before printing {prefix:?}; it printed {lines:?}"
+        );
         let l = l.trim_end().to_owned();
         let done = l.starts_with(prefix);
         lines.push(l);
@@ -117,8 +124,14 @@ impl TestBackend {
 
     /// `POST /_control` (mode, latency_ms, healthy, tokens, reset).
     pub fn control(&self, v: serde_json::Value) {
-        let r = http::request(self.addr, "POST", "/_control", &[], v.to_string().as_bytes())
-            .expect("control the backend");
+        let r = http::request(
+            self.addr,
+            "POST",
+            "/_control",
+            &[],
+            v.to_string().as_bytes(),
+        )
+        .expect("control the backend");
         assert_eq!(r.status, 200);
     }
 

@@ -133,7 +133,9 @@ pub fn load_serve(env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<ServeC
     }
     if let Some(v) = env("KEEL_SERVE_LISTEN") {
         c.listen = Some(v.parse().map_err(|_| {
-            crate::exit::UsageError(format!("KEEL_SERVE_LISTEN={v:?} is not an address (HOST:PORT)"))
+            crate::exit::UsageError(format!(
+                "KEEL_SERVE_LISTEN={v:?} is not an address (HOST:PORT)"
+            ))
         })?);
     }
     if let Some(v) = env("KEEL_SERVE_KEYS_FILE") {
@@ -252,8 +254,11 @@ mod tests {
         assert_eq!(c.slurm_timeout_s, 3.0);
         assert_eq!(c.imds_timeout_ms, 1000);
 
-        std::fs::write(&f, "[serve]\nconfig = \"/etc/keel/serve.toml\"\nlisten = \"127.0.0.1:1\"\n")
-            .expect("write");
+        std::fs::write(
+            &f,
+            "[serve]\nconfig = \"/etc/keel/serve.toml\"\nlisten = \"127.0.0.1:1\"\n",
+        )
+        .expect("write");
         let env = |k: &str| match k {
             "KEEL_CONFIG" => Some(f.display().to_string()),
             "KEEL_SERVE_LISTEN" => Some("127.0.0.1:2".to_owned()),

@@ -132,12 +132,17 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
             }
             keys(&sc, command, out)
         }
-        Some(ServeCommand::Audit { command: AuditCommand::Verify { file } }) => verify(file, out),
+        Some(ServeCommand::Audit {
+            command: AuditCommand::Verify { file },
+        }) => verify(file, out),
         Some(ServeCommand::Token) => {
             let token = format!("keel-admin-{}", keel_gateway::keys::hex(&random::<24>()?));
             let sha = sha256_hex(token.as_bytes());
             if out.json {
-                out.json("serve token", &serde_json::json!({"token": token, "token_sha256": sha}))?;
+                out.json(
+                    "serve token",
+                    &serde_json::json!({"token": token, "token_sha256": sha}),
+                )?;
             } else {
                 out.text(&format!("token         {token}\ntoken_sha256  {sha}\n\nPut token_sha256 in [admin] or [metrics]; give the token to whoever calls it. It is not shown again.\n"))?;
             }
@@ -161,9 +166,16 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     let (cfg, path) = load_gateway_config(sc)?;
     if print_config {
         if out.json {
-            out.json("serve", &serde_json::json!({"config_file": path, "config": cfg}))?;
+            out.json(
+                "serve",
+                &serde_json::json!({"config_file": path, "config": cfg}),
+            )?;
         } else {
-            out.text(&format!("# from {}\n{}\n", path.display(), serde_json::to_string_pretty(&cfg)?))?;
+            out.text(&format!(
+                "# from {}\n{}\n",
+                path.display(),
+                serde_json::to_string_pretty(&cfg)?
+            ))?;
         }
         return Ok(Code::Ok);
     }
@@ -239,9 +251,9 @@ fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {
     }
     let (cfg, path) = load_gateway_config(sc)
         .map_err(|_| UsageError("no key file: give --keys-file FILE or --config FILE".into()))?;
-    cfg.auth.keys_file.ok_or_else(|| {
-        UsageError(format!("{} sets no auth.keys_file", path.display())).into()
-    })
+    cfg.auth
+        .keys_file
+        .ok_or_else(|| UsageError(format!("{} sets no auth.keys_file", path.display())).into())
 }
 
 #[derive(Debug, Serialize)]
@@ -260,14 +272,28 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
     let view = |k: &keel_gateway::keys::KeyRecord| -> (String, String, String) {
         (
             keel_gateway::clock::rfc3339(k.created_ms),
-            k.revoked_ms.map(keel_gateway::clock::rfc3339).unwrap_or_else(|| "-".into()),
-            if k.roles.is_empty() { "-".into() } else { k.roles.join(",") },
+            k.revoked_ms
+                .map(keel_gateway::clock::rfc3339)
+                .unwrap_or_else(|| "-".into()),
+            if k.roles.is_empty() {
+                "-".into()
+            } else {
+                k.roles.join(",")
+            },
         )
     };
     match cmd {
         KeysCommand::Create { name, roles, team } => {
             let mut f = KeyFile::load(&path)?;
-            let (rec, secret) = f.create(NewKey { name: name.clone(), roles: roles.clone(), team: team.clone() }, random::<32>()?, now);
+            let (rec, secret) = f.create(
+                NewKey {
+                    name: name.clone(),
+                    roles: roles.clone(),
+                    team: team.clone(),
+                },
+                random::<32>()?,
+                now,
+            );
             f.store(&path)?;
             if out.json {
                 out.json("serve keys create", &serde_json::json!({"id": rec.id, "name": rec.name, "roles": rec.roles, "team": rec.team, "secret": secret}))?;
@@ -278,17 +304,31 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
         KeysCommand::Ls => {
             let f = KeyFile::load(&path)?;
             if out.json {
-                let keys: Vec<KeyView> = f.keys.iter().map(|k| KeyView {
-                    id: &k.id, name: &k.name, roles: &k.roles, team: k.team.as_deref(),
-                    created: keel_gateway::clock::rfc3339(k.created_ms),
-                    revoked: k.revoked_ms.map(keel_gateway::clock::rfc3339),
-                }).collect();
+                let keys: Vec<KeyView> = f
+                    .keys
+                    .iter()
+                    .map(|k| KeyView {
+                        id: &k.id,
+                        name: &k.name,
+                        roles: &k.roles,
+                        team: k.team.as_deref(),
+                        created: keel_gateway::clock::rfc3339(k.created_ms),
+                        revoked: k.revoked_ms.map(keel_gateway::clock::rfc3339),
+                    })
+                    .collect();
                 out.json("serve keys ls", &serde_json::json!({"keys": keys}))?;
             } else {
                 let mut t = Table::new(&["Id", "Name", "Roles", "Team", "Created", "Revoked"]);
                 for k in &f.keys {
                     let (c, r, roles) = view(k);
-                    t.row(vec![k.id.clone(), k.name.clone(), roles, k.team.clone().unwrap_or_else(|| "-".into()), c, r]);
+                    t.row(vec![
+                        k.id.clone(),
+                        k.name.clone(),
+                        roles,
+                        k.team.clone().unwrap_or_else(|| "-".into()),
+                        c,
+                        r,
+                    ]);
                 }
                 out.text(&t.render())?;
             }
@@ -308,14 +348,20 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
 }
 
 fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
-    let f = std::fs::File::open(file).with_context(|| format!("cannot read the audit log {}", file.display()))?;
+    let f = std::fs::File::open(file)
+        .with_context(|| format!("cannot read the audit log {}", file.display()))?;
     let result = audit::verify(BufReader::new(f));
     match &result {
         Ok(r) => {
             if out.json {
                 out.json("serve audit verify", &serde_json::json!({"file": file, "ok": true, "entries": r.entries, "last_hash": r.last_hash}))?;
             } else {
-                out.text(&format!("{}: intact, {} entries, last hash {}\n", file.display(), r.entries, r.last_hash))?;
+                out.text(&format!(
+                    "{}: intact, {} entries, last hash {}\n",
+                    file.display(),
+                    r.entries,
+                    r.last_hash
+                ))?;
             }
             Ok(Code::Ok)
         }
@@ -323,7 +369,12 @@ fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
             if out.json {
                 out.json("serve audit verify", &serde_json::json!({"file": file, "ok": false, "line": b.line, "reason": b.reason}))?;
             } else {
-                out.text(&format!("{}: broken at line {}: {}\n", file.display(), b.line, b.reason))?;
+                out.text(&format!(
+                    "{}: broken at line {}: {}\n",
+                    file.display(),
+                    b.line,
+                    b.reason
+                ))?;
             }
             Ok(Code::Failed)
         }

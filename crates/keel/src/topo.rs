@@ -545,12 +545,20 @@ mod tests {
 
     #[test]
     fn nvml_processes_map_to_topo_gpu_indices_by_pci_address() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/nd96asr_v4");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/nd96asr_v4");
         let m = keel_topo::read_machine(&Root::new(&root)).expect("machine");
         let mut snap = keel_gpu::recorded::load(&root.join("gpu.json")).expect("snapshot");
         // NVML lists GPU 5 (000c:00:00.0) as running pid 41006.
-        let i = snap.gpus.iter().position(|g| g.pci_bus_id == "000c:00:00.0").expect("gpu");
-        snap.gpus[i].processes = Some(vec![keel_gpu::GpuProcess { pid: 41006, used_memory_bytes: Some(1 << 30) }]);
+        let i = snap
+            .gpus
+            .iter()
+            .position(|g| g.pci_bus_id == "000c:00:00.0")
+            .expect("gpu");
+        snap.gpus[i].processes = Some(vec![keel_gpu::GpuProcess {
+            pid: 41006,
+            used_memory_bytes: Some(1 << 30),
+        }]);
         let map = gpu_process_map(&m, &snap);
         assert_eq!(map.get(&41006), Some(&vec![5]));
         assert_eq!(map.len(), 1);

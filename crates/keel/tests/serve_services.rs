@@ -30,11 +30,16 @@ fn two_gateways_sharing_redis_never_exceed_the_limits() {
     let limited = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for i in 0..12 {
-            let (addr, key) = if i % 2 == 0 { (g1.public, &k1) } else { (g2.public, &k2) };
+            let (addr, key) = if i % 2 == 0 {
+                (g1.public, &k1)
+            } else {
+                (g2.public, &k2)
+            };
             let (ok, limited) = (&ok, &limited);
             s.spawn(move || {
                 for _ in 0..10 {
-                    let r = http::post_json(addr, "/v1/chat/completions", key, &chat_body()).expect("request");
+                    let r = http::post_json(addr, "/v1/chat/completions", key, &chat_body())
+                        .expect("request");
                     match r.status {
                         200 => ok.fetch_add(1, Ordering::Relaxed),
                         429 => limited.fetch_add(1, Ordering::Relaxed),
@@ -44,8 +49,18 @@ fn two_gateways_sharing_redis_never_exceed_the_limits() {
             });
         }
     });
-    assert_eq!((ok.into_inner(), limited.into_inner()), (61, 59), "exactly the team's 61 requests across both replicas");
-    let u = http::get(g1.admin.expect("admin"), &format!("/admin/usage/team:{team}"), ADMIN_TOKEN).expect("usage").json();
+    assert_eq!(
+        (ok.into_inner(), limited.into_inner()),
+        (61, 59),
+        "exactly the team's 61 requests across both replicas"
+    );
+    let u = http::get(
+        g1.admin.expect("admin"),
+        &format!("/admin/usage/team:{team}"),
+        ADMIN_TOKEN,
+    )
+    .expect("usage")
+    .json();
     assert_eq!(u["usage"]["requests"], 61);
     assert_eq!(u["usage"]["tokens"], 610, "each settled to its 10 tokens");
 }
@@ -56,7 +71,11 @@ fn the_openai_python_client_works_through_keel() {
     let python = keel_testkit::serve::python();
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--tokens", "5"]);
-    let cfg = config(dir.path(), &b.url(), "[limits.default]\ntokens_per_minute = 10000\n");
+    let cfg = config(
+        dir.path(),
+        &b.url(),
+        "[limits.default]\ntokens_per_minute = 10000\n",
+    );
     let (_, key) = create_key(&cfg, "py", "user", None);
     let g = GatewayProcess::start(&keel(), &cfg);
     let script = r#"
@@ -85,14 +104,27 @@ print(json.dumps({
 }))
 "#;
     let base = format!("http://{}/v1", g.public);
-    let out = Command::new(python).arg("-c").arg(script).arg(&base).arg(&key).output().expect("python");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(python)
+        .arg("-c")
+        .arg(script)
+        .arg(&base)
+        .arg(&key)
+        .output()
+        .expect("python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["content"], "tok tok tok tok tok ");
     assert_eq!(v["usage"], 7);
     assert_eq!(v["limit_tokens"], "10000");
     assert_eq!(v["chunks"], "tok tok tok tok tok ");
-    assert_eq!(v["usage_chunks"], 0, "the usage chunk keel asked for is not passed on");
+    assert_eq!(
+        v["usage_chunks"], 0,
+        "the usage chunk keel asked for is not passed on"
+    );
     assert_eq!(v["asked_usage"], serde_json::json!([7]));
     assert_eq!(v["models"], serde_json::json!(["chat"]));
     assert_eq!(v["denied"], "AuthenticationError");

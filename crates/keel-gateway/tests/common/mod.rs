@@ -86,7 +86,11 @@ pub fn add_key(dir: &Path, name: &str, roles: &[&str], team: Option<&str>) -> (S
         *b = u8::from_str_radix(&digest[2 * i..2 * i + 2], 16).expect("hex");
     }
     let (rec, secret) = f.create(
-        NewKey { name: name.into(), roles: roles.iter().map(|r| r.to_string()).collect(), team: team.map(str::to_owned) },
+        NewKey {
+            name: name.into(),
+            roles: roles.iter().map(|r| r.to_string()).collect(),
+            team: team.map(str::to_owned),
+        },
         rnd,
         1,
     );
@@ -110,25 +114,66 @@ impl Running {
         let cfg_path = dir.join("gateway.toml");
         std::fs::write(&cfg_path, config).expect("write config");
         if !dir.join("keys.json").exists() {
-            KeyFile { version: 1, keys: vec![] }.store(&dir.join("keys.json")).expect("keys");
+            KeyFile {
+                version: 1,
+                keys: vec![],
+            }
+            .store(&dir.join("keys.json"))
+            .expect("keys");
         }
         let cfg = GatewayConfig::load(&cfg_path).expect("valid config");
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
         let reload_path = cfg_path.clone();
         let (gw, listeners, addrs) = rt.block_on(async {
-            let bind = || async { tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind") };
+            let bind = || async {
+                tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind")
+            };
             let (p, a, m) = (bind().await, bind().await, bind().await);
-            let addrs = (p.local_addr().expect("addr"), a.local_addr().expect("addr"), m.local_addr().expect("addr"));
-            let gw = Gateway::new(cfg, GatewayOptions { clock, seed: 7, reload: Some(Arc::new(move || GatewayConfig::load(&reload_path))) })
-                .await
-                .expect("gateway starts");
-            (gw, Listeners { public: p, admin: Some(a), metrics: Some(m) }, addrs)
+            let addrs = (
+                p.local_addr().expect("addr"),
+                a.local_addr().expect("addr"),
+                m.local_addr().expect("addr"),
+            );
+            let gw = Gateway::new(
+                cfg,
+                GatewayOptions {
+                    clock,
+                    seed: 7,
+                    reload: Some(Arc::new(move || GatewayConfig::load(&reload_path))),
+                },
+            )
+            .await
+            .expect("gateway starts");
+            (
+                gw,
+                Listeners {
+                    public: p,
+                    admin: Some(a),
+                    metrics: Some(m),
+                },
+                addrs,
+            )
         });
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let done = rt.spawn(keel_gateway::run(gw.clone(), listeners, async move {
             let _ = rx.await;
         }));
-        Self { rt, gw, public: addrs.0, admin: addrs.1, metrics: addrs.2, dir: dir.to_owned(), stop: Some(tx), done: Some(done) }
+        Self {
+            rt,
+            gw,
+            public: addrs.0,
+            admin: addrs.1,
+            metrics: addrs.2,
+            dir: dir.to_owned(),
+            stop: Some(tx),
+            done: Some(done),
+        }
     }
 
     pub fn chat(&self, key: &str, body: Value) -> HttpResponse {
@@ -137,13 +182,24 @@ impl Running {
 
     pub fn chat_with(&self, key: &str, body: Value, headers: &[(&str, &str)]) -> HttpResponse {
         let auth = format!("Bearer {key}");
-        let mut h = vec![("Authorization", auth.as_str()), ("Content-Type", "application/json")];
+        let mut h = vec![
+            ("Authorization", auth.as_str()),
+            ("Content-Type", "application/json"),
+        ];
         h.extend_from_slice(headers);
-        http::request(self.public, "POST", "/v1/chat/completions", &h, body.to_string().as_bytes()).expect("request")
+        http::request(
+            self.public,
+            "POST",
+            "/v1/chat/completions",
+            &h,
+            body.to_string().as_bytes(),
+        )
+        .expect("request")
     }
 
     pub fn usage(&self, scope: &str) -> Value {
-        let r = http::get(self.admin, &format!("/admin/usage/{scope}"), ADMIN_TOKEN).expect("usage");
+        let r =
+            http::get(self.admin, &format!("/admin/usage/{scope}"), ADMIN_TOKEN).expect("usage");
         assert_eq!(r.status, 200, "{}", r.text());
         r.json()["usage"].clone()
     }
@@ -165,7 +221,9 @@ impl Running {
         let text = std::fs::read_to_string(self.dir.join("audit.jsonl")).unwrap_or_default();
         let report = keel_gateway::audit::verify(text.as_bytes()).expect("audit chain intact");
         assert_eq!(report.entries as usize, text.lines().count());
-        text.lines().map(|l| serde_json::from_str(l).expect("audit JSON")).collect()
+        text.lines()
+            .map(|l| serde_json::from_str(l).expect("audit JSON"))
+            .collect()
     }
 }
 

@@ -57,21 +57,33 @@ url = "{backend}"
 
 /// Runs `keel ARGS` and returns (exit code, stdout).
 pub fn run(args: &[&str]) -> (i32, String) {
-    let out = Command::new(keel()).args(args).env_remove("KEEL_CONFIG").output().expect("run keel");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+    let out = Command::new(keel())
+        .args(args)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 /// Creates a key with the CLI; returns (id, secret).
 pub fn create_key(cfg: &Path, name: &str, role: &str, team: Option<&str>) -> (String, String) {
     let c = cfg.to_str().expect("utf8");
-    let mut args = vec!["--json", "serve", "keys", "create", "--config", c, "--name", name, "--role", role];
+    let mut args = vec![
+        "--json", "serve", "keys", "create", "--config", c, "--name", name, "--role", role,
+    ];
     if let Some(t) = team {
         args.extend(["--team", t]);
     }
     let (code, out) = run(&args);
     assert_eq!(code, 0, "{out}");
     let v: Value = serde_json::from_str(&out).expect("json");
-    (v["id"].as_str().expect("id").to_owned(), v["secret"].as_str().expect("secret").to_owned())
+    (
+        v["id"].as_str().expect("id").to_owned(),
+        v["secret"].as_str().expect("secret").to_owned(),
+    )
 }
 
 pub fn chat_body() -> Value {
