@@ -634,6 +634,43 @@ url = "http://127.0.0.1:8002/prefix"
     }
 
     #[test]
+    fn every_key_is_documented() {
+        let doc = include_str!("../../../docs/serve.md");
+        let text = format!(
+            "{EXAMPLE}[admin]\nlisten = \"127.0.0.1:1\"\ntoken_sha256 = \"{}\"\n[auth.jwt]\njwks_file = \"j\"\nissuer = \"i\"\naudience = \"a\"\n",
+            "0".repeat(64)
+        );
+        let c = GatewayConfig::from_toml(&text, Path::new("/")).expect("valid");
+        let v = serde_json::to_value(&c).expect("json");
+        fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+            if let serde_json::Value::Object(o) = v {
+                for (k, x) in o {
+                    let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    match x {
+                        serde_json::Value::Object(_) if !["roles", "keys", "teams", "default"].contains(&k.as_str()) => walk(&path, x, out),
+                        _ => out.push(path),
+                    }
+                }
+            }
+        }
+        let mut keys = Vec::new();
+        walk("", &v, &mut keys);
+        assert!(keys.len() > 30, "{keys:?}");
+        for k in keys {
+            if k == "models" || k == "roles" {
+                continue;
+            }
+            assert!(doc.contains(&format!("`{k}`")) || doc.contains(&format!("`{k},")) || doc.contains(&format!(", `{k}`")) || doc.contains(&format!("{k}`")) || doc.contains(&format!("`{k}.")), "docs/serve.md does not document {k}");
+        }
+        for k in ["name", "protocol", "fallback", "mirror", "weight", "url", "health_path"] {
+            assert!(doc.contains(&format!(".{k}`")) || doc.contains(&format!("[].{k}")), "docs/serve.md does not document models[].{k}");
+        }
+        for k in ["requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month"] {
+            assert!(doc.contains(k));
+        }
+    }
+
+    #[test]
     fn rejections() {
         let check = |text: &str, expect: &str| {
             let e = GatewayConfig::from_toml(text, Path::new("/")).expect_err(text);
