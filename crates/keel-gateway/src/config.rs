@@ -645,9 +645,17 @@ url = "http://127.0.0.1:8002/prefix"
         fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
             if let serde_json::Value::Object(o) = v {
                 for (k, x) in o {
-                    let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    let path = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
                     match x {
-                        serde_json::Value::Object(_) if !["roles", "keys", "teams", "default"].contains(&k.as_str()) => walk(&path, x, out),
+                        serde_json::Value::Object(_)
+                            if !["roles", "keys", "teams", "default"].contains(&k.as_str()) =>
+                        {
+                            walk(&path, x, out)
+                        }
                         _ => out.push(path),
                     }
                 }
@@ -660,12 +668,35 @@ url = "http://127.0.0.1:8002/prefix"
             if k == "models" || k == "roles" {
                 continue;
             }
-            assert!(doc.contains(&format!("`{k}`")) || doc.contains(&format!("`{k},")) || doc.contains(&format!(", `{k}`")) || doc.contains(&format!("{k}`")) || doc.contains(&format!("`{k}.")), "docs/serve.md does not document {k}");
+            assert!(
+                doc.contains(&format!("`{k}`"))
+                    || doc.contains(&format!("`{k},"))
+                    || doc.contains(&format!(", `{k}`"))
+                    || doc.contains(&format!("{k}`"))
+                    || doc.contains(&format!("`{k}.")),
+                "docs/serve.md does not document {k}"
+            );
         }
-        for k in ["name", "protocol", "fallback", "mirror", "weight", "url", "health_path"] {
-            assert!(doc.contains(&format!(".{k}`")) || doc.contains(&format!("[].{k}")), "docs/serve.md does not document models[].{k}");
+        for k in [
+            "name",
+            "protocol",
+            "fallback",
+            "mirror",
+            "weight",
+            "url",
+            "health_path",
+        ] {
+            assert!(
+                doc.contains(&format!(".{k}`")) || doc.contains(&format!("[].{k}")),
+                "docs/serve.md does not document models[].{k}"
+            );
         }
-        for k in ["requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month"] {
+        for k in [
+            "requests_per_minute",
+            "tokens_per_minute",
+            "tokens_per_day",
+            "tokens_per_month",
+        ] {
             assert!(doc.contains(k));
         }
     }
