@@ -759,3 +759,42 @@ fn reload_swaps_weights_without_dropping_a_stream_in_flight() {
     let audit = g.stop();
     assert_eq!(audit.iter().filter(|e| e["event"] == "reload").count(), 2);
 }
+
+#[test]
+fn jwks_from_a_url() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use std::net::TcpListener;
+    let fx = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let jwks = std::fs::read_to_string(fx.join("jwks.json")).expect("jwks");
+    // An identity provider's JWKS endpoint: answers every request with the set.
+    let idp = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let idp_addr = idp.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in idp.incoming() {
+            let Ok(mut s) = s else { continue };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(s, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{jwks}", jwks.len());
+        }
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let jwt_cfg = format!("[auth.jwt]\njwks_url = \"http://{idp_addr}/jwks.json\"\nissuer = \"iss\"\naudience = \"keel\"\nroles_claim = \"groups\"\n");
+    let cfg = one_backend(dir.path(), &b, "").replace("[audit]", &format!("{jwt_cfg}[audit]"));
+    let now_s = 1_767_225_600u64;
+    let g = Running::start_with_clock(dir.path(), &cfg, Arc::new(ManualClock::new(now_s * 1000)));
+    let key = EncodingKey::from_rsa_der(&std::fs::read(fx.join("jwt-test-key.der")).expect("key"));
+    let mut h = Header::new(Algorithm::RS256);
+    h.kid = Some("test-1".into());
+    let t = encode(&h, &json!({"sub": "svc", "iss": "iss", "aud": "keel", "exp": now_s + 10, "groups": "user ops"}), &key).expect("sign");
+    assert_eq!(g.chat(&t, chat_body("chat")).status, 200);
+    h.kid = Some("other".into());
+    let t = encode(
+        &h,
+        &json!({"sub": "svc", "iss": "iss", "aud": "keel", "exp": now_s + 10}),
+        &key,
+    )
+    .expect("sign");
+    assert_eq!(g.chat(&t, chat_body("chat")).status, 401, "unknown key id");
+    g.stop();
+}
