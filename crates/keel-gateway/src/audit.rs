@@ -159,10 +159,19 @@ impl AuditLog {
                     let _ = w.write_all(line.as_bytes());
                     let _ = w.write_all(b"\n");
                 };
+                // Write as events come; flush once the queue is empty and
+                // nothing more arrived within 2 ms (so a busy gateway
+                // writes in batches and an idle one is on disk at once).
                 while let Ok(ev) = rx.recv() {
                     write(ev, &mut w);
-                    while let Ok(ev) = rx.try_recv() {
-                        write(ev, &mut w);
+                    loop {
+                        while let Ok(ev) = rx.try_recv() {
+                            write(ev, &mut w);
+                        }
+                        match rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                            Ok(ev) => write(ev, &mut w),
+                            Err(_) => break,
+                        }
                     }
                     let _ = w.flush();
                 }

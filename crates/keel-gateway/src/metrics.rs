@@ -34,12 +34,28 @@ impl Histogram {
     }
 }
 
+/// Series by the hash of their label values; a hit allocates nothing.
+type Series<T> = HashMap<u64, Vec<(Box<[String]>, Arc<T>)>>;
+
 #[derive(Debug)]
 struct Family<T> {
     name: &'static str,
     help: &'static str,
     labels: &'static [&'static str],
-    series: RwLock<HashMap<Box<[String]>, Arc<T>>>,
+    series: RwLock<Series<T>>,
+}
+
+fn label_hash(values: &[&str]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for v in values {
+        v.hash(&mut h);
+    }
+    h.finish()
+}
+
+fn same(a: &[String], b: &[&str]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 impl<T: Default> Family<T> {
@@ -54,21 +70,33 @@ impl<T: Default> Family<T> {
 
     fn get(&self, values: &[&str]) -> Arc<T> {
         debug_assert_eq!(values.len(), self.labels.len());
-        let key: Box<[String]> = values.iter().map(|v| (*v).to_owned()).collect();
-        if let Some(s) = self
+        let h = label_hash(values);
+        if let Some(v) = self
             .series
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
+            .get(&h)
         {
+            if let Some((_, s)) = v.iter().find(|(k, _)| same(k, values)) {
+                return s.clone();
+            }
+        }
+        let mut w = self.series.write().unwrap_or_else(|p| p.into_inner());
+        let v = w.entry(h).or_default();
+        if let Some((_, s)) = v.iter().find(|(k, _)| same(k, values)) {
             return s.clone();
         }
-        self.series
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default()
-            .clone()
+        let s = Arc::new(T::default());
+        v.push((values.iter().map(|x| (*x).to_owned()).collect(), s.clone()));
+        s
+    }
+
+    /// Every series, sorted by labels, for rendering.
+    fn rows(&self) -> Vec<(Box<[String]>, Arc<T>)> {
+        let series = self.series.read().unwrap_or_else(|p| p.into_inner());
+        let mut rows: Vec<_> = series.values().flatten().cloned().collect();
+        rows.sort_by(|a, b| a.0.cmp(&b.0));
+        rows
     }
 
     fn label_text(&self, values: &[String], extra: Option<(&str, &str)>) -> String {
@@ -102,10 +130,8 @@ impl Family<AtomicU64> {
             "# HELP {} {}\n# TYPE {} counter",
             self.name, self.help, self.name
         );
-        let series = self.series.read().unwrap_or_else(|p| p.into_inner());
-        let mut rows: Vec<_> = series.iter().collect();
-        rows.sort_by(|a, b| a.0.cmp(b.0));
-        for (k, v) in rows {
+        for (k, v) in self.rows() {
+            let k = &k;
             let _ = writeln!(
                 out,
                 "{}{{{}}} {}",
@@ -124,10 +150,8 @@ impl Family<Histogram> {
             "# HELP {} {}\n# TYPE {} histogram",
             self.name, self.help, self.name
         );
-        let series = self.series.read().unwrap_or_else(|p| p.into_inner());
-        let mut rows: Vec<_> = series.iter().collect();
-        rows.sort_by(|a, b| a.0.cmp(b.0));
-        for (k, h) in rows {
+        for (k, h) in self.rows() {
+            let k = &k;
             let mut cum = 0;
             for (i, b) in BUCKETS.iter().enumerate() {
                 cum += h.counts[i].load(Ordering::Relaxed);

@@ -141,6 +141,27 @@ pub fn usage_of(v: &Value) -> Option<TokenUsage> {
     Some(TokenUsage { prompt, completion })
 }
 
+/// `usage` of a whole JSON response body, read without building the
+/// rest of the document.
+pub fn usage_of_body(body: &[u8]) -> Option<TokenUsage> {
+    #[derive(serde::Deserialize)]
+    struct U {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+        total_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct R {
+        usage: Option<U>,
+    }
+    let u = serde_json::from_slice::<R>(body).ok()?.usage?;
+    let prompt = u.prompt_tokens.unwrap_or(0);
+    let completion = u
+        .completion_tokens
+        .unwrap_or_else(|| u.total_tokens.unwrap_or(prompt).saturating_sub(prompt));
+    Some(TokenUsage { prompt, completion })
+}
+
 /// Splits an SSE stream into events as bytes arrive, forwarding each whole
 /// event at once; reads `usage` from the events that carry it, and drops
 /// the usage-only chunk (and any `usage` field) when `strip_usage`.
@@ -272,6 +293,27 @@ pub fn upstream_headers(content_type: Option<&HeaderValue>, request_id: &str) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_from_bodies() {
+        let b = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#;
+        assert_eq!(
+            usage_of_body(b),
+            Some(TokenUsage {
+                prompt: 3,
+                completion: 4
+            })
+        );
+        assert_eq!(
+            usage_of_body(br#"{"usage":{"prompt_tokens":5,"total_tokens":5}}"#),
+            Some(TokenUsage {
+                prompt: 5,
+                completion: 0
+            })
+        );
+        assert_eq!(usage_of_body(br#"{"usage":null}"#), None);
+        assert_eq!(usage_of_body(b"not json"), None);
+    }
 
     #[test]
     fn urls() {

@@ -104,6 +104,93 @@ impl Clock for SystemClock {
     }
 }
 
+/// Log lines go through a channel to one thread that writes stderr in
+/// batches, so no request waits on a write to a terminal or a pipe.
+#[derive(Debug, Clone)]
+struct LogChannel {
+    tx: std::sync::mpsc::Sender<Vec<u8>>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct LogLine {
+    buf: Vec<u8>,
+    ch: LogChannel,
+}
+
+impl std::io::Write for LogLine {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        if !self.buf.is_empty() {
+            self.ch
+                .pending
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = self.ch.tx.send(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogChannel {
+    type Writer = LogLine;
+    fn make_writer(&'a self) -> LogLine {
+        LogLine {
+            buf: Vec::with_capacity(320),
+            ch: self.clone(),
+        }
+    }
+}
+
+impl LogChannel {
+    fn start() -> Self {
+        use std::io::Write;
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let done = pending.clone();
+        std::thread::spawn(move || {
+            let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
+            while let Ok(line) = rx.recv() {
+                let mut n = 1;
+                let _ = w.write_all(&line);
+                loop {
+                    while let Ok(line) = rx.try_recv() {
+                        let _ = w.write_all(&line);
+                        n += 1;
+                    }
+                    match rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                        Ok(line) => {
+                            let _ = w.write_all(&line);
+                            n += 1;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let _ = w.flush();
+                done.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        Self { tx, pending }
+    }
+
+    /// Waits (a second at most) until every line sent is written.
+    fn drain(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while self.pending.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
 fn random<const N: usize>() -> anyhow::Result<[u8; N]> {
     let mut b = [0u8; N];
     getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("no randomness from the OS: {e}"))?;
@@ -179,9 +266,10 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         }
         return Ok(Code::Ok);
     }
+    let logs = LogChannel::start();
     tracing_subscriber::fmt()
         .json()
-        .with_writer(std::io::stderr)
+        .with_writer(logs.clone())
         .with_max_level(tracing::Level::INFO)
         .with_current_span(false)
         .init();
@@ -189,7 +277,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
         let reload: keel_gateway::ReloadFn = Arc::new(move || {
@@ -241,7 +329,9 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         keel_gateway::run(gw, Listeners { public, admin, metrics }, shutdown).await?;
         tracing::info!("keel serve stopped");
         Ok::<_, anyhow::Error>(())
-    })?;
+    });
+    logs.drain();
+    result?;
     Ok(Code::Ok)
 }
 
