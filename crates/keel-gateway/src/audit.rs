@@ -5,19 +5,17 @@
 //! A line is `{"event":...,"prev":"<hex>","seq":N,"ts":"...",...,"hash":"<hex>"}`
 //! where `hash` is the SHA-256 of the line's text without its `,"hash":...`
 //! suffix (keys before it in sorted order). Lines are written by one
-//! thread, off the request path, and flushed whenever it has caught up.
+//! thread, off the request path, in batches every few milliseconds.
 //! Prompts and completions are recorded only when configured.
 
 use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::sync::Mutex;
-use std::thread::JoinHandle;
 
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
+use crate::batch::Batcher;
 use crate::error::GatewayError;
 use crate::keys::hex;
 
@@ -27,8 +25,7 @@ const SUFFIX_LEN: usize = ",\"hash\":\"\"}".len() + 64;
 /// A running audit log.
 #[derive(Debug)]
 pub struct AuditLog {
-    tx: Mutex<Option<mpsc::Sender<Map<String, Value>>>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    batcher: Batcher<Map<String, Value>>,
     path: PathBuf,
 }
 
@@ -147,41 +144,23 @@ impl AuditLog {
             .append(true)
             .open(path)
             .map_err(werr)?;
-        let (tx, rx) = mpsc::channel::<Map<String, Value>>();
-        let thread = std::thread::Builder::new()
-            .name("keel-audit".into())
-            .spawn(move || {
-                let mut w = BufWriter::with_capacity(64 << 10, file);
-                let mut write = |ev: Map<String, Value>, w: &mut BufWriter<std::fs::File>| {
-                    seq += 1;
-                    let (line, hash) = chain_line(seq, &prev, ev);
-                    prev = hash;
-                    let _ = w.write_all(line.as_bytes());
-                    let _ = w.write_all(b"\n");
-                };
-                // Write as events come; flush once the queue is empty and
-                // nothing more arrived within 2 ms (so a busy gateway
-                // writes in batches and an idle one is on disk at once).
-                while let Ok(ev) = rx.recv() {
-                    write(ev, &mut w);
-                    loop {
-                        while let Ok(ev) = rx.try_recv() {
-                            write(ev, &mut w);
-                        }
-                        match rx.recv_timeout(std::time::Duration::from_millis(2)) {
-                            Ok(ev) => write(ev, &mut w),
-                            Err(_) => break,
-                        }
-                    }
-                    let _ = w.flush();
-                }
-                let _ = w.flush();
+        let mut w = BufWriter::with_capacity(64 << 10, file);
+        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Map<String, Value>>, last| {
+            for ev in batch {
+                seq += 1;
+                let (line, hash) = chain_line(seq, &prev, ev);
+                prev = hash;
+                let _ = w.write_all(line.as_bytes());
+                let _ = w.write_all(b"\n");
+            }
+            let _ = w.flush();
+            if last {
                 let _ = w.get_ref().sync_all();
-            })
-            .map_err(werr)?;
+            }
+        })
+        .map_err(werr)?;
         Ok(Self {
-            tx: Mutex::new(Some(tx)),
-            thread: Mutex::new(Some(thread)),
+            batcher,
             path: path.to_owned(),
         })
     }
@@ -192,23 +171,12 @@ impl AuditLog {
 
     /// Queues an event (a JSON object; `ts` should be in it).
     pub fn record(&self, event: Map<String, Value>) {
-        if let Some(tx) = self.tx.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            let _ = tx.send(event);
-        }
+        self.batcher.push(event);
     }
 
     /// Writes everything queued, syncs the file and stops the writer.
     pub fn close(&self) {
-        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for AuditLog {
-    fn drop(&mut self) {
-        self.close();
+        self.batcher.close();
     }
 }
 

@@ -14,6 +14,7 @@
 
 pub mod audit;
 pub mod auth;
+pub mod batch;
 pub mod body;
 pub mod clock;
 pub mod config;

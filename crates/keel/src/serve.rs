@@ -104,18 +104,16 @@ impl Clock for SystemClock {
     }
 }
 
-/// Log lines go through a channel to one thread that writes stderr in
-/// batches, so no request waits on a write to a terminal or a pipe.
+/// Log lines are queued and written to stderr in batches by a thread of
+/// their own (keel_gateway::batch), so no request waits on a write or
+/// wakes a thread.
 #[derive(Debug, Clone)]
-struct LogChannel {
-    tx: std::sync::mpsc::Sender<Vec<u8>>,
-    pending: Arc<std::sync::atomic::AtomicUsize>,
-}
+struct LogQueue(Arc<keel_gateway::batch::Batcher<Vec<u8>>>);
 
 #[derive(Debug)]
 struct LogLine {
     buf: Vec<u8>,
-    ch: LogChannel,
+    q: LogQueue,
 }
 
 impl std::io::Write for LogLine {
@@ -131,63 +129,33 @@ impl std::io::Write for LogLine {
 impl Drop for LogLine {
     fn drop(&mut self) {
         if !self.buf.is_empty() {
-            self.ch
-                .pending
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let _ = self.ch.tx.send(std::mem::take(&mut self.buf));
+            self.q.0.push(std::mem::take(&mut self.buf));
         }
     }
 }
 
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogChannel {
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogQueue {
     type Writer = LogLine;
     fn make_writer(&'a self) -> LogLine {
         LogLine {
             buf: Vec::with_capacity(320),
-            ch: self.clone(),
+            q: self.clone(),
         }
     }
 }
 
-impl LogChannel {
-    fn start() -> Self {
+impl LogQueue {
+    fn start() -> anyhow::Result<Self> {
         use std::io::Write;
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let done = pending.clone();
-        std::thread::spawn(move || {
-            let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
-            while let Ok(line) = rx.recv() {
-                let mut n = 1;
-                let _ = w.write_all(&line);
-                loop {
-                    while let Ok(line) = rx.try_recv() {
-                        let _ = w.write_all(&line);
-                        n += 1;
-                    }
-                    match rx.recv_timeout(std::time::Duration::from_millis(2)) {
-                        Ok(line) => {
-                            let _ = w.write_all(&line);
-                            n += 1;
-                        }
-                        Err(_) => break,
-                    }
-                }
-                let _ = w.flush();
-                done.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
+        let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
+        let b = keel_gateway::batch::Batcher::spawn("keel-log", move |lines: Vec<Vec<u8>>, _| {
+            for l in lines {
+                let _ = w.write_all(&l);
             }
-        });
-        Self { tx, pending }
-    }
-
-    /// Waits (a second at most) until every line sent is written.
-    fn drain(&self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
-        while self.pending.load(std::sync::atomic::Ordering::SeqCst) > 0
-            && std::time::Instant::now() < deadline
-        {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+            let _ = w.flush();
+        })
+        .context("cannot start the log writer")?;
+        Ok(Self(Arc::new(b)))
     }
 }
 
@@ -266,7 +234,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         }
         return Ok(Code::Ok);
     }
-    let logs = LogChannel::start();
+    let logs = LogQueue::start()?;
     tracing_subscriber::fmt()
         .json()
         .with_writer(logs.clone())
@@ -330,7 +298,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         tracing::info!("keel serve stopped");
         Ok::<_, anyhow::Error>(())
     });
-    logs.drain();
+    logs.0.drain(std::time::Duration::from_secs(1));
     result?;
     Ok(Code::Ok)
 }
