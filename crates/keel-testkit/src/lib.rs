@@ -12,8 +12,15 @@
 //! [`objects`] finds the object-storage test services (Azurite, an S3
 //! server) that `scripts/services/*` start.
 //!
-//! It does not start the cluster: `scripts/test` does, once, before the
-//! tests. Unlike the library crates it reads the process environment and
+//! [`serve`] finds the gateway tests' services: Redis
+//! (`KEEL_TEST_REDIS_URL`, from `scripts/services/redis start`), the Python
+//! with the `openai` client (`KEEL_TEST_PYTHON`, from
+//! `scripts/services/python-openai`), the test model backend
+//! (`keel-testbackend`, started as a process), gateway processes, and a
+//! small blocking HTTP/1.1 client ([`http`]).
+//!
+//! It does not start the cluster or the services: `scripts/test` does,
+//! once, before the tests. Unlike the library crates it reads the process environment and
 //! the clock: finding services is what it is for.
 
 use std::ffi::OsString;
@@ -24,7 +31,9 @@ use std::time::{Duration, Instant};
 
 use keel_slurm::{Slurm, SlurmConfig};
 
+pub mod http;
 pub mod objects;
+pub mod serve;
 
 /// The variable naming the test cluster's slurm.conf.
 pub const CONF_VAR: &str = "KEEL_TEST_SLURM_CONF";

@@ -16,6 +16,8 @@ pub struct FileConfig {
     pub check: FileCheck,
     #[serde(default)]
     pub bench: FileBench,
+    #[serde(default)]
+    pub serve: FileServe,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -29,6 +31,27 @@ pub struct FileBench {
 pub struct BenchConfig {
     /// Directory searched first for libcuda, libcublas and libnccl.
     pub cuda_lib_dir: Option<PathBuf>,
+}
+
+/// `[serve]`: where `keel serve` finds its gateway file; the gateway's own
+/// keys are in that file (docs/serve.md).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileServe {
+    pub config: Option<PathBuf>,
+    pub listen: Option<std::net::SocketAddr>,
+    pub keys_file: Option<PathBuf>,
+}
+
+/// The effective `keel serve` settings.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ServeConfig {
+    /// The gateway configuration file (docs/serve.md).
+    pub config: Option<PathBuf>,
+    /// Overrides the gateway file's `server.listen`.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Overrides the gateway file's `auth.keys_file` for `keel serve keys`.
+    pub keys_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -109,6 +132,9 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "KEEL_RENDEZVOUS",
         "keel bench nccl --rendezvous (HOST:PORT of rank 0)",
     ),
+    ("KEEL_SERVE_CONFIG", "serve.config"),
+    ("KEEL_SERVE_LISTEN", "serve.listen"),
+    ("KEEL_SERVE_KEYS_FILE", "serve.keys_file"),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
@@ -135,6 +161,33 @@ pub fn load_bench(
         c.cuda_lib_dir = Some(v.into());
     }
     Ok((c, path))
+}
+
+/// Loads `[serve]` from keel's config file (KEEL_CONFIG, else
+/// ~/.config/keel/keel.toml) and applies the environment; flags are
+/// applied by the caller.
+pub fn load_serve(env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<ServeConfig> {
+    let (file, _) = load_file(None, env)?;
+    let f = file.serve;
+    let mut c = ServeConfig {
+        config: f.config,
+        listen: f.listen,
+        keys_file: f.keys_file,
+    };
+    if let Some(v) = env("KEEL_SERVE_CONFIG") {
+        c.config = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_SERVE_LISTEN") {
+        c.listen = Some(v.parse().map_err(|_| {
+            crate::exit::UsageError(format!(
+                "KEEL_SERVE_LISTEN={v:?} is not an address (HOST:PORT)"
+            ))
+        })?);
+    }
+    if let Some(v) = env("KEEL_SERVE_KEYS_FILE") {
+        c.keys_file = Some(v.into());
+    }
+    Ok(c)
 }
 
 /// Reads the config file, if there is one.
@@ -245,6 +298,20 @@ mod tests {
         assert_eq!(c.slurm_timeout_s, 3.0);
         assert_eq!(c.imds_timeout_ms, 1000);
 
+        std::fs::write(
+            &f,
+            "[serve]\nconfig = \"/etc/keel/serve.toml\"\nlisten = \"127.0.0.1:1\"\n",
+        )
+        .expect("write");
+        let env = |k: &str| match k {
+            "KEEL_CONFIG" => Some(f.display().to_string()),
+            "KEEL_SERVE_LISTEN" => Some("127.0.0.1:2".to_owned()),
+            _ => None,
+        };
+        let s = load_serve(&env).expect("serve config");
+        assert_eq!(s.config.as_deref(), Some(Path::new("/etc/keel/serve.toml")));
+        assert_eq!(s.listen, Some("127.0.0.1:2".parse().expect("addr")));
+
         std::fs::write(&f, "[check]\nskus = \"x\"\n").expect("write");
         let err = load(Some(&f), &|_| None).expect_err("unknown key");
         assert!(format!("{err:#}").contains("skus"), "{err:#}");
@@ -266,6 +333,13 @@ mod tests {
         }
         for (var, _) in ENV_VARS {
             assert!(doc.contains(var), "docs/config.md does not document {var}");
+        }
+        let serve = serde_json::to_value(ServeConfig::default()).expect("serialises");
+        for k in serve.as_object().expect("object").keys() {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document serve.{k}"
+            );
         }
         let bench = serde_json::to_value(BenchConfig::default()).expect("serialises");
         for k in bench.as_object().expect("object").keys() {

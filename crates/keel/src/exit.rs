@@ -83,6 +83,15 @@ pub fn classify(err: &anyhow::Error) -> Code {
         if let Some(s) = e.downcast_ref::<keel_store::StoreError>() {
             return store_code(s);
         }
+        if let Some(g) = e.downcast_ref::<keel_gateway::GatewayError>() {
+            use keel_gateway::GatewayError as G;
+            return match g {
+                G::Read { .. } | G::Write { .. } => Code::Io,
+                G::Config(_) | G::NoSuchKey { .. } => Code::Usage,
+                G::Malformed { .. } => Code::Data,
+                G::Jwks { .. } | G::Redis { .. } => Code::Unknown,
+            };
+        }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
             return match g {
                 keel_gpu::GpuError::Unavailable { .. }

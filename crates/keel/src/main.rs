@@ -9,6 +9,7 @@ mod config;
 mod exit;
 mod gpu;
 mod output;
+mod serve;
 mod slurm;
 mod table;
 mod topo;
@@ -68,6 +69,10 @@ enum Command {
         #[command(subcommand)]
         command: topo::TopoCommand,
     },
+    /// The inference gateway: authentication, RBAC, limits, traffic
+    /// splitting, fallback, metrics and audit in front of OpenAI-compatible
+    /// and OIP v2 model servers.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -90,6 +95,7 @@ fn main() -> ExitCode {
         Command::Check(args) => check::run(&cli, args, &mut out),
         Command::Bench { command } => bench::run(&cli, command, &mut out),
         Command::Ckpt { command } => ckpt::run(command, &mut out),
+        Command::Serve(args) => serve::run(args, &mut out),
     };
     let code = match result {
         Ok(code) => code,

@@ -1,0 +1,151 @@
+//! Off-the-request-path writing: callers push items under a short lock and
+//! never wake anyone; one thread takes what has queued every few
+//! milliseconds (5 ms while busy, backing off to 50 ms when idle) and hands
+//! it to a sink (the audit log, the access log). Per-item wake-ups cost the
+//! gateway more CPU than the writing itself.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+struct Shared<T> {
+    queue: Mutex<Vec<T>>,
+    closed: AtomicBool,
+    busy: AtomicBool,
+}
+
+/// A queue drained in batches by a thread of its own.
+#[derive(Debug)]
+pub struct Batcher<T> {
+    shared: Arc<Shared<T>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<T: Send + 'static> Batcher<T> {
+    /// Starts the thread; `sink(batch, last)` gets every non-empty batch in
+    /// order, and is called once more with `last` true when closing.
+    pub fn spawn(
+        name: &str,
+        mut sink: impl FnMut(Vec<T>, bool) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                let mut wait = Duration::from_millis(5);
+                loop {
+                    std::thread::park_timeout(wait);
+                    let closed = s.closed.load(Ordering::SeqCst);
+                    s.busy.store(true, Ordering::SeqCst);
+                    let batch =
+                        std::mem::take(&mut *s.queue.lock().unwrap_or_else(|p| p.into_inner()));
+                    if batch.is_empty() {
+                        wait = (wait * 2).min(Duration::from_millis(50));
+                    } else {
+                        wait = Duration::from_millis(5);
+                        sink(batch, false);
+                    }
+                    s.busy.store(false, Ordering::SeqCst);
+                    if closed {
+                        let rest =
+                            std::mem::take(&mut *s.queue.lock().unwrap_or_else(|p| p.into_inner()));
+                        sink(rest, true);
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn push(&self, item: T) {
+        if !self.shared.closed.load(Ordering::Relaxed) {
+            self.shared
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(item);
+        }
+    }
+
+    /// Hands over what is queued, calls the sink a last time and stops.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+
+    /// Waits (up to `limit`) until everything pushed so far was handed to
+    /// the sink, without stopping the thread.
+    pub fn drain(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        if let Some(t) = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            t.thread().unpark();
+        }
+        while Instant::now() < deadline {
+            let empty = self
+                .shared
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+            if empty && !self.shared.busy.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl<T> Drop for Batcher<T> {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn everything_pushed_reaches_the_sink_in_order() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let b = Batcher::spawn("test", move |batch: Vec<u32>, _| {
+            s.lock().expect("lock").extend(batch)
+        })
+        .expect("spawn");
+        for i in 0..1000 {
+            b.push(i);
+        }
+        b.drain(Duration::from_secs(2));
+        assert_eq!(seen.lock().expect("lock").len(), 1000);
+        for i in 1000..1100 {
+            b.push(i);
+        }
+        b.close();
+        let v = seen.lock().expect("lock").clone();
+        assert_eq!(v, (0..1100).collect::<Vec<_>>());
+        b.push(5);
+    }
+}

@@ -1,0 +1,731 @@
+//! The gateway's configuration file (TOML, every key documented in
+//! docs/serve.md) and its validated form. `FileConfig` is the file as
+//! written, every key optional and unknown keys rejected; `GatewayConfig`
+//! has every default filled in and every cross-reference checked.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::GatewayError;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub server: FileServer,
+    pub admin: Option<FileListener>,
+    pub metrics: Option<FileListener>,
+    #[serde(default)]
+    pub auth: FileAuth,
+    #[serde(default)]
+    pub roles: BTreeMap<String, FileRole>,
+    #[serde(default)]
+    pub limits: FileLimits,
+    #[serde(default)]
+    pub traffic: FileTraffic,
+    #[serde(default)]
+    pub models: Vec<FileModel>,
+    #[serde(default)]
+    pub audit: FileAudit,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileServer {
+    pub listen: Option<SocketAddr>,
+    pub max_body_bytes: Option<usize>,
+    pub header_timeout_ms: Option<u64>,
+    pub body_timeout_ms: Option<u64>,
+    pub shutdown_grace_s: Option<f64>,
+    pub pin_header: Option<String>,
+    pub access_log: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileListener {
+    pub listen: SocketAddr,
+    pub token_sha256: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileAuth {
+    pub keys_file: Option<PathBuf>,
+    pub jwt: Option<FileJwt>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileJwt {
+    pub jwks_file: Option<PathBuf>,
+    pub jwks_url: Option<String>,
+    pub issuer: String,
+    pub audience: String,
+    pub roles_claim: Option<String>,
+    pub team_claim: Option<String>,
+    pub leeway_s: Option<u64>,
+    pub refresh_s: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRole {
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub operations: Vec<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileLimits {
+    pub redis_url: Option<String>,
+    pub default_max_tokens: Option<u64>,
+    pub default: Option<LimitSet>,
+    #[serde(default)]
+    pub keys: BTreeMap<String, LimitSet>,
+    #[serde(default)]
+    pub teams: BTreeMap<String, LimitSet>,
+}
+
+/// Limits of one key or team; an absent limit is no limit.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSet {
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+    pub tokens_per_day: Option<u64>,
+    pub tokens_per_month: Option<u64>,
+}
+
+impl LimitSet {
+    pub fn is_empty(&self) -> bool {
+        *self == LimitSet::default()
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileTraffic {
+    pub connect_timeout_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    pub stream_idle_timeout_ms: Option<u64>,
+    pub retries: Option<u32>,
+    pub retry_budget_ratio: Option<f64>,
+    pub retry_budget_min: Option<u32>,
+    #[serde(default)]
+    pub circuit: FileCircuit,
+    #[serde(default)]
+    pub health: FileHealth,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileCircuit {
+    pub window_s: Option<u64>,
+    pub min_requests: Option<u32>,
+    pub failure_ratio: Option<f64>,
+    pub trip_s: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileHealth {
+    pub enabled: Option<bool>,
+    pub interval_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    pub unhealthy_after: Option<u32>,
+    pub healthy_after: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileModel {
+    pub name: String,
+    pub protocol: Option<Protocol>,
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    pub mirror: Option<FileMirror>,
+    #[serde(default)]
+    pub deployments: Vec<FileDeployment>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileMirror {
+    pub deployment: String,
+    pub percent: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileDeployment {
+    pub name: String,
+    pub url: String,
+    pub weight: Option<u32>,
+    pub model: Option<String>,
+    pub health_path: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileAudit {
+    pub path: Option<PathBuf>,
+    pub include_content: Option<bool>,
+}
+
+/// Which API a model's backends speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// OpenAI-compatible (vLLM, llama.cpp server, TGI).
+    Openai,
+    /// Open Inference Protocol v2 (KServe, Triton).
+    Oip,
+}
+
+/// The effective configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct GatewayConfig {
+    pub server: ServerConfig,
+    pub admin: Option<ListenerConfig>,
+    pub metrics: Option<ListenerConfig>,
+    pub auth: AuthConfig,
+    pub roles: BTreeMap<String, RoleConfig>,
+    pub limits: LimitsConfig,
+    pub traffic: TrafficConfig,
+    pub models: Vec<ModelConfig>,
+    pub audit: AuditConfig,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub header_timeout_ms: u64,
+    pub body_timeout_ms: u64,
+    pub shutdown_grace_s: f64,
+    pub pin_header: String,
+    pub access_log: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ListenerConfig {
+    pub listen: SocketAddr,
+    /// SHA-256 (hex) of the bearer token this listener accepts.
+    pub token_sha256: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AuthConfig {
+    pub keys_file: Option<PathBuf>,
+    pub jwt: Option<JwtConfig>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct JwtConfig {
+    pub jwks_file: Option<PathBuf>,
+    pub jwks_url: Option<String>,
+    pub issuer: String,
+    pub audience: String,
+    pub roles_claim: String,
+    pub team_claim: String,
+    pub leeway_s: u64,
+    pub refresh_s: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RoleConfig {
+    pub models: Vec<String>,
+    pub operations: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LimitsConfig {
+    pub redis_url: Option<String>,
+    pub default_max_tokens: u64,
+    pub default: LimitSet,
+    pub keys: BTreeMap<String, LimitSet>,
+    pub teams: BTreeMap<String, LimitSet>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TrafficConfig {
+    pub connect_timeout_ms: u64,
+    pub timeout_ms: u64,
+    pub stream_idle_timeout_ms: u64,
+    pub retries: u32,
+    pub retry_budget_ratio: f64,
+    pub retry_budget_min: u32,
+    pub circuit: CircuitConfig,
+    pub health: HealthConfig,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CircuitConfig {
+    pub window_s: u64,
+    pub min_requests: u32,
+    pub failure_ratio: f64,
+    pub trip_s: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct HealthConfig {
+    pub enabled: bool,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelConfig {
+    pub name: String,
+    pub protocol: Protocol,
+    pub fallback: Vec<String>,
+    pub mirror: Option<MirrorConfig>,
+    pub deployments: Vec<DeploymentConfig>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MirrorConfig {
+    pub deployment: String,
+    pub percent: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeploymentConfig {
+    pub name: String,
+    /// `http://host:port` with an optional path prefix.
+    pub url: String,
+    pub weight: u32,
+    /// The model name sent to the backend.
+    pub model: String,
+    pub health_path: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditConfig {
+    pub path: Option<PathBuf>,
+    pub include_content: bool,
+}
+
+/// The operations a role may be granted.
+pub const OPERATIONS: &[&str] = &[
+    "chat",
+    "completions",
+    "embeddings",
+    "models",
+    "infer",
+    "metadata",
+];
+
+impl TrafficConfig {
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+}
+
+impl GatewayConfig {
+    /// Parses and validates a config file's text; relative paths are taken
+    /// from `base` (the file's directory).
+    pub fn from_toml(text: &str, base: &Path) -> Result<Self, GatewayError> {
+        let file: FileConfig =
+            toml::from_str(text).map_err(|e| GatewayError::Config(e.message().to_owned()))?;
+        Self::validate(file, base)
+    }
+
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, GatewayError> {
+        let text = std::fs::read_to_string(path).map_err(|source| GatewayError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::from_toml(&text, base).map_err(|e| match e {
+            GatewayError::Config(m) => GatewayError::Config(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    pub fn validate(f: FileConfig, base: &Path) -> Result<Self, GatewayError> {
+        let bad = |m: String| Err(GatewayError::Config(m));
+        let rel = |p: PathBuf| if p.is_absolute() { p } else { base.join(p) };
+        let server = ServerConfig {
+            listen: f
+                .server
+                .listen
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
+            max_body_bytes: f.server.max_body_bytes.unwrap_or(4 << 20),
+            header_timeout_ms: f.server.header_timeout_ms.unwrap_or(10_000),
+            body_timeout_ms: f.server.body_timeout_ms.unwrap_or(30_000),
+            shutdown_grace_s: f.server.shutdown_grace_s.unwrap_or(30.0),
+            pin_header: f
+                .server
+                .pin_header
+                .unwrap_or_else(|| "x-keel-deployment".into())
+                .to_ascii_lowercase(),
+            access_log: f.server.access_log.unwrap_or(true),
+        };
+        if http::HeaderName::from_bytes(server.pin_header.as_bytes()).is_err() {
+            return bad(format!(
+                "server.pin_header {:?} is not a header name",
+                server.pin_header
+            ));
+        }
+        if !(server.shutdown_grace_s >= 0.0 && server.shutdown_grace_s.is_finite()) {
+            return bad("server.shutdown_grace_s must be a number of seconds".into());
+        }
+        let listener = |name: &str, l: Option<FileListener>| -> Result<_, GatewayError> {
+            let Some(l) = l else { return Ok(None) };
+            let t = l.token_sha256.to_ascii_lowercase();
+            if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(GatewayError::Config(format!(
+                    "{name}.token_sha256 must be 64 hex digits (the SHA-256 of the token)"
+                )));
+            }
+            Ok(Some(ListenerConfig {
+                listen: l.listen,
+                token_sha256: t,
+            }))
+        };
+        let admin = listener("admin", f.admin)?;
+        let metrics = listener("metrics", f.metrics)?;
+
+        let jwt = match f.auth.jwt {
+            None => None,
+            Some(j) => {
+                if j.jwks_file.is_some() == j.jwks_url.is_some() {
+                    return bad("auth.jwt needs exactly one of jwks_file and jwks_url".into());
+                }
+                if let Some(u) = &j.jwks_url {
+                    if !u.starts_with("http://") {
+                        return bad(format!(
+                            "auth.jwt.jwks_url {u:?}: only http:// URLs are supported (use jwks_file for others)"
+                        ));
+                    }
+                }
+                Some(JwtConfig {
+                    jwks_file: j.jwks_file.map(rel),
+                    jwks_url: j.jwks_url,
+                    issuer: j.issuer,
+                    audience: j.audience,
+                    roles_claim: j.roles_claim.unwrap_or_else(|| "roles".into()),
+                    team_claim: j.team_claim.unwrap_or_else(|| "team".into()),
+                    leeway_s: j.leeway_s.unwrap_or(30),
+                    refresh_s: j.refresh_s.unwrap_or(300),
+                })
+            }
+        };
+        let auth = AuthConfig {
+            keys_file: f.auth.keys_file.map(rel),
+            jwt,
+        };
+        if auth.keys_file.is_none() && auth.jwt.is_none() {
+            return bad("auth needs keys_file, jwt, or both: no endpoint is anonymous".into());
+        }
+
+        let mut roles = BTreeMap::new();
+        for (name, r) in f.roles {
+            for op in &r.operations {
+                if op != "*" && !OPERATIONS.contains(&op.as_str()) {
+                    return bad(format!(
+                        "roles.{name}: unknown operation {op:?} (one of {}, or \"*\")",
+                        OPERATIONS.join(", ")
+                    ));
+                }
+            }
+            roles.insert(
+                name,
+                RoleConfig {
+                    models: r.models,
+                    operations: r.operations,
+                },
+            );
+        }
+
+        let limits = LimitsConfig {
+            redis_url: f.limits.redis_url,
+            default_max_tokens: f.limits.default_max_tokens.unwrap_or(256),
+            default: f.limits.default.unwrap_or_default(),
+            keys: f.limits.keys,
+            teams: f.limits.teams,
+        };
+        if let Some(u) = &limits.redis_url {
+            crate::redis::RedisAddr::parse(u)?;
+        }
+
+        let c = f.traffic.circuit;
+        let h = f.traffic.health;
+        let traffic = TrafficConfig {
+            connect_timeout_ms: f.traffic.connect_timeout_ms.unwrap_or(1000),
+            timeout_ms: f.traffic.timeout_ms.unwrap_or(60_000),
+            stream_idle_timeout_ms: f.traffic.stream_idle_timeout_ms.unwrap_or(60_000),
+            retries: f.traffic.retries.unwrap_or(2),
+            retry_budget_ratio: f.traffic.retry_budget_ratio.unwrap_or(0.2),
+            retry_budget_min: f.traffic.retry_budget_min.unwrap_or(10),
+            circuit: CircuitConfig {
+                window_s: c.window_s.unwrap_or(10).max(1),
+                min_requests: c.min_requests.unwrap_or(5).max(1),
+                failure_ratio: c.failure_ratio.unwrap_or(0.5),
+                trip_s: c.trip_s.unwrap_or(5.0),
+            },
+            health: HealthConfig {
+                enabled: h.enabled.unwrap_or(true),
+                interval_ms: h.interval_ms.unwrap_or(5000).max(10),
+                timeout_ms: h.timeout_ms.unwrap_or(1000),
+                unhealthy_after: h.unhealthy_after.unwrap_or(2).max(1),
+                healthy_after: h.healthy_after.unwrap_or(1).max(1),
+            },
+        };
+        if !(0.0..=1.0).contains(&traffic.circuit.failure_ratio) {
+            return bad("traffic.circuit.failure_ratio must be within 0..1".into());
+        }
+        if !(traffic.circuit.trip_s >= 0.0 && traffic.circuit.trip_s.is_finite()) {
+            return bad("traffic.circuit.trip_s must be a number of seconds".into());
+        }
+
+        let mut models = Vec::new();
+        let mut names = HashSet::new();
+        for m in f.models {
+            if !names.insert(m.name.clone()) {
+                return bad(format!("model {:?} is configured twice", m.name));
+            }
+            let protocol = m.protocol.unwrap_or(Protocol::Openai);
+            let mut deployments = Vec::new();
+            let mut dnames = HashSet::new();
+            for d in m.deployments {
+                if !dnames.insert(d.name.clone()) {
+                    return bad(format!("model {:?}: deployment {:?} twice", m.name, d.name));
+                }
+                crate::proxy::BackendUrl::parse(&d.url).map_err(|reason| {
+                    GatewayError::Config(format!(
+                        "model {:?} deployment {:?}: url {:?}: {reason}",
+                        m.name, d.name, d.url
+                    ))
+                })?;
+                deployments.push(DeploymentConfig {
+                    weight: d.weight.unwrap_or(1),
+                    model: d.model.unwrap_or_else(|| m.name.clone()),
+                    health_path: d.health_path.unwrap_or_else(|| {
+                        match protocol {
+                            Protocol::Openai => "/health",
+                            Protocol::Oip => "/v2/health/ready",
+                        }
+                        .into()
+                    }),
+                    name: d.name,
+                    url: d.url,
+                });
+            }
+            if deployments.is_empty() {
+                return bad(format!("model {:?} has no deployments", m.name));
+            }
+            if let Some(mi) = &m.mirror {
+                if !dnames.contains(&mi.deployment) {
+                    return bad(format!(
+                        "model {:?}: mirror deployment {:?} is not one of its deployments",
+                        m.name, mi.deployment
+                    ));
+                }
+                if !(0.0..=100.0).contains(&mi.percent) {
+                    return bad(format!(
+                        "model {:?}: mirror percent must be within 0..100",
+                        m.name
+                    ));
+                }
+            }
+            let serving: u64 = deployments
+                .iter()
+                .filter(|d| m.mirror.as_ref().is_none_or(|mi| mi.deployment != d.name))
+                .map(|d| d.weight as u64)
+                .sum();
+            if serving == 0 {
+                return bad(format!(
+                    "model {:?}: the weights of its serving deployments add up to 0",
+                    m.name
+                ));
+            }
+            models.push(ModelConfig {
+                name: m.name,
+                protocol,
+                fallback: m.fallback,
+                mirror: m.mirror.map(|mi| MirrorConfig {
+                    deployment: mi.deployment,
+                    percent: mi.percent,
+                }),
+                deployments,
+            });
+        }
+        for m in &models {
+            for fb in &m.fallback {
+                if fb == &m.name || !names.contains(fb) {
+                    return bad(format!(
+                        "model {:?}: fallback {fb:?} is not another configured model",
+                        m.name
+                    ));
+                }
+            }
+        }
+        let audit = AuditConfig {
+            path: f.audit.path.map(rel),
+            include_content: f.audit.include_content.unwrap_or(false),
+        };
+        Ok(Self {
+            server,
+            admin,
+            metrics,
+            auth,
+            roles,
+            limits,
+            traffic,
+            models,
+            audit,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[server]
+listen = "127.0.0.1:8080"
+[auth]
+keys_file = "keys.json"
+[roles.user]
+models = ["chat"]
+operations = ["chat", "models"]
+[[models]]
+name = "chat"
+fallback = ["small"]
+mirror = { deployment = "shadow", percent = 10 }
+[[models.deployments]]
+name = "blue"
+url = "http://127.0.0.1:8001"
+weight = 90
+[[models.deployments]]
+name = "shadow"
+url = "http://127.0.0.1:8003"
+weight = 0
+[[models]]
+name = "small"
+[[models.deployments]]
+name = "only"
+url = "http://127.0.0.1:8002/prefix"
+"#;
+
+    #[test]
+    fn example_validates() {
+        let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/etc/keel")).expect("valid");
+        assert_eq!(
+            c.auth.keys_file.as_deref(),
+            Some(Path::new("/etc/keel/keys.json"))
+        );
+        assert_eq!(c.models[0].deployments[0].model, "chat");
+        assert_eq!(c.models[0].deployments[0].health_path, "/health");
+        assert_eq!(c.traffic.retries, 2);
+    }
+
+    #[test]
+    fn every_key_is_documented() {
+        let doc = include_str!("../../../docs/serve.md");
+        let text = format!(
+            "{EXAMPLE}[admin]\nlisten = \"127.0.0.1:1\"\ntoken_sha256 = \"{}\"\n[auth.jwt]\njwks_file = \"j\"\nissuer = \"i\"\naudience = \"a\"\n",
+            "0".repeat(64)
+        );
+        let c = GatewayConfig::from_toml(&text, Path::new("/")).expect("valid");
+        let v = serde_json::to_value(&c).expect("json");
+        fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+            if let serde_json::Value::Object(o) = v {
+                for (k, x) in o {
+                    let path = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    match x {
+                        serde_json::Value::Object(_)
+                            if !["roles", "keys", "teams", "default"].contains(&k.as_str()) =>
+                        {
+                            walk(&path, x, out)
+                        }
+                        _ => out.push(path),
+                    }
+                }
+            }
+        }
+        let mut keys = Vec::new();
+        walk("", &v, &mut keys);
+        assert!(keys.len() > 30, "{keys:?}");
+        for k in keys {
+            if k == "models" || k == "roles" {
+                continue;
+            }
+            assert!(
+                doc.contains(&format!("`{k}`"))
+                    || doc.contains(&format!("`{k},"))
+                    || doc.contains(&format!(", `{k}`"))
+                    || doc.contains(&format!("{k}`"))
+                    || doc.contains(&format!("`{k}.")),
+                "docs/serve.md does not document {k}"
+            );
+        }
+        for k in [
+            "name",
+            "protocol",
+            "fallback",
+            "mirror",
+            "weight",
+            "url",
+            "health_path",
+        ] {
+            assert!(
+                doc.contains(&format!(".{k}`")) || doc.contains(&format!("[].{k}")),
+                "docs/serve.md does not document models[].{k}"
+            );
+        }
+        for k in [
+            "requests_per_minute",
+            "tokens_per_minute",
+            "tokens_per_day",
+            "tokens_per_month",
+        ] {
+            assert!(doc.contains(k));
+        }
+    }
+
+    #[test]
+    fn rejections() {
+        let check = |text: &str, expect: &str| {
+            let e = GatewayConfig::from_toml(text, Path::new("/")).expect_err(text);
+            assert!(e.to_string().contains(expect), "{e} lacks {expect}");
+        };
+        check(
+            "[server]\nlisten = \"127.0.0.1:1\"\n",
+            "no endpoint is anonymous",
+        );
+        check("[auth]\nkeys_file = \"k\"\nbogus = 1\n", "bogus");
+        check(
+            &EXAMPLE.replace("fallback = [\"small\"]", "fallback = [\"nope\"]"),
+            "fallback",
+        );
+        check(
+            &EXAMPLE.replace("http://127.0.0.1:8001", "https://x"),
+            "only http",
+        );
+        check(
+            &EXAMPLE.replace(
+                "operations = [\"chat\", \"models\"]",
+                "operations = [\"fly\"]",
+            ),
+            "unknown operation",
+        );
+    }
+}

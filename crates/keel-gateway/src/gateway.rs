@@ -1,0 +1,1456 @@
+//! The request path: authenticate, parse, authorise, admit (limits), route
+//! (weights, pin, mirror, fallback, retries, circuits), proxy (streams
+//! chunk by chunk), settle, and record (metrics, audit, access log).
+
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Map, Value};
+
+use crate::audit::AuditLog;
+use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
+use crate::body::GwBody;
+use crate::clock::{rfc3339, Clock};
+use crate::config::{GatewayConfig, LimitsConfig, Protocol};
+use crate::error::{ApiError, GatewayError};
+use crate::keys::KeyRing;
+use crate::limits::{
+    reset_header, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
+};
+use crate::metrics::{Metrics, RequestLabels};
+use crate::proxy::{retry_after, upstream_headers, usage_of, SseFilter, TokenUsage, Upstream};
+use crate::request::{self, OipModel, Route, RouteError};
+use crate::traffic::{Backend, ModelRoute, RetryBudget, Rng, Traffic};
+
+/// Re-reads the configuration (the binary reads the file).
+pub type ReloadFn = Arc<dyn Fn() -> Result<GatewayConfig, GatewayError> + Send + Sync>;
+
+/// What the gateway is given besides its configuration.
+#[derive(Clone)]
+pub struct GatewayOptions {
+    pub clock: Arc<dyn Clock>,
+    /// Seeds weighted routing, mirroring and request ids.
+    pub seed: u64,
+    /// How `POST /admin/reload` and `Gateway::reload` get a new config.
+    pub reload: Option<ReloadFn>,
+}
+
+impl std::fmt::Debug for GatewayOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayOptions")
+            .field("clock", &self.clock)
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
+/// One configuration generation; swapped whole on reload, so a request
+/// sees one consistent configuration from start to end.
+#[derive(Debug)]
+pub struct Generation {
+    pub cfg: GatewayConfig,
+    pub traffic: Traffic,
+    keys: Option<KeyRing>,
+    jwt: Option<Arc<JwtVerifier>>,
+    rbac: Rbac,
+}
+
+#[derive(Debug)]
+struct Inner {
+    generation: RwLock<Arc<Generation>>,
+    limiter: Limiter,
+    metrics: Metrics,
+    audit: Option<AuditLog>,
+    clock: Arc<dyn Clock>,
+    rng: Rng,
+    upstream: Upstream,
+    budget: RetryBudget,
+    reload: Option<ReloadFnBox>,
+    reload_lock: tokio::sync::Mutex<()>,
+    /// Stream and mirror tasks still running.
+    tasks: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a background task from spawn to end.
+struct TaskGuard(Arc<Inner>);
+
+impl TaskGuard {
+    fn new(inner: &Arc<Inner>) -> Self {
+        inner
+            .tasks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(inner.clone())
+    }
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.0
+            .tasks
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+struct ReloadFnBox(ReloadFn);
+impl std::fmt::Debug for ReloadFnBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReloadFn")
+    }
+}
+
+/// The gateway: cheap to clone, shared by every connection.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    inner: Arc<Inner>,
+}
+
+/// What the access log layer reads from a response.
+#[derive(Debug, Clone, Default)]
+pub struct AccessInfo {
+    pub request_id: String,
+    pub route: &'static str,
+    pub key: Option<String>,
+    pub model: Option<String>,
+    pub deployment: Option<String>,
+    pub stream: bool,
+}
+
+/// What is known about a request as it goes.
+#[derive(Debug, Clone, Default)]
+struct Ctx {
+    id: String,
+    route: &'static str,
+    key: Option<String>,
+    team: Option<String>,
+    model: Option<String>,
+    served_model: Option<String>,
+    deployment: Option<String>,
+    status: u16,
+    usage: Option<TokenUsage>,
+    backend_time: Option<Duration>,
+    denied: Option<&'static str>,
+    error: Option<String>,
+    rate: Option<RateInfo>,
+    retries: u32,
+    fallback: bool,
+    stream: bool,
+    request_body: Option<Bytes>,
+    response_body: Option<Bytes>,
+}
+
+/// What is sent upstream, rendered per deployment (the model name differs).
+enum Payload {
+    OpenAi {
+        path: &'static str,
+        obj: Map<String, Value>,
+    },
+    Oip {
+        method: Method,
+        version: Option<String>,
+        action: &'static str,
+        body: Bytes,
+        content_type: Option<HeaderValue>,
+    },
+}
+
+impl Payload {
+    fn render(&self, backend_model: &str) -> (Method, String, Bytes, Option<HeaderValue>) {
+        match self {
+            Payload::OpenAi { path, obj } => {
+                let mut o = obj.clone();
+                o.insert("model".into(), Value::String(backend_model.to_owned()));
+                (
+                    Method::POST,
+                    (*path).to_owned(),
+                    Bytes::from(Value::Object(o).to_string()),
+                    None,
+                )
+            }
+            Payload::Oip {
+                method,
+                version,
+                action,
+                body,
+                content_type,
+            } => {
+                let mut p = format!("/v2/models/{backend_model}");
+                if let Some(v) = version {
+                    p.push_str("/versions/");
+                    p.push_str(v);
+                }
+                p.push_str(action);
+                (method.clone(), p, body.clone(), content_type.clone())
+            }
+        }
+    }
+}
+
+/// A response from the deployment that served.
+struct Served {
+    resp: Response<Incoming>,
+    sent_at: Instant,
+}
+
+enum Fail {
+    Api(ApiError),
+    /// The last backend's own error response, passed on.
+    Upstream(StatusCode, Option<HeaderValue>, Bytes, Option<Duration>),
+}
+
+impl From<ApiError> for Fail {
+    fn from(e: ApiError) -> Self {
+        Fail::Api(e)
+    }
+}
+
+/// Releases a half-open circuit's trial if the attempt ended without a
+/// result (the request was cancelled).
+struct Lease<'a> {
+    backend: &'a Backend,
+    done: bool,
+}
+
+impl Lease<'_> {
+    fn done(mut self, ok: bool, retry_after: Option<Duration>) {
+        self.done = true;
+        self.backend.record(Instant::now(), ok, retry_after);
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.backend.release_trial();
+        }
+    }
+}
+
+enum BodyError {
+    TooLarge,
+    Timeout,
+    Broken,
+}
+
+async fn read_body(
+    body: Incoming,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large(limit));
+    }
+    match read_limited(body, limit, timeout).await {
+        Ok(b) => Ok(b),
+        Err(BodyError::TooLarge) => Err(too_large(limit)),
+        Err(BodyError::Timeout) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "the request body did not arrive in time",
+        )),
+        Err(BodyError::Broken) => Err(ApiError::bad_request("the request body could not be read")),
+    }
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        format!("the request body is larger than {limit} bytes"),
+    )
+}
+
+async fn read_limited<B>(body: B, limit: usize, timeout: Duration) -> Result<Bytes, BodyError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(BodyError::Timeout),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(BodyError::TooLarge)
+        }
+        Ok(Err(_)) => Err(BodyError::Broken),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+    }
+}
+
+/// The counters a caller is held to: its key's (or the default) limits,
+/// and its team's when the team has limits.
+pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
+    let mut v = Vec::new();
+    let own = l.keys.get(&id.id).copied().unwrap_or(l.default);
+    if !own.is_empty() {
+        v.push(Scope {
+            name: format!("key:{}", id.id),
+            limits: own,
+        });
+    }
+    if let Some(t) = &id.team {
+        if let Some(tl) = l.teams.get(t).filter(|tl| !tl.is_empty()) {
+            v.push(Scope {
+                name: format!("team:{t}"),
+                limits: *tl,
+            });
+        }
+    }
+    v
+}
+
+fn rate_headers(h: &mut HeaderMap, info: &RateInfo) {
+    let mut put = |k: &'static str, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(k, v);
+        }
+    };
+    if let Some(l) = info.limit_requests {
+        put("x-ratelimit-limit-requests", l.to_string());
+        put(
+            "x-ratelimit-remaining-requests",
+            info.remaining_requests.to_string(),
+        );
+        put(
+            "x-ratelimit-reset-requests",
+            reset_header(info.reset_requests_ms),
+        );
+    }
+    if let Some(l) = info.limit_tokens {
+        put("x-ratelimit-limit-tokens", l.to_string());
+        put(
+            "x-ratelimit-remaining-tokens",
+            info.remaining_tokens.to_string(),
+        );
+        put(
+            "x-ratelimit-reset-tokens",
+            reset_header(info.reset_tokens_ms),
+        );
+    }
+}
+
+fn json_response(status: StatusCode, v: Value) -> Response<GwBody> {
+    let mut r = Response::new(GwBody::full(v.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+const CONTENT_CAP: usize = 1 << 20;
+
+impl Gateway {
+    /// Builds the gateway: limit store, audit log, keys, JWKS, routing
+    /// table and health probes. Must run inside a tokio runtime.
+    pub async fn new(cfg: GatewayConfig, opts: GatewayOptions) -> Result<Self, GatewayError> {
+        let limiter = match &cfg.limits.redis_url {
+            Some(url) => {
+                let l = Limiter::redis(url, opts.clock.clone())?;
+                if let Limiter::Redis(r) = &l {
+                    r.ping().await?;
+                }
+                l
+            }
+            None => Limiter::local(opts.clock.clone()),
+        };
+        let audit = cfg.audit.path.as_deref().map(AuditLog::open).transpose()?;
+        let upstream = Upstream::new(Duration::from_millis(cfg.traffic.connect_timeout_ms));
+        let generation = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
+        let budget = RetryBudget::new(cfg.traffic.retry_budget_ratio, cfg.traffic.retry_budget_min);
+        let gw = Self {
+            inner: Arc::new(Inner {
+                generation: RwLock::new(Arc::new(generation)),
+                limiter,
+                metrics: Metrics::new(),
+                audit,
+                clock: opts.clock,
+                rng: Rng::new(opts.seed),
+                upstream,
+                budget,
+                reload: opts.reload.map(ReloadFnBox),
+                reload_lock: tokio::sync::Mutex::new(()),
+                tasks: std::sync::atomic::AtomicUsize::new(0),
+            }),
+        };
+        gw.start_background();
+        gw.audit_event("start", Map::new());
+        Ok(gw)
+    }
+
+    pub fn generation(&self) -> Arc<Generation> {
+        self.inner
+            .generation
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    pub fn limiter(&self) -> &Limiter {
+        &self.inner.limiter
+    }
+
+    /// Reloads through the reload function given at construction.
+    pub async fn reload(&self) -> Result<(), GatewayError> {
+        let Some(f) = &self.inner.reload else {
+            return Err(GatewayError::Config(
+                "this gateway was started without a config file to reload".into(),
+            ));
+        };
+        let cfg = (f.0)();
+        match cfg {
+            Ok(cfg) => self.apply(cfg).await,
+            Err(e) => {
+                let mut m = Map::new();
+                m.insert("ok".into(), false.into());
+                m.insert("error".into(), e.to_string().into());
+                self.audit_event("reload", m);
+                Err(e)
+            }
+        }
+    }
+
+    /// Swaps in a new configuration. Listeners, the limit store and the
+    /// audit log path stay as they were started; in-flight requests finish
+    /// on the generation they started with; backends keep their state.
+    pub async fn apply(&self, cfg: GatewayConfig) -> Result<(), GatewayError> {
+        let _g = self.inner.reload_lock.lock().await;
+        let old = self.generation();
+        let new = build_generation(
+            cfg,
+            Some(&old.traffic),
+            &self.inner.upstream,
+            &self.inner.clock,
+        )
+        .await?;
+        *self
+            .inner
+            .generation
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        self.start_background();
+        let mut m = Map::new();
+        m.insert("ok".into(), true.into());
+        self.audit_event("reload", m);
+        Ok(())
+    }
+
+    /// Streams being passed on and mirror requests still running.
+    pub fn tasks_in_flight(&self) -> usize {
+        self.inner.tasks.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stops the audit writer after writing what is queued.
+    pub fn close(&self) {
+        self.audit_event("stop", Map::new());
+        if let Some(a) = &self.inner.audit {
+            a.close();
+        }
+    }
+
+    fn audit_event(&self, event: &str, mut m: Map<String, Value>) {
+        if let Some(a) = &self.inner.audit {
+            m.insert("event".into(), event.into());
+            m.insert("ts".into(), rfc3339(self.inner.clock.now_ms()).into());
+            a.record(m);
+        }
+    }
+
+    /// Health probes for backends that have none, and the JWKS refresh.
+    fn start_background(&self) {
+        let gen = self.generation();
+        let h = gen.cfg.traffic.health;
+        if h.enabled {
+            for m in gen.traffic.models.values() {
+                for d in &m.all {
+                    if !d.backend.start_probing() {
+                        continue;
+                    }
+                    let weak = Arc::downgrade(&d.backend);
+                    let upstream = self.inner.upstream.clone();
+                    let path = d.health_path.clone();
+                    tokio::spawn(probe_loop(weak, upstream, path, h));
+                }
+            }
+        }
+        if let Some(j) = &gen.jwt {
+            if let Some(url) = j.config().jwks_url.clone() {
+                let weak = Arc::downgrade(j);
+                let upstream = self.inner.upstream.clone();
+                let every = Duration::from_secs(j.config().refresh_s.max(1));
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(every).await;
+                        let Some(j) = weak.upgrade() else { break };
+                        match fetch_jwks(&upstream, &url).await {
+                            Ok(k) => j.set_keys(k),
+                            Err(e) => {
+                                tracing::warn!(%e, "JWKS refresh failed; keeping the keys we have")
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Renders the metrics text with backend gauges.
+    pub fn render_metrics(&self) -> String {
+        let gen = self.generation();
+        let now = Instant::now();
+        let mut b: Vec<(String, bool, bool)> = gen
+            .traffic
+            .backends
+            .values()
+            .map(|b| {
+                (
+                    b.url.label(),
+                    b.healthy.load(std::sync::atomic::Ordering::Relaxed),
+                    b.open_until(now).is_some(),
+                )
+            })
+            .collect();
+        b.sort();
+        self.inner.metrics.render(&b)
+    }
+
+    /// Models, deployments and backend states, for the admin API.
+    pub fn status(&self) -> Value {
+        let gen = self.generation();
+        let now = Instant::now();
+        let mut models: Vec<Value> = gen
+            .traffic
+            .models
+            .values()
+            .map(|m| {
+                json!({
+                    "name": m.name,
+                    "protocol": m.protocol,
+                    "fallback": m.fallback,
+                    "mirror": m.mirror.as_ref().map(|(d, p)| json!({"deployment": d.name, "percent": p})),
+                    "deployments": m.all.iter().map(|d| json!({
+                        "name": d.name,
+                        "url": d.backend.url.label(),
+                        "weight": d.weight,
+                        "healthy": d.backend.healthy.load(std::sync::atomic::Ordering::Relaxed),
+                        "circuit": d.backend.state(now),
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        models.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+        json!({"version": 1, "models": models})
+    }
+
+    fn request_id(&self) -> String {
+        format!("{:016x}", self.inner.rng.next_u64())
+    }
+
+    /// Answers one request on the public listener.
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<GwBody> {
+        let started = Instant::now();
+        let gen = self.generation();
+        let mut ctx = Ctx {
+            id: self.request_id(),
+            route: "unmatched",
+            ..Ctx::default()
+        };
+        let (mut resp, streaming) = match self.dispatch(&gen, req, &mut ctx, started).await {
+            Ok((r, s)) => (r, s),
+            Err(Fail::Api(e)) => (e.into_response(), false),
+            Err(Fail::Upstream(status, ct, body, ra)) => {
+                let mut r = Response::new(GwBody::full(body));
+                *r.status_mut() = status;
+                if let Some(ct) = ct {
+                    r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
+                }
+                if let Some(ra) = ra {
+                    r.headers_mut().insert(
+                        http::header::RETRY_AFTER,
+                        HeaderValue::from(ra.as_secs_f64().ceil() as u64),
+                    );
+                }
+                (r, false)
+            }
+        };
+        ctx.status = resp.status().as_u16();
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&ctx.id) {
+            h.insert("x-request-id", v);
+        }
+        if let Some(info) = &ctx.rate {
+            rate_headers(h, info);
+        }
+        if let (Some(m), Some(d)) = (&ctx.served_model, &ctx.deployment) {
+            if let (Ok(m), Ok(d)) = (HeaderValue::from_str(m), HeaderValue::from_str(d)) {
+                h.insert("x-keel-model", m);
+                h.insert("x-keel-deployment", d);
+            }
+        }
+        resp.extensions_mut().insert(AccessInfo {
+            request_id: ctx.id.clone(),
+            route: ctx.route,
+            key: ctx.key.clone(),
+            model: ctx.served_model.clone().or(ctx.model.clone()),
+            deployment: ctx.deployment.clone(),
+            stream: streaming,
+        });
+        if !streaming {
+            self.finish(&ctx, started);
+        }
+        resp
+    }
+
+    /// Metrics and audit for a finished request.
+    fn finish(&self, ctx: &Ctx, started: Instant) {
+        let total = started.elapsed();
+        let m = &self.inner.metrics;
+        let model = ctx
+            .served_model
+            .as_deref()
+            .or(ctx.model.as_deref())
+            .unwrap_or("");
+        let deployment = ctx.deployment.as_deref().unwrap_or("");
+        let key = ctx.key.as_deref().unwrap_or("");
+        m.request(
+            RequestLabels {
+                route: ctx.route,
+                model,
+                deployment,
+                key,
+                code: ctx.status,
+            },
+            total,
+            ctx.backend_time,
+        );
+        if let Some(u) = ctx.usage {
+            m.tokens(model, deployment, key, u.prompt, u.completion);
+        }
+        if let Some(kind) = ctx.denied {
+            m.error(ctx.route, kind);
+        } else if ctx.status >= 500 {
+            m.error(ctx.route, "upstream");
+        } else if ctx.status >= 400 {
+            m.error(ctx.route, "client");
+        }
+        if self.inner.audit.is_none() || ctx.route == "/healthz" || ctx.route == "/readyz" {
+            return;
+        }
+        let mut e = Map::new();
+        e.insert("request_id".into(), ctx.id.clone().into());
+        e.insert("route".into(), ctx.route.into());
+        e.insert("key".into(), ctx.key.clone().into());
+        e.insert("team".into(), ctx.team.clone().into());
+        e.insert("model".into(), ctx.model.clone().into());
+        e.insert("served_model".into(), ctx.served_model.clone().into());
+        e.insert("deployment".into(), ctx.deployment.clone().into());
+        e.insert("status".into(), ctx.status.into());
+        e.insert(
+            "duration_ms".into(),
+            json!((total.as_secs_f64() * 1e6).round() / 1e3),
+        );
+        e.insert("prompt_tokens".into(), ctx.usage.map(|u| u.prompt).into());
+        e.insert(
+            "completion_tokens".into(),
+            ctx.usage.map(|u| u.completion).into(),
+        );
+        e.insert("retries".into(), ctx.retries.into());
+        e.insert("fallback".into(), ctx.fallback.into());
+        e.insert("stream".into(), ctx.stream.into());
+        if let Some(d) = ctx.denied {
+            e.insert("reason".into(), d.into());
+        }
+        if let Some(err) = &ctx.error {
+            e.insert("error".into(), err.clone().into());
+        }
+        if let Some(b) = &ctx.request_body {
+            e.insert(
+                "request_body".into(),
+                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
+            );
+        }
+        if let Some(b) = &ctx.response_body {
+            e.insert(
+                "response_body".into(),
+                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
+            );
+        }
+        self.audit_event(
+            if ctx.denied.is_some() {
+                "denied"
+            } else {
+                "request"
+            },
+            e,
+        );
+    }
+
+    fn authenticate(
+        &self,
+        gen: &Generation,
+        headers: &HeaderMap,
+        ctx: &mut Ctx,
+    ) -> Result<Identity, ApiError> {
+        let denied = |ctx: &mut Ctx, why: String| {
+            ctx.denied = Some("unauthenticated");
+            ctx.error = Some(why);
+            ApiError::unauthorized()
+        };
+        let Some(token) = credential(headers) else {
+            return Err(denied(ctx, "no credentials".into()));
+        };
+        if let (Some(j), true) = (&gen.jwt, looks_like_jwt(token)) {
+            return j
+                .verify(token)
+                .map_err(|why| denied(ctx, format!("JWT: {why}")));
+        }
+        let Some(ring) = &gen.keys else {
+            return Err(denied(ctx, "not a JWT, and no keys are configured".into()));
+        };
+        match ring.lookup(token) {
+            Ok(Some(k)) => Ok(Identity {
+                id: k.id.clone(),
+                team: k.team.clone(),
+                roles: k.roles.clone(),
+            }),
+            Ok(None) => Err(denied(ctx, "unknown or revoked key".into())),
+            Err(e) => {
+                tracing::error!(error = %e, "key file unreadable: refusing every key until it is fixed");
+                Err(denied(ctx, format!("key file unreadable: {e}")))
+            }
+        }
+    }
+
+    async fn dispatch(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        ctx: &mut Ctx,
+        started: Instant,
+    ) -> Result<(Response<GwBody>, bool), Fail> {
+        let route = request::route(req.method(), req.uri().path());
+        if let Ok(r) = &route {
+            ctx.route = r.template();
+            match r {
+                Route::Live => {
+                    return Ok((
+                        json_response(StatusCode::OK, json!({"status": "live"})),
+                        false,
+                    ))
+                }
+                Route::Ready => return Ok((self.readiness(gen), false)),
+                _ => {}
+            }
+        }
+        let ident = self.authenticate(gen, req.headers(), ctx)?;
+        ctx.key = Some(ident.id.clone());
+        ctx.team = ident.team.clone();
+        let route = match route {
+            Ok(r) => r,
+            Err(RouteError::NotFound) => return Err(ApiError::not_found("no such route").into()),
+            Err(RouteError::MethodNotAllowed) => {
+                return Err(ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "invalid_request_error",
+                    "method not allowed on this route",
+                )
+                .into())
+            }
+        };
+        let op = route.operation().unwrap_or("models");
+        match route {
+            Route::Models => {
+                if !gen.rbac.allows(&ident.roles, op, None) {
+                    ctx.denied = Some("forbidden");
+                    return Err(
+                        ApiError::forbidden("your roles do not allow listing models").into(),
+                    );
+                }
+                let mut names: Vec<&String> = gen
+                    .traffic
+                    .models
+                    .keys()
+                    .filter(|m| gen.rbac.allows(&ident.roles, "models", Some(m)))
+                    .collect();
+                names.sort();
+                let data: Vec<Value> = names
+                    .iter()
+                    .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "keel"}))
+                    .collect();
+                Ok((
+                    json_response(StatusCode::OK, json!({"object": "list", "data": data})),
+                    false,
+                ))
+            }
+            Route::ChatCompletions | Route::Completions | Route::Embeddings => {
+                self.openai(gen, req, route, op, ident, ctx, started).await
+            }
+            Route::OipMetadata(m) => self
+                .oip(gen, req, m, op, "", ident, ctx)
+                .await
+                .map(|r| (r, false)),
+            Route::OipReady(m) => self
+                .oip(gen, req, m, op, "/ready", ident, ctx)
+                .await
+                .map(|r| (r, false)),
+            Route::OipInfer(m) => self
+                .oip(gen, req, m, op, "/infer", ident, ctx)
+                .await
+                .map(|r| (r, false)),
+            Route::Live | Route::Ready => Err(ApiError::not_found("no such route").into()),
+        }
+    }
+
+    fn readiness(&self, gen: &Generation) -> Response<GwBody> {
+        let now = Instant::now();
+        let ready = gen.traffic.backends.values().any(|b| {
+            b.healthy.load(std::sync::atomic::Ordering::Relaxed) && b.open_until(now).is_none()
+        });
+        if ready {
+            json_response(StatusCode::OK, json!({"status": "ready"}))
+        } else {
+            json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "not ready", "error": "no backend can serve"}),
+            )
+        }
+    }
+
+    fn model_route(
+        &self,
+        gen: &Generation,
+        name: &str,
+        protocol: Protocol,
+    ) -> Result<Arc<ModelRoute>, ApiError> {
+        gen.traffic
+            .models
+            .get(name)
+            .filter(|m| m.protocol == protocol)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("the model {name:?} does not exist")))
+    }
+
+    async fn admit(
+        &self,
+        gen: &Generation,
+        ident: &Identity,
+        tokens: u64,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Reservation>, ApiError> {
+        let scopes = scopes_for(&gen.cfg.limits, ident);
+        if scopes.is_empty() {
+            return Ok(None);
+        }
+        match self.inner.limiter.reserve(&scopes, tokens).await {
+            Err(e) => {
+                tracing::error!(error = %e, "limit store unavailable; refusing");
+                ctx.error = Some(e.to_string());
+                ctx.denied = Some("limits_unavailable");
+                Err(ApiError::unavailable(
+                    "limits cannot be checked right now",
+                    Some(1),
+                ))
+            }
+            Ok(Admission::Admitted { reservation, info }) => {
+                ctx.rate = Some(info);
+                Ok(Some(reservation))
+            }
+            Ok(Admission::Refused {
+                refusal,
+                retry_after_ms,
+                info,
+            }) => {
+                ctx.rate = Some(info);
+                let retry = Some(retry_after_s(retry_after_ms));
+                Err(match refusal {
+                    Refusal::Rate => {
+                        ctx.denied = Some("rate_limited");
+                        ApiError {
+                            retry_after_s: retry,
+                            ..ApiError::new(
+                                StatusCode::TOO_MANY_REQUESTS,
+                                "rate_limit_exceeded",
+                                "rate limit reached for requests or tokens per minute",
+                            )
+                        }
+                    }
+                    Refusal::Quota => {
+                        ctx.denied = Some("quota_exhausted");
+                        ApiError {
+                            retry_after_s: retry,
+                            ..ApiError::new(
+                                StatusCode::FORBIDDEN,
+                                "insufficient_quota",
+                                "token quota for this period is used up",
+                            )
+                        }
+                    }
+                })
+            }
+        }
+    }
+
+    async fn settle(&self, res: Option<&Reservation>, actual: u64) {
+        if let Some(r) = res {
+            if let Err(e) = self.inner.limiter.settle(r, actual).await {
+                tracing::error!(error = %e, "could not settle a reservation; it stays charged");
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn openai(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        route: Route,
+        op: &'static str,
+        ident: Identity,
+        ctx: &mut Ctx,
+        started: Instant,
+    ) -> Result<(Response<GwBody>, bool), Fail> {
+        let (parts, body) = req.into_parts();
+        let s = &gen.cfg.server;
+        let bytes = read_body(
+            body,
+            &parts.headers,
+            s.max_body_bytes,
+            Duration::from_millis(s.body_timeout_ms),
+        )
+        .await?;
+        let (mut obj, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        ctx.model = Some(parsed.model.clone());
+        ctx.stream = parsed.stream;
+        if gen.cfg.audit.include_content {
+            ctx.request_body = Some(bytes.clone());
+        }
+        if !gen.rbac.allows(&ident.roles, op, Some(&parsed.model)) {
+            ctx.denied = Some("forbidden");
+            return Err(ApiError::forbidden(format!(
+                "your roles do not allow {op} on {:?}",
+                parsed.model
+            ))
+            .into());
+        }
+        let model = self.model_route(gen, &parsed.model, Protocol::Openai)?;
+        let tokens = match route {
+            Route::Embeddings => parsed.prompt_estimate,
+            _ => {
+                parsed.prompt_estimate
+                    + parsed
+                        .max_tokens
+                        .unwrap_or(gen.cfg.limits.default_max_tokens)
+            }
+        };
+        let reservation = self.admit(gen, &ident, tokens, ctx).await?;
+        let strip = parsed.stream && !parsed.include_usage;
+        if strip {
+            match obj.get_mut("stream_options") {
+                Some(Value::Object(o)) => {
+                    o.insert("include_usage".into(), true.into());
+                }
+                _ => {
+                    obj.insert("stream_options".into(), json!({"include_usage": true}));
+                }
+            }
+        }
+        let path = route.template();
+        let payload = Payload::OpenAi { path, obj };
+        let pin = parts
+            .headers
+            .get(s.pin_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let served = match self
+            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .await
+        {
+            Ok(s) => s,
+            Err(f) => {
+                self.settle(reservation.as_ref(), 0).await;
+                return Err(f);
+            }
+        };
+        let is_sse = served
+            .resp
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if parsed.stream && served.resp.status().is_success() && is_sse {
+            return Ok((
+                self.stream(gen, served, strip, reservation, ctx.clone(), started),
+                true,
+            ));
+        }
+        self.deliver(gen, served, reservation.as_ref(), ctx, true)
+            .await
+            .map(|r| (r, false))
+    }
+
+    /// Reads a whole backend response, settles, and answers.
+    async fn deliver(
+        &self,
+        gen: &Generation,
+        served: Served,
+        reservation: Option<&Reservation>,
+        ctx: &mut Ctx,
+        usage: bool,
+    ) -> Result<Response<GwBody>, Fail> {
+        let (parts, body) = served.resp.into_parts();
+        let read = read_limited(body, 64 << 20, gen.cfg.traffic.timeout()).await;
+        ctx.backend_time = Some(served.sent_at.elapsed());
+        let bytes = match read {
+            Ok(b) => b,
+            Err(_) => {
+                self.settle(reservation, 0).await;
+                ctx.error = Some("backend response body failed or timed out".into());
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "the backend's response broke off",
+                )
+                .into());
+            }
+        };
+        let ok = parts.status.is_success();
+        if ok && usage {
+            ctx.usage = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .as_ref()
+                .and_then(usage_of);
+        }
+        match (ok, ctx.usage) {
+            (false, _) => self.settle(reservation, 0).await,
+            (true, Some(u)) => self.settle(reservation, u.total()).await,
+            (true, None) => {}
+        }
+        if gen.cfg.audit.include_content {
+            ctx.response_body = Some(bytes.clone());
+        }
+        let mut r = Response::new(GwBody::full(bytes));
+        *r.status_mut() = parts.status;
+        if let Some(ct) = parts.headers.get(http::header::CONTENT_TYPE) {
+            r.headers_mut()
+                .insert(http::header::CONTENT_TYPE, ct.clone());
+        }
+        Ok(r)
+    }
+
+    /// Passes an SSE stream on chunk by chunk from a task that settles,
+    /// counts and audits when it ends.
+    fn stream(
+        &self,
+        gen: &Generation,
+        served: Served,
+        strip: bool,
+        reservation: Option<Reservation>,
+        mut ctx: Ctx,
+        started: Instant,
+    ) -> Response<GwBody> {
+        let (parts, mut body) = served.resp.into_parts();
+        let (tx, gw_body) = GwBody::channel(16);
+        let idle = Duration::from_millis(gen.cfg.traffic.stream_idle_timeout_ms);
+        let capture = gen.cfg.audit.include_content;
+        let gw = self.clone();
+        let sent_at = served.sent_at;
+        let mut resp = Response::new(gw_body);
+        *resp.status_mut() = parts.status;
+        for h in [http::header::CONTENT_TYPE, http::header::CACHE_CONTROL] {
+            if let Some(v) = parts.headers.get(&h) {
+                resp.headers_mut().insert(h, v.clone());
+            }
+        }
+        ctx.status = parts.status.as_u16();
+        let guard = TaskGuard::new(&self.inner);
+        tokio::spawn(async move {
+            let _guard = guard;
+            let mut f = SseFilter::new(strip);
+            let mut ok = true;
+            let mut captured = Vec::new();
+            loop {
+                match tokio::time::timeout(idle, body.frame()).await {
+                    Err(_) => {
+                        ok = false;
+                        ctx.error = Some("backend stream idle too long".into());
+                        break;
+                    }
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => {
+                        ok = false;
+                        ctx.error = Some(format!("backend stream broke off: {e}"));
+                        break;
+                    }
+                    Ok(Some(Ok(frame))) => {
+                        let Ok(data) = frame.into_data() else {
+                            continue;
+                        };
+                        let out = f.push(&data);
+                        if out.is_empty() {
+                            continue;
+                        }
+                        if capture && captured.len() < CONTENT_CAP {
+                            captured.extend_from_slice(&out);
+                        }
+                        if !matches!(
+                            tokio::time::timeout(idle, tx.send(Bytes::from(out))).await,
+                            Ok(Ok(()))
+                        ) {
+                            ok = false;
+                            ctx.error = Some("client stopped reading the stream".into());
+                            break;
+                        }
+                    }
+                }
+            }
+            if ok {
+                let tail = f.finish();
+                if !tail.is_empty() {
+                    let _ = tx.send(Bytes::from(tail)).await;
+                }
+            }
+            drop(tx);
+            ctx.backend_time = Some(sent_at.elapsed());
+            ctx.usage = f.usage;
+            match f.usage {
+                Some(u) => gw.settle(reservation.as_ref(), u.total()).await,
+                None if f.events == 0 => gw.settle(reservation.as_ref(), 0).await,
+                None => {}
+            }
+            if capture {
+                ctx.response_body = Some(Bytes::from(captured));
+            }
+            if !ok && ctx.status < 400 {
+                ctx.error.get_or_insert_with(|| "stream ended early".into());
+            }
+            gw.finish(&ctx, started);
+        });
+        resp
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn oip(
+        &self,
+        gen: &Arc<Generation>,
+        req: Request<Incoming>,
+        m: OipModel,
+        op: &'static str,
+        action: &'static str,
+        ident: Identity,
+        ctx: &mut Ctx,
+    ) -> Result<Response<GwBody>, Fail> {
+        ctx.model = Some(m.name.clone());
+        if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
+            ctx.denied = Some("forbidden");
+            return Err(ApiError::forbidden(format!(
+                "your roles do not allow {op} on {:?}",
+                m.name
+            ))
+            .into());
+        }
+        let model = self.model_route(gen, &m.name, Protocol::Oip)?;
+        let (parts, body) = req.into_parts();
+        let s = &gen.cfg.server;
+        let bytes = if action == "/infer" {
+            read_body(
+                body,
+                &parts.headers,
+                s.max_body_bytes,
+                Duration::from_millis(s.body_timeout_ms),
+            )
+            .await?
+        } else {
+            Bytes::new()
+        };
+        if action == "/infer"
+            && serde_json::from_slice::<Value>(&bytes)
+                .map(|v| !v.is_object())
+                .unwrap_or(true)
+        {
+            return Err(
+                ApiError::bad_request("the inference request must be a JSON object").into(),
+            );
+        }
+        if gen.cfg.audit.include_content && !bytes.is_empty() {
+            ctx.request_body = Some(bytes.clone());
+        }
+        let reservation = if action == "/infer" {
+            self.admit(gen, &ident, 0, ctx).await?
+        } else {
+            None
+        };
+        let payload = Payload::Oip {
+            method: parts.method.clone(),
+            version: m.version.clone(),
+            action,
+            body: bytes,
+            content_type: parts.headers.get(http::header::CONTENT_TYPE).cloned(),
+        };
+        let pin = parts
+            .headers
+            .get(s.pin_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let served = self
+            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .await?;
+        self.deliver(gen, served, reservation.as_ref(), ctx, false)
+            .await
+    }
+
+    /// Tries the candidates in order within the retry limit and budget.
+    async fn forward(
+        &self,
+        gen: &Generation,
+        model: &Arc<ModelRoute>,
+        pin: Option<&str>,
+        payload: &Payload,
+        ctx: &mut Ctx,
+    ) -> Result<Served, Fail> {
+        let cands = gen
+            .traffic
+            .candidates(model, pin, &self.inner.rng)
+            .map_err(ApiError::bad_request)?;
+        let start = Instant::now();
+        self.inner.budget.record_request(start);
+        if pin.is_none() {
+            if let Some((shadow, pct)) = &model.mirror {
+                if self.inner.rng.unit() * 100.0 < *pct {
+                    self.mirror(gen, model, shadow.clone(), payload, &ctx.id);
+                }
+            }
+        }
+        let retries = gen.cfg.traffic.retries;
+        let timeout = gen.cfg.traffic.timeout();
+        let mut sent = 0u32;
+        let mut soonest: Option<Instant> = None;
+        let mut last_fail: Option<Fail> = None;
+        for c in cands {
+            let now = Instant::now();
+            if sent > 0 && (sent > retries || !self.inner.budget.has_retry(now)) {
+                break;
+            }
+            let backend = c.deployment.backend.clone();
+            if !backend.try_acquire(now) {
+                if let Some(u) = backend.open_until(now) {
+                    soonest = Some(soonest.map_or(u, |s| s.min(u)));
+                }
+                continue;
+            }
+            let lease = Lease {
+                backend: &backend,
+                done: false,
+            };
+            if sent > 0 {
+                self.inner.budget.take_retry(now);
+                self.inner.metrics.retry(&model.name);
+                ctx.retries += 1;
+            }
+            sent += 1;
+            let (method, path, body, ct) = payload.render(&c.deployment.backend_model);
+            let headers = upstream_headers(ct.as_ref(), &ctx.id);
+            let sent_at = Instant::now();
+            match self
+                .inner
+                .upstream
+                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .await
+            {
+                Ok(resp)
+                    if resp.status().is_server_error()
+                        || resp.status() == StatusCode::TOO_MANY_REQUESTS =>
+                {
+                    let ra = retry_after(resp.headers());
+                    lease.done(false, ra);
+                    let status = resp.status();
+                    let ct = resp.headers().get(http::header::CONTENT_TYPE).cloned();
+                    let body = read_limited(resp.into_body(), 64 << 10, timeout)
+                        .await
+                        .unwrap_or_default();
+                    ctx.error = Some(format!(
+                        "{}: {} answered {status}",
+                        c.model, c.deployment.name
+                    ));
+                    last_fail = Some(Fail::Upstream(status, ct, body, ra));
+                }
+                Ok(resp) => {
+                    lease.done(true, None);
+                    if c.fallback {
+                        self.inner.metrics.fallback(&model.name, &c.model);
+                        ctx.fallback = true;
+                    }
+                    ctx.served_model = Some(c.model.clone());
+                    ctx.deployment = Some(c.deployment.name.clone());
+                    return Ok(Served { resp, sent_at });
+                }
+                Err(e) => {
+                    lease.done(false, None);
+                    tracing::warn!(model = %c.model, deployment = %c.deployment.name, error = %e, "backend failed");
+                    ctx.error = Some(format!("{}: {}: {e}", c.model, c.deployment.name));
+                    last_fail = None;
+                }
+            }
+        }
+        ctx.backend_time = Some(start.elapsed());
+        if let Some(f) = last_fail {
+            return Err(f);
+        }
+        let retry = soonest.map(|u| {
+            u.saturating_duration_since(Instant::now())
+                .as_secs_f64()
+                .ceil()
+                .max(1.0) as u64
+        });
+        Err(ApiError::unavailable(
+            format!(
+                "no deployment of {:?} can serve the request now",
+                model.name
+            ),
+            retry.or(Some(1)),
+        )
+        .into())
+    }
+
+    /// Sends a copy to the shadow deployment and throws the answer away;
+    /// never charged to the caller's limits.
+    fn mirror(
+        &self,
+        gen: &Generation,
+        model: &ModelRoute,
+        shadow: crate::traffic::Deployment,
+        payload: &Payload,
+        id: &str,
+    ) {
+        let (method, path, body, ct) = payload.render(&shadow.backend_model);
+        let headers = upstream_headers(ct.as_ref(), id);
+        let upstream = self.inner.upstream.clone();
+        let timeout = gen.cfg.traffic.timeout();
+        let gw = self.clone();
+        let model = model.name.clone();
+        let guard = TaskGuard::new(&self.inner);
+        tokio::spawn(async move {
+            let _guard = guard;
+            let backend = shadow.backend.clone();
+            let outcome = match upstream
+                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .await
+            {
+                Ok(r) => {
+                    let ok = r.status().is_success();
+                    let _ = read_limited(r.into_body(), 64 << 20, timeout).await;
+                    if ok {
+                        "ok"
+                    } else {
+                        "error"
+                    }
+                }
+                Err(_) => "error",
+            };
+            gw.inner.metrics.mirrored(&model, &shadow.name, outcome);
+        });
+    }
+}
+
+async fn build_generation(
+    cfg: GatewayConfig,
+    previous: Option<&Traffic>,
+    upstream: &Upstream,
+    clock: &Arc<dyn Clock>,
+) -> Result<Generation, GatewayError> {
+    let keys = cfg
+        .auth
+        .keys_file
+        .as_deref()
+        .map(KeyRing::open)
+        .transpose()?;
+    let jwt = match &cfg.auth.jwt {
+        None => None,
+        Some(j) => {
+            let set = match (&j.jwks_file, &j.jwks_url) {
+                (Some(f), _) => JwtVerifier::load_file(f)?,
+                (None, Some(u)) => fetch_jwks(upstream, u).await?,
+                (None, None) => {
+                    return Err(GatewayError::Config("auth.jwt has no key source".into()))
+                }
+            };
+            Some(Arc::new(JwtVerifier::new(j.clone(), set, clock.clone())))
+        }
+    };
+    let traffic = Traffic::build(&cfg, previous);
+    let rbac = Rbac::new(cfg.roles.clone());
+    Ok(Generation {
+        cfg,
+        traffic,
+        keys,
+        jwt,
+        rbac,
+    })
+}
+
+async fn fetch_jwks(
+    upstream: &Upstream,
+    url: &str,
+) -> Result<jsonwebtoken::jwk::JwkSet, GatewayError> {
+    let err = |reason: String| GatewayError::Jwks {
+        url: url.to_owned(),
+        reason,
+    };
+    let mut h = HeaderMap::new();
+    h.insert(
+        http::header::ACCEPT,
+        HeaderValue::from_static("application/json"),
+    );
+    let r = upstream
+        .send(Method::GET, url, &h, Bytes::new(), Duration::from_secs(5))
+        .await
+        .map_err(err)?;
+    if !r.status().is_success() {
+        return Err(err(format!("status {}", r.status())));
+    }
+    let b = read_limited(r.into_body(), 1 << 20, Duration::from_secs(5))
+        .await
+        .map_err(|_| err("body failed".into()))?;
+    crate::auth::parse_jwks(&String::from_utf8_lossy(&b), url)
+}
+
+async fn probe_loop(
+    backend: Weak<Backend>,
+    upstream: Upstream,
+    path: String,
+    h: crate::config::HealthConfig,
+) {
+    let every = Duration::from_millis(h.interval_ms);
+    let timeout = Duration::from_millis(h.timeout_ms);
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(b) = backend.upgrade() else { break };
+        let uri = b.url.uri(&path);
+        let ok = match upstream
+            .send(Method::GET, &uri, &HeaderMap::new(), Bytes::new(), timeout)
+            .await
+        {
+            Ok(r) => {
+                let ok = r.status().is_success();
+                let _ = read_limited(r.into_body(), 64 << 10, timeout).await;
+                ok
+            }
+            Err(_) => false,
+        };
+        b.probe_result(ok, h.unhealthy_after, h.healthy_after);
+    }
+}

@@ -1,0 +1,36 @@
+//! keel's inference gateway: in front of OpenAI-compatible servers (vLLM,
+//! llama.cpp server, TGI) and Open Inference Protocol v2 servers (KServe,
+//! Triton), it authenticates every call (API keys stored as SHA-256
+//! hashes, optional JWT), applies role-based access, enforces request and
+//! token limits exactly (in process or shared through Redis), routes by
+//! weight with pinning, mirroring, fallback, retries and circuit breakers,
+//! streams responses chunk by chunk, and records Prometheus metrics,
+//! access logs and a hash-chained audit log.
+//!
+//! It owns configuration validation, the request path and its state. It
+//! does not read the process environment or the wall clock (a `Clock` is
+//! injected), print, or exit; it does not train or register models, and
+//! knows deployments by backend URL (the model registry is not used yet).
+
+pub mod audit;
+pub mod auth;
+pub mod batch;
+pub mod body;
+pub mod clock;
+pub mod config;
+pub mod error;
+pub mod gateway;
+pub mod keys;
+pub mod limits;
+pub mod metrics;
+pub mod proxy;
+pub mod redis;
+pub mod request;
+pub mod server;
+pub mod traffic;
+
+pub use clock::{Clock, ManualClock};
+pub use config::GatewayConfig;
+pub use error::{ApiError, GatewayError};
+pub use gateway::{Gateway, GatewayOptions, ReloadFn};
+pub use server::{run, serve, Listeners, ServeOptions};

@@ -1,0 +1,388 @@
+//! Talking to backends: their URLs, the pooled HTTP/1 client, and the SSE
+//! filter that reads `usage` from a stream as it passes (and removes the
+//! usage chunk the gateway asked for on the client's behalf).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+/// `http://host:port[/prefix]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendUrl {
+    pub authority: String,
+    pub prefix: String,
+}
+
+impl BackendUrl {
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or("only http:// backends are supported")?;
+        let (authority, prefix) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+            None => (rest, ""),
+        };
+        if authority.is_empty() || authority.contains('@') {
+            return Err("no host, or user info in the URL".into());
+        }
+        let uri = format!("http://{authority}{prefix}/");
+        uri.parse::<http::Uri>().map_err(|e| e.to_string())?;
+        Ok(Self {
+            authority: authority.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    pub fn uri(&self, path: &str) -> String {
+        format!("http://{}{}{}", self.authority, self.prefix, path)
+    }
+
+    /// The URL as configured, for labels and logs.
+    pub fn label(&self) -> String {
+        format!("http://{}{}", self.authority, self.prefix)
+    }
+}
+
+/// The pooled client to every backend.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Upstream {
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut c = HttpConnector::new();
+        c.set_connect_timeout(Some(connect_timeout));
+        c.set_nodelay(true);
+        c.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(512)
+            .build(c);
+        Self { client }
+    }
+
+    /// Sends a request; `timeout` bounds the wait for the response head.
+    pub async fn send(
+        &self,
+        method: Method,
+        uri: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, String> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Full::new(body))
+            .map_err(|e| e.to_string())?;
+        *req.headers_mut() = headers.clone();
+        match tokio::time::timeout(timeout, self.client.request(req)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(format!("{e}: {}", source_chain(&e))),
+            Err(_) => Err(format!("no response within {} ms", timeout.as_millis())),
+        }
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = String::new();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        if !s.is_empty() {
+            s.push_str(": ");
+        }
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Seconds a `Retry-After` header asks for (delay form only).
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(|s| Duration::from_secs_f64(s.min(86_400.0)))
+}
+
+/// Token counts a response reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+impl TokenUsage {
+    pub fn total(&self) -> u64 {
+        self.prompt + self.completion
+    }
+}
+
+/// `usage` of an OpenAI-style response object, if it has one.
+pub fn usage_of(v: &Value) -> Option<TokenUsage> {
+    let u = v.get("usage")?.as_object()?;
+    let prompt = u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let completion = u.get("completion_tokens").and_then(Value::as_u64);
+    let total = u.get("total_tokens").and_then(Value::as_u64);
+    let completion = completion.unwrap_or_else(|| total.unwrap_or(prompt).saturating_sub(prompt));
+    Some(TokenUsage { prompt, completion })
+}
+
+/// `usage` of a whole JSON response body, read without building the
+/// rest of the document.
+pub fn usage_of_body(body: &[u8]) -> Option<TokenUsage> {
+    #[derive(serde::Deserialize)]
+    struct U {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+        total_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct R {
+        usage: Option<U>,
+    }
+    let u = serde_json::from_slice::<R>(body).ok()?.usage?;
+    let prompt = u.prompt_tokens.unwrap_or(0);
+    let completion = u
+        .completion_tokens
+        .unwrap_or_else(|| u.total_tokens.unwrap_or(prompt).saturating_sub(prompt));
+    Some(TokenUsage { prompt, completion })
+}
+
+/// Splits an SSE stream into events as bytes arrive, forwarding each whole
+/// event at once; reads `usage` from the events that carry it, and drops
+/// the usage-only chunk (and any `usage` field) when `strip_usage`.
+#[derive(Debug, Default)]
+pub struct SseFilter {
+    buf: Vec<u8>,
+    strip_usage: bool,
+    pub usage: Option<TokenUsage>,
+    pub done: bool,
+    pub events: u64,
+}
+
+impl SseFilter {
+    pub fn new(strip_usage: bool) -> Self {
+        Self {
+            strip_usage,
+            ..Self::default()
+        }
+    }
+
+    /// Takes a chunk; returns the bytes to forward now.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        self.buf.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while let Some((end, sep)) = find_event_end(&self.buf[start..]) {
+            let ev = start..start + end + sep;
+            let event = self.buf[ev.clone()].to_vec();
+            self.event(&event, &mut out);
+            start = ev.end;
+        }
+        self.buf.drain(..start);
+        out
+    }
+
+    /// The end of the stream: whatever incomplete event is left goes out
+    /// as it is.
+    pub fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.buf)
+    }
+
+    fn event(&mut self, ev: &[u8], out: &mut Vec<u8>) {
+        self.events += 1;
+        let has = |needle: &[u8]| ev.windows(needle.len()).any(|w| w == needle);
+        if has(b"data: [DONE]") || has(b"data:[DONE]") {
+            self.done = true;
+        }
+        if !has(b"\"usage\"") {
+            out.extend_from_slice(ev);
+            return;
+        }
+        let text = String::from_utf8_lossy(ev);
+        let mut kept = String::new();
+        let mut changed = false;
+        for line in text.split_inclusive('\n') {
+            let data = line
+                .strip_prefix("data:")
+                .map(|d| d.trim())
+                .filter(|d| d.starts_with('{'));
+            let Some(data) = data else {
+                kept.push_str(line);
+                continue;
+            };
+            let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+                kept.push_str(line);
+                continue;
+            };
+            if let Some(u) = usage_of(&v) {
+                self.usage = Some(u);
+                if self.strip_usage {
+                    changed = true;
+                    let no_choices = v
+                        .get("choices")
+                        .and_then(Value::as_array)
+                        .is_none_or(|c| c.is_empty());
+                    if no_choices {
+                        continue;
+                    }
+                    if let Some(o) = v.as_object_mut() {
+                        o.remove("usage");
+                    }
+                    kept.push_str("data: ");
+                    kept.push_str(&v.to_string());
+                    kept.push('\n');
+                    continue;
+                }
+            }
+            kept.push_str(line);
+        }
+        if !changed {
+            out.extend_from_slice(ev);
+        } else if kept.lines().any(|l| l.starts_with("data:")) {
+            out.extend_from_slice(kept.as_bytes());
+        }
+    }
+}
+
+/// End of the first event: (offset of its blank line, separator length).
+fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i + 1 < b.len() {
+        if b[i] == b'\n' && b[i + 1] == b'\n' {
+            return Some((i, 2));
+        }
+        if i + 3 < b.len() && &b[i..i + 4] == b"\r\n\r\n" {
+            return Some((i, 4));
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Headers sent to a backend: content type, accept, the request id. The
+/// client's credentials never are.
+pub fn upstream_headers(content_type: Option<&HeaderValue>, request_id: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        content_type
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("application/json")),
+    );
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert("x-request-id", v);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_from_bodies() {
+        let b = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#;
+        assert_eq!(
+            usage_of_body(b),
+            Some(TokenUsage {
+                prompt: 3,
+                completion: 4
+            })
+        );
+        assert_eq!(
+            usage_of_body(br#"{"usage":{"prompt_tokens":5,"total_tokens":5}}"#),
+            Some(TokenUsage {
+                prompt: 5,
+                completion: 0
+            })
+        );
+        assert_eq!(usage_of_body(br#"{"usage":null}"#), None);
+        assert_eq!(usage_of_body(b"not json"), None);
+    }
+
+    #[test]
+    fn urls() {
+        let u = BackendUrl::parse("http://127.0.0.1:8000/api/").expect("ok");
+        assert_eq!(u.uri("/v1/models"), "http://127.0.0.1:8000/api/v1/models");
+        assert!(BackendUrl::parse("https://x").is_err());
+        assert!(BackendUrl::parse("http://").is_err());
+        assert!(BackendUrl::parse("http://u:p@x").is_err());
+    }
+
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+        "data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}],\"usage\":null}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}\n\n",
+        "data: [DONE]\n\n"
+    );
+
+    fn run(strip: bool, split: usize) -> (String, SseFilter) {
+        let mut f = SseFilter::new(strip);
+        let mut out = Vec::new();
+        for c in STREAM.as_bytes().chunks(split) {
+            out.extend(f.push(c));
+        }
+        out.extend(f.finish());
+        (String::from_utf8(out).expect("utf8"), f)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn sse_filter_never_panics_and_passes_streams_without_usage_unchanged(
+            data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+            split in 1usize..64,
+            strip in proptest::prelude::any::<bool>(),
+        ) {
+            let mut f = SseFilter::new(strip);
+            let mut out = Vec::new();
+            for c in data.chunks(split) {
+                out.extend(f.push(c));
+            }
+            out.extend(f.finish());
+            if !data.windows(7).any(|w| w == b"\"usage\"") {
+                proptest::prop_assert_eq!(out, data);
+            }
+        }
+
+        #[test]
+        fn audit_verify_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            let _ = crate::audit::verify(&data[..]);
+        }
+    }
+
+    #[test]
+    fn sse_usage_read_and_stripped() {
+        for split in [1, 7, 1000] {
+            let (out, f) = run(false, split);
+            assert_eq!(out, STREAM);
+            assert_eq!(
+                f.usage,
+                Some(TokenUsage {
+                    prompt: 3,
+                    completion: 2
+                })
+            );
+            assert!(f.done);
+            let (out, f) = run(true, split);
+            assert!(!out.contains("prompt_tokens"), "{out}");
+            assert!(out.contains("\"content\":\"b\""));
+            assert!(out.ends_with("data: [DONE]\n\n"));
+            assert_eq!(f.usage.map(|u| u.total()), Some(5));
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! Serving: `serve(listener, app, shutdown)` for any tower service, the
+//! access-log layer, the admin and metrics listeners (each with its own
+//! bearer token), and `run`, which starts all three and shuts them down
+//! together: stop accepting, let requests and streams finish within the
+//! grace period, then close the audit log.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tower::{Layer, Service, ServiceBuilder};
+
+use crate::body::GwBody;
+use crate::error::ApiError;
+use crate::gateway::{AccessInfo, Gateway};
+use crate::keys::sha256_hex;
+
+/// How connections are served.
+#[derive(Debug, Clone, Copy)]
+pub struct ServeOptions {
+    /// A client must send its request head within this (slow clients).
+    pub header_timeout: Duration,
+    /// How long in-flight requests and streams may take after shutdown.
+    pub grace: Duration,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// Serves HTTP/1.1 on an already-bound listener until `shutdown`
+/// resolves, then stops accepting and waits up to the grace period for
+/// open connections to finish.
+pub async fn serve<S>(
+    listener: TcpListener,
+    app: S,
+    shutdown: impl Future<Output = ()>,
+    opts: ServeOptions,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            r = listener.accept() => {
+                let stream = match r {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(opts.header_timeout)
+                    .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(opts.grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_s = opts.grace.as_secs_f64(),
+            "connections still open after the grace period; closing them"
+        );
+    }
+    Ok(())
+}
+
+impl Service<Request<Incoming>> for Gateway {
+    type Response = Response<GwBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<GwBody>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let g = self.clone();
+        Box::pin(async move { Ok(g.handle(req).await) })
+    }
+}
+
+/// Writes one structured access-log event per response (target
+/// `keel::access`), with the route template, never the raw path.
+#[derive(Debug, Clone, Copy)]
+pub struct AccessLogLayer {
+    pub enabled: bool,
+}
+
+impl<S> Layer<S> for AccessLogLayer {
+    type Service = AccessLog<S>;
+    fn layer(&self, inner: S) -> AccessLog<S> {
+        AccessLog {
+            inner,
+            enabled: self.enabled,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct AccessLog<S> {
+    inner: S,
+    enabled: bool,
+}
+
+impl<S> Service<Request<Incoming>> for AccessLog<S>
+where
+    S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<GwBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<GwBody>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let enabled = self.enabled;
+        let method = req.method().clone();
+        let start = Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            if enabled {
+                let i = resp
+                    .extensions()
+                    .get::<AccessInfo>()
+                    .cloned()
+                    .unwrap_or_default();
+                tracing::info!(
+                    target: "keel::access",
+                    request_id = %i.request_id,
+                    method = %method,
+                    route = i.route,
+                    status = resp.status().as_u16(),
+                    duration_ms = start.elapsed().as_secs_f64() * 1e3,
+                    key = i.key.as_deref().unwrap_or("-"),
+                    model = i.model.as_deref().unwrap_or("-"),
+                    deployment = i.deployment.as_deref().unwrap_or("-"),
+                    stream = i.stream,
+                    "request"
+                );
+            }
+            Ok(resp)
+        })
+    }
+}
+
+/// Compares two hex digests without an early exit.
+fn same_digest(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+fn bearer_ok(req: &Request<Incoming>, token_sha256: &str) -> bool {
+    crate::auth::credential(req.headers())
+        .is_some_and(|t| same_digest(&sha256_hex(t.as_bytes()), token_sha256))
+}
+
+fn text(status: StatusCode, ct: &'static str, body: impl Into<Bytes>) -> Response<GwBody> {
+    let mut r = Response::new(GwBody::full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+    r
+}
+
+fn json_ok(v: serde_json::Value) -> Response<GwBody> {
+    text(StatusCode::OK, "application/json", v.to_string())
+}
+
+/// The admin API: `POST /admin/reload`, `GET /admin/status`,
+/// `GET /admin/usage/{scope}` (`key:ID` or `team:NAME`).
+#[derive(Debug, Clone)]
+pub struct AdminService {
+    pub gateway: Gateway,
+    pub token_sha256: String,
+}
+
+impl Service<Request<Incoming>> for AdminService {
+    type Response = Response<GwBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<GwBody>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let s = self.clone();
+        Box::pin(async move {
+            if !bearer_ok(&req, &s.token_sha256) {
+                return Ok(ApiError::unauthorized().into_response());
+            }
+            let path = req.uri().path().to_owned();
+            Ok(match (req.method().clone(), path.as_str()) {
+                (Method::POST, "/admin/reload") => match s.gateway.reload().await {
+                    Ok(()) => json_ok(json!({"reloaded": true})),
+                    Err(e) => {
+                        tracing::error!(error = %e, "reload failed; the previous configuration stays");
+                        text(
+                            StatusCode::UNPROCESSABLE_ENTITY,
+                            "application/json",
+                            json!({"reloaded": false, "error": format!("{e}")}).to_string(),
+                        )
+                    }
+                },
+                (Method::GET, "/admin/status") => json_ok(s.gateway.status()),
+                (Method::GET, p) if p.starts_with("/admin/usage/") => {
+                    let scope = &p["/admin/usage/".len()..];
+                    match s.gateway.limiter().usage(scope).await {
+                        Ok(u) => json_ok(json!({"version": 1, "scope": scope, "usage": u})),
+                        Err(e) => ApiError::unavailable(e.to_string(), Some(1)).into_response(),
+                    }
+                }
+                _ => ApiError::not_found("no such admin route").into_response(),
+            })
+        })
+    }
+}
+
+/// `GET /metrics` in the Prometheus text format, behind a bearer token.
+#[derive(Debug, Clone)]
+pub struct MetricsService {
+    pub gateway: Gateway,
+    pub token_sha256: String,
+}
+
+impl Service<Request<Incoming>> for MetricsService {
+    type Response = Response<GwBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<GwBody>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let s = self.clone();
+        Box::pin(async move {
+            if !bearer_ok(&req, &s.token_sha256) {
+                return Ok(ApiError::unauthorized().into_response());
+            }
+            Ok(match (req.method(), req.uri().path()) {
+                (&Method::GET, "/metrics") => text(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    s.gateway.render_metrics(),
+                ),
+                _ => ApiError::not_found("no such route").into_response(),
+            })
+        })
+    }
+}
+
+/// The listeners `run` serves; admin and metrics are optional.
+#[derive(Debug)]
+pub struct Listeners {
+    pub public: TcpListener,
+    pub admin: Option<TcpListener>,
+    pub metrics: Option<TcpListener>,
+}
+
+/// Serves the public, admin and metrics listeners until `shutdown`, then
+/// drains them within the configured grace period and closes the audit log.
+pub async fn run(
+    gateway: Gateway,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let gen = gateway.generation();
+    let cfg = &gen.cfg;
+    let opts = ServeOptions {
+        header_timeout: Duration::from_millis(cfg.server.header_timeout_ms),
+        grace: Duration::from_secs_f64(cfg.server.shutdown_grace_s),
+    };
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
+    };
+    let public = ServiceBuilder::new()
+        .layer(AccessLogLayer {
+            enabled: cfg.server.access_log,
+        })
+        .service(gateway.clone());
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(serve(
+        listeners.public,
+        public,
+        wait(rx.clone()),
+        opts,
+    )));
+    if let (Some(l), Some(a)) = (listeners.admin, &cfg.admin) {
+        let svc = AdminService {
+            gateway: gateway.clone(),
+            token_sha256: a.token_sha256.clone(),
+        };
+        tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
+    }
+    if let (Some(l), Some(m)) = (listeners.metrics, &cfg.metrics) {
+        let svc = MetricsService {
+            gateway: gateway.clone(),
+            token_sha256: m.token_sha256.clone(),
+        };
+        tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
+    }
+    drop(gen);
+    shutdown.await;
+    let _ = tx.send(true);
+    let mut result = Ok(());
+    for t in tasks {
+        match t.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => result = Err(e),
+            Err(e) => result = Err(std::io::Error::other(e.to_string())),
+        }
+    }
+    // Streams finish in their own tasks; give them the same grace.
+    let deadline = Instant::now() + opts.grace;
+    while Instant::now() < deadline && gateway.tasks_in_flight() > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gateway.close();
+    result
+}

@@ -1,0 +1,800 @@
+//! The gateway end to end: an in-process gateway in front of test
+//! backends running as separate processes.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use keel_gateway::request::ROUTES;
+use keel_gateway::ManualClock;
+use serde_json::{json, Value};
+
+fn one_backend(dir: &std::path::Path, b: &TestBackend, extra_head: &str) -> String {
+    format!(
+        "{}{extra_head}{}",
+        head(dir),
+        model("chat", "", &[("blue", b.url(), 1)])
+    )
+}
+
+#[test]
+fn every_route_rejects_missing_wrong_and_revoked_keys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--name", "b"]);
+    let cfg = format!(
+        "{}{}",
+        one_backend(dir.path(), &b, ""),
+        model("resnet", "protocol = \"oip\"", &[("r", b.url(), 1)])
+    );
+    let (id, secret) = add_key(dir.path(), "ops", &["ops"], None);
+    let (revoked_id, revoked) = add_key(dir.path(), "gone", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    revoke(dir.path(), &revoked_id);
+    let body = json!({"model": "resnet", "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}).to_string();
+    let mut checked = 0;
+    for (method, path, public) in ROUTES {
+        let path = path.replace("{name}", "resnet").replace("{version}", "1");
+        let body: &[u8] = if *method == "POST" {
+            body.as_bytes()
+        } else {
+            b""
+        };
+        let send =
+            |h: &[(&str, &str)]| http::request(g.public, method, &path, h, body).expect("request");
+        let missing = send(&[]);
+        if *public {
+            assert_eq!(
+                missing.status,
+                200,
+                "{method} {path} is a probe: {}",
+                missing.text()
+            );
+            continue;
+        }
+        assert_eq!(missing.status, 401, "{method} {path} without a key");
+        assert_eq!(missing.json()["error"]["type"], "authentication_error");
+        for bad in [
+            "Bearer sk-keel-wrong",
+            "Bearer ",
+            "Basic Zm9vOmJhcg==",
+            &format!("Bearer {revoked}"),
+        ] {
+            let r = send(&[("Authorization", bad)]);
+            assert_eq!(r.status, 401, "{method} {path} with {bad:?}");
+        }
+        assert_eq!(send(&[("api-key", "sk-keel-wrong")]).status, 401);
+        assert_eq!(
+            send(&[("api-key", &revoked)]).status,
+            401,
+            "revoked at once, without a reload"
+        );
+        let auth = format!("Bearer {secret}");
+        let ok = send(&[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+        ]);
+        assert_ne!(ok.status, 401, "{method} {path} with a good key");
+        checked += 1;
+    }
+    assert_eq!(checked, ROUTES.iter().filter(|r| !r.2).count());
+    // Unknown paths need a key too, then are 404.
+    assert_eq!(
+        http::request(g.public, "GET", "/admin/reload", &[], b"")
+            .expect("r")
+            .status,
+        401
+    );
+    assert_eq!(
+        http::get(g.public, "/nope", &secret).expect("r").status,
+        404
+    );
+    // The admin and metrics listeners take their own tokens only.
+    for (addr, path, method, token) in [
+        (g.admin, "/admin/status", "GET", ADMIN_TOKEN),
+        (g.admin, "/admin/reload", "POST", ADMIN_TOKEN),
+        (g.metrics, "/metrics", "GET", METRICS_TOKEN),
+    ] {
+        assert_eq!(
+            http::request(addr, method, path, &[], b"")
+                .expect("r")
+                .status,
+            401
+        );
+        for wrong in [
+            secret.as_str(),
+            "nope",
+            if token == ADMIN_TOKEN {
+                METRICS_TOKEN
+            } else {
+                ADMIN_TOKEN
+            },
+        ] {
+            let a = format!("Bearer {wrong}");
+            assert_eq!(
+                http::request(addr, method, path, &[("Authorization", &a)], b"")
+                    .expect("r")
+                    .status,
+                401,
+                "{path} with {wrong}"
+            );
+        }
+        let a = format!("Bearer {token}");
+        assert_eq!(
+            http::request(addr, method, path, &[("Authorization", &a)], b"")
+                .expect("r")
+                .status,
+            200,
+            "{path}"
+        );
+    }
+    revoke(dir.path(), &id);
+    assert_eq!(g.chat(&secret, chat_body("chat")).status, 401);
+    let audit = g.stop();
+    assert!(audit
+        .iter()
+        .any(|e| e["event"] == "denied" && e["reason"] == "unauthenticated"));
+    let text = serde_json::to_string(&audit).expect("json");
+    assert!(
+        !text.contains(&secret) && !text.contains(&revoked),
+        "no secret in the audit log"
+    );
+}
+
+#[test]
+fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let g = Running::start(
+        dir.path(),
+        &one_backend(dir.path(), &b, "").replace("[server]", "[server]\nmax_body_bytes = 1000"),
+    );
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let auth = format!("Bearer {key}");
+    let h = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let post = |body: &[u8]| {
+        http::request(g.public, "POST", "/v1/chat/completions", &h, body).expect("request")
+    };
+    assert_eq!(post(&vec![b'x'; 5000]).status, 413);
+    assert_eq!(post(b"{\"model\": ").status, 400);
+    assert_eq!(post(b"[1,2]").status, 400);
+    assert_eq!(post(b"{\"model\": 3}").status, 400);
+    assert_eq!(
+        post(b"{\"model\": \"chat\", \"max_tokens\": \"many\"}").status,
+        400
+    );
+    assert_eq!(post(b"\xff\xfe").status, 400);
+    assert_eq!(
+        post(json!({"model": "nope"}).to_string().as_bytes()).status,
+        403,
+        "roles first: no telling what exists"
+    );
+    let (_, ops) = add_key(dir.path(), "ops", &["ops"], None);
+    assert_eq!(
+        http::post_json(
+            g.public,
+            "/v1/chat/completions",
+            &ops,
+            &json!({"model": "nope"})
+        )
+        .expect("r")
+        .status,
+        404
+    );
+    assert_eq!(
+        http::request(g.public, "GET", "/v1/chat/completions", &h, b"")
+            .expect("r")
+            .status,
+        405
+    );
+
+    // Chunked body over the limit (no Content-Length to refuse early).
+    let mut s = TcpStream::connect(g.public).expect("connect");
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").expect("w");
+    for _ in 0..3 {
+        let _ = write!(s, "400\r\n{}\r\n", "x".repeat(1024));
+    }
+    let _ = write!(s, "0\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.starts_with("HTTP/1.1 413"), "{out}");
+
+    // A client that never finishes its head is cut off (header_timeout 500 ms).
+    let t = Instant::now();
+    let mut s = TcpStream::connect(g.public).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .expect("w");
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "slow head not cut off"
+    );
+    // A body that stalls gets 408 (body_timeout 500 ms).
+    let t = Instant::now();
+    let mut s = TcpStream::connect(g.public).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Length: 100\r\n\r\n{{\"model\"").expect("w");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.starts_with("HTTP/1.1 408"), "{out}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // Garbage instead of HTTP.
+    let mut s = TcpStream::connect(g.public).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(b"\x00\x01\x02 garbage\r\n\r\n").expect("w");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(
+        out.is_empty() || out.starts_with(b"HTTP/1.1 4"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    // Still serving.
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    g.stop();
+}
+
+#[test]
+fn chat_plain_and_streaming_with_exact_token_accounting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--tokens", "16"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\ntokens_per_minute = 100000\nrequests_per_minute = 1000\n",
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["total_tokens"], 10, "2 prompt + 8 completion");
+    assert_eq!(r.header("x-keel-deployment"), Some("blue"));
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("1000"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("999"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("99990"));
+    assert!(r.header("x-ratelimit-reset-tokens").is_some());
+    assert_eq!(
+        b.count("model:backend-blue"),
+        1,
+        "the model name is rewritten for the backend"
+    );
+
+    // Streaming without asking for usage: keel asks, reads it, strips it.
+    let mut body = chat_body("chat");
+    body["stream"] = json!(true);
+    let r = g.chat(&key, body.clone());
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let text = r.text();
+    assert_eq!(text.matches("\"content\":\"tok \"").count(), 8, "{text}");
+    assert!(
+        !text.contains("prompt_tokens"),
+        "usage chunk stripped: {text}"
+    );
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(b.count("include_usage"), 1);
+    // Asking for it: passed through.
+    body["stream_options"] = json!({"include_usage": true});
+    let text = g.chat(&key, body).text();
+    assert!(text.contains("\"total_tokens\":10"), "{text}");
+    // Embeddings: prompt tokens only.
+    let r = http::post_json(
+        g.public,
+        "/v1/embeddings",
+        &key,
+        &json!({"model": "chat", "input": "abcdefgh"}),
+    )
+    .expect("r");
+    assert_eq!(r.status, 403, "role user may not embed");
+    std::thread::sleep(Duration::from_millis(200));
+    let u = g.usage(&format!("key:{id}"));
+    assert_eq!(u["requests"], 3);
+    assert_eq!(u["tokens"], 30, "every request settled to its usage");
+    let m = g.metrics_text();
+    assert!(m.contains(&format!("keel_tokens_total{{direction=\"out\",model=\"chat\",deployment=\"blue\",key=\"{id}\"}} 24")), "{m}");
+    assert!(m.contains("keel_gateway_overhead_seconds_bucket{route=\"/v1/chat/completions\""));
+    let audit = g.stop();
+    let req: Vec<&Value> = audit.iter().filter(|e| e["event"] == "request").collect();
+    assert_eq!(req.len(), 3);
+    assert!(
+        req.iter()
+            .all(|e| e["completion_tokens"] == 8 && e["prompt_tokens"] == 2),
+        "{req:?}"
+    );
+    assert!(audit.iter().any(|e| e["event"] == "denied"
+        && e["reason"] == "forbidden"
+        && e["route"] == "/v1/embeddings"));
+    assert!(
+        !serde_json::to_string(&audit)
+            .expect("json")
+            .contains("12345678"),
+        "no prompt content by default"
+    );
+}
+
+fn hammer(g: &Running, key: &str, clients: usize, each: usize) -> (usize, usize) {
+    let ok = std::sync::atomic::AtomicUsize::new(0);
+    let limited = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..clients {
+            s.spawn(|| {
+                for _ in 0..each {
+                    let r = g.chat(key, chat_body("chat"));
+                    match r.status {
+                        200 => ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                        429 => {
+                            assert!(r.header("retry-after").is_some());
+                            assert_eq!(r.json()["error"]["type"], "rate_limit_exceeded");
+                            limited.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                        }
+                        s => panic!("unexpected {s}: {}", r.text()),
+                    };
+                }
+            });
+        }
+    });
+    (ok.into_inner(), limited.into_inner())
+}
+
+#[test]
+fn concurrent_clients_never_exceed_request_or_token_limits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--latency-ms", "5"]);
+    let (rid, rkey) = add_key(dir.path(), "r", &["user"], None);
+    let (tid, tkey) = add_key(dir.path(), "t", &["user"], Some("ml"));
+    let limits = format!(
+        "[limits.keys.{rid}]\nrequests_per_minute = 37\n[limits.keys.{tid}]\ntokens_per_minute = 100000\n[limits.teams.ml]\ntokens_per_minute = 255\n"
+    );
+    let g = Running::start(dir.path(), &one_backend(dir.path(), &b, &limits));
+    assert_eq!(hammer(&g, &rkey, 12, 5), (37, 23));
+    // 10 tokens each (2 prompt + 8 completion, reserved and settled): 25 fit in 255.
+    assert_eq!(hammer(&g, &tkey, 12, 4), (25, 23));
+    assert_eq!(g.usage("team:ml")["tokens"], 250);
+    assert_eq!(g.usage(&format!("key:{rid}"))["requests"], 37);
+    g.stop();
+}
+
+#[test]
+fn quotas_reset_at_the_period_boundary_by_the_injected_clock() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let (_, key) = add_key(dir.path(), "q", &["user"], None);
+    // 2026-01-31T23:59:00Z
+    let clock = Arc::new(ManualClock::new(1_769_903_940_000));
+    let g = Running::start_with_clock(
+        dir.path(),
+        &one_backend(dir.path(), &b, "[limits.default]\ntokens_per_day = 30\n"),
+        clock.clone(),
+    );
+    for _ in 0..3 {
+        assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
+    }
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "insufficient_quota");
+    assert_eq!(r.header("retry-after"), Some("60"));
+    clock.advance(60_000);
+    assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "a new day");
+    g.stop();
+}
+
+#[test]
+fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blue = TestBackend::start(&["--name", "blue"]);
+    let green = TestBackend::start(&["--name", "green"]);
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "",
+            &[("blue", blue.url(), 80), ("green", green.url(), 20)]
+        )
+    );
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let n = 400;
+    let mut greens = 0;
+    for _ in 0..n {
+        let r = g.chat(&key, chat_body("chat"));
+        assert_eq!(r.status, 200);
+        if r.header("x-keel-deployment") == Some("green") {
+            greens += 1;
+        }
+    }
+    // Binomial(400, 0.2): mean 80, sd 8; allow 4 sd.
+    assert!(
+        (48..=112).contains(&greens),
+        "{greens} of {n} went to green"
+    );
+    assert_eq!(green.count("/v1/chat/completions"), greens);
+    for _ in 0..20 {
+        let r = g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "green")]);
+        assert_eq!(r.header("x-keel-deployment"), Some("green"));
+    }
+    assert_eq!(
+        g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "nope")])
+            .status,
+        400
+    );
+    g.stop();
+}
+
+#[test]
+fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut primary = TestBackend::start(&["--name", "primary"]);
+    let mut small = TestBackend::start(&["--name", "small"]);
+    let cfg = format!(
+        "{}{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "fallback = [\"small\"]",
+            &[("big", primary.url(), 1)]
+        ),
+        model("small", "", &[("tiny", small.url(), 1)])
+    );
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    assert_eq!(
+        g.chat(&key, chat_body("chat")).header("x-keel-model"),
+        Some("chat")
+    );
+    primary.kill();
+    for _ in 0..10 {
+        let r = g.chat(&key, chat_body("chat"));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-keel-model"), Some("small"));
+        assert_eq!(r.header("x-keel-deployment"), Some("tiny"));
+    }
+    assert_eq!(small.count("model:backend-tiny"), 10);
+    small.kill();
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    let m = g.metrics_text();
+    assert!(
+        m.contains("keel_fallbacks_total{model=\"chat\",fallback=\"small\"} 10"),
+        "{m}"
+    );
+    g.stop();
+}
+
+#[test]
+fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--mode", "error"]);
+    let cfg = one_backend(dir.path(), &b, "").replace(
+        "[traffic]\nretries = 2",
+        "[traffic]\nretries = 0\n[traffic.circuit]\nmin_requests = 3\nfailure_ratio = 0.5\ntrip_s = 1\nwindow_s = 10",
+    );
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    for _ in 0..3 {
+        assert_eq!(
+            g.chat(&key, chat_body("chat")).status,
+            500,
+            "the backend's own error passed on"
+        );
+    }
+    let sent = b.count("/v1/chat/completions");
+    assert_eq!(sent, 3);
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 503, "circuit open: {}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        b.count("/v1/chat/completions"),
+        sent,
+        "nothing sent while open"
+    );
+    assert!(g
+        .metrics_text()
+        .contains("keel_backend_circuit_open{backend=\"http://"));
+    b.control(json!({"mode": "ok"}));
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(
+        g.chat(&key, chat_body("chat")).status,
+        200,
+        "half-open trial succeeds"
+    );
+    for _ in 0..5 {
+        assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "closed again");
+    }
+    // A 429 with Retry-After: 2 opens it for 2 s at once.
+    b.control(json!({"mode": "ratelimit"}));
+    assert_eq!(g.chat(&key, chat_body("chat")).status, 429);
+    b.control(json!({"mode": "ok"}));
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("retry-after"), Some("2"));
+    g.stop();
+}
+
+#[test]
+fn retries_go_to_another_deployment_and_unhealthy_backends_are_skipped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = TestBackend::start(&["--mode", "error"]);
+    let good = TestBackend::start(&[]);
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "",
+            &[("bad", bad.url(), 50), ("good", good.url(), 50)]
+        )
+    );
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    bad.control(json!({"healthy": false}));
+    for _ in 0..20 {
+        let r = g.chat(&key, chat_body("chat"));
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-keel-deployment"), Some("good"));
+    }
+    // Health probes (every 100 ms, down after 2 failures) take it out.
+    std::thread::sleep(Duration::from_millis(400));
+    let before = bad.count("/v1/chat/completions");
+    assert!(before > 0, "some requests were retried away from it");
+    for _ in 0..20 {
+        assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
+    }
+    assert_eq!(
+        bad.count("/v1/chat/completions"),
+        before,
+        "unhealthy: not tried"
+    );
+    assert!(g
+        .metrics_text()
+        .contains("keel_retries_total{model=\"chat\"}"));
+    g.stop();
+}
+
+#[test]
+fn mirrored_traffic_is_sent_but_never_charged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let main = TestBackend::start(&[]);
+    let shadow = TestBackend::start(&["--tokens", "100"]);
+    let cfg = format!(
+        "{}[limits.default]\ntokens_per_minute = 1000000\n{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "mirror = { deployment = \"shadow\", percent = 100 }",
+            &[("main", main.url(), 1), ("shadow", shadow.url(), 0)]
+        )
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    for _ in 0..10 {
+        let r = g.chat(&key, chat_body("chat"));
+        assert_eq!(r.header("x-keel-deployment"), Some("main"));
+    }
+    let t = Instant::now();
+    while shadow.count("/v1/chat/completions") < 10 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(shadow.count("/v1/chat/completions"), 10);
+    assert_eq!(main.count("/v1/chat/completions"), 10);
+    let u = g.usage(&format!("key:{id}"));
+    assert_eq!(
+        (u["requests"].as_u64(), u["tokens"].as_u64()),
+        (Some(10), Some(100)),
+        "only the served requests are charged"
+    );
+    assert!(g.metrics_text().contains(
+        "keel_mirrored_requests_total{model=\"chat\",deployment=\"shadow\",outcome=\"ok\"} 10"
+    ));
+    g.stop();
+}
+
+#[test]
+fn oip_infer_metadata_and_ready() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()),
+        model("resnet", "protocol = \"oip\"", &[("r1", b.url(), 1)])
+    );
+    let (_, key) = add_key(dir.path(), "o", &["ops"], None);
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let body = json!({"id": "42", "inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]});
+    let r =
+        http::post_json(g.public, "/v2/models/resnet/versions/3/infer", &key, &body).expect("r");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["model_name"], "backend-r1");
+    assert_eq!(b.count("/v2/models/backend-r1/versions/3/infer"), 1);
+    assert_eq!(
+        http::get(g.public, "/v2/models/resnet/ready", &key)
+            .expect("r")
+            .status,
+        200
+    );
+    assert_eq!(
+        http::get(g.public, "/v2/models/resnet", &key)
+            .expect("r")
+            .json()["name"],
+        "backend-r1"
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/resnet/infer", &user, &body)
+            .expect("r")
+            .status,
+        403
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/resnet/infer", &key, &json!([1]))
+            .expect("r")
+            .status,
+        400
+    );
+    assert_eq!(
+        http::post_json(g.public, "/v2/models/nope/infer", &key, &body)
+            .expect("r")
+            .status,
+        404
+    );
+    // /v1/models lists what the caller's roles allow.
+    let list = http::get(g.public, "/v1/models", &key).expect("r").json();
+    assert_eq!(list["data"][0]["id"], "resnet");
+    assert_eq!(
+        http::get(g.public, "/v1/models", &user).expect("r").json()["data"],
+        json!([])
+    );
+    g.stop();
+}
+
+#[test]
+fn jwt_from_a_jwks_file_with_issuer_audience_expiry_and_roles() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let fx = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let jwt_cfg = format!(
+        "[auth.jwt]\njwks_file = \"{}\"\nissuer = \"https://login.example\"\naudience = \"keel\"\n",
+        fx.join("jwks.json").display()
+    );
+    let cfg = one_backend(dir.path(), &b, "").replace("[audit]", &format!("{jwt_cfg}[audit]"));
+    let now_s = 1_767_225_600u64;
+    let g = Running::start_with_clock(dir.path(), &cfg, Arc::new(ManualClock::new(now_s * 1000)));
+    let key = EncodingKey::from_rsa_der(&std::fs::read(fx.join("jwt-test-key.der")).expect("key"));
+    let mut h = Header::new(Algorithm::RS256);
+    h.kid = Some("test-1".into());
+    let token = |claims: Value| encode(&h, &claims, &key).expect("sign");
+    let good = json!({"sub": "alice", "iss": "https://login.example", "aud": "keel", "exp": now_s + 60, "roles": ["user"], "team": "ml"});
+    let r = g.chat(&token(good.clone()), chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let bad = |k: &str, v: Value| {
+        let mut c = good.clone();
+        c[k] = v;
+        g.chat(&token(c), chat_body("chat")).status
+    };
+    assert_eq!(bad("exp", json!(now_s - 120)), 401, "expired");
+    assert_eq!(bad("iss", json!("https://evil.example")), 401);
+    assert_eq!(bad("aud", json!("other")), 401);
+    assert_eq!(bad("roles", json!(["nobody"])), 403);
+    let forged = token(good).replace('.', ".x");
+    assert_eq!(g.chat(&forged, chat_body("chat")).status, 401);
+    let audit = g.stop();
+    assert!(audit
+        .iter()
+        .any(|e| e["key"] == "jwt:alice" && e["team"] == "ml" && e["status"] == 200));
+}
+
+#[test]
+fn reload_swaps_weights_without_dropping_a_stream_in_flight() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blue = TestBackend::start(&["--chunk-delay-ms", "50"]);
+    let green = TestBackend::start(&[]);
+    let make = |wb: u32, wg: u32| {
+        format!(
+            "{}{}",
+            head(dir.path()),
+            model(
+                "chat",
+                "",
+                &[("blue", blue.url(), wb), ("green", green.url(), wg)]
+            )
+        )
+    };
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &make(1, 0));
+    let mut body = chat_body("chat");
+    body["stream"] = json!(true);
+    std::thread::scope(|s| {
+        let stream = s.spawn(|| g.chat(&key, body.clone()));
+        std::thread::sleep(Duration::from_millis(100));
+        std::fs::write(dir.path().join("gateway.toml"), make(0, 1)).expect("write");
+        let r = http::request(
+            g.admin,
+            "POST",
+            "/admin/reload",
+            &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+            b"",
+        )
+        .expect("reload");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            g.chat(&key, chat_body("chat")).header("x-keel-deployment"),
+            Some("green")
+        );
+        let r = stream.join().expect("thread");
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.text().matches("tok ").count(),
+            8,
+            "the stream finished on the old configuration"
+        );
+    });
+    // A broken file is refused and the running configuration stays.
+    std::fs::write(dir.path().join("gateway.toml"), "[server]\nbogus = 1\n").expect("write");
+    let r = http::request(
+        g.admin,
+        "POST",
+        "/admin/reload",
+        &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+        b"",
+    )
+    .expect("reload");
+    assert_eq!(r.status, 422);
+    assert_eq!(g.chat(&key, chat_body("chat")).status, 200);
+    let audit = g.stop();
+    assert_eq!(audit.iter().filter(|e| e["event"] == "reload").count(), 2);
+}
+
+#[test]
+fn jwks_from_a_url() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use std::net::TcpListener;
+    let fx = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let jwks = std::fs::read_to_string(fx.join("jwks.json")).expect("jwks");
+    // An identity provider's JWKS endpoint: answers every request with the set.
+    let idp = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let idp_addr = idp.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in idp.incoming() {
+            let Ok(mut s) = s else { continue };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(s, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{jwks}", jwks.len());
+        }
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let jwt_cfg = format!("[auth.jwt]\njwks_url = \"http://{idp_addr}/jwks.json\"\nissuer = \"iss\"\naudience = \"keel\"\nroles_claim = \"groups\"\n");
+    let cfg = one_backend(dir.path(), &b, "").replace("[audit]", &format!("{jwt_cfg}[audit]"));
+    let now_s = 1_767_225_600u64;
+    let g = Running::start_with_clock(dir.path(), &cfg, Arc::new(ManualClock::new(now_s * 1000)));
+    let key = EncodingKey::from_rsa_der(&std::fs::read(fx.join("jwt-test-key.der")).expect("key"));
+    let mut h = Header::new(Algorithm::RS256);
+    h.kid = Some("test-1".into());
+    let t = encode(&h, &json!({"sub": "svc", "iss": "iss", "aud": "keel", "exp": now_s + 10, "groups": "user ops"}), &key).expect("sign");
+    assert_eq!(g.chat(&t, chat_body("chat")).status, 200);
+    h.kid = Some("other".into());
+    let t = encode(
+        &h,
+        &json!({"sub": "svc", "iss": "iss", "aud": "keel", "exp": now_s + 10}),
+        &key,
+    )
+    .expect("sign");
+    assert_eq!(g.chat(&t, chat_body("chat")).status, 401, "unknown key id");
+    g.stop();
+}

@@ -1,0 +1,147 @@
+//! Limits shared through a real Redis (`scripts/services/redis start`):
+//! exact under concurrency, settled and refunded, quotas reset by the
+//! injected clock. Two gateway processes sharing it: crates/keel/tests.
+
+use std::sync::Arc;
+
+use keel_gateway::config::LimitSet;
+use keel_gateway::limits::{Admission, Limiter, Refusal, Scope};
+use keel_gateway::ManualClock;
+
+fn unique(name: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("time")
+        .as_nanos();
+    format!("test:{name}:{}:{t}", std::process::id())
+}
+
+fn admitted(a: &Admission) -> bool {
+    matches!(a, Admission::Admitted { .. })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Redis: scripts/test starts one"]
+async fn concurrent_reservations_are_exact() {
+    let url = keel_testkit::serve::redis_url();
+    let l = Arc::new(
+        Limiter::redis(&url, Arc::new(ManualClock::new(1_767_225_600_000))).expect("limiter"),
+    );
+    let s = Scope {
+        name: unique("exact"),
+        limits: LimitSet {
+            requests_per_minute: Some(500),
+            tokens_per_minute: Some(2_345),
+            ..LimitSet::default()
+        },
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (l, s) = (l.clone(), s.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0;
+            for _ in 0..20 {
+                if admitted(
+                    &l.reserve(std::slice::from_ref(&s), 10)
+                        .await
+                        .expect("redis"),
+                ) {
+                    n += 1;
+                }
+            }
+            n
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("task");
+    }
+    assert_eq!(total, 234, "floor(2345 / 10) admitted, no more");
+    let u = l.usage(&s.name).await.expect("usage");
+    assert_eq!((u.requests, u.tokens), (234, 2340));
+}
+
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test starts one"]
+async fn settle_refund_and_quota_reset_through_redis() {
+    let url = keel_testkit::serve::redis_url();
+    // 2026-01-31T23:59:00Z
+    let clock = Arc::new(ManualClock::new(1_769_903_940_000));
+    let l = Limiter::redis(&url, clock.clone()).expect("limiter");
+    let s = [Scope {
+        name: unique("quota"),
+        limits: LimitSet {
+            tokens_per_day: Some(100),
+            tokens_per_month: Some(250),
+            ..LimitSet::default()
+        },
+    }];
+    let a = l.reserve(&s, 60).await.expect("redis");
+    let Admission::Admitted { reservation, .. } = a else {
+        panic!("{a:?}")
+    };
+    assert!(!admitted(&l.reserve(&s, 60).await.expect("redis")));
+    l.settle(&reservation, 20).await.expect("settle");
+    assert!(
+        admitted(&l.reserve(&s, 60).await.expect("redis")),
+        "20 + 60 fits"
+    );
+    let r = l.reserve(&s, 30).await.expect("redis");
+    let Admission::Refused {
+        refusal: Refusal::Quota,
+        retry_after_ms,
+        ..
+    } = r
+    else {
+        panic!("{r:?}")
+    };
+    assert_eq!(retry_after_ms, 60_000);
+    let a = l.reserve(&s, 0).await.expect("redis");
+    let Admission::Admitted {
+        reservation: zero, ..
+    } = a
+    else {
+        panic!("{a:?}")
+    };
+    l.settle(&zero, 0).await.expect("no-op");
+    clock.advance(60_000); // 2026-02-01: new day and new month
+    let a = l.reserve(&s, 100).await.expect("redis");
+    let Admission::Admitted { reservation, .. } = a else {
+        panic!("{a:?}")
+    };
+    l.settle(&reservation, 0).await.expect("refund");
+    assert_eq!(
+        l.usage(&s[0].name).await.expect("usage").day_tokens,
+        0,
+        "refunded"
+    );
+    clock.advance(86_400_000);
+    for _ in 0..2 {
+        assert!(admitted(&l.reserve(&s, 100).await.expect("redis")));
+        clock.advance(86_400_000);
+    }
+    let r = l.reserve(&s, 100).await.expect("redis");
+    assert!(
+        matches!(
+            r,
+            Admission::Refused {
+                refusal: Refusal::Quota,
+                ..
+            }
+        ),
+        "month quota 250: {r:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_redis_fails_closed() {
+    let l = Limiter::redis("redis://127.0.0.1:1", Arc::new(ManualClock::new(0))).expect("limiter");
+    let s = [Scope {
+        name: "x".into(),
+        limits: LimitSet {
+            requests_per_minute: Some(1),
+            ..LimitSet::default()
+        },
+    }];
+    assert!(l.reserve(&s, 1).await.is_err());
+}

@@ -1,0 +1,429 @@
+//! A test model server for keel's gateway tests and benchmarks (never
+//! shipped): OpenAI-compatible (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/embeddings`, `/v1/models`, SSE streaming with the usage chunk when
+//! asked) and Open Inference Protocol v2 (`/v2/health/*`,
+//! `/v2/models/{m}[/versions/{v}][/ready|/infer]`).
+//!
+//! ```text
+//! keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N]
+//!                  [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang]
+//!                  [--usage asked|always|never] [--threads N]
+//! ```
+//!
+//! It prints `listening on ADDR` once bound. At run time `POST /_control`
+//! with `{"mode": ..., "latency_ms": ..., "healthy": ..., "tokens": ...}`
+//! changes its behaviour and `GET /_stats` counts what it was sent. Prompt
+//! tokens are a quarter of the prompt's text bytes, rounded up (the same
+//! rule keel uses to estimate), completion tokens `min(max_tokens, --tokens)`.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::io::Write;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+#[derive(Debug)]
+struct State {
+    name: String,
+    mode: Mutex<String>,
+    usage: String,
+    latency_ms: AtomicU64,
+    chunk_delay_ms: AtomicU64,
+    tokens: AtomicU64,
+    healthy: AtomicBool,
+    counter: AtomicU64,
+    stats: Mutex<BTreeMap<String, u64>>,
+}
+
+#[derive(Debug)]
+enum TBody {
+    Full(Option<Bytes>),
+    Chan(mpsc::Receiver<Bytes>),
+}
+
+impl Body for TBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            TBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            TBody::Chan(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+}
+
+fn reply(status: StatusCode, v: Value) -> Response<TBody> {
+    let mut r = Response::new(TBody::Full(Some(Bytes::from(v.to_string()))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// A quarter of the prompt's text bytes, rounded up; token-id arrays one
+/// per id (keel's estimate, kept the same on purpose).
+fn estimate_tokens(v: &Value) -> u64 {
+    fn walk(v: &Value, bytes: &mut u64, ids: &mut u64, depth: u32) {
+        if depth > 64 {
+            return;
+        }
+        match v {
+            Value::String(s) => *bytes += s.len() as u64,
+            Value::Number(_) => *ids += 1,
+            Value::Array(a) => a.iter().for_each(|x| walk(x, bytes, ids, depth + 1)),
+            Value::Object(o) => {
+                for (k, x) in o {
+                    if k == "content" || k == "text" || depth == 0 {
+                        walk(x, bytes, ids, depth + 1);
+                    } else if let Value::Array(_) | Value::Object(_) = x {
+                        walk(x, bytes, ids, depth + 1);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let (mut bytes, mut ids) = (0, 0);
+    walk(v, &mut bytes, &mut ids, 0);
+    bytes.div_ceil(4) + ids
+}
+
+impl State {
+    fn count(&self, key: &str) {
+        *self
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.to_owned())
+            .or_default() += 1;
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<TBody> {
+        let method = req.method().clone();
+        let path = req.uri().path().to_owned();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        match (&method, path.as_str()) {
+            (&Method::GET, "/health" | "/v2/health/live" | "/v2/health/ready") => {
+                self.count("health");
+                return if self.healthy.load(Ordering::Relaxed) {
+                    reply(StatusCode::OK, json!({"status": "ok"}))
+                } else {
+                    reply(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        json!({"error": "unhealthy"}),
+                    )
+                };
+            }
+            (&Method::GET, "/_stats") => {
+                let s = self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                return reply(StatusCode::OK, json!({"name": self.name, "counts": s}));
+            }
+            (&Method::POST, "/_control") => {
+                let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                if let Some(m) = v.get("mode").and_then(Value::as_str) {
+                    *self.mode.lock().unwrap_or_else(|p| p.into_inner()) = m.to_owned();
+                }
+                if let Some(l) = v.get("latency_ms").and_then(Value::as_u64) {
+                    self.latency_ms.store(l, Ordering::Relaxed);
+                }
+                if let Some(t) = v.get("tokens").and_then(Value::as_u64) {
+                    self.tokens.store(t, Ordering::Relaxed);
+                }
+                if let Some(h) = v.get("healthy").and_then(Value::as_bool) {
+                    self.healthy.store(h, Ordering::Relaxed);
+                }
+                if v.get("reset").and_then(Value::as_bool) == Some(true) {
+                    self.stats.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                }
+                return reply(StatusCode::OK, json!({"ok": true}));
+            }
+            _ => {}
+        }
+        self.count(&path);
+        let mode = self.mode.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        match mode.as_str() {
+            "error" => {
+                return reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    json!({"error": "test backend in error mode"}),
+                )
+            }
+            "ratelimit" => {
+                let mut r = reply(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    json!({"error": "test backend rate limited"}),
+                );
+                r.headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("2"));
+                return r;
+            }
+            "hang" => {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            _ => {}
+        }
+        let latency = self.latency_ms.load(Ordering::Relaxed);
+        if latency > 0 {
+            tokio::time::sleep(Duration::from_millis(latency)).await;
+        }
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if let Some(m) = v.get("model").and_then(Value::as_str) {
+            self.count(&format!("model:{m}"));
+        }
+        let max = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|k| v.get(*k).and_then(Value::as_u64));
+        let completion = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
+            m.min(self.tokens.load(Ordering::Relaxed))
+        });
+        let model = v.get("model").cloned().unwrap_or(json!("test"));
+        match (&method, path.as_str()) {
+            (&Method::GET, "/v1/models") => reply(
+                StatusCode::OK,
+                json!({"object": "list", "data": [{"id": "test", "object": "model", "owned_by": self.name}]}),
+            ),
+            (&Method::POST, "/v1/chat/completions" | "/v1/completions") => {
+                let chat = path == "/v1/chat/completions";
+                let prompt = estimate_tokens(
+                    v.get(if chat { "messages" } else { "prompt" })
+                        .unwrap_or(&Value::Null),
+                );
+                let usage = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+                let text = "tok ".repeat(completion as usize);
+                if v.get("stream").and_then(Value::as_bool) == Some(true) {
+                    let asked = v
+                        .pointer("/stream_options/include_usage")
+                        .and_then(Value::as_bool)
+                        == Some(true);
+                    if asked {
+                        self.count("include_usage");
+                    }
+                    let send_usage = match self.usage.as_str() {
+                        "always" => true,
+                        "never" => false,
+                        _ => asked,
+                    };
+                    return self.stream(n, chat, model, completion, send_usage.then_some(usage));
+                }
+                let choice = if chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": "stop"})
+                };
+                let mut body = json!({
+                    "id": format!("cmpl-{n}"),
+                    "object": if chat { "chat.completion" } else { "text_completion" },
+                    "created": 0,
+                    "model": model,
+                    "system_fingerprint": self.name,
+                    "choices": [choice],
+                });
+                if self.usage != "never" {
+                    body["usage"] = usage;
+                }
+                reply(StatusCode::OK, body)
+            }
+            (&Method::POST, "/v1/embeddings") => {
+                let prompt = estimate_tokens(v.get("input").unwrap_or(&Value::Null));
+                reply(
+                    StatusCode::OK,
+                    json!({"object": "list", "model": model, "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}], "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}),
+                )
+            }
+            (m, p) if p.starts_with("/v2/models/") => {
+                let rest: Vec<&str> = p["/v2/models/".len()..].split('/').collect();
+                let name = rest.first().copied().unwrap_or("");
+                match (m, rest.last().copied()) {
+                    (&Method::GET, Some("ready")) => {
+                        reply(StatusCode::OK, json!({"name": name, "ready": true}))
+                    }
+                    (&Method::POST, Some("infer")) => {
+                        let Some(inputs) = v.get("inputs").and_then(Value::as_array) else {
+                            return reply(StatusCode::BAD_REQUEST, json!({"error": "no inputs"}));
+                        };
+                        reply(
+                            StatusCode::OK,
+                            json!({"model_name": name, "id": v.get("id"), "outputs": [{"name": "output0", "shape": [inputs.len()], "datatype": "FP32", "data": vec![1.0; inputs.len()]}], "parameters": {"backend": self.name}}),
+                        )
+                    }
+                    (&Method::GET, _) => reply(
+                        StatusCode::OK,
+                        json!({"name": name, "versions": ["1"], "platform": "keel-testbackend", "inputs": [], "outputs": []}),
+                    ),
+                    _ => reply(StatusCode::NOT_FOUND, json!({"error": "not found"})),
+                }
+            }
+            _ => reply(
+                StatusCode::NOT_FOUND,
+                json!({"error": format!("no route {method} {path}")}),
+            ),
+        }
+    }
+
+    fn stream(
+        &self,
+        n: u64,
+        chat: bool,
+        model: Value,
+        completion: u64,
+        usage: Option<Value>,
+    ) -> Response<TBody> {
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let delay = Duration::from_millis(self.chunk_delay_ms.load(Ordering::Relaxed));
+        let id = format!("cmpl-{n}");
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        tokio::spawn(async move {
+            let ev = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+            let choice = |content: Option<&str>, finish: Option<&str>| {
+                if chat {
+                    json!({"index": 0, "delta": content.map_or(json!({}), |c| json!({"content": c})), "finish_reason": finish})
+                } else {
+                    json!({"index": 0, "text": content.unwrap_or(""), "finish_reason": finish})
+                }
+            };
+            let chunk = |choices: Value| json!({"id": id, "object": object, "created": 0, "model": model, "choices": choices});
+            if chat {
+                let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]);
+                if tx.send(ev(chunk(first))).await.is_err() {
+                    return;
+                }
+            }
+            for _ in 0..completion {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                if tx
+                    .send(ev(chunk(json!([choice(Some("tok "), None)]))))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            let _ = tx
+                .send(ev(chunk(json!([choice(None, Some("stop"))]))))
+                .await;
+            if let Some(u) = usage {
+                let mut c = chunk(json!([]));
+                c["usage"] = u;
+                let _ = tx.send(ev(c)).await;
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let mut r = Response::new(TBody::Chan(rx));
+        r.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+        r.headers_mut()
+            .insert("cache-control", http::HeaderValue::from_static("no-cache"));
+        r
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut listen = "127.0.0.1:0".to_owned();
+    let mut st = State {
+        name: "backend".into(),
+        mode: Mutex::new("ok".into()),
+        usage: "asked".into(),
+        latency_ms: AtomicU64::new(0),
+        chunk_delay_ms: AtomicU64::new(0),
+        tokens: AtomicU64::new(16),
+        healthy: AtomicBool::new(true),
+        counter: AtomicU64::new(0),
+        stats: Mutex::new(BTreeMap::new()),
+    };
+    let mut threads = 0usize;
+    while let Some(a) = args.next() {
+        let mut val = || {
+            args.next()
+                .unwrap_or_else(|| die(&format!("{a} needs a value")))
+        };
+        let num = |v: String| {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| die(&format!("{a}: {v:?} is not a number")))
+        };
+        match a.as_str() {
+            "--listen" => listen = val(),
+            "--name" => st.name = val(),
+            "--latency-ms" => st.latency_ms = AtomicU64::new(num(val())),
+            "--chunk-delay-ms" => st.chunk_delay_ms = AtomicU64::new(num(val())),
+            "--tokens" => st.tokens = AtomicU64::new(num(val())),
+            "--mode" => st.mode = Mutex::new(val()),
+            "--usage" => st.usage = val(),
+            "--threads" => threads = num(val()) as usize,
+            "-h" | "--help" => {
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang] [--usage asked|always|never] [--threads N]");
+                return;
+            }
+            _ => die(&format!("unknown argument {a}")),
+        }
+    }
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        rt.worker_threads(threads);
+    }
+    let rt = rt
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| die(&format!("runtime: {e}")));
+    rt.block_on(async move {
+        let l = tokio::net::TcpListener::bind(&listen)
+            .await
+            .unwrap_or_else(|e| die(&format!("bind {listen}: {e}")));
+        let addr = l.local_addr().unwrap_or_else(|e| die(&e.to_string()));
+        println!("listening on {addr}");
+        let _ = std::io::stdout().flush();
+        let st = Arc::new(st);
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            let st = st.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let st = st.clone();
+                    async move { Ok::<_, Infallible>(st.handle(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+}
+
+fn die(msg: &str) -> ! {
+    eprintln!("keel-testbackend: {msg}");
+    std::process::exit(64)
+}

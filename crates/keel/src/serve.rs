@@ -1,0 +1,440 @@
+//! `keel serve`: the inference gateway (keel-gateway), its API keys, its
+//! audit log check, and bearer tokens for the admin and metrics listeners.
+
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use keel_gateway::audit;
+use keel_gateway::keys::{sha256_hex, KeyFile, NewKey};
+use keel_gateway::{Clock, Gateway, GatewayConfig, GatewayError, GatewayOptions, Listeners};
+
+use crate::config::{self, ServeConfig};
+use crate::exit::{Code, UsageError};
+use crate::output::Out;
+use crate::table::Table;
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct ServeArgs {
+    #[command(subcommand)]
+    command: Option<ServeCommand>,
+    /// The gateway configuration file (docs/serve.md); default:
+    /// KEEL_SERVE_CONFIG, then `serve.config` in keel's config file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Listen here instead of the file's `server.listen`.
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: Option<std::net::SocketAddr>,
+    /// Print the effective gateway configuration and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum ServeCommand {
+    /// API keys: create (the secret is printed once), list, revoke.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+        #[command(flatten)]
+        file: KeyFileArgs,
+    },
+    /// The audit log.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+    /// Make a random bearer token for the admin or metrics listener and
+    /// print it with the SHA-256 that goes in the config file.
+    Token,
+}
+
+#[derive(Debug, Args)]
+struct KeyFileArgs {
+    /// The key file; default: KEEL_SERVE_KEYS_FILE, `serve.keys_file`, else
+    /// `auth.keys_file` of the gateway file (--config).
+    #[arg(long, value_name = "FILE", global = true)]
+    keys_file: Option<PathBuf>,
+    /// The gateway file whose `auth.keys_file` to use.
+    #[arg(long, value_name = "FILE", global = true)]
+    config: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// Create a key and print its secret (shown this once, stored hashed).
+    Create {
+        /// Who or what the key is for.
+        #[arg(long)]
+        name: String,
+        /// A role the key has (repeatable).
+        #[arg(long = "role", value_name = "ROLE")]
+        roles: Vec<String>,
+        /// The team whose limits the key shares.
+        #[arg(long)]
+        team: Option<String>,
+    },
+    /// List keys (never secrets).
+    Ls,
+    /// Revoke a key; a running gateway refuses it from its next request.
+    Revoke { id: String },
+}
+
+#[derive(Debug, Subcommand)]
+enum AuditCommand {
+    /// Check that the hash chain of an audit log is intact.
+    Verify { file: PathBuf },
+}
+
+/// The wall clock, which the gateway library does not read itself.
+#[derive(Debug)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+}
+
+/// Log lines are queued and written to stderr in batches by a thread of
+/// their own (keel_gateway::batch), so no request waits on a write or
+/// wakes a thread.
+#[derive(Debug, Clone)]
+struct LogQueue(Arc<keel_gateway::batch::Batcher<Vec<u8>>>);
+
+#[derive(Debug)]
+struct LogLine {
+    buf: Vec<u8>,
+    q: LogQueue,
+}
+
+impl std::io::Write for LogLine {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        if !self.buf.is_empty() {
+            self.q.0.push(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogQueue {
+    type Writer = LogLine;
+    fn make_writer(&'a self) -> LogLine {
+        LogLine {
+            buf: Vec::with_capacity(320),
+            q: self.clone(),
+        }
+    }
+}
+
+impl LogQueue {
+    fn start() -> anyhow::Result<Self> {
+        use std::io::Write;
+        let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
+        let b = keel_gateway::batch::Batcher::spawn("keel-log", move |lines: Vec<Vec<u8>>, _| {
+            for l in lines {
+                let _ = w.write_all(&l);
+            }
+            let _ = w.flush();
+        })
+        .context("cannot start the log writer")?;
+        Ok(Self(Arc::new(b)))
+    }
+}
+
+fn random<const N: usize>() -> anyhow::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("no randomness from the OS: {e}"))?;
+    Ok(b)
+}
+
+pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
+    let env = |k: &str| std::env::var(k).ok();
+    let mut sc = config::load_serve(&env)?;
+    match &args.command {
+        None => {
+            if args.config.is_some() {
+                sc.config = args.config.clone();
+            }
+            if args.listen.is_some() {
+                sc.listen = args.listen;
+            }
+            gateway(&sc, args.print_config, out)
+        }
+        Some(ServeCommand::Keys { command, file }) => {
+            if file.config.is_some() {
+                sc.config = file.config.clone();
+            }
+            if file.keys_file.is_some() {
+                sc.keys_file = file.keys_file.clone();
+            }
+            keys(&sc, command, out)
+        }
+        Some(ServeCommand::Audit {
+            command: AuditCommand::Verify { file },
+        }) => verify(file, out),
+        Some(ServeCommand::Token) => {
+            let token = format!("keel-admin-{}", keel_gateway::keys::hex(&random::<24>()?));
+            let sha = sha256_hex(token.as_bytes());
+            if out.json {
+                out.json(
+                    "serve token",
+                    &serde_json::json!({"token": token, "token_sha256": sha}),
+                )?;
+            } else {
+                out.text(&format!("token         {token}\ntoken_sha256  {sha}\n\nPut token_sha256 in [admin] or [metrics]; give the token to whoever calls it. It is not shown again.\n"))?;
+            }
+            Ok(Code::Ok)
+        }
+    }
+}
+
+fn load_gateway_config(sc: &ServeConfig) -> anyhow::Result<(GatewayConfig, PathBuf)> {
+    let path = sc.config.clone().ok_or_else(|| {
+        UsageError("no gateway configuration: give --config FILE (or KEEL_SERVE_CONFIG, or serve.config in keel.toml)".into())
+    })?;
+    let mut cfg = GatewayConfig::load(&path)?;
+    if let Some(l) = sc.listen {
+        cfg.server.listen = l;
+    }
+    Ok((cfg, path))
+}
+
+fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Result<Code> {
+    let (cfg, path) = load_gateway_config(sc)?;
+    if print_config {
+        if out.json {
+            out.json(
+                "serve",
+                &serde_json::json!({"config_file": path, "config": cfg}),
+            )?;
+        } else {
+            out.text(&format!(
+                "# from {}\n{}\n",
+                path.display(),
+                serde_json::to_string_pretty(&cfg)?
+            ))?;
+        }
+        return Ok(Code::Ok);
+    }
+    let logs = LogQueue::start()?;
+    tracing_subscriber::fmt()
+        .json()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::INFO)
+        .with_current_span(false)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = rt.block_on(async move {
+        let listen_override = sc.listen;
+        let reload_path = path.clone();
+        let reload: keel_gateway::ReloadFn = Arc::new(move || {
+            let mut c = GatewayConfig::load(&reload_path)?;
+            if let Some(l) = listen_override {
+                c.server.listen = l;
+            }
+            Ok::<_, GatewayError>(c)
+        });
+        let bind = |a: std::net::SocketAddr| async move {
+            tokio::net::TcpListener::bind(a).await.with_context(|| format!("cannot listen on {a}"))
+        };
+        let public = bind(cfg.server.listen).await?;
+        let admin = match &cfg.admin { Some(a) => Some(bind(a.listen).await?), None => None };
+        let metrics = match &cfg.metrics { Some(m) => Some(bind(m.listen).await?), None => None };
+        let seed = u64::from_le_bytes(random::<8>()?);
+        let gw = Gateway::new(cfg, GatewayOptions { clock: Arc::new(SystemClock), seed, reload: Some(reload) }).await?;
+        let mut lines = vec![format!("public   {}", public.local_addr()?)];
+        if let Some(a) = &admin {
+            lines.push(format!("admin    {}", a.local_addr()?));
+        }
+        if let Some(m) = &metrics {
+            lines.push(format!("metrics  {}", m.local_addr()?));
+        }
+        lines.push("ready".into());
+        out.text(&format!("{}\n", lines.join("\n")))?;
+        tracing::info!(config = %path.display(), "keel serve started");
+
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        let gw2 = gw.clone();
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match gw2.reload().await {
+                    Ok(()) => tracing::info!("configuration reloaded (SIGHUP)"),
+                    Err(e) => tracing::error!(error = %e, "reload failed; the previous configuration stays"),
+                }
+            }
+        });
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::info!("shutting down: no new connections; finishing requests in flight");
+        };
+        keel_gateway::run(gw, Listeners { public, admin, metrics }, shutdown).await?;
+        tracing::info!("keel serve stopped");
+        Ok::<_, anyhow::Error>(())
+    });
+    logs.0.drain(std::time::Duration::from_secs(1));
+    result?;
+    Ok(Code::Ok)
+}
+
+fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {
+    if let Some(k) = &sc.keys_file {
+        return Ok(k.clone());
+    }
+    let (cfg, path) = load_gateway_config(sc)
+        .map_err(|_| UsageError("no key file: give --keys-file FILE or --config FILE".into()))?;
+    cfg.auth
+        .keys_file
+        .ok_or_else(|| UsageError(format!("{} sets no auth.keys_file", path.display())).into())
+}
+
+#[derive(Debug, Serialize)]
+struct KeyView<'a> {
+    id: &'a str,
+    name: &'a str,
+    roles: &'a [String],
+    team: Option<&'a str>,
+    created: String,
+    revoked: Option<String>,
+}
+
+fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Code> {
+    let path = keys_path(sc)?;
+    let now = SystemClock.now_ms();
+    let view = |k: &keel_gateway::keys::KeyRecord| -> (String, String, String) {
+        (
+            keel_gateway::clock::rfc3339(k.created_ms),
+            k.revoked_ms
+                .map(keel_gateway::clock::rfc3339)
+                .unwrap_or_else(|| "-".into()),
+            if k.roles.is_empty() {
+                "-".into()
+            } else {
+                k.roles.join(",")
+            },
+        )
+    };
+    match cmd {
+        KeysCommand::Create { name, roles, team } => {
+            let mut f = KeyFile::load(&path)?;
+            let (rec, secret) = f.create(
+                NewKey {
+                    name: name.clone(),
+                    roles: roles.clone(),
+                    team: team.clone(),
+                },
+                random::<32>()?,
+                now,
+            );
+            f.store(&path)?;
+            if out.json {
+                out.json("serve keys create", &serde_json::json!({"id": rec.id, "name": rec.name, "roles": rec.roles, "team": rec.team, "secret": secret}))?;
+            } else {
+                out.text(&format!("id      {}\nsecret  {secret}\n\nThe secret is shown only now; keel keeps its SHA-256 in {}.\n", rec.id, path.display()))?;
+            }
+        }
+        KeysCommand::Ls => {
+            let f = KeyFile::load(&path)?;
+            if out.json {
+                let keys: Vec<KeyView> = f
+                    .keys
+                    .iter()
+                    .map(|k| KeyView {
+                        id: &k.id,
+                        name: &k.name,
+                        roles: &k.roles,
+                        team: k.team.as_deref(),
+                        created: keel_gateway::clock::rfc3339(k.created_ms),
+                        revoked: k.revoked_ms.map(keel_gateway::clock::rfc3339),
+                    })
+                    .collect();
+                out.json("serve keys ls", &serde_json::json!({"keys": keys}))?;
+            } else {
+                let mut t = Table::new(&["Id", "Name", "Roles", "Team", "Created", "Revoked"]);
+                for k in &f.keys {
+                    let (c, r, roles) = view(k);
+                    t.row(vec![
+                        k.id.clone(),
+                        k.name.clone(),
+                        roles,
+                        k.team.clone().unwrap_or_else(|| "-".into()),
+                        c,
+                        r,
+                    ]);
+                }
+                out.text(&t.render())?;
+            }
+        }
+        KeysCommand::Revoke { id } => {
+            let mut f = KeyFile::load(&path)?;
+            let rec = f.revoke(id, now)?.clone();
+            f.store(&path)?;
+            if out.json {
+                out.json("serve keys revoke", &serde_json::json!({"id": rec.id, "revoked": rec.revoked_ms.map(keel_gateway::clock::rfc3339)}))?;
+            } else {
+                out.text(&format!("revoked {} ({})\n", rec.id, rec.name))?;
+            }
+        }
+    }
+    Ok(Code::Ok)
+}
+
+fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
+    let f = std::fs::File::open(file)
+        .with_context(|| format!("cannot read the audit log {}", file.display()))?;
+    let result = audit::verify(BufReader::new(f));
+    match &result {
+        Ok(r) => {
+            if out.json {
+                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": true, "entries": r.entries, "last_hash": r.last_hash}))?;
+            } else {
+                out.text(&format!(
+                    "{}: intact, {} entries, last hash {}\n",
+                    file.display(),
+                    r.entries,
+                    r.last_hash
+                ))?;
+            }
+            Ok(Code::Ok)
+        }
+        Err(b) => {
+            if out.json {
+                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": false, "line": b.line, "reason": b.reason}))?;
+            } else {
+                out.text(&format!(
+                    "{}: broken at line {}: {}\n",
+                    file.display(),
+                    b.line,
+                    b.reason
+                ))?;
+            }
+            Ok(Code::Failed)
+        }
+    }
+}

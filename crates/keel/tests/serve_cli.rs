@@ -1,0 +1,194 @@
+//! `keel serve` as a process: keys made, listed and revoked with the CLI
+//! while it runs, the audit log checked by `keel serve audit verify`,
+//! SIGHUP reload, and graceful shutdown with a stream in flight.
+
+mod serve_common;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use serve_common::*;
+
+#[test]
+fn keys_cli_revocation_is_immediate_and_audit_verify_catches_tampering() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = config(dir.path(), &b.url(), "");
+    let (id, secret) = create_key(&cfg, "alice", "user", Some("ml"));
+    assert!(secret.starts_with("sk-keel-"));
+    let keys = std::fs::read_to_string(dir.path().join("keys.json")).expect("keys");
+    assert!(!keys.contains(&secret), "only the hash is stored");
+    let (code, ls) = run(&[
+        "serve",
+        "keys",
+        "ls",
+        "--config",
+        cfg.to_str().expect("utf8"),
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        ls.contains(&id) && ls.contains("alice") && !ls.contains(&secret),
+        "{ls}"
+    );
+
+    let mut g = GatewayProcess::start(&keel(), &cfg);
+    let r =
+        http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("request");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (code, _) = run(&[
+        "serve",
+        "keys",
+        "revoke",
+        &id,
+        "--config",
+        cfg.to_str().expect("utf8"),
+    ]);
+    assert_eq!(code, 0);
+    let r =
+        http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("request");
+    assert_eq!(r.status, 401, "revoked: refused on the next request");
+    let (_, ls) = run(&[
+        "--json",
+        "serve",
+        "keys",
+        "ls",
+        "--config",
+        cfg.to_str().expect("utf8"),
+    ]);
+    let v: Value = serde_json::from_str(&ls).expect("json");
+    assert!(v["keys"][0]["revoked"].is_string());
+
+    g.signal("TERM");
+    assert_eq!(g.wait(), Some(0));
+    let audit = dir.path().join("audit.jsonl");
+    let (code, out) = run(&["serve", "audit", "verify", audit.to_str().expect("utf8")]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("intact"), "{out}");
+    let text = std::fs::read_to_string(&audit).expect("audit");
+    assert!(text.lines().any(|l| l.contains("\"event\":\"denied\"")));
+    assert!(!text.contains(&secret));
+    std::fs::write(&audit, text.replacen("\"status\":200", "\"status\":201", 1)).expect("tamper");
+    let (code, out) = run(&[
+        "--json",
+        "serve",
+        "audit",
+        "verify",
+        audit.to_str().expect("utf8"),
+    ]);
+    assert_eq!(code, 2, "{out}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["command"], "serve audit verify");
+}
+
+#[test]
+fn graceful_shutdown_finishes_a_stream_and_stops_accepting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--chunk-delay-ms", "100", "--tokens", "10"]);
+    let cfg = config(dir.path(), &b.url(), "");
+    let (_, secret) = create_key(&cfg, "s", "user", None);
+    let mut g = GatewayProcess::start(&keel(), &cfg);
+    let mut body = chat_body();
+    body["stream"] = json!(true);
+    body["max_tokens"] = json!(10);
+    std::thread::scope(|s| {
+        let stream = s.spawn(|| {
+            http::post_json(g.public, "/v1/chat/completions", &secret, &body).expect("stream")
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        g.signal("TERM");
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            std::net::TcpStream::connect(g.public).is_err(),
+            "no new connections after SIGTERM"
+        );
+        let r = stream.join().expect("thread");
+        assert_eq!(r.status, 200);
+        let text = r.text();
+        assert_eq!(
+            text.matches("tok ").count(),
+            10,
+            "the stream in flight finished: {text}"
+        );
+        assert!(text.ends_with("data: [DONE]\n\n"));
+    });
+    let t = Instant::now();
+    assert_eq!(g.wait(), Some(0));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let (code, out) = run(&[
+        "serve",
+        "audit",
+        "verify",
+        dir.path().join("audit.jsonl").to_str().expect("utf8"),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let text = std::fs::read_to_string(dir.path().join("audit.jsonl")).expect("audit");
+    assert!(
+        text.lines()
+            .last()
+            .is_some_and(|l| l.contains("\"event\":\"stop\"")),
+        "the stream's entry is written before stop"
+    );
+    assert!(text.contains("\"stream\":true"));
+}
+
+#[test]
+fn sighup_reloads_the_config_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blue = TestBackend::start(&["--name", "blue"]);
+    let green = TestBackend::start(&["--name", "green"]);
+    let cfg = config(dir.path(), &blue.url(), "");
+    let (_, secret) = create_key(&cfg, "h", "user", None);
+    let g = GatewayProcess::start(&keel(), &cfg);
+    let r = http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("r");
+    assert_eq!(r.json()["system_fingerprint"], "blue");
+    let text = std::fs::read_to_string(&cfg).expect("read");
+    std::fs::write(&cfg, text.replace(&blue.url(), &green.url())).expect("write");
+    g.signal("HUP");
+    let t = Instant::now();
+    loop {
+        let r =
+            http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("r");
+        if r.json()["system_fingerprint"] == "green" {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "SIGHUP did not reload"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = http::get(g.metrics.expect("metrics"), "/metrics", METRICS_TOKEN).expect("metrics");
+    assert!(m
+        .text()
+        .contains("keel_requests_total{route=\"/v1/chat/completions\""));
+    assert_eq!(
+        http::get(g.metrics.expect("metrics"), "/metrics", "wrong")
+            .expect("metrics")
+            .status,
+        401
+    );
+}
+
+#[test]
+fn print_config_and_bad_config_exit_codes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = config(dir.path(), "http://127.0.0.1:9", "");
+    let (code, out) = run(&[
+        "--json",
+        "serve",
+        "--config",
+        cfg.to_str().expect("utf8"),
+        "--print-config",
+    ]);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["config"]["traffic"]["retries"], 2);
+    assert_eq!(v["config"]["server"]["pin_header"], "x-keel-deployment");
+    std::fs::write(&cfg, "[server]\nnope = 1\n").expect("write");
+    assert_eq!(
+        run(&["serve", "--config", cfg.to_str().expect("utf8")]).0,
+        64
+    );
+    assert_eq!(run(&["serve", "--config", "/nonexistent/gw.toml"]).0, 74);
+}

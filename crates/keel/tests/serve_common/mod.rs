@@ -1,0 +1,91 @@
+//! Shared by the `keel serve` test binaries: a gateway config around test
+//! backends, keys made with the real CLI, `keel serve` as a process.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub use keel_testkit::http;
+pub use keel_testkit::serve::{GatewayProcess, TestBackend};
+use serde_json::{json, Value};
+
+pub const ADMIN_TOKEN: &str = "admin-token-for-cli-tests";
+pub const METRICS_TOKEN: &str = "metrics-token-for-cli-tests";
+
+pub fn keel() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_keel"))
+}
+
+pub fn sha256(s: &str) -> String {
+    keel_gateway::keys::sha256_hex(s.as_bytes())
+}
+
+/// A config with one model `chat` on `backend`, plus `extra` TOML.
+pub fn config(dir: &Path, backend: &str, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_grace_s = 10
+[admin]
+listen = "127.0.0.1:0"
+token_sha256 = "{}"
+[metrics]
+listen = "127.0.0.1:0"
+token_sha256 = "{}"
+[auth]
+keys_file = "keys.json"
+[audit]
+path = "audit.jsonl"
+[roles.user]
+models = ["chat"]
+operations = ["chat", "models"]
+{extra}
+[[models]]
+name = "chat"
+[[models.deployments]]
+name = "blue"
+url = "{backend}"
+"#,
+        sha256(ADMIN_TOKEN),
+        sha256(METRICS_TOKEN)
+    );
+    let p = dir.join("gateway.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+/// Runs `keel ARGS` and returns (exit code, stdout).
+pub fn run(args: &[&str]) -> (i32, String) {
+    let out = Command::new(keel())
+        .args(args)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Creates a key with the CLI; returns (id, secret).
+pub fn create_key(cfg: &Path, name: &str, role: &str, team: Option<&str>) -> (String, String) {
+    let c = cfg.to_str().expect("utf8");
+    let mut args = vec![
+        "--json", "serve", "keys", "create", "--config", c, "--name", name, "--role", role,
+    ];
+    if let Some(t) = team {
+        args.extend(["--team", t]);
+    }
+    let (code, out) = run(&args);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    (
+        v["id"].as_str().expect("id").to_owned(),
+        v["secret"].as_str().expect("secret").to_owned(),
+    )
+}
+
+pub fn chat_body() -> Value {
+    json!({"model": "chat", "messages": [{"role": "user", "content": "12345678"}], "max_tokens": 8})
+}
