@@ -26,6 +26,9 @@ pub struct StoreOptions {
     pub retry_timeout: Duration,
     /// Retries of one request.
     pub max_retries: usize,
+    /// Create a `file://` root directory that does not exist (for writers;
+    /// readers get an error instead).
+    pub create_root: bool,
 }
 
 impl Default for StoreOptions {
@@ -34,6 +37,7 @@ impl Default for StoreOptions {
             env: Vec::new(),
             retry_timeout: Duration::from_secs(120),
             max_retries: 10,
+            create_root: false,
         }
     }
 }
@@ -62,6 +66,49 @@ pub struct ObjectInfo {
 pub enum CreateOutcome {
     Created,
     AlreadyExists,
+}
+
+/// Classifies HTTP answers that object_store leaves generic (Azure's 403 on
+/// a list) and shortens the XML body a service sends to its error code.
+fn refine(kind: BackendErrorKind, message: &str) -> (BackendErrorKind, String) {
+    let code = message
+        .split("<Code>")
+        .nth(1)
+        .and_then(|r| r.split("</Code>").next())
+        .map(str::to_owned);
+    let first = message.lines().next().unwrap_or("").trim_end_matches(':');
+    let first = match first.find(": <?xml") {
+        Some(i) => &first[..i],
+        None => first,
+    };
+    let short = match &code {
+        Some(c) => format!("{first} ({c})"),
+        None => first.to_owned(),
+    };
+    let auth_codes = [
+        "AuthorizationFailure",
+        "AuthenticationFailed",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "AuthorizationPermissionMismatch",
+    ];
+    let kind = if kind != BackendErrorKind::Other {
+        kind
+    } else if message.contains("401 Unauthorized") {
+        BackendErrorKind::Unauthenticated
+    } else if message.contains("403 Forbidden")
+        || code.as_deref().is_some_and(|c| auth_codes.contains(&c))
+    {
+        BackendErrorKind::PermissionDenied
+    } else if code.as_deref() == Some("ContainerNotFound")
+        || code.as_deref() == Some("NoSuchBucket")
+    {
+        BackendErrorKind::NotFound
+    } else {
+        kind
+    };
+    (kind, short)
 }
 
 /// Replaces secret values in messages.
@@ -147,13 +194,24 @@ impl Store {
         };
         let (inner, backend): (Arc<dyn ObjectStore>, Backend) = match url {
             StoreUrl::File { path } => {
-                std::fs::create_dir_all(path).map_err(|source| StoreError::LocalWrite {
-                    path: path.clone(),
-                    source,
-                })?;
+                if opts.create_root {
+                    std::fs::create_dir_all(path).map_err(|source| StoreError::LocalWrite {
+                        path: path.clone(),
+                        source,
+                    })?;
+                } else if !path.is_dir() {
+                    return Err(StoreError::Open {
+                        url: url.to_string(),
+                        message: "no such directory".into(),
+                    });
+                }
+                // fsync: a manifest must not reach the disk before the data
+                // it names, or a machine crash could leave a committed
+                // checkpoint with missing data.
                 let fs = object_store::local::LocalFileSystem::new_with_prefix(path)
                     .map_err(open_err)?
-                    .with_automatic_cleanup(true);
+                    .with_automatic_cleanup(true)
+                    .with_fsync(true);
                 (Arc::new(fs), Backend::File)
             }
             StoreUrl::Memory { .. } => (
@@ -256,6 +314,15 @@ impl Store {
         self.backend
     }
 
+    /// The smallest part a multipart upload may have (but its last): S3
+    /// refuses parts under 5 MiB.
+    pub fn min_part_size(&self) -> u64 {
+        match self.backend {
+            Backend::S3 => 5 << 20,
+            _ => 0,
+        }
+    }
+
     /// The object_store handle and the absolute path of a key, for the
     /// transfer module.
     pub(crate) fn raw(&self) -> &Arc<dyn ObjectStore> {
@@ -309,6 +376,7 @@ impl Store {
             | E::Unauthenticated { source, .. } => source.to_string(),
             other => other.to_string(),
         };
+        let (kind, message) = refine(kind, &message);
         StoreError::Backend {
             op,
             url: self.url.to_string(),
@@ -457,6 +525,23 @@ mod tests {
         assert_eq!(r.redact("key s3cr3t in s3cr3t"), "key *** in ***");
     }
 
+    #[test]
+    fn http_answers_are_classified_and_shortened() {
+        let msg = "Error performing GET http://h/c in 5ms - Server returned non-2xx status code: \
+                   403 Forbidden: <?xml version=\"1.0\"?>\n<Error><Code>AuthorizationFailure</Code>\n</Error>";
+        let (k, m) = refine(BackendErrorKind::Other, msg);
+        assert_eq!(k, BackendErrorKind::PermissionDenied);
+        assert_eq!(
+            m,
+            "Error performing GET http://h/c in 5ms - Server returned non-2xx status code: \
+             403 Forbidden (AuthorizationFailure)"
+        );
+        let (k, _) = refine(BackendErrorKind::Other, "<Code>ContainerNotFound</Code>");
+        assert_eq!(k, BackendErrorKind::NotFound);
+        let (k, m) = refine(BackendErrorKind::NotFound, "gone");
+        assert_eq!((k, m.as_str()), (BackendErrorKind::NotFound, "gone"));
+    }
+
     #[tokio::test]
     async fn create_is_create_only_and_keys_are_rooted() {
         let s = Store::memory().sub("a/b");
@@ -498,7 +583,20 @@ mod tests {
     async fn file_store_create_is_atomic_create_only() {
         let dir = tempfile::tempdir().expect("tmp");
         let url = StoreUrl::parse(&format!("file://{}", dir.path().display())).expect("url");
-        let s = Store::open(&url, &StoreOptions::default()).expect("open");
+        let e = Store::open(&url, &StoreOptions::default()).map(|_| ());
+        assert!(e.is_ok(), "an existing directory opens: {e:?}");
+        let missing =
+            StoreUrl::parse(&format!("file://{}/new", dir.path().display())).expect("url");
+        let e = Store::open(&missing, &StoreOptions::default()).expect_err("missing");
+        assert!(e.to_string().contains("no such directory"), "{e}");
+        let s = Store::open(
+            &missing,
+            &StoreOptions {
+                create_root: true,
+                ..Default::default()
+            },
+        )
+        .expect("open");
         assert_eq!(
             s.create("x/y", Bytes::from_static(b"1")).await.expect("c"),
             CreateOutcome::Created
@@ -507,6 +605,9 @@ mod tests {
             s.create("x/y", Bytes::from_static(b"2")).await.expect("c"),
             CreateOutcome::AlreadyExists
         );
-        assert_eq!(std::fs::read(dir.path().join("x/y")).expect("read"), b"1");
+        assert_eq!(
+            std::fs::read(dir.path().join("new/x/y")).expect("read"),
+            b"1"
+        );
     }
 }

@@ -155,7 +155,7 @@ async fn upload_one(
     })
     .await
     .map_err(join_err)??;
-    let part = opts.part_for(size);
+    let part = opts.part_for(size).max(store.min_part_size());
     let path = store.path(&u.key)?;
     let changed = |after: u64| StoreError::Changed {
         path: u.local.clone(),

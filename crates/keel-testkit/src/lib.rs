@@ -9,6 +9,9 @@
 //! check keel-slurm's parser with itself), and pauses, stops and restarts
 //! slurmctld to simulate a hung or dead controller.
 //!
+//! [`objects`] finds the object-storage test services (Azurite, an S3
+//! server) that `scripts/services/*` start.
+//!
 //! It does not start the cluster: `scripts/test` does, once, before the
 //! tests. Unlike the library crates it reads the process environment and
 //! the clock: finding services is what it is for.
@@ -20,6 +23,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use keel_slurm::{Slurm, SlurmConfig};
+
+pub mod objects;
 
 /// The variable naming the test cluster's slurm.conf.
 pub const CONF_VAR: &str = "KEEL_TEST_SLURM_CONF";

@@ -19,8 +19,10 @@ pub enum Code {
     Usage = 64,
     /// Input data (sysfs, procfs, a file given) is malformed.
     Data = 65,
-    /// Reading or writing a file failed.
+    /// Reading or writing a file (or object storage) failed.
     Io = 74,
+    /// Object storage refused the credentials.
+    NoPerm = 77,
 }
 
 impl From<Code> for ExitCode {
@@ -69,6 +71,12 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 _ => Code::Usage,
             };
         }
+        if let Some(c) = e.downcast_ref::<keel_ckpt::CkptError>() {
+            return ckpt_code(c);
+        }
+        if let Some(s) = e.downcast_ref::<keel_store::StoreError>() {
+            return store_code(s);
+        }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
             return match g {
                 keel_gpu::GpuError::Unavailable { .. }
@@ -89,6 +97,44 @@ fn topo_code(t: &TopoError) -> Code {
             Code::Data
         }
         TopoError::NoSuchProcess { .. } => Code::Usage,
+    }
+}
+
+fn ckpt_code(c: &keel_ckpt::CkptError) -> Code {
+    use keel_ckpt::CkptError as E;
+    match c {
+        E::Store(s) => store_code(s),
+        E::BadRun { .. }
+        | E::BadWriter { .. }
+        | E::NotADirectory { .. }
+        | E::NotAFile { .. }
+        | E::SymlinkedDir { .. }
+        | E::BadFileName { .. }
+        | E::EmptyCheckpoint { .. }
+        | E::TargetNotEmpty { .. }
+        | E::NotPinned { .. } => Code::Usage,
+        E::LocalDir { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::Usage,
+        E::LocalDir { .. } | E::LocalWrite { .. } | E::Contended { .. } => Code::Io,
+        E::Manifest { .. } | E::Record { .. } => Code::Data,
+        E::Fenced { .. } | E::Conflict { .. } | E::Integrity { .. } | E::AllFailed { .. } => {
+            Code::Failed
+        }
+        E::NoCheckpoint { .. } | E::NoSuchStep { .. } => Code::Unknown,
+    }
+}
+
+fn store_code(s: &keel_store::StoreError) -> Code {
+    use keel_store::{BackendErrorKind as K, StoreError as E};
+    match s {
+        E::BadUrl { .. } | E::BadBandwidth { .. } | E::BadKey { .. } | E::Open { .. } => {
+            Code::Usage
+        }
+        E::Backend { kind, .. } => match kind {
+            K::Unauthenticated | K::PermissionDenied => Code::NoPerm,
+            _ => Code::Io,
+        },
+        E::DigestMismatch { .. } | E::SizeMismatch { .. } => Code::Failed,
+        E::LocalRead { .. } | E::LocalWrite { .. } | E::Changed { .. } | E::Task { .. } => Code::Io,
     }
 }
 

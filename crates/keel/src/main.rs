@@ -3,6 +3,7 @@
 //! crate that returns typed results and errors.
 
 mod check;
+mod ckpt;
 mod config;
 mod exit;
 mod gpu;
@@ -48,6 +49,12 @@ enum Command {
     /// Node health checks (passive tier): GPUs, ECC, XIDs, PCIe, NVLink,
     /// InfiniBand, topology, host. Usable as Slurm's HealthCheckProgram.
     Check(Box<check::CheckArgs>),
+    /// Verified, crash-consistent checkpoints on object storage (file://,
+    /// az://, s3://): push, watch, latest, ls, verify, pull, gc, pin.
+    Ckpt {
+        #[command(subcommand)]
+        command: ckpt::CkptCommand,
+    },
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -74,6 +81,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
         Command::Check(args) => check::run(&cli, args, &mut out),
+        Command::Ckpt { command } => ckpt::run(command, &mut out),
     };
     let code = match result {
         Ok(code) => code,

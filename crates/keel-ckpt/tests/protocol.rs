@@ -1,0 +1,532 @@
+//! The checkpoint protocol against real backends: the local file system
+//! always, Azurite and the S3 server when `scripts/test` started them (the
+//! same tests, `#[ignore]`d for a plain `cargo nextest run`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use keel_ckpt::{
+    Ckpt, CkptError, CkptRef, Context, GcPolicy, Order, Published, PushRequest, Selector,
+};
+use keel_store::{Store, StoreOptions, StoreUrl, TransferOptions};
+use keel_testkit::objects::{unique, ObjectService};
+
+/// A store for one test, and what keeps it alive.
+struct Env {
+    store: Store,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+fn file_env() -> Env {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let url = StoreUrl::parse(&format!("file://{}", tmp.path().display())).expect("url");
+    Env {
+        store: Store::open(
+            &url,
+            &StoreOptions {
+                create_root: true,
+                ..Default::default()
+            },
+        )
+        .expect("open"),
+        _tmp: Some(tmp),
+    }
+}
+
+fn service_env(svc: ObjectService) -> Env {
+    let url = StoreUrl::parse(&svc.url(&unique("proto"))).expect("url");
+    let opts = StoreOptions {
+        env: svc.env.clone(),
+        ..Default::default()
+    };
+    Env {
+        store: Store::open(&url, &opts).expect("open"),
+        _tmp: None,
+    }
+}
+
+fn ctx(nonce: u64) -> Context {
+    Context {
+        now_unix: 1_700_000_000 + nonce as i64,
+        host: "testhost".into(),
+        nonce,
+    }
+}
+
+fn opts() -> TransferOptions {
+    TransferOptions {
+        part_size: 64 << 10,
+        files_in_parallel: 4,
+        parts_in_flight: 3,
+        ..Default::default()
+    }
+}
+
+fn content(step: u64, name: &str, size: usize) -> Vec<u8> {
+    let seed = step.wrapping_mul(2_654_435_761) ^ name.len() as u64;
+    (0..size)
+        .map(|i| {
+            ((i as u64)
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(seed)
+                >> 24) as u8
+        })
+        .collect()
+}
+
+/// A DCP-like checkpoint directory for `step`.
+fn make_ckpt(root: &Path, step: u64) -> std::path::PathBuf {
+    let dir = root.join(format!("step-{step}"));
+    for (name, size) in [
+        ("__0_0.distcp", 200_000usize),
+        ("__1_0.distcp", 70_000),
+        ("sub/extra.bin", 10),
+        (".metadata", 300),
+    ] {
+        let p = dir.join(name);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&p, content(step, name, size)).expect("write");
+    }
+    dir
+}
+
+fn req(step: u64, writer: &str, nonce: u64) -> PushRequest {
+    let mut metrics = BTreeMap::new();
+    metrics.insert("loss".to_owned(), 10.0 / (step as f64 + 1.0));
+    PushRequest {
+        step,
+        writer: writer.into(),
+        metrics,
+        ctx: ctx(nonce),
+    }
+}
+
+fn same_tree(a: &Path, b: &Path) {
+    let fa = keel_ckpt::detect::list_files(a).expect("a");
+    let fb = keel_ckpt::detect::list_files(b).expect("b");
+    assert_eq!(
+        fa.iter().map(|f| &f.name).collect::<Vec<_>>(),
+        fb.iter().map(|f| &f.name).collect::<Vec<_>>()
+    );
+    for (x, y) in fa.iter().zip(&fb) {
+        assert_eq!(
+            std::fs::read(&x.path).expect("x"),
+            std::fs::read(&y.path).expect("y"),
+            "{}",
+            x.name
+        );
+    }
+}
+
+async fn push_latest_verify_pull(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-a").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    assert_eq!(ck.latest().await.expect("latest"), None);
+    assert!(matches!(
+        ck.resolve(Selector::Latest).await,
+        Err(CkptError::NoCheckpoint { .. })
+    ));
+    let d10 = make_ckpt(local.path(), 10);
+    let d20 = make_ckpt(local.path(), 20);
+    let r = ck
+        .push(&d10, &req(10, "job-1", 1), &opts())
+        .await
+        .expect("push 10");
+    assert_eq!(r.framework, keel_ckpt::Framework::PytorchDcp);
+    assert_eq!(r.files, 4);
+    assert!(matches!(r.published, Published::Latest { .. }));
+    let r = ck
+        .push(&d20, &req(20, "job-1", 2), &opts())
+        .await
+        .expect("push 20");
+    assert_eq!(ck.latest().await.expect("latest"), Some(r.checkpoint));
+    // A push of the same step again uploads nothing.
+    let again = ck
+        .push(&d20, &req(20, "job-1", 3), &opts())
+        .await
+        .expect("again");
+    assert!(again.already_committed);
+    assert_eq!(again.bytes_uploaded, 0);
+
+    let list = ck.list().await.expect("ls");
+    assert_eq!(list.iter().map(|c| c.step).collect::<Vec<_>>(), [10, 20]);
+    assert!(list[1].latest && !list[0].latest);
+    assert!((list[0].metrics["loss"] - 10.0 / 11.0).abs() < 1e-12);
+
+    let v = ck.verify(Selector::Latest, &opts()).await.expect("verify");
+    assert!(v.ok, "{v:?}");
+    let out = local.path().join("restore");
+    let p = ck
+        .pull(Selector::Latest, &out, false, &ctx(9), &opts())
+        .await
+        .expect("pull");
+    assert_eq!(p.checkpoint.step, 20);
+    assert!(p.fell_back_from.is_empty());
+    same_tree(&d20, &out);
+    // A non-empty target is refused before anything is fetched.
+    let e = ck
+        .pull(Selector::Step(10), &out, false, &ctx(10), &opts())
+        .await
+        .expect_err("not empty");
+    assert!(matches!(e, CkptError::TargetNotEmpty { .. }), "{e}");
+    let out10 = local.path().join("r10");
+    ck.pull(Selector::Step(10), &out10, false, &ctx(11), &opts())
+        .await
+        .expect("pull 10");
+    same_tree(&d10, &out10);
+    assert!(matches!(
+        ck.resolve(Selector::Step(15)).await,
+        Err(CkptError::NoSuchStep { step: 15, .. })
+    ));
+}
+
+async fn corruption_is_detected_and_pull_falls_back(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-c").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    let d1 = make_ckpt(local.path(), 1);
+    let d2 = make_ckpt(local.path(), 2);
+    ck.push(&d1, &req(1, "w", 1), &opts()).await.expect("push");
+    let r2 = ck.push(&d2, &req(2, "w", 2), &opts()).await.expect("push");
+    // Flip one byte of one stored object of step 2.
+    let (_, meta) = ck
+        .manifest(r2.checkpoint)
+        .await
+        .expect("m")
+        .expect("committed");
+    let key = format!("{}/__0_0.distcp", meta.data);
+    let mut bytes = ck.store().get(&key).await.expect("get").to_vec();
+    bytes[123_456] ^= 0x40;
+    ck.store().put(&key, bytes.into()).await.expect("put");
+
+    let v = ck.verify(Selector::Latest, &opts()).await.expect("verify");
+    assert!(!v.ok);
+    let bad: Vec<&str> = v
+        .files
+        .iter()
+        .filter(|f| !f.ok)
+        .map(|f| f.name.as_str())
+        .collect();
+    assert_eq!(bad, ["__0_0.distcp"]);
+
+    let out = local.path().join("out");
+    let e = ck
+        .pull(Selector::Latest, &out, true, &ctx(3), &opts())
+        .await
+        .expect_err("no fallback");
+    assert!(matches!(e, CkptError::Integrity { .. }), "{e}");
+    assert!(!out.exists(), "nothing left behind");
+    let leftovers: Vec<_> = std::fs::read_dir(local.path())
+        .expect("ls")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(leftovers.len(), 2, "{leftovers:?}");
+
+    let p = ck
+        .pull(Selector::Latest, &out, false, &ctx(4), &opts())
+        .await
+        .expect("fallback");
+    assert_eq!(p.checkpoint.step, 1);
+    assert_eq!(p.fell_back_from.len(), 1);
+    assert_eq!(p.fell_back_from[0].checkpoint.step, 2);
+    assert!(
+        p.fell_back_from[0].error.contains("SHA-256"),
+        "{}",
+        p.fell_back_from[0].error
+    );
+    same_tree(&d1, &out);
+    // An explicit step never falls back.
+    let e = ck
+        .pull(
+            Selector::Step(2),
+            &local.path().join("o2"),
+            false,
+            &ctx(5),
+            &opts(),
+        )
+        .await
+        .expect_err("step 2");
+    assert!(matches!(e, CkptError::Integrity { .. }), "{e}");
+}
+
+async fn concurrent_pushes_never_move_latest_backwards(env: Env) {
+    let ck = Arc::new(Ckpt::new(&env.store, "run-r").expect("ckpt"));
+    let local = tempfile::tempdir().expect("tmp");
+    let steps: Vec<u64> = vec![5, 3, 8, 1, 7, 2, 6, 4];
+    let dirs: Vec<_> = steps.iter().map(|s| make_ckpt(local.path(), *s)).collect();
+    // Two writer processes of one job (the same writer name) racing.
+    ck.acquire("job-7", &ctx(0)).await.expect("acquire");
+    let mut tasks = Vec::new();
+    for (i, (s, d)) in steps.iter().zip(dirs).enumerate() {
+        let ck = ck.clone();
+        let s = *s;
+        tasks.push(tokio::spawn(async move {
+            ck.push(&d, &req(s, "job-7", 100 + i as u64), &opts()).await
+        }));
+    }
+    for t in tasks {
+        t.await.expect("join").expect("push");
+    }
+    assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(8));
+    // Along the chain, publishes of one epoch only ever go up.
+    let mut last = 0;
+    for g in ck.generations().await.expect("gens") {
+        let r = ck.generation(g).await.expect("gen").expect("some");
+        if r.kind == keel_ckpt::GenKind::Publish {
+            let s = r.checkpoint.expect("ckpt").step;
+            assert!(s > last, "generation {g} moved latest from {last} to {s}");
+            last = s;
+        }
+    }
+}
+
+async fn fenced_writer_cannot_commit_or_publish(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-f").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    let old = ck
+        .push(
+            &make_ckpt(local.path(), 100),
+            &req(100, "job-1", 1),
+            &opts(),
+        )
+        .await
+        .expect("push");
+    assert_eq!(
+        old.checkpoint,
+        CkptRef {
+            step: 100,
+            epoch: 1
+        }
+    );
+    // The job is requeued: the new incarnation takes the run over.
+    let new = ck
+        .acquire("job-1.requeue-1", &ctx(2))
+        .await
+        .expect("acquire");
+    assert_eq!(new.epoch, 2);
+    // Latest still names the old checkpoint, to resume from.
+    assert_eq!(ck.latest().await.expect("latest"), Some(old.checkpoint));
+    // The zombie keeps going: neither commit nor publish.
+    let e = ck
+        .push(
+            &make_ckpt(local.path(), 200),
+            &req(200, "job-1", 3),
+            &opts(),
+        )
+        .await
+        .expect_err("fenced");
+    assert!(
+        matches!(
+            e,
+            CkptError::Fenced {
+                epoch: 1,
+                by_epoch: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(ck.resolve(Selector::Step(200)).await.is_err());
+    assert_eq!(ck.latest().await.expect("latest"), Some(old.checkpoint));
+    // The successor resumes at an older step and publishes over the zombie.
+    let r = ck
+        .push(
+            &make_ckpt(local.path(), 150),
+            &req(150, "job-1.requeue-1", 4),
+            &opts(),
+        )
+        .await
+        .expect("push");
+    assert!(matches!(r.published, Published::Latest { .. }));
+    assert_eq!(
+        ck.latest().await.expect("latest"),
+        Some(CkptRef {
+            step: 150,
+            epoch: 2
+        })
+    );
+    assert!(matches!(
+        ck.acquire("job-1", &ctx(5)).await,
+        Err(CkptError::Fenced { .. })
+    ));
+}
+
+async fn gc_keeps_what_it_must_and_deletes_commit_first(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-g").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    for s in 1..=6u64 {
+        ck.push(&make_ckpt(local.path(), s), &req(s, "w", s), &opts())
+            .await
+            .expect("push");
+    }
+    ck.pin(Selector::Step(2), "paper baseline", &ctx(50))
+        .await
+        .expect("pin");
+    // Data of a push that died before its manifest: an orphan.
+    ck.store()
+        .put(
+            "ckpt/00000000000000000007/e0000000001/data/dead/x.bin",
+            vec![1u8; 10].into(),
+        )
+        .await
+        .expect("put");
+    let policy = GcPolicy {
+        keep_last: Some(2),
+        keep_best: Some((1, "loss".into(), Order::Max)),
+        keep_every: None,
+        grace_secs: 0,
+    };
+    let far_future = Context {
+        now_unix: i64::MAX / 2,
+        ..ctx(60)
+    };
+    let dry = ck.gc(&policy, false, &far_future).await.expect("dry");
+    let deleted: Vec<u64> = dry.deleted.iter().map(|d| d.checkpoint.step).collect();
+    // Kept: 5, 6 (last 2), 6 latest, 2 pinned, 1 (highest loss).
+    assert_eq!(deleted, [3, 4]);
+    assert_eq!(dry.orphans.len(), 1);
+    assert_eq!(
+        ck.list().await.expect("ls").len(),
+        6,
+        "dry run deletes nothing"
+    );
+    let done = ck.gc(&policy, true, &far_future).await.expect("apply");
+    assert_eq!(done.deleted.len(), 2);
+    let left: Vec<u64> = ck
+        .list()
+        .await
+        .expect("ls")
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(left, [1, 2, 5, 6]);
+    assert!(ck
+        .store()
+        .list("ckpt/00000000000000000003")
+        .await
+        .expect("ls")
+        .is_empty());
+    assert!(ck
+        .store()
+        .list("ckpt/00000000000000000007")
+        .await
+        .expect("ls")
+        .is_empty());
+    // A young orphan is left alone (grace period).
+    ck.store()
+        .put(
+            "ckpt/00000000000000000008/e0000000001/data/young/x.bin",
+            vec![1u8; 10].into(),
+        )
+        .await
+        .expect("put");
+    let now = Context {
+        now_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("time")
+            .as_secs() as i64,
+        ..ctx(70)
+    };
+    let g = ck
+        .gc(
+            &GcPolicy {
+                grace_secs: 3600,
+                ..GcPolicy::default()
+            },
+            true,
+            &now,
+        )
+        .await
+        .expect("gc");
+    assert!(g.orphans.iter().all(|o| o.in_grace), "{g:?}");
+    assert_eq!(
+        ck.store()
+            .list("ckpt/00000000000000000008")
+            .await
+            .expect("ls")
+            .len(),
+        1
+    );
+    ck.unpin(Selector::Step(2)).await.expect("unpin");
+    assert!(matches!(
+        ck.unpin(Selector::Step(2)).await,
+        Err(CkptError::NotPinned { .. })
+    ));
+}
+
+async fn watch_pushes_completed_and_survives_restart(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-w").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    make_ckpt(local.path(), 10);
+    let partial = make_ckpt(local.path(), 20);
+    std::fs::remove_file(partial.join(".metadata")).expect("rm");
+    let mut w = keel_ckpt::watch::Watcher::new(ck.clone(), local.path(), None, "job-w".into());
+    let ev = w.pass(&ctx(1), &opts()).await.expect("pass");
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(10));
+    // DCP finishes step 20 by writing .metadata last.
+    std::fs::write(partial.join(".metadata"), b"meta").expect("w");
+    let ev = w.pass(&ctx(2), &opts()).await.expect("pass");
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    // A restarted watcher uploads nothing again.
+    let mut w2 = keel_ckpt::watch::Watcher::new(ck.clone(), local.path(), None, "job-w".into());
+    let ev = w2.pass(&ctx(3), &opts()).await.expect("pass");
+    assert!(ev.is_empty(), "{ev:?}");
+    assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(20));
+}
+
+async fn bad_input_changes_nothing(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-b").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    let e = ck
+        .push(&local.path().join("missing"), &req(1, "w", 1), &opts())
+        .await
+        .expect_err("missing");
+    assert!(matches!(e, CkptError::LocalDir { .. }), "{e}");
+    let empty = local.path().join("empty");
+    std::fs::create_dir(&empty).expect("mkdir");
+    let e = ck
+        .push(&empty, &req(1, "w", 1), &opts())
+        .await
+        .expect_err("empty");
+    assert!(matches!(e, CkptError::EmptyCheckpoint { .. }), "{e}");
+    assert!(
+        ck.store().list("").await.expect("ls").is_empty(),
+        "nothing written"
+    );
+    assert!(Ckpt::new(&env.store, "../x").is_err());
+}
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod file {
+            $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+               async fn $name() { super::$name(super::file_env()).await } )*
+        }
+        mod azurite {
+            $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+               #[ignore = "needs Azurite: scripts/test starts one"]
+               async fn $name() {
+                   super::$name(super::service_env(keel_testkit::objects::ObjectService::azurite())).await
+               } )*
+        }
+        mod s3 {
+            $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+               #[ignore = "needs an S3 server: scripts/test starts one"]
+               async fn $name() {
+                   super::$name(super::service_env(keel_testkit::objects::ObjectService::s3())).await
+               } )*
+        }
+    };
+}
+
+suite!(
+    push_latest_verify_pull,
+    corruption_is_detected_and_pull_falls_back,
+    concurrent_pushes_never_move_latest_backwards,
+    fenced_writer_cannot_commit_or_publish,
+    gc_keeps_what_it_must_and_deletes_commit_first,
+    watch_pushes_completed_and_survives_restart,
+    bad_input_changes_nothing,
+);
