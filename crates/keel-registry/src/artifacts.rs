@@ -74,11 +74,7 @@ impl std::fmt::Display for BadObject {
 /// top-level `model.sig` (a signature pulled beside the files) is left
 /// out. Symbolic links are refused.
 pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
-    fn walk(
-        root: &Path,
-        rel: &str,
-        out: &mut Vec<(String, PathBuf)>,
-    ) -> Result<(), ArtifactError> {
+    fn walk(root: &Path, rel: &str, out: &mut Vec<(String, PathBuf)>) -> Result<(), ArtifactError> {
         let here = if rel.is_empty() {
             root.to_owned()
         } else {

@@ -10,7 +10,9 @@ pub enum RegistryError {
         #[source]
         source: rusqlite::Error,
     },
-    #[error("registry database {path} has schema version {found}, newer than this keel knows ({known})")]
+    #[error(
+        "registry database {path} has schema version {found}, newer than this keel knows ({known})"
+    )]
     SchemaTooNew {
         path: PathBuf,
         found: i64,

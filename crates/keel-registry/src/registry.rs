@@ -158,7 +158,9 @@ impl Registry {
             rows.collect::<rusqlite::Result<_>>()
                 .map_err(RegistryError::db("listing models"))?
         };
-        ids.into_iter().map(|id| load_model(&self.conn, id)).collect()
+        ids.into_iter()
+            .map(|id| load_model(&self.conn, id))
+            .collect()
     }
 
     /// Deletes a model that has no versions (versions are never deleted,
@@ -517,9 +519,8 @@ impl Registry {
         match r {
             VersionRef::Number(m, n) => self.version(m, *n),
             VersionRef::Alias(m, a) => {
-                let id = model_id(&self.conn, m)?.ok_or_else(|| RegistryError::UnknownModel {
-                    name: m.clone(),
-                })?;
+                let id = model_id(&self.conn, m)?
+                    .ok_or_else(|| RegistryError::UnknownModel { name: m.clone() })?;
                 let n = alias_target(&self.conn, id, a)?.ok_or_else(|| {
                     RegistryError::UnknownAlias {
                         name: m.clone(),
@@ -529,9 +530,8 @@ impl Registry {
                 self.version(m, n)
             }
             VersionRef::Latest(m) => {
-                let id = model_id(&self.conn, m)?.ok_or_else(|| RegistryError::UnknownModel {
-                    name: m.clone(),
-                })?;
+                let id = model_id(&self.conn, m)?
+                    .ok_or_else(|| RegistryError::UnknownModel { name: m.clone() })?;
                 let n: Option<i64> = self
                     .conn
                     .query_row(
@@ -651,7 +651,9 @@ impl Registry {
             return Err(RegistryError::Invalid {
                 what: "alias",
                 value: format!("{model}@{alias}"),
-                reason: "its current target does not match its history (run `keel model audit verify`)".into(),
+                reason:
+                    "its current target does not match its history (run `keel model audit verify`)"
+                        .into(),
             });
         }
         if current.is_none() && stack.is_empty() {
@@ -716,7 +718,12 @@ impl Registry {
                     new_version: e.new_version.map(|v| v as i64),
                     reason: &e.reason,
                 };
-                (e.seq, e.prev_hash.clone(), e.hash.clone(), chain::link(ALIAS_DOMAIN, &e.prev_hash, &rec))
+                (
+                    e.seq,
+                    e.prev_hash.clone(),
+                    e.hash.clone(),
+                    chain::link(ALIAS_DOMAIN, &e.prev_hash, &rec),
+                )
             }),
             meta(&self.conn, "alias_head")?,
             &mut breaks,
@@ -732,7 +739,12 @@ impl Registry {
                     target: &e.target,
                     detail: &e.detail,
                 };
-                (e.seq, e.prev_hash.clone(), e.hash.clone(), chain::link(AUDIT_DOMAIN, &e.prev_hash, &rec))
+                (
+                    e.seq,
+                    e.prev_hash.clone(),
+                    e.hash.clone(),
+                    chain::link(AUDIT_DOMAIN, &e.prev_hash, &rec),
+                )
             }),
             meta(&self.conn, "audit_head")?,
             &mut breaks,
@@ -741,7 +753,9 @@ impl Registry {
         // Aliases now versus their replayed history.
         let mut replayed: BTreeMap<(String, String), Vec<Option<u64>>> = BTreeMap::new();
         for e in &alias {
-            let s = replayed.entry((e.model.clone(), e.alias.clone())).or_default();
+            let s = replayed
+                .entry((e.model.clone(), e.alias.clone()))
+                .or_default();
             match e.action {
                 AliasAction::Set | AliasAction::Delete => s.push(e.new_version),
                 AliasAction::Rollback => {
@@ -756,7 +770,9 @@ impl Registry {
                 .prepare("SELECT m.name, a.alias, a.version FROM aliases a JOIN models m ON m.id = a.model_id")
                 .map_err(RegistryError::db("reading aliases"))?;
             let rows = st
-                .query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get::<_, i64>(2)? as u64)))
+                .query_map([], |r| {
+                    Ok(((r.get(0)?, r.get(1)?), r.get::<_, i64>(2)? as u64))
+                })
                 .map_err(RegistryError::db("reading aliases"))?;
             for row in rows {
                 let (k, v) = row.map_err(RegistryError::db("reading aliases"))?;
@@ -769,7 +785,8 @@ impl Registry {
             let want = replayed.get(&k).and_then(|s| s.last().copied().flatten());
             let have = current.get(&k).copied();
             if want != have {
-                let show = |v: Option<u64>| v.map_or("nothing".to_owned(), |v| format!("version {v}"));
+                let show =
+                    |v: Option<u64>| v.map_or("nothing".to_owned(), |v| format!("version {v}"));
                 breaks.push(Break {
                     chain: ChainName::State,
                     seq: 0,
@@ -1008,7 +1025,14 @@ impl Registry {
                 name: name.to_owned(),
             });
         }
-        audit(&tx, now, actor, "key.revoke", &format!("key:{name}"), json!({}))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "key.revoke",
+            &format!("key:{name}"),
+            json!({}),
+        )?;
         tx.commit().map_err(RegistryError::db("committing"))?;
         self.api_keys()?
             .into_iter()
@@ -1066,7 +1090,10 @@ impl Registry {
                 .query_row("PRAGMA user_version", [], |r| r.get(0))
                 .map_err(|e| bad(e.to_string()))?;
             if v < 1 || v > crate::db::SCHEMA_VERSION {
-                return Err(bad(format!("schema version {v}, this keel reads 1 to {}", crate::db::SCHEMA_VERSION)));
+                return Err(bad(format!(
+                    "schema version {v}, this keel reads 1 to {}",
+                    crate::db::SCHEMA_VERSION
+                )));
             }
         }
         let check = Registry {
@@ -1076,7 +1103,10 @@ impl Registry {
         };
         let report = check.verify_chains()?;
         if !report.ok() {
-            return Err(bad(format!("it does not verify: {}", report.breaks[0].what)));
+            return Err(bad(format!(
+                "it does not verify: {}",
+                report.breaks[0].what
+            )));
         }
         drop(check);
         let events: i64 = self
@@ -1089,7 +1119,11 @@ impl Registry {
             });
         }
         self.conn
-            .restore(rusqlite::MAIN_DB, src, None::<fn(rusqlite::backup::Progress)>)
+            .restore(
+                rusqlite::MAIN_DB,
+                src,
+                None::<fn(rusqlite::backup::Progress)>,
+            )
             .map_err(RegistryError::db("restoring"))?;
         // Migrate a backup from an older schema.
         let conn = std::mem::replace(
@@ -1124,7 +1158,11 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
     let hash: String = r.get(2)?;
     Ok(ApiKey {
         name: r.get(0)?,
-        role: if role == "write" { Role::Write } else { Role::Read },
+        role: if role == "write" {
+            Role::Write
+        } else {
+            Role::Read
+        },
         id: hash.chars().take(12).collect(),
         created_ms: r.get(3)?,
         created_by: r.get(4)?,
@@ -1133,9 +1171,11 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
 }
 
 fn model_id(c: &Connection, name: &str) -> Result<Option<i64>> {
-    c.query_row("SELECT id FROM models WHERE name = ?1", [name], |r| r.get(0))
-        .optional()
-        .map_err(RegistryError::db("finding a model"))
+    c.query_row("SELECT id FROM models WHERE name = ?1", [name], |r| {
+        r.get(0)
+    })
+    .optional()
+    .map_err(RegistryError::db("finding a model"))
 }
 
 fn require_model(c: &Connection, name: &str) -> Result<i64> {
@@ -1315,9 +1355,11 @@ fn move_alias(
     touch_model(tx, model_id, now)?;
     let prev = meta(tx, "alias_head")?.unwrap_or_else(|| GENESIS.to_owned());
     let seq: i64 = tx
-        .query_row("SELECT COALESCE(MAX(seq), 0) + 1 FROM alias_events", [], |r| {
-            r.get(0)
-        })
+        .query_row(
+            "SELECT COALESCE(MAX(seq), 0) + 1 FROM alias_events",
+            [],
+            |r| r.get(0),
+        )
         .map_err(RegistryError::db("numbering an alias event"))?;
     let rec = AliasRecord {
         seq,
@@ -1373,9 +1415,11 @@ fn audit(
     let detail = detail.to_string();
     let prev = meta(tx, "audit_head")?.unwrap_or_else(|| GENESIS.to_owned());
     let seq: i64 = tx
-        .query_row("SELECT COALESCE(MAX(seq), 0) + 1 FROM audit_events", [], |r| {
-            r.get(0)
-        })
+        .query_row(
+            "SELECT COALESCE(MAX(seq), 0) + 1 FROM audit_events",
+            [],
+            |r| r.get(0),
+        )
         .map_err(RegistryError::db("numbering an audit event"))?;
     let rec = AuditRecord {
         seq,
@@ -1460,7 +1504,11 @@ fn check_chain(
     prev
 }
 
-fn alias_events(c: &Connection, model: Option<&str>, alias: Option<&str>) -> Result<Vec<AliasEvent>> {
+fn alias_events(
+    c: &Connection,
+    model: Option<&str>,
+    alias: Option<&str>,
+) -> Result<Vec<AliasEvent>> {
     let mut st = c
         .prepare(
             "SELECT seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash
@@ -1526,7 +1574,11 @@ fn load_model(c: &Connection, id: i64) -> Result<Model> {
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
         )
         .map_err(RegistryError::db("reading a model"))?;
-    let tags = read_tags(c, "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key", id)?;
+    let tags = read_tags(
+        c,
+        "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key",
+        id,
+    )?;
     let aliases = {
         let mut st = c
             .prepare("SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias")
@@ -1619,7 +1671,9 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
         .map_err(RegistryError::db("reading a version"))?;
     let files = {
         let mut st = c
-            .prepare("SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name")
+            .prepare(
+                "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
+            )
             .map_err(RegistryError::db("reading version files"))?;
         let rows = st
             .query_map([vid], |r| {
@@ -1640,7 +1694,9 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
     )?;
     let aliases = {
         let mut st = c
-            .prepare("SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias")
+            .prepare(
+                "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
+            )
             .map_err(RegistryError::db("reading aliases"))?;
         let rows = st
             .query_map(params![row.model_id, row.number], |r| r.get(0))
@@ -1655,11 +1711,12 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
             |r| r.get(0),
         )
         .map_err(RegistryError::db("reading signatures"))?;
-    let lineage: Lineage = serde_json::from_str(&row.lineage).map_err(|e| RegistryError::Invalid {
-        what: "stored lineage",
-        value: format!("{}:{}", row.model, row.number),
-        reason: e.to_string(),
-    })?;
+    let lineage: Lineage =
+        serde_json::from_str(&row.lineage).map_err(|e| RegistryError::Invalid {
+            what: "stored lineage",
+            value: format!("{}:{}", row.model, row.number),
+            reason: e.to_string(),
+        })?;
     Ok(Version {
         model: row.model,
         version: row.number as u64,
@@ -1698,11 +1755,14 @@ pub fn version_manifest(v: &Version) -> std::result::Result<Manifest, RegistryEr
             })
         })
         .collect::<std::result::Result<Vec<_>, RegistryError>>()?;
-    Manifest::new(format!("{}:{}", v.model, v.version), files, Default::default()).map_err(|e| {
-        RegistryError::Invalid {
-            what: "stored files",
-            value: format!("{}:{}", v.model, v.version),
-            reason: e.to_string(),
-        }
+    Manifest::new(
+        format!("{}:{}", v.model, v.version),
+        files,
+        Default::default(),
+    )
+    .map_err(|e| RegistryError::Invalid {
+        what: "stored files",
+        value: format!("{}:{}", v.model, v.version),
+        reason: e.to_string(),
     })
 }

@@ -60,7 +60,9 @@ pub enum SignError {
     BadBundle { reason: String },
     #[error("the signature was not made with this public key: {reason}")]
     WrongKey { reason: String },
-    #[error("the signature does not verify: the signed statement was changed or signed by another key")]
+    #[error(
+        "the signature does not verify: the signed statement was changed or signed by another key"
+    )]
     BadSignature,
     #[error("the signed statement is malformed: {reason}")]
     BadStatement { reason: String },
@@ -86,10 +88,16 @@ fn summary(problems: &[FileProblem]) -> String {
 pub enum FileProblem {
     /// The content differs (the resource name: a file, or `file:start:end`
     /// for a shard).
-    Changed { name: String },
-    Missing { name: String },
+    Changed {
+        name: String,
+    },
+    Missing {
+        name: String,
+    },
     /// A file the signature does not list.
-    Extra { name: String },
+    Extra {
+        name: String,
+    },
 }
 
 impl std::fmt::Display for FileProblem {
@@ -276,21 +284,19 @@ fn sec1_curve(block: &str) -> Option<String> {
 fn pkcs8_algorithm(block: &str) -> Option<String> {
     let der = pem_der(block)?;
     let has = |bytes: &[u8]| der.windows(bytes.len()).any(|w| w == bytes);
-    Some(
-        if has(&[0x2b, 0x65, 0x70]) {
-            "Ed25519".to_owned()
-        } else if has(&[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01]) {
-            "RSA".to_owned()
-        } else if has(&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01]) {
-            match sec1_curve(block).as_deref() {
-                Some("prime256v1") => "EC P-256".to_owned(),
-                Some(c) => format!("EC key on curve {c}"),
-                None => "EC".to_owned(),
-            }
-        } else {
-            "an unknown algorithm".to_owned()
-        },
-    )
+    Some(if has(&[0x2b, 0x65, 0x70]) {
+        "Ed25519".to_owned()
+    } else if has(&[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01]) {
+        "RSA".to_owned()
+    } else if has(&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01]) {
+        match sec1_curve(block).as_deref() {
+            Some("prime256v1") => "EC P-256".to_owned(),
+            Some(c) => format!("EC key on curve {c}"),
+            None => "EC".to_owned(),
+        }
+    } else {
+        "an unknown algorithm".to_owned()
+    })
 }
 
 fn pem_der(block: &str) -> Option<Vec<u8>> {
@@ -505,7 +511,10 @@ pub fn parse_statement(payload: &[u8]) -> Result<SignedStatement, SignError> {
     let v: serde_json::Value =
         serde_json::from_slice(payload).map_err(|e| bad(format!("not JSON: {e}")))?;
     if v["_type"] != STATEMENT_TYPE {
-        return Err(bad(format!("_type is {}, expected {STATEMENT_TYPE}", v["_type"])));
+        return Err(bad(format!(
+            "_type is {}, expected {STATEMENT_TYPE}",
+            v["_type"]
+        )));
     }
     if v["predicateType"] != PREDICATE_TYPE {
         return Err(SignError::Unsupported {
@@ -561,7 +570,11 @@ pub fn parse_statement(payload: &[u8]) -> Result<SignedStatement, SignError> {
         .unwrap_or_default();
     let mut resources = Vec::new();
     let mut h = Hasher::new();
-    for r in v["predicate"]["resources"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+    for r in v["predicate"]["resources"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+    {
         let rname = r["name"]
             .as_str()
             .ok_or_else(|| bad("a resource without a name".into()))?;
@@ -575,7 +588,11 @@ pub fn parse_statement(payload: &[u8]) -> Result<SignedStatement, SignError> {
         let d = r["digest"]
             .as_str()
             .and_then(Digest::from_hex)
-            .ok_or_else(|| bad(format!("resource {rname}: digest is not 64 lowercase hex digits")))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "resource {rname}: digest is not 64 lowercase hex digits"
+                ))
+            })?;
         h.update(&d.0);
         resources.push((rname.to_owned(), d.hex()));
     }
@@ -739,8 +756,14 @@ fn hash_range(path: &Path, start: u64, len: Option<u64>) -> Result<Digest, SignE
 /// Compares what a directory holds with what a statement signed.
 pub fn compare(signed: &[(String, String)], actual: &[(String, String)]) -> Vec<FileProblem> {
     use std::collections::BTreeMap;
-    let want: BTreeMap<&str, &str> = signed.iter().map(|(n, d)| (n.as_str(), d.as_str())).collect();
-    let have: BTreeMap<&str, &str> = actual.iter().map(|(n, d)| (n.as_str(), d.as_str())).collect();
+    let want: BTreeMap<&str, &str> = signed
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_str()))
+        .collect();
+    let have: BTreeMap<&str, &str> = actual
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_str()))
+        .collect();
     let mut out = Vec::new();
     for (n, d) in &want {
         match have.get(n) {
@@ -835,7 +858,10 @@ mod tests {
             k.public_key().open_bundle(b.as_bytes()).expect("verify"),
             b"{\"x\":1}"
         );
-        let e = other.public_key().open_bundle(b.as_bytes()).expect_err("wrong key");
+        let e = other
+            .public_key()
+            .open_bundle(b.as_bytes())
+            .expect_err("wrong key");
         assert!(matches!(e, SignError::WrongKey { .. }), "{e}");
         // Without the hint, the signature itself must fail.
         let mut v: serde_json::Value = serde_json::from_str(&b).expect("json");

@@ -381,7 +381,9 @@ pub fn check_model_name(name: &str) -> Result<(), RegistryError> {
         Err(RegistryError::Invalid {
             what: "model name",
             value: name.to_owned(),
-            reason: "use 1-128 letters, digits, `.`, `_`, `-` and `/`, starting with a letter or digit".into(),
+            reason:
+                "use 1-128 letters, digits, `.`, `_`, `-` and `/`, starting with a letter or digit"
+                    .into(),
         })
     }
 }
@@ -404,7 +406,9 @@ pub fn check_alias(alias: &str) -> Result<(), RegistryError> {
     }
     let lower = alias.to_ascii_lowercase();
     if lower == "latest"
-        || (lower.len() > 1 && lower.starts_with('v') && lower[1..].bytes().all(|b| b.is_ascii_digit()))
+        || (lower.len() > 1
+            && lower.starts_with('v')
+            && lower[1..].bytes().all(|b| b.is_ascii_digit()))
     {
         return Err(bad("`latest` and `v<number>` are reserved"));
     }
@@ -429,7 +433,9 @@ mod tests {
             "m".parse::<VersionRef>().expect("latest"),
             VersionRef::Latest("m".into())
         );
-        for bad in ["m:0", "m:x", "m:-1", "m@", "@a", "", "m@latest", "m@v2", "../m", "m:"] {
+        for bad in [
+            "m:0", "m:x", "m:-1", "m@", "@a", "", "m@latest", "m@v2", "../m", "m:",
+        ] {
             assert!(bad.parse::<VersionRef>().is_err(), "{bad}");
         }
     }

@@ -7,6 +7,7 @@ mod ckpt;
 mod config;
 mod exit;
 mod gpu;
+mod model;
 mod output;
 mod slurm;
 mod table;
@@ -55,6 +56,10 @@ enum Command {
         #[command(subcommand)]
         command: ckpt::CkptCommand,
     },
+    /// The model registry: immutable versions with lineage, aliases with
+    /// a hash-chained history, signatures (OpenSSF model signing), an
+    /// HTTP API with an MLflow-compatible subset.
+    Model(Box<model::ModelArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -82,6 +87,7 @@ fn main() -> ExitCode {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
         Command::Check(args) => check::run(&cli, args, &mut out),
         Command::Ckpt { command } => ckpt::run(command, &mut out),
+        Command::Model(args) => model::run(args, &mut out),
     };
     let code = match result {
         Ok(code) => code,
