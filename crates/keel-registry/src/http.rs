@@ -513,11 +513,31 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
     let mut out = Vec::new();
     let mut rest = f.trim();
     while !rest.is_empty() {
-        let key_end = rest
-            .find(|c: char| c.is_whitespace() || c == '=' || c == '!')
-            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
-        let key = rest[..key_end].trim_matches('`').to_owned();
-        rest = rest[key_end..].trim_start();
+        // A key: `name`, or `tag.KEY` / `tags.KEY` with KEY in backquotes
+        // or bare.
+        let (key, after_key) = match rest.find('.') {
+            Some(dot)
+                if matches!(&rest[..dot], "tag" | "tags") && rest[dot + 1..].starts_with('`') =>
+            {
+                let body = &rest[dot + 2..];
+                let close = body
+                    .find('`')
+                    .ok_or_else(|| ApiError::invalid(format!("unterminated ` in filter {f:?}")))?;
+                (format!("tag.{}", &body[..close]), &body[close + 1..])
+            }
+            _ => {
+                let end = rest
+                    .find(|c: char| c.is_whitespace() || c == '=' || c == '!')
+                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+                let k = rest[..end].trim_matches('`');
+                let k = match k.split_once('.') {
+                    Some(("tag" | "tags", t)) => format!("tag.{t}"),
+                    _ => k.to_owned(),
+                };
+                (k, &rest[end..])
+            }
+        };
+        rest = after_key.trim_start();
         let op_end = rest
             .find(|c: char| c == '\'' || c == '"' || c.is_ascii_digit())
             .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
@@ -543,9 +563,10 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         if !matches!(
             key.as_str(),
             "name" | "run_id" | "source_path" | "version_number"
-        ) {
+        ) && !key.starts_with("tag.")
+        {
             return Err(ApiError::invalid(format!(
-                "unsupported filter key {key:?}: use name, run_id, source_path or version_number"
+                "unsupported filter key {key:?}: use name, run_id, source_path, version_number or tag.KEY"
             )));
         }
         out.push(Clause { key, op, value });
@@ -587,6 +608,15 @@ fn like(pattern: &str, s: &str, fold: bool) -> bool {
     m(&p, &s)
 }
 
+/// A tag clause: an absent tag matches only `!=`.
+fn matches_tag(c: &Clause, tags: &[Tag]) -> bool {
+    let key = c.key.strip_prefix("tag.").unwrap_or(&c.key);
+    match tags.iter().find(|t| t.key == key) {
+        Some(t) => matches(c, &t.value),
+        None => c.op == "!=",
+    }
+}
+
 fn matches(c: &Clause, v: &str) -> bool {
     match c.op.as_str() {
         "=" => v == c.value,
@@ -615,16 +645,26 @@ fn page<T>(
 
 async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQuery>) -> ApiResult {
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
-    if let Some(c) = clauses.iter().find(|c| c.key != "name") {
+    if let Some(c) = clauses
+        .iter()
+        .find(|c| c.key != "name" && !c.key.starts_with("tag."))
+    {
         return Err(ApiError::invalid(format!(
-            "registered models filter on name only, not {}",
+            "registered models filter on name and tags only, not {}",
             c.key
         )));
     }
     let models = db(&st, move |r| {
         let mut out = Vec::new();
         for m in r.models()? {
-            if clauses.iter().all(|c| matches(c, &m.name)) {
+            let ok = clauses.iter().all(|c| {
+                if c.key == "name" {
+                    matches(c, &m.name)
+                } else {
+                    matches_tag(c, &m.tags)
+                }
+            });
+            if ok {
                 out.push(model_with_latest(r, &m.name)?);
             }
         }
@@ -825,6 +865,9 @@ async fn mlf_search_versions(
             .into_iter()
             .filter(|v| {
                 clauses.iter().all(|c| {
+                    if c.key.starts_with("tag.") {
+                        return matches_tag(c, &v.tags);
+                    }
                     let field = match c.key.as_str() {
                         "name" => v.model.clone(),
                         "run_id" => v.lineage.run_id.clone().unwrap_or_default(),
@@ -889,7 +932,11 @@ mod tests {
         let c = parse_filter("name ILIKE '%B_'").expect("ilike");
         assert!(matches(&c[0], "xxbz"));
         assert!(parse_filter("").expect("empty").is_empty());
-        assert!(parse_filter("tags.x = '1'").is_err());
+        let c = parse_filter("name LIKE 'm%' AND tag.`mlflow.prompt.is_prompt` != 'true'")
+            .expect("tag");
+        assert_eq!(c[1].key, "tag.mlflow.prompt.is_prompt");
+        assert!(matches_tag(&c[1], &[]));
+        assert!(parse_filter("foo = '1'").is_err());
         assert!(parse_filter("name = 'x' OR name = 'y'").is_err());
     }
 }
