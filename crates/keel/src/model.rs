@@ -893,6 +893,8 @@ fn verify_version(
     out: &mut Out,
 ) -> anyhow::Result<Code> {
     let (v, url) = stored_version(reg, reference)?;
+    // A bad key file is an error whether or not the version is signed.
+    let trusted_key = cfg.public_key.as_deref().map(PublicKey::read).transpose()?;
     let files = version_files(&v)?;
     let bad = runtime()?.block_on(async {
         let store = open_store(&url, false)?;
@@ -907,8 +909,8 @@ fn verify_version(
         (None, Some(_)) => problems.push(format!("{}:{} is not signed", v.model, v.version)),
         (None, None) => {}
         (Some(s), trusted) => {
-            let (key, trust) = match trusted {
-                Some(p) => (PublicKey::read(p)?, "trusted key"),
+            let (key, trust) = match trusted.as_ref().and(trusted_key.clone()) {
+                Some(k) => (k, "trusted key"),
                 None => (
                     PublicKey::from_pem(&s.public_key_pem, Path::new("<recorded key>"))?,
                     "the key recorded at signing (pass --public-key to check who signed)",
