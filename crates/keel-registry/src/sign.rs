@@ -536,8 +536,15 @@ pub fn parse_statement(payload: &[u8]) -> Result<SignedStatement, SignError> {
     let shard_size = match method.as_str() {
         "files" => None,
         "shards" => Some(
+            // Protobuf's Struct carries numbers as doubles: 65536.0.
             s["shard_size"]
                 .as_u64()
+                .or_else(|| {
+                    s["shard_size"]
+                        .as_f64()
+                        .filter(|f| f.fract() == 0.0 && *f >= 1.0 && *f < 9.0e15)
+                        .map(|f| f as u64)
+                })
                 .filter(|n| *n > 0)
                 .ok_or_else(|| bad("shards serialization without a positive shard_size".into()))?,
         ),
