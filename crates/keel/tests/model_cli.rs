@@ -417,3 +417,110 @@ fn bad_input_gets_clear_errors_and_exit_codes() {
     ]);
     assert_eq!(c, 64);
 }
+
+#[test]
+fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
+    let e = Env::new();
+    let ckpts = format!("file://{}", e.path("ckpts").display());
+    let push = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["ckpt", "push"])
+        .arg(e.path("model"))
+        .args(["--to", &ckpts, "--run", "pretrain", "--step", "100"])
+        .output()
+        .expect("push");
+    assert!(
+        push.status.success(),
+        "{}",
+        String::from_utf8_lossy(&push.stderr)
+    );
+    let v = e.json(&[
+        "register",
+        "llama",
+        "--from-ckpt",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "100",
+    ]);
+    let v = &v["model_version"];
+    assert_eq!(v["version"], 1);
+    let link = &v["lineage"]["checkpoint"];
+    assert_eq!(link["run"], "pretrain");
+    assert_eq!(link["step"], 100);
+    // The version's digest is the checkpoint's: same files, same digest.
+    assert_eq!(v["manifest_digest"], link["manifest_digest"]);
+    assert_eq!(v["lineage"]["run_id"], "pretrain");
+    // The files are read where the checkpoint keeps them, verified.
+    let out = e.path("pulled");
+    e.ok(&["pull", "llama:1", "--to", s(&out)]);
+    assert_eq!(
+        std::fs::read(out.join("tok/vocab.txt")).expect("read"),
+        b"a\nb\n"
+    );
+    // Pinned, so checkpoint GC keeps it.
+    let ls = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["ckpt", "ls", &ckpts, "--run", "pretrain"])
+        .output()
+        .expect("ls");
+    let text = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        text.contains("pinned (registered as model version llama:1)"),
+        "{text}"
+    );
+    // A newer step, then GC keeping one: the registered step stays.
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .output()
+            .expect("run");
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    run(&[
+        "ckpt",
+        "push",
+        s(&e.path("model")),
+        "--to",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "200",
+    ]);
+    run(&[
+        "ckpt",
+        "gc",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--keep-last",
+        "1",
+        "--apply",
+    ]);
+    let again = e.path("pulled-after-gc");
+    e.ok(&["pull", "llama:1", "--to", s(&again)]);
+    e.ok(&["verify", "llama:1"]);
+    // A step that does not exist is refused, and no version is taken.
+    let (code, err) = e.fails(&[
+        "register",
+        "llama",
+        "--from-ckpt",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "7",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("step 7"), "{err}");
+    assert_eq!(
+        e.json(&["show", "llama"])["versions"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+}
