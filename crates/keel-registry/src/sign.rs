@@ -33,7 +33,7 @@ use p256::ecdsa::{Signature, SigningKey, VerifyingKey};
 use p256::pkcs8::{DecodePrivateKey, DecodePublicKey, EncodePublicKey, LineEnding};
 use serde::{Deserialize, Serialize};
 
-use keel_store::manifest::{check_name, Hasher};
+use keel_store::manifest::Hasher;
 use keel_store::{Digest, Manifest};
 
 pub const BUNDLE_MEDIA_TYPE: &str = "application/vnd.dev.sigstore.bundle.v0.3+json";
@@ -827,21 +827,6 @@ pub fn verify_dir(
 /// (resources with their sizes; a v1.0 verifier ignores the extras).
 pub fn statement_for(manifest: &Manifest) -> Vec<u8> {
     manifest.to_json()
-}
-
-/// Checks resource names of a statement that will be joined to a local
-/// directory (no `..`, no absolute paths).
-pub fn check_resource_names(s: &SignedStatement) -> Result<(), SignError> {
-    for (n, _) in &s.resources {
-        let file = match s.serialization.shard_size {
-            Some(_) => n.splitn(2, ':').next().unwrap_or(n),
-            None => n,
-        };
-        check_name(file).map_err(|reason| SignError::BadStatement {
-            reason: format!("resource {n:?}: {reason}"),
-        })?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
