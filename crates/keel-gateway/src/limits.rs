@@ -518,7 +518,7 @@ impl RedisLimiter {
 pub fn reset_header(ms: u64) -> String {
     if ms >= 60_000 {
         format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
-    } else if ms % 1000 == 0 {
+    } else if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         let s = format!("{:.3}", ms as f64 / 1000.0);

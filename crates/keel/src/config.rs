@@ -18,6 +18,8 @@ pub struct FileConfig {
     pub bench: FileBench,
     #[serde(default)]
     pub serve: FileServe,
+    #[serde(default)]
+    pub model: FileModel,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -52,6 +54,35 @@ pub struct ServeConfig {
     pub listen: Option<std::net::SocketAddr>,
     /// Overrides the gateway file's `auth.keys_file` for `keel serve keys`.
     pub keys_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileModel {
+    pub db: Option<PathBuf>,
+    pub artifact_store: Option<String>,
+    pub actor: Option<String>,
+    pub public_key: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub serve_token_sha256: Option<String>,
+}
+
+/// The effective `keel model` settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelConfig {
+    /// The registry database (SQLite).
+    pub db: PathBuf,
+    /// Where `register --path` uploads files (a storage URL).
+    pub artifact_store: Option<String>,
+    /// Who the audit log names for changes made from this machine.
+    pub actor: String,
+    /// The trusted public key `verify` checks signatures with.
+    pub public_key: Option<PathBuf>,
+    /// `keel model serve`'s address.
+    pub listen: String,
+    /// SHA-256 (hex) of a bearer token `keel model serve` accepts for
+    /// reading and writing, besides the registry's API keys.
+    pub serve_token_sha256: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -135,6 +166,11 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_SERVE_CONFIG", "serve.config"),
     ("KEEL_SERVE_LISTEN", "serve.listen"),
     ("KEEL_SERVE_KEYS_FILE", "serve.keys_file"),
+    ("KEEL_MODEL_DB", "model.db"),
+    ("KEEL_ARTIFACT_STORE", "model.artifact_store"),
+    ("KEEL_ACTOR", "model.actor"),
+    ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
+    ("KEEL_MODEL_TOKEN_SHA256", "model.serve_token_sha256"),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
@@ -188,6 +224,62 @@ pub fn load_serve(env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<ServeC
         c.keys_file = Some(v.into());
     }
     Ok(c)
+}
+
+/// The registry database's default place: `$XDG_DATA_HOME/keel/registry.db`,
+/// else `~/.local/share/keel/registry.db`.
+fn default_db(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
+    match env("XDG_DATA_HOME").filter(|d| Path::new(d).is_absolute()) {
+        Some(d) => PathBuf::from(d).join("keel/registry.db"),
+        None => PathBuf::from(env("HOME").unwrap_or_else(|| ".".into()))
+            .join(".local/share/keel/registry.db"),
+    }
+}
+
+/// Loads the `[model]` settings: defaults < file < environment. Flags are
+/// applied by the caller.
+pub fn load_model(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
+    let (file, path) = load_file(explicit, env)?;
+    let f = file.model;
+    let mut c = ModelConfig {
+        db: f.db.unwrap_or_else(|| default_db(env)),
+        artifact_store: f.artifact_store,
+        actor: f
+            .actor
+            .or_else(|| env("USER"))
+            .or_else(|| env("LOGNAME"))
+            .unwrap_or_else(|| "unknown".into()),
+        public_key: f.public_key,
+        listen: f.listen.unwrap_or_else(|| "127.0.0.1:8470".into()),
+        serve_token_sha256: f.serve_token_sha256,
+    };
+    if let Some(v) = env("KEEL_MODEL_DB") {
+        c.db = v.into();
+    }
+    if let Some(v) = env("KEEL_ARTIFACT_STORE") {
+        c.artifact_store = Some(v);
+    }
+    if let Some(v) = env("KEEL_ACTOR") {
+        c.actor = v;
+    }
+    if let Some(v) = env("KEEL_MODEL_PUBLIC_KEY") {
+        c.public_key = Some(v.into());
+    }
+    if let Some(v) = env("KEEL_MODEL_TOKEN_SHA256") {
+        c.serve_token_sha256 = Some(v);
+    }
+    if let Some(t) = &c.serve_token_sha256 {
+        if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(crate::exit::UsageError(
+                "model.serve_token_sha256 must be 64 hex digits: the SHA-256 of the token (sha256sum)".into(),
+            )
+            .into());
+        }
+    }
+    Ok((c, path))
 }
 
 /// Reads the config file, if there is one.
@@ -318,6 +410,31 @@ mod tests {
     }
 
     #[test]
+    fn model_defaults_and_precedence() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(
+            &f,
+            "[model]\nartifact_store = \"file:///a\"\nactor = \"ci\"\n",
+        )
+        .expect("write");
+        let env = |k: &str| match k {
+            "HOME" => Some("/home/u".to_owned()),
+            "KEEL_ACTOR" => Some("alice".to_owned()),
+            _ => None,
+        };
+        let (c, _) = load_model(Some(&f), &env).expect("config");
+        assert_eq!(c.db, PathBuf::from("/home/u/.local/share/keel/registry.db"));
+        assert_eq!(c.artifact_store.as_deref(), Some("file:///a"));
+        assert_eq!(c.actor, "alice");
+        let env = |k: &str| (k == "XDG_DATA_HOME").then(|| "/data".to_owned());
+        let (c, _) = load_model(None, &env).expect("config");
+        assert_eq!(c.db, PathBuf::from("/data/keel/registry.db"));
+        let env = |k: &str| (k == "KEEL_MODEL_TOKEN_SHA256").then(|| "xyz".to_owned());
+        assert!(load_model(None, &env).is_err());
+    }
+
+    #[test]
     fn every_key_is_documented() {
         let doc = include_str!("../../../docs/config.md");
         // Every field of the effective config, read from the struct itself.
@@ -339,6 +456,20 @@ mod tests {
             assert!(
                 doc.contains(&format!("`{k}`")),
                 "docs/config.md does not document serve.{k}"
+            );
+        }
+        let model = serde_json::to_value(
+            load_model(None, &|k| (k == "HOME").then(|| "/h".to_owned()))
+                .expect("model config")
+                .0,
+        )
+        .expect("serialises");
+        let keys: Vec<String> = model.as_object().expect("object").keys().cloned().collect();
+        assert_eq!(keys.len(), 6);
+        for k in keys {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document model.{k}"
             );
         }
         let bench = serde_json::to_value(BenchConfig::default()).expect("serialises");

@@ -92,6 +92,29 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 G::Jwks { .. } | G::Redis { .. } => Code::Unknown,
             };
         }
+        if let Some(r) = e.downcast_ref::<keel_registry::RegistryError>() {
+            return registry_code(r);
+        }
+        if let Some(s) = e.downcast_ref::<keel_registry::sign::SignError>() {
+            return sign_code(s);
+        }
+        if let Some(a) = e.downcast_ref::<keel_registry::artifacts::ArtifactError>() {
+            use keel_registry::artifacts::ArtifactError as A;
+            return match a {
+                A::Store(s) => store_code(s),
+                A::Corrupt { .. } => Code::Failed,
+                A::Manifest { .. } => Code::Data,
+                A::NoManifest { .. }
+                | A::Empty { .. }
+                | A::Symlink { .. }
+                | A::BadName { .. }
+                | A::TargetNotEmpty { .. } => Code::Usage,
+                A::ReadDir { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    Code::Usage
+                }
+                A::ReadDir { .. } | A::Write { .. } => Code::Io,
+            };
+        }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
             return match g {
                 keel_gpu::GpuError::Unavailable { .. }
@@ -163,6 +186,40 @@ fn ckpt_code(c: &keel_ckpt::CkptError) -> Code {
             Code::Failed
         }
         E::NoCheckpoint { .. } | E::NoSuchStep { .. } => Code::Unknown,
+    }
+}
+
+fn registry_code(r: &keel_registry::RegistryError) -> Code {
+    use keel_registry::RegistryError as E;
+    match r {
+        E::Open { .. } | E::Db { .. } | E::Io { .. } => Code::Io,
+        E::SchemaTooNew { .. } | E::BadBackup { .. } => Code::Data,
+        E::Invalid { .. }
+        | E::UnknownModel { .. }
+        | E::ModelExists { .. }
+        | E::UnknownVersion { .. }
+        | E::UnknownAlias { .. }
+        | E::WrongStatus { .. }
+        | E::NothingToRollBack { .. }
+        | E::ModelHasVersions { .. }
+        | E::KeyExists { .. }
+        | E::UnknownKey { .. }
+        | E::NotEmpty { .. } => Code::Usage,
+    }
+}
+
+fn sign_code(s: &keel_registry::sign::SignError) -> Code {
+    use keel_registry::sign::SignError as E;
+    match s {
+        E::Read { .. } => Code::Io,
+        E::BadKey { .. }
+        | E::WrongKeyType { .. }
+        | E::BadBundle { .. }
+        | E::BadStatement { .. } => Code::Data,
+        E::Unsupported { .. } => Code::Unknown,
+        E::WrongKey { .. } | E::BadSignature | E::Mismatch { .. } | E::Symlink { .. } => {
+            Code::Failed
+        }
     }
 }
 

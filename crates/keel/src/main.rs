@@ -8,6 +8,7 @@ mod ckpt;
 mod config;
 mod exit;
 mod gpu;
+mod model;
 mod output;
 mod serve;
 mod slurm;
@@ -63,6 +64,10 @@ enum Command {
         #[command(subcommand)]
         command: ckpt::CkptCommand,
     },
+    /// The model registry: immutable versions with lineage, aliases with
+    /// a hash-chained history, signatures (OpenSSF model signing), an
+    /// HTTP API with an MLflow-compatible subset.
+    Model(Box<model::ModelArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -96,6 +101,7 @@ fn main() -> ExitCode {
         Command::Bench { command } => bench::run(&cli, command, &mut out),
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
+        Command::Model(args) => model::run(args, &mut out),
     };
     let code = match result {
         Ok(code) => code,

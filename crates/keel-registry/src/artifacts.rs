@@ -1,0 +1,301 @@
+//! A version's files in object storage (any keel-store URL): upload a
+//! local directory with its manifest, read a manifest that is already
+//! there, check stored objects, and pull them to a directory, verified.
+//!
+//! Layout under a version's artifact URL: the files under their names, and
+//! `manifest.json` (keel-store's statement), written last and only if
+//! absent.
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+
+use keel_store::transfer::{self, Fetch, Upload};
+use keel_store::{FileEntry, Manifest, Store, StoreError, TransferOptions};
+
+/// The manifest's key under an artifact URL.
+pub const MANIFEST_KEY: &str = "manifest.json";
+
+/// What can go wrong moving artifacts.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot read the directory {path}")]
+    ReadDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is a symbolic link; keel registers regular files only")]
+    Symlink { path: PathBuf },
+    #[error("{path} has no files to register")]
+    Empty { path: PathBuf },
+    #[error("{path}: file name {name:?} cannot be stored: {reason}")]
+    BadName {
+        path: PathBuf,
+        name: String,
+        reason: String,
+    },
+    #[error("the manifest at {url}/{MANIFEST_KEY} is not usable: {source}")]
+    Manifest {
+        url: String,
+        #[source]
+        source: keel_store::ManifestError,
+    },
+    #[error("no manifest at {url}/{MANIFEST_KEY}")]
+    NoManifest { url: String },
+    #[error("{target} already exists and is not an empty directory")]
+    TargetNotEmpty { target: PathBuf },
+    #[error("cannot write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} stored file(s) do not match the version's digests: {}", bad.len(), bad.iter().map(|b| b.to_string()).collect::<Vec<_>>().join("; "))]
+    Corrupt { bad: Vec<BadObject> },
+}
+
+/// A stored file that failed verification.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct BadObject {
+    pub name: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for BadObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.name, self.reason)
+    }
+}
+
+/// The regular files under `dir`, as `(relative name, path)`, sorted. A
+/// top-level `model.sig` (a signature pulled beside the files) is left
+/// out. Symbolic links are refused.
+pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
+    fn walk(root: &Path, rel: &str, out: &mut Vec<(String, PathBuf)>) -> Result<(), ArtifactError> {
+        let here = if rel.is_empty() {
+            root.to_owned()
+        } else {
+            root.join(rel)
+        };
+        let rd = std::fs::read_dir(&here).map_err(|source| ArtifactError::ReadDir {
+            path: here.clone(),
+            source,
+        })?;
+        for entry in rd {
+            let entry = entry.map_err(|source| ArtifactError::ReadDir {
+                path: here.clone(),
+                source,
+            })?;
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let child = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let ft = entry.file_type().map_err(|source| ArtifactError::ReadDir {
+                path: path.clone(),
+                source,
+            })?;
+            if ft.is_symlink() {
+                return Err(ArtifactError::Symlink { path });
+            } else if ft.is_dir() {
+                walk(root, &child, out)?;
+            } else if ft.is_file() {
+                if child == "model.sig" {
+                    continue;
+                }
+                keel_store::manifest::check_name(&child).map_err(|reason| {
+                    ArtifactError::BadName {
+                        path: path.clone(),
+                        name: child.clone(),
+                        reason,
+                    }
+                })?;
+                out.push((child, path));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, "", &mut out)?;
+    out.sort();
+    if out.is_empty() {
+        return Err(ArtifactError::Empty {
+            path: dir.to_owned(),
+        });
+    }
+    Ok(out)
+}
+
+/// Uploads a directory's files (hashed while they go) and then its
+/// manifest, create-only.
+pub async fn upload_dir(
+    store: &Store,
+    dir: &Path,
+    name: &str,
+    opts: &TransferOptions,
+) -> Result<Manifest, ArtifactError> {
+    let items: Vec<Upload> = list_dir(dir)?
+        .into_iter()
+        .map(|(name, local)| Upload {
+            local,
+            key: name.clone(),
+            name,
+        })
+        .collect();
+    let entries = transfer::upload_files(store, items, opts).await?;
+    let manifest = Manifest::new(name, entries, Default::default()).map_err(|source| {
+        ArtifactError::Manifest {
+            url: store.url().to_string(),
+            source,
+        }
+    })?;
+    store
+        .create(MANIFEST_KEY, Bytes::from(manifest.to_json()))
+        .await?;
+    Ok(manifest)
+}
+
+/// Reads and checks the manifest stored under a URL.
+pub async fn read_manifest(store: &Store, url: &str) -> Result<Manifest, ArtifactError> {
+    let bytes = store
+        .get_opt(MANIFEST_KEY)
+        .await?
+        .ok_or_else(|| ArtifactError::NoManifest {
+            url: url.to_owned(),
+        })?;
+    Manifest::from_json(&bytes).map_err(|source| ArtifactError::Manifest {
+        url: url.to_owned(),
+        source,
+    })
+}
+
+/// Reads every stored file and checks its size and SHA-256; returns the
+/// ones that fail (empty: all good).
+pub async fn check_stored(
+    store: &Store,
+    files: &[FileEntry],
+    opts: &TransferOptions,
+) -> Result<Vec<BadObject>, ArtifactError> {
+    let items = files
+        .iter()
+        .map(|f| Fetch {
+            key: f.name.clone(),
+            expected: f.clone(),
+            local: None,
+        })
+        .collect();
+    let results = transfer::fetch_files(store, items, opts, false).await?;
+    Ok(results
+        .into_iter()
+        .filter_map(|(f, r)| {
+            r.err().map(|e| BadObject {
+                name: f.expected.name,
+                reason: match e {
+                    StoreError::DigestMismatch { .. } => "content changed (SHA-256 differs)".into(),
+                    StoreError::SizeMismatch {
+                        expected, actual, ..
+                    } => format!("{actual} bytes, the version has {expected}"),
+                    e if e.is_not_found() => "missing from storage".into(),
+                    e => e.to_string(),
+                },
+            })
+        })
+        .collect())
+}
+
+/// Downloads a version's files into `target` (absent or empty), verifying
+/// every byte; on any failure nothing is left at `target`. Files arrive in
+/// a sibling directory that is renamed into place at the end.
+pub async fn pull(
+    store: &Store,
+    files: &[FileEntry],
+    target: &Path,
+    extra: &[(&str, &[u8])],
+    opts: &TransferOptions,
+) -> Result<(), ArtifactError> {
+    if let Ok(mut rd) = std::fs::read_dir(target) {
+        if rd.next().is_some() {
+            return Err(ArtifactError::TargetNotEmpty {
+                target: target.to_owned(),
+            });
+        }
+    } else if target.exists() {
+        return Err(ArtifactError::TargetNotEmpty {
+            target: target.to_owned(),
+        });
+    }
+    let parent = target
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|source| ArtifactError::Write {
+        path: parent.to_owned(),
+        source,
+    })?;
+    let staging = parent.join(format!(
+        ".{}.keel-pull-{}",
+        target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(|source| ArtifactError::Write {
+        path: staging.clone(),
+        source,
+    })?;
+    let result = async {
+        let items = files
+            .iter()
+            .map(|f| Fetch {
+                key: f.name.clone(),
+                expected: f.clone(),
+                local: Some(staging.join(&f.name)),
+            })
+            .collect();
+        let results = transfer::fetch_files(store, items, opts, false).await?;
+        let bad: Vec<BadObject> = results
+            .into_iter()
+            .filter_map(|(f, r)| {
+                r.err().map(|e| BadObject {
+                    name: f.expected.name,
+                    reason: match e {
+                        StoreError::DigestMismatch { .. } => {
+                            "content changed (SHA-256 differs)".into()
+                        }
+                        e if e.is_not_found() => "missing from storage".into(),
+                        e => e.to_string(),
+                    },
+                })
+            })
+            .collect();
+        if !bad.is_empty() {
+            return Err(ArtifactError::Corrupt { bad });
+        }
+        for (name, data) in extra {
+            let p = staging.join(name);
+            std::fs::write(&p, data).map_err(|source| ArtifactError::Write { path: p, source })?;
+        }
+        if target.exists() {
+            std::fs::remove_dir(target).map_err(|source| ArtifactError::Write {
+                path: target.to_owned(),
+                source,
+            })?;
+        }
+        std::fs::rename(&staging, target).map_err(|source| ArtifactError::Write {
+            path: target.to_owned(),
+            source,
+        })
+    }
+    .await;
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    result
+}

@@ -1,0 +1,103 @@
+//! What can go wrong, with the failing thing as data.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("cannot open the registry database {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error(
+        "registry database {path} has schema version {found}, newer than this keel knows ({known})"
+    )]
+    SchemaTooNew {
+        path: PathBuf,
+        found: i64,
+        known: i64,
+    },
+    #[error("registry database error while {context}")]
+    Db {
+        context: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("invalid {what} {value:?}: {reason}")]
+    Invalid {
+        what: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("no model named {name:?}")]
+    UnknownModel { name: String },
+    #[error("model {name:?} already exists")]
+    ModelExists { name: String },
+    #[error("model {name:?} has no version {version}")]
+    UnknownVersion { name: String, version: u64 },
+    #[error("model {name:?} has no alias {alias:?}")]
+    UnknownAlias { name: String, alias: String },
+    #[error("model {name:?} version {version} is {status}, not {expected}")]
+    WrongStatus {
+        name: String,
+        version: u64,
+        status: String,
+        expected: &'static str,
+    },
+    #[error("alias {alias:?} of model {name:?} has no earlier version to roll back to")]
+    NothingToRollBack { name: String, alias: String },
+    #[error("model {name:?} has {versions} version(s); versions are immutable and a model that has any cannot be deleted")]
+    ModelHasVersions { name: String, versions: u64 },
+    #[error("an API key named {name:?} already exists")]
+    KeyExists { name: String },
+    #[error("no API key named {name:?}")]
+    UnknownKey { name: String },
+    #[error("cannot {op} {path}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("backup {path} is not a usable registry: {reason}")]
+    BadBackup { path: PathBuf, reason: String },
+    #[error("the registry database {path} already holds data (use force to replace it)")]
+    NotEmpty { path: PathBuf },
+}
+
+impl RegistryError {
+    pub(crate) fn db(context: &'static str) -> impl FnOnce(rusqlite::Error) -> Self {
+        move |source| Self::Db { context, source }
+    }
+
+    /// Whether the error is about something that does not exist (HTTP 404,
+    /// MLflow `RESOURCE_DOES_NOT_EXIST`).
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self,
+            Self::UnknownModel { .. }
+                | Self::UnknownVersion { .. }
+                | Self::UnknownAlias { .. }
+                | Self::UnknownKey { .. }
+        )
+    }
+
+    /// Whether the request conflicts with what is stored (HTTP 409).
+    pub fn is_conflict(&self) -> bool {
+        matches!(
+            self,
+            Self::ModelExists { .. }
+                | Self::KeyExists { .. }
+                | Self::WrongStatus { .. }
+                | Self::NothingToRollBack { .. }
+                | Self::ModelHasVersions { .. }
+                | Self::NotEmpty { .. }
+        )
+    }
+
+    /// Whether the request itself is malformed (HTTP 400).
+    pub fn is_invalid(&self) -> bool {
+        matches!(self, Self::Invalid { .. })
+    }
+}

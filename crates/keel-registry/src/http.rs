@@ -1,0 +1,942 @@
+//! The registry's HTTP API.
+//!
+//! Every route but `GET /health` needs a credential: `Authorization:
+//! Bearer <secret>` or `api-key: <secret>`, either an API key from the
+//! registry (stored as its SHA-256; role `read` or `write`) or the one
+//! bearer token whose SHA-256 the configuration names (role `write`). A
+//! missing or unknown credential is 401; a `read` key on a route that
+//! changes something is 403. Nothing is anonymous.
+//!
+//! - keel's read API (`/api/v1/...`, JSON with a `version` field):
+//!   models, versions (with files, lineage and signature), aliases, alias
+//!   history, and the chain check; what the gateway reads.
+//! - The MLflow model-registry subset (`/api/2.0/mlflow/...`):
+//!   `registered-models/create|get|search|delete|set-tag|delete-tag`,
+//!   `registered-models/alias` (POST set, GET get, DELETE delete),
+//!   `model-versions/create|get|search|set-tag|delete-tag`, with MLflow's
+//!   JSON shapes and error codes, so `MlflowClient(registry_uri=...)`
+//!   works unchanged.
+//!
+//! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
+//! database failures are logged by nobody here and shown as a plain
+//! "internal error", never with internals.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::types::{parse_version, Role, Tag, Version, VersionRef};
+use crate::{Model, NewVersion, Registry, RegistryError};
+
+/// The JSON version of keel's own API bodies.
+pub const API_VERSION: u32 = 1;
+
+/// How the server authenticates, beyond the registry's API keys.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// SHA-256 (hex) of a bearer token that may read and write.
+    pub token_sha256: Option<String>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+#[derive(Clone)]
+struct AppState {
+    reg: Arc<Mutex<Registry>>,
+    token_sha256: Option<String>,
+}
+
+/// Who is calling: the audit log's actor.
+#[derive(Debug, Clone)]
+struct Identity {
+    actor: String,
+}
+
+/// An error as the API shows it.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "INVALID_PARAMETER_VALUE", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (
+            self.status,
+            Json(json!({"error_code": self.code, "message": self.message})),
+        )
+            .into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        r
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> Self {
+        if e.is_not_found() {
+            Self::new(
+                StatusCode::NOT_FOUND,
+                "RESOURCE_DOES_NOT_EXIST",
+                e.to_string(),
+            )
+        } else if matches!(
+            e,
+            RegistryError::ModelExists { .. } | RegistryError::KeyExists { .. }
+        ) {
+            Self::new(
+                StatusCode::CONFLICT,
+                "RESOURCE_ALREADY_EXISTS",
+                e.to_string(),
+            )
+        } else if e.is_conflict() {
+            Self::new(StatusCode::CONFLICT, "INVALID_STATE", e.to_string())
+        } else if e.is_invalid() {
+            Self::invalid(e.to_string())
+        } else {
+            Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "INTERNAL_ERROR",
+                "internal error",
+            )
+        }
+    }
+}
+
+type ApiResult = Result<Json<Value>, ApiError>;
+
+/// Runs a registry call on the blocking pool.
+async fn db<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let reg = st.reg.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut r = reg.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut r)
+    })
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL_ERROR",
+            "internal error",
+        )
+    })?
+    .map_err(ApiError::from)
+}
+
+/// The application: every route, behind authentication.
+pub fn router(reg: Registry, opts: ServeOptions) -> Router {
+    let st = AppState {
+        reg: Arc::new(Mutex::new(reg)),
+        token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
+    };
+    let max_body = if opts.max_body_bytes == 0 {
+        1 << 20
+    } else {
+        opts.max_body_bytes
+    };
+    let m = "/api/2.0/mlflow";
+    let api = Router::new()
+        .route("/api/v1/models", get(v1_models))
+        .route("/api/v1/models/get", get(v1_model))
+        .route("/api/v1/versions", get(v1_versions))
+        .route("/api/v1/versions/get", get(v1_version))
+        .route("/api/v1/aliases", get(v1_aliases))
+        .route("/api/v1/history", get(v1_history))
+        .route("/api/v1/audit/verify", get(v1_audit_verify))
+        .route(
+            &format!("{m}/registered-models/create"),
+            post(mlf_create_model),
+        )
+        .route(&format!("{m}/registered-models/get"), get(mlf_get_model))
+        .route(
+            &format!("{m}/registered-models/search"),
+            get(mlf_search_models),
+        )
+        .route(
+            &format!("{m}/registered-models/delete"),
+            axum::routing::delete(mlf_delete_model),
+        )
+        .route(
+            &format!("{m}/registered-models/set-tag"),
+            post(mlf_set_model_tag),
+        )
+        .route(
+            &format!("{m}/registered-models/delete-tag"),
+            axum::routing::delete(mlf_delete_model_tag),
+        )
+        .route(
+            &format!("{m}/registered-models/alias"),
+            get(mlf_get_alias)
+                .post(mlf_set_alias)
+                .delete(mlf_delete_alias),
+        )
+        .route(
+            &format!("{m}/model-versions/create"),
+            post(mlf_create_version),
+        )
+        .route(&format!("{m}/model-versions/get"), get(mlf_get_version))
+        .route(
+            &format!("{m}/model-versions/search"),
+            get(mlf_search_versions),
+        )
+        .route(
+            &format!("{m}/model-versions/set-tag"),
+            post(mlf_set_version_tag),
+        )
+        .route(
+            &format!("{m}/model-versions/delete-tag"),
+            axum::routing::delete(mlf_delete_version_tag),
+        )
+        .fallback(not_found)
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(axum::extract::DefaultBodyLimit::max(max_body))
+                .layer(axum::middleware::from_fn_with_state(
+                    st.clone(),
+                    authenticate,
+                )),
+        );
+    Router::new()
+        .route("/health", get(|| async { "ok\n" }))
+        .merge(api)
+        .with_state(st)
+}
+
+/// Serves `app` on an already-bound listener until `shutdown` completes,
+/// then finishes the requests in flight.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "ENDPOINT_NOT_FOUND",
+        "no such endpoint",
+    )
+}
+
+fn credential(headers: &HeaderMap) -> Option<String> {
+    if let Some(v) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        let (scheme, rest) = v.split_once(' ')?;
+        return scheme
+            .eq_ignore_ascii_case("bearer")
+            .then(|| rest.trim().to_owned());
+    }
+    headers
+        .get("api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().to_owned())
+}
+
+async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let Some(secret) = credential(req.headers()).filter(|s| !s.is_empty()) else {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "UNAUTHENTICATED",
+            "authentication required: Authorization: Bearer <key> or api-key: <key>",
+        )
+        .into_response();
+    };
+    let hash = crate::auth::secret_hash(&secret);
+    let found = if st.token_sha256.as_deref() == Some(hash.as_str()) {
+        Some(("token".to_owned(), Role::Write))
+    } else {
+        match db(&st, move |r| r.authenticate(&secret)).await {
+            Ok(k) => k.map(|k| (format!("key:{}", k.name), k.role)),
+            Err(e) => return e.into_response(),
+        }
+    };
+    let Some((actor, role)) = found else {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "UNAUTHENTICATED",
+            "unknown or revoked API key",
+        )
+        .into_response();
+    };
+    let writes = !matches!(*req.method(), Method::GET | Method::HEAD);
+    if writes && role != Role::Write {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "PERMISSION_DENIED",
+            format!("{actor} may only read"),
+        )
+        .into_response();
+    }
+    req.extensions_mut().insert(Identity { actor });
+    next.run(req).await
+}
+
+// ----- keel's read API ----------------------------------------------------
+
+#[derive(Deserialize)]
+struct NameQuery {
+    name: String,
+    alias: Option<String>,
+    version: Option<String>,
+}
+
+fn with_version(v: Value) -> Json<Value> {
+    let mut doc = serde_json::Map::new();
+    doc.insert("version".into(), API_VERSION.into());
+    if let Value::Object(o) = v {
+        doc.extend(o);
+    }
+    Json(Value::Object(doc))
+}
+
+async fn v1_models(State(st): State<AppState>) -> ApiResult {
+    let models = db(&st, |r| r.models()).await?;
+    Ok(with_version(json!({ "models": models })))
+}
+
+async fn v1_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let model = db(&st, move |r| r.model(&q.name)).await?;
+    Ok(with_version(json!({ "model": model })))
+}
+
+async fn v1_versions(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let versions = db(&st, move |r| r.versions(&q.name)).await?;
+    Ok(with_version(json!({ "versions": versions })))
+}
+
+/// One version by `version=N` or `alias=A` (else the latest READY one),
+/// with its signature bundle when it has one.
+async fn v1_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let r = match (&q.alias, &q.version) {
+        (Some(a), None) => VersionRef::Alias(q.name.clone(), a.clone()),
+        (None, Some(v)) => VersionRef::Number(q.name.clone(), parse_version(v)?),
+        (None, None) => VersionRef::Latest(q.name.clone()),
+        (Some(_), Some(_)) => return Err(ApiError::invalid("give alias or version, not both")),
+    };
+    let (v, sig) = db(&st, move |reg| {
+        let v = reg.resolve(&r)?;
+        let sig = reg.signature(&v.model, v.version)?;
+        Ok((v, sig))
+    })
+    .await?;
+    Ok(with_version(json!({
+        "model_version": v,
+        "signature": sig.map(|s| json!({"bundle": s.bundle, "public_key_pem": s.public_key_pem, "key_hint": s.key_hint})),
+    })))
+}
+
+async fn v1_aliases(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let m = db(&st, move |r| r.model(&q.name)).await?;
+    Ok(with_version(
+        json!({ "name": m.name, "aliases": m.aliases }),
+    ))
+}
+
+async fn v1_history(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let events = db(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
+    Ok(with_version(json!({ "events": events })))
+}
+
+async fn v1_audit_verify(State(st): State<AppState>) -> ApiResult {
+    let report = db(&st, |r| r.verify_chains()).await?;
+    Ok(with_version(json!({ "ok": report.ok(), "report": report })))
+}
+
+// ----- MLflow subset ------------------------------------------------------
+
+fn mlf_tags(tags: &[Tag]) -> Value {
+    tags.iter()
+        .map(|t| json!({"key": t.key, "value": t.value}))
+        .collect()
+}
+
+fn mlf_version(v: &Version) -> Value {
+    let mut o = json!({
+        "name": v.model,
+        "version": v.version.to_string(),
+        "creation_timestamp": v.created_ms,
+        "last_updated_timestamp": v.updated_ms,
+        "user_id": v.created_by,
+        "current_stage": "None",
+        "description": v.description,
+        "source": v.source,
+        "status": v.status.as_str(),
+        "status_message": v.status_message,
+        "tags": mlf_tags(&v.tags),
+        "aliases": v.aliases,
+    });
+    if let Some(run) = &v.lineage.run_id {
+        o["run_id"] = run.clone().into();
+    }
+    o
+}
+
+fn mlf_model(m: &Model, latest: Option<&Version>) -> Value {
+    json!({
+        "name": m.name,
+        "creation_timestamp": m.created_ms,
+        "last_updated_timestamp": m.updated_ms,
+        "user_id": m.created_by,
+        "description": m.description,
+        "latest_versions": latest.map(|v| vec![mlf_version(v)]).unwrap_or_default(),
+        "tags": mlf_tags(&m.tags),
+        "aliases": m.aliases.iter().map(|a| json!({"alias": a.alias, "version": a.version.to_string()})).collect::<Vec<_>>(),
+    })
+}
+
+fn model_with_latest(r: &Registry, name: &str) -> Result<Value, RegistryError> {
+    let m = r.model(name)?;
+    let latest = match m.latest_version {
+        Some(n) => Some(r.version(name, n)?),
+        None => None,
+    };
+    Ok(mlf_model(&m, latest.as_ref()))
+}
+
+#[derive(Deserialize)]
+struct MlfTag {
+    key: String,
+    #[serde(default)]
+    value: String,
+}
+
+#[derive(Deserialize)]
+struct CreateModel {
+    name: String,
+    #[serde(default)]
+    tags: Vec<MlfTag>,
+    #[serde(default)]
+    description: Option<String>,
+}
+
+fn required(field: &'static str, v: &str) -> Result<(), ApiError> {
+    if v.is_empty() {
+        Err(ApiError::invalid(format!(
+            "missing value for required parameter '{field}'"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+async fn mlf_create_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<CreateModel>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    let tags: Vec<Tag> = b
+        .tags
+        .into_iter()
+        .map(|t| Tag {
+            key: t.key,
+            value: t.value,
+        })
+        .collect();
+    let v = db(&st, move |r| {
+        r.create_model(
+            &id.actor,
+            &b.name,
+            b.description.as_deref().unwrap_or(""),
+            &tags,
+        )?;
+        model_with_latest(r, &b.name)
+    })
+    .await?;
+    Ok(Json(json!({ "registered_model": v })))
+}
+
+async fn mlf_get_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let v = db(&st, move |r| model_with_latest(r, &q.name)).await?;
+    Ok(Json(json!({ "registered_model": v })))
+}
+
+#[derive(Deserialize)]
+struct SearchQuery {
+    #[serde(default)]
+    filter: Option<String>,
+    #[serde(default)]
+    max_results: Option<usize>,
+    #[serde(default)]
+    page_token: Option<String>,
+}
+
+/// One `key op 'value'` clause of an MLflow filter.
+#[derive(Debug)]
+struct Clause {
+    key: String,
+    op: String,
+    value: String,
+}
+
+/// Parses MLflow's search filter subset: clauses `name`, `run_id`,
+/// `source_path`, `version_number` with `=`, `!=`, `LIKE`, `ILIKE`,
+/// joined by `AND`; values in single or double quotes (or bare numbers).
+fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
+    let mut out = Vec::new();
+    let mut rest = f.trim();
+    while !rest.is_empty() {
+        // A key: `name`, or `tag.KEY` / `tags.KEY` with KEY in backquotes
+        // or bare.
+        let (key, after_key) = match rest.find('.') {
+            Some(dot)
+                if matches!(&rest[..dot], "tag" | "tags") && rest[dot + 1..].starts_with('`') =>
+            {
+                let body = &rest[dot + 2..];
+                let close = body
+                    .find('`')
+                    .ok_or_else(|| ApiError::invalid(format!("unterminated ` in filter {f:?}")))?;
+                (format!("tag.{}", &body[..close]), &body[close + 1..])
+            }
+            _ => {
+                let end = rest
+                    .find(|c: char| c.is_whitespace() || c == '=' || c == '!')
+                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+                let k = rest[..end].trim_matches('`');
+                let k = match k.split_once('.') {
+                    Some(("tag" | "tags", t)) => format!("tag.{t}"),
+                    _ => k.to_owned(),
+                };
+                (k, &rest[end..])
+            }
+        };
+        rest = after_key.trim_start();
+        let op_end = rest
+            .find(|c: char| c == '\'' || c == '"' || c.is_ascii_digit())
+            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+        let op = rest[..op_end].trim().to_ascii_uppercase();
+        rest = &rest[op_end..];
+        let (value, after) = match rest.chars().next() {
+            Some(q @ ('\'' | '"')) => {
+                let close = rest[1..].find(q).ok_or_else(|| {
+                    ApiError::invalid(format!("unterminated string in filter {f:?}"))
+                })?;
+                (rest[1..1 + close].to_owned(), &rest[close + 2..])
+            }
+            _ => {
+                let end = rest.find(char::is_whitespace).unwrap_or(rest.len());
+                (rest[..end].to_owned(), &rest[end..])
+            }
+        };
+        if !matches!(op.as_str(), "=" | "!=" | "LIKE" | "ILIKE") {
+            return Err(ApiError::invalid(format!(
+                "unsupported operator {op:?} in filter {f:?}"
+            )));
+        }
+        if !matches!(
+            key.as_str(),
+            "name" | "run_id" | "source_path" | "version_number"
+        ) && !key.starts_with("tag.")
+        {
+            return Err(ApiError::invalid(format!(
+                "unsupported filter key {key:?}: use name, run_id, source_path, version_number or tag.KEY"
+            )));
+        }
+        out.push(Clause { key, op, value });
+        rest = after.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+        let Some(r) = rest
+            .strip_prefix("AND ")
+            .or_else(|| rest.strip_prefix("and "))
+        else {
+            return Err(ApiError::invalid(format!(
+                "only AND joins filter clauses: {f:?}"
+            )));
+        };
+        rest = r.trim_start();
+    }
+    Ok(out)
+}
+
+/// SQL LIKE: `%` any run, `_` one character.
+fn like(pattern: &str, s: &str, fold: bool) -> bool {
+    let (p, s): (Vec<char>, Vec<char>) = if fold {
+        (
+            pattern.to_lowercase().chars().collect(),
+            s.to_lowercase().chars().collect(),
+        )
+    } else {
+        (pattern.chars().collect(), s.chars().collect())
+    };
+    fn m(p: &[char], s: &[char]) -> bool {
+        match p.first() {
+            None => s.is_empty(),
+            Some('%') => (0..=s.len()).any(|i| m(&p[1..], &s[i..])),
+            Some('_') => !s.is_empty() && m(&p[1..], &s[1..]),
+            Some(c) => s.first() == Some(c) && m(&p[1..], &s[1..]),
+        }
+    }
+    m(&p, &s)
+}
+
+/// A tag clause: an absent tag matches only `!=`.
+fn matches_tag(c: &Clause, tags: &[Tag]) -> bool {
+    let key = c.key.strip_prefix("tag.").unwrap_or(&c.key);
+    match tags.iter().find(|t| t.key == key) {
+        Some(t) => matches(c, &t.value),
+        None => c.op == "!=",
+    }
+}
+
+fn matches(c: &Clause, v: &str) -> bool {
+    match c.op.as_str() {
+        "=" => v == c.value,
+        "!=" => v != c.value,
+        "LIKE" => like(&c.value, v, false),
+        _ => like(&c.value, v, true),
+    }
+}
+
+/// Applies `max_results` and an offset `page_token`.
+fn page<T>(
+    items: Vec<T>,
+    q: &SearchQuery,
+    default_max: usize,
+) -> Result<(Vec<T>, Option<String>), ApiError> {
+    let start: usize = match &q.page_token {
+        Some(t) if !t.is_empty() => t.parse().map_err(|_| ApiError::invalid("bad page_token"))?,
+        _ => 0,
+    };
+    let max = q.max_results.unwrap_or(default_max).max(1);
+    let total = items.len();
+    let page: Vec<T> = items.into_iter().skip(start).take(max).collect();
+    let next = (start + max < total).then(|| (start + max).to_string());
+    Ok((page, next))
+}
+
+async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQuery>) -> ApiResult {
+    let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
+    if let Some(c) = clauses
+        .iter()
+        .find(|c| c.key != "name" && !c.key.starts_with("tag."))
+    {
+        return Err(ApiError::invalid(format!(
+            "registered models filter on name and tags only, not {}",
+            c.key
+        )));
+    }
+    let models = db(&st, move |r| {
+        let mut out = Vec::new();
+        for m in r.models()? {
+            let ok = clauses.iter().all(|c| {
+                if c.key == "name" {
+                    matches(c, &m.name)
+                } else {
+                    matches_tag(c, &m.tags)
+                }
+            });
+            if ok {
+                out.push(model_with_latest(r, &m.name)?);
+            }
+        }
+        Ok(out)
+    })
+    .await?;
+    let (models, next) = page(models, &q, 100)?;
+    let mut body = json!({ "registered_models": models });
+    if let Some(n) = next {
+        body["next_page_token"] = n.into();
+    }
+    Ok(Json(body))
+}
+
+#[derive(Deserialize)]
+struct NameBody {
+    name: String,
+}
+
+async fn mlf_delete_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult {
+    let NameBody { name } = body_or_query(&uri, &body)?;
+    db(&st, move |r| r.delete_model(&id.actor, &name)).await?;
+    Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct TagBody {
+    name: String,
+    #[serde(default)]
+    version: Option<String>,
+    key: String,
+    #[serde(default)]
+    value: Option<String>,
+}
+
+async fn mlf_set_model_tag(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<TagBody>,
+) -> ApiResult {
+    let value = b.value.unwrap_or_default();
+    db(&st, move |r| {
+        r.set_model_tag(&id.actor, &b.name, &b.key, Some(&value))
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+/// A DELETE's arguments: MLflow's client sends a JSON body; plain HTTP
+/// clients often use the query string. Either works.
+fn body_or_query<T: serde::de::DeserializeOwned>(uri: &Uri, body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().any(|b| !b.is_ascii_whitespace()) {
+        serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))
+    } else {
+        Query::<T>::try_from_uri(uri)
+            .map(|q| q.0)
+            .map_err(|e| ApiError::invalid(e.body_text()))
+    }
+}
+
+async fn mlf_delete_model_tag(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult {
+    let b: TagBody = body_or_query(&uri, &body)?;
+    db(&st, move |r| {
+        r.set_model_tag(&id.actor, &b.name, &b.key, None)
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct AliasBody {
+    name: String,
+    alias: String,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+async fn mlf_set_alias(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<AliasBody>,
+) -> ApiResult {
+    let v = parse_version(b.version.as_deref().unwrap_or(""))?;
+    db(&st, move |r| {
+        r.set_alias(
+            &id.actor,
+            &b.name,
+            &b.alias,
+            v,
+            "set through the MLflow API",
+        )
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+async fn mlf_get_alias(State(st): State<AppState>, Query(b): Query<AliasBody>) -> ApiResult {
+    let v = db(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias))).await?;
+    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+}
+
+async fn mlf_delete_alias(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult {
+    let b: AliasBody = body_or_query(&uri, &body)?;
+    db(&st, move |r| {
+        r.delete_alias(
+            &id.actor,
+            &b.name,
+            &b.alias,
+            "deleted through the MLflow API",
+        )
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct CreateVersion {
+    name: String,
+    #[serde(default)]
+    source: String,
+    #[serde(default)]
+    run_id: Option<String>,
+    #[serde(default)]
+    tags: Vec<MlfTag>,
+    #[serde(default)]
+    description: Option<String>,
+}
+
+async fn mlf_create_version(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<CreateVersion>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    required("source", &b.source)?;
+    let new = NewVersion {
+        model: b.name,
+        source: b.source,
+        description: b.description.unwrap_or_default(),
+        lineage: crate::Lineage {
+            run_id: b.run_id.filter(|r| !r.is_empty()),
+            ..Default::default()
+        },
+        tags: b
+            .tags
+            .into_iter()
+            .map(|t| Tag {
+                key: t.key,
+                value: t.value,
+            })
+            .collect(),
+        create_model: false,
+    };
+    let v = db(&st, move |r| r.register_version(&id.actor, &new, None)).await?;
+    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+}
+
+async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let n = parse_version(q.version.as_deref().unwrap_or(""))?;
+    let v = db(&st, move |r| r.version(&q.name, n)).await?;
+    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+}
+
+async fn mlf_search_versions(
+    State(st): State<AppState>,
+    Query(q): Query<SearchQuery>,
+) -> ApiResult {
+    let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
+    let exact_name = clauses
+        .iter()
+        .find(|c| c.key == "name" && c.op == "=")
+        .map(|c| c.value.clone());
+    let versions = db(&st, move |r| {
+        let all = match exact_name {
+            Some(n) => match r.versions(&n) {
+                Ok(v) => v,
+                Err(RegistryError::UnknownModel { .. }) => Vec::new(),
+                Err(e) => return Err(e),
+            },
+            None => r.search_versions(None, None)?,
+        };
+        Ok(all
+            .into_iter()
+            .filter(|v| {
+                clauses.iter().all(|c| {
+                    if c.key.starts_with("tag.") {
+                        return matches_tag(c, &v.tags);
+                    }
+                    let field = match c.key.as_str() {
+                        "name" => v.model.clone(),
+                        "run_id" => v.lineage.run_id.clone().unwrap_or_default(),
+                        "source_path" => v.source.clone(),
+                        _ => v.version.to_string(),
+                    };
+                    matches(c, &field)
+                })
+            })
+            .map(|v| mlf_version(&v))
+            .collect::<Vec<_>>())
+    })
+    .await?;
+    let (versions, next) = page(versions, &q, 200_000)?;
+    let mut body = json!({ "model_versions": versions });
+    if let Some(n) = next {
+        body["next_page_token"] = n.into();
+    }
+    Ok(Json(body))
+}
+
+async fn mlf_set_version_tag(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<TagBody>,
+) -> ApiResult {
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    let value = b.value.unwrap_or_default();
+    db(&st, move |r| {
+        r.set_version_tag(&id.actor, &b.name, n, &b.key, Some(&value))
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+async fn mlf_delete_version_tag(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult {
+    let b: TagBody = body_or_query(&uri, &body)?;
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    db(&st, move |r| {
+        r.set_version_tag(&id.actor, &b.name, n, &b.key, None)
+    })
+    .await?;
+    Ok(Json(json!({})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_parse_and_match() {
+        let c = parse_filter("name='m1' AND run_id = \"r 1\"").expect("parse");
+        assert_eq!(c.len(), 2);
+        assert!(matches(&c[0], "m1") && matches(&c[1], "r 1"));
+        let c = parse_filter("name LIKE 'ab%'").expect("like");
+        assert!(matches(&c[0], "abc") && !matches(&c[0], "xabc"));
+        let c = parse_filter("name ILIKE '%B_'").expect("ilike");
+        assert!(matches(&c[0], "xxbz"));
+        assert!(parse_filter("").expect("empty").is_empty());
+        let c = parse_filter("name LIKE 'm%' AND tag.`mlflow.prompt.is_prompt` != 'true'")
+            .expect("tag");
+        assert_eq!(c[1].key, "tag.mlflow.prompt.is_prompt");
+        assert!(matches_tag(&c[1], &[]));
+        assert!(parse_filter("foo = '1'").is_err());
+        assert!(parse_filter("name = 'x' OR name = 'y'").is_err());
+    }
+}

@@ -1,0 +1,48 @@
+//! The keel model registry.
+//!
+//! - [`Registry`]: one SQLite database (WAL, migrations by `user_version`,
+//!   `BEGIN IMMEDIATE` for every write so concurrent registrations from
+//!   several processes get gapless, unique numbers). Models; versions
+//!   numbered 1, 2, 3 per model, immutable once READY (triggers refuse
+//!   changes); files with size and SHA-256; lineage; tags; aliases with a
+//!   hash-chained history; a hash-chained audit log of every change;
+//!   signatures; API keys stored as SHA-256 hashes; online backup and
+//!   restore.
+//! - [`sign`]: OpenSSF model-signing v1.0 bundles with ECDSA P-256 keys,
+//!   interoperable with the reference `model-signing` tool, and
+//!   verification of any directory against any such bundle.
+//! - [`artifacts`]: a version's files in any keel-store URL: upload with a
+//!   manifest, verified pull.
+//! - [`http`]: the HTTP API: read endpoints for versions, aliases and
+//!   history, and an MLflow-compatible subset of the model-registry REST
+//!   API, authenticated on every route.
+//!
+//! It never prints, exits, reads environment variables or the wall clock:
+//! time comes from a [`Clock`], the acting user is passed in. It knows
+//! nothing about checkpoints beyond the lineage link it records (the
+//! binary resolves `--from-ckpt` through keel-ckpt), and serves no
+//! inference.
+
+#![forbid(unsafe_code)]
+
+pub mod artifacts;
+pub mod auth;
+mod chain;
+mod db;
+mod error;
+pub mod http;
+mod registry;
+pub mod sign;
+mod time;
+mod types;
+
+pub use chain::{Break, ChainName, ChainReport};
+pub use db::SCHEMA_VERSION;
+pub use error::RegistryError;
+pub use registry::{version_manifest, Artifacts, NewVersion, Registry};
+pub use time::{rfc3339, Clock, FixedClock};
+pub use types::{
+    check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,
+    AuditEvent, CheckpointLink, Dataset, Lineage, Model, Role, SignatureRecord, Status, Tag,
+    Version, VersionFile, VersionRef,
+};

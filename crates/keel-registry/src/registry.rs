@@ -1,0 +1,1768 @@
+//! [`Registry`]: every operation on the database. Each mutating operation
+//! is one `BEGIN IMMEDIATE` transaction that also appends its audit event
+//! (and alias event), so either all of it is stored or none.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
+use serde_json::json;
+
+use keel_store::{Digest, FileEntry, Manifest};
+
+use crate::chain::{
+    self, AliasRecord, AuditRecord, Break, ChainName, ChainReport, ALIAS_DOMAIN, AUDIT_DOMAIN,
+    GENESIS,
+};
+use crate::types::{
+    check_alias, check_model_name, AliasAction, AliasEvent, AliasTarget, ApiKey, AuditEvent,
+    Lineage, Model, Role, SignatureRecord, Status, Tag, Version, VersionFile, VersionRef,
+};
+use crate::{Clock, RegistryError};
+
+type Result<T> = std::result::Result<T, RegistryError>;
+
+/// What a new version is, apart from its files.
+#[derive(Debug, Clone, Default)]
+pub struct NewVersion {
+    pub model: String,
+    /// Where it came from, as given (a directory, a URL, an MLflow source).
+    pub source: String,
+    pub description: String,
+    pub lineage: Lineage,
+    pub tags: Vec<Tag>,
+    /// Create the model if it does not exist yet.
+    pub create_model: bool,
+}
+
+/// A version's files as they go into the registry: where they live and the
+/// manifest that lists them.
+#[derive(Debug, Clone)]
+pub struct Artifacts {
+    /// The storage URL the file names are relative to.
+    pub url: String,
+    pub manifest: Manifest,
+}
+
+/// The model registry on one SQLite database.
+#[derive(Debug)]
+pub struct Registry {
+    conn: Connection,
+    clock: Arc<dyn Clock>,
+    path: PathBuf,
+}
+
+const SECRET_PREFIX: &str = "keel_";
+
+fn sha256_hex(s: &str) -> String {
+    Digest::of(s.as_bytes()).hex()
+}
+
+fn tags_json(tags: &[Tag]) -> serde_json::Value {
+    tags.iter()
+        .map(|t| (t.key.clone(), serde_json::Value::String(t.value.clone())))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+fn check_tag(t: &Tag) -> Result<()> {
+    if t.key.is_empty() || t.key.len() > 250 {
+        return Err(RegistryError::Invalid {
+            what: "tag key",
+            value: t.key.clone(),
+            reason: "tag keys are 1-250 characters".into(),
+        });
+    }
+    if t.value.len() > 5000 {
+        return Err(RegistryError::Invalid {
+            what: "tag value",
+            value: format!("{}...", &t.value[..40.min(t.value.len())]),
+            reason: "tag values are at most 5000 bytes".into(),
+        });
+    }
+    Ok(())
+}
+
+impl Registry {
+    /// Opens (creating and migrating) the database at `path`.
+    pub fn open(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
+        Ok(Self {
+            conn: crate::db::open(path)?,
+            clock,
+            path: path.to_owned(),
+        })
+    }
+
+    /// A registry in memory (tests).
+    pub fn open_in_memory(clock: Arc<dyn Clock>) -> Result<Self> {
+        Ok(Self {
+            conn: crate::db::open_in_memory()?,
+            clock,
+            path: PathBuf::from(":memory:"),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn begin(&mut self) -> Result<Transaction<'_>> {
+        self.conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(RegistryError::db("starting a write transaction"))
+    }
+
+    // ----- models -------------------------------------------------------
+
+    /// Creates a model.
+    pub fn create_model(
+        &mut self,
+        actor: &str,
+        name: &str,
+        description: &str,
+        tags: &[Tag],
+    ) -> Result<Model> {
+        check_model_name(name)?;
+        tags.iter().try_for_each(check_tag)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        if model_id(&tx, name)?.is_some() {
+            return Err(RegistryError::ModelExists {
+                name: name.to_owned(),
+            });
+        }
+        insert_model(&tx, now, actor, name, description, tags)?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.model(name)
+    }
+
+    /// A model with its tags, aliases and version count.
+    pub fn model(&self, name: &str) -> Result<Model> {
+        let id = model_id(&self.conn, name)?.ok_or_else(|| RegistryError::UnknownModel {
+            name: name.to_owned(),
+        })?;
+        load_model(&self.conn, id)
+    }
+
+    /// Every model, by name.
+    pub fn models(&self) -> Result<Vec<Model>> {
+        let ids: Vec<i64> = {
+            let mut st = self
+                .conn
+                .prepare("SELECT id FROM models ORDER BY name")
+                .map_err(RegistryError::db("listing models"))?;
+            let rows = st
+                .query_map([], |r| r.get(0))
+                .map_err(RegistryError::db("listing models"))?;
+            rows.collect::<rusqlite::Result<_>>()
+                .map_err(RegistryError::db("listing models"))?
+        };
+        ids.into_iter()
+            .map(|id| load_model(&self.conn, id))
+            .collect()
+    }
+
+    /// Deletes a model that has no versions (versions are never deleted,
+    /// so neither is a model that has any).
+    pub fn delete_model(&mut self, actor: &str, name: &str) -> Result<()> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        let n: i64 = tx
+            .query_row(
+                "SELECT COUNT(*) FROM versions WHERE model_id = ?1",
+                [id],
+                |r| r.get(0),
+            )
+            .map_err(RegistryError::db("counting versions"))?;
+        if n > 0 {
+            return Err(RegistryError::ModelHasVersions {
+                name: name.to_owned(),
+                versions: n as u64,
+            });
+        }
+        for sql in [
+            "DELETE FROM model_tags WHERE model_id = ?1",
+            "DELETE FROM aliases WHERE model_id = ?1",
+            "DELETE FROM models WHERE id = ?1",
+        ] {
+            tx.execute(sql, [id])
+                .map_err(RegistryError::db("deleting a model"))?;
+        }
+        audit(&tx, now, actor, "model.delete", name, json!({}))?;
+        tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    /// Sets (or with `value: None` deletes) a model tag.
+    pub fn set_model_tag(
+        &mut self,
+        actor: &str,
+        name: &str,
+        key: &str,
+        value: Option<&str>,
+    ) -> Result<()> {
+        if let Some(v) = value {
+            check_tag(&Tag {
+                key: key.into(),
+                value: v.into(),
+            })?;
+        }
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        match value {
+            Some(v) => tx.execute(
+                "INSERT INTO model_tags (model_id, key, value) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (model_id, key) DO UPDATE SET value = excluded.value",
+                params![id, key, v],
+            ),
+            None => tx.execute(
+                "DELETE FROM model_tags WHERE model_id = ?1 AND key = ?2",
+                params![id, key],
+            ),
+        }
+        .map_err(RegistryError::db("setting a tag"))?;
+        touch_model(&tx, id, now)?;
+        let action = if value.is_some() {
+            "model.tag.set"
+        } else {
+            "model.tag.delete"
+        };
+        audit(
+            &tx,
+            now,
+            actor,
+            action,
+            name,
+            json!({"key": key, "value": value}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    // ----- versions -----------------------------------------------------
+
+    /// Reserves the next version number (PENDING_REGISTRATION), for a
+    /// registration whose files are still to be uploaded.
+    pub fn reserve_version(&mut self, actor: &str, new: &NewVersion) -> Result<Version> {
+        self.insert_version(actor, new, None)
+    }
+
+    /// Registers a complete version in one step: READY, immutable. With
+    /// `artifacts: None` only the source is recorded (MLflow's
+    /// `model-versions/create`).
+    pub fn register_version(
+        &mut self,
+        actor: &str,
+        new: &NewVersion,
+        artifacts: Option<&Artifacts>,
+    ) -> Result<Version> {
+        self.insert_version(actor, new, Some(artifacts))
+    }
+
+    fn insert_version(
+        &mut self,
+        actor: &str,
+        new: &NewVersion,
+        complete: Option<Option<&Artifacts>>,
+    ) -> Result<Version> {
+        check_model_name(&new.model)?;
+        new.tags.iter().try_for_each(check_tag)?;
+        if new.source.is_empty() {
+            return Err(RegistryError::Invalid {
+                what: "source",
+                value: String::new(),
+                reason: "a version needs a source".into(),
+            });
+        }
+        let lineage = serde_json::to_string(&new.lineage).unwrap_or_default();
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = match model_id(&tx, &new.model)? {
+            Some(id) => id,
+            None if new.create_model => insert_model(&tx, now, actor, &new.model, "", &[])?,
+            None => {
+                return Err(RegistryError::UnknownModel {
+                    name: new.model.clone(),
+                })
+            }
+        };
+        if let Some(parent) = new.lineage.parent_version {
+            version_row_id(&tx, id, &new.model, parent)?;
+        }
+        // The write lock is held from BEGIN IMMEDIATE: no other writer can
+        // take the same number between this read and the insert.
+        let number: i64 = tx
+            .query_row(
+                "SELECT COALESCE(MAX(number), 0) + 1 FROM versions WHERE model_id = ?1",
+                [id],
+                |r| r.get(0),
+            )
+            .map_err(RegistryError::db("numbering a version"))?;
+        tx.execute(
+            "INSERT INTO versions (model_id, number, status, source, description, run_id, lineage,
+                                   created_ms, created_by, updated_ms)
+             VALUES (?1, ?2, 'PENDING_REGISTRATION', ?3, ?4, ?5, ?6, ?7, ?8, ?7)",
+            params![
+                id,
+                number,
+                new.source,
+                new.description,
+                new.lineage.run_id,
+                lineage,
+                now,
+                actor
+            ],
+        )
+        .map_err(RegistryError::db("inserting a version"))?;
+        let vid = tx.last_insert_rowid();
+        for t in &new.tags {
+            tx.execute(
+                "INSERT INTO version_tags (version_id, key, value) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (version_id, key) DO UPDATE SET value = excluded.value",
+                params![vid, t.key, t.value],
+            )
+            .map_err(RegistryError::db("tagging a version"))?;
+        }
+        touch_model(&tx, id, now)?;
+        let target = format!("{}:{number}", new.model);
+        audit(
+            &tx,
+            now,
+            actor,
+            "version.create",
+            &target,
+            json!({
+                "version": number,
+                "source": new.source,
+                "description": new.description,
+                "lineage": new.lineage,
+                "tags": tags_json(&new.tags),
+            }),
+        )?;
+        if let Some(artifacts) = complete {
+            finish(&tx, now, actor, vid, &target, artifacts)?;
+        }
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.version(&new.model, number as u64)
+    }
+
+    /// Completes a reserved version with its files: READY, immutable.
+    pub fn complete_version(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        artifacts: &Artifacts,
+    ) -> Result<Version> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = pending_version(&tx, id, model, number)?;
+        finish(
+            &tx,
+            now,
+            actor,
+            vid,
+            &format!("{model}:{number}"),
+            Some(artifacts),
+        )?;
+        touch_model(&tx, id, now)?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.version(model, number)
+    }
+
+    /// Marks a reserved version as failed; its number stays taken.
+    pub fn fail_version(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        message: &str,
+    ) -> Result<Version> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = pending_version(&tx, id, model, number)?;
+        tx.execute(
+            "UPDATE versions SET status = 'FAILED_REGISTRATION', status_message = ?2, updated_ms = ?3
+             WHERE id = ?1",
+            params![vid, message, now],
+        )
+        .map_err(RegistryError::db("failing a version"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "version.fail",
+            &format!("{model}:{number}"),
+            json!({"version": number, "message": message}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.version(model, number)
+    }
+
+    /// Sets (or with `value: None` deletes) a version tag. Tags are
+    /// annotations, not part of the immutable version.
+    pub fn set_version_tag(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        key: &str,
+        value: Option<&str>,
+    ) -> Result<()> {
+        if let Some(v) = value {
+            check_tag(&Tag {
+                key: key.into(),
+                value: v.into(),
+            })?;
+        }
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = version_row_id(&tx, id, model, number)?;
+        match value {
+            Some(v) => tx.execute(
+                "INSERT INTO version_tags (version_id, key, value) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (version_id, key) DO UPDATE SET value = excluded.value",
+                params![vid, key, v],
+            ),
+            None => tx.execute(
+                "DELETE FROM version_tags WHERE version_id = ?1 AND key = ?2",
+                params![vid, key],
+            ),
+        }
+        .map_err(RegistryError::db("setting a tag"))?;
+        let action = if value.is_some() {
+            "version.tag.set"
+        } else {
+            "version.tag.delete"
+        };
+        audit(
+            &tx,
+            now,
+            actor,
+            action,
+            &format!("{model}:{number}"),
+            json!({"key": key, "value": value}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    /// One version.
+    pub fn version(&self, model: &str, number: u64) -> Result<Version> {
+        let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
+            name: model.to_owned(),
+        })?;
+        let vid = version_row_id(&self.conn, id, model, number)?;
+        load_version(&self.conn, vid)
+    }
+
+    /// Every version of a model, oldest first.
+    pub fn versions(&self, model: &str) -> Result<Vec<Version>> {
+        let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
+            name: model.to_owned(),
+        })?;
+        self.version_ids("WHERE v.model_id = ?1", &[&id])?
+            .into_iter()
+            .map(|vid| load_version(&self.conn, vid))
+            .collect()
+    }
+
+    /// Versions across models, optionally of one model and one run.
+    pub fn search_versions(
+        &self,
+        model: Option<&str>,
+        run_id: Option<&str>,
+    ) -> Result<Vec<Version>> {
+        let mut clauses = Vec::new();
+        let mut args: Vec<&dyn rusqlite::ToSql> = Vec::new();
+        if let Some(m) = &model {
+            args.push(m);
+            clauses.push(format!("m.name = ?{}", args.len()));
+        }
+        if let Some(r) = &run_id {
+            args.push(r);
+            clauses.push(format!("v.run_id = ?{}", args.len()));
+        }
+        let filter = if clauses.is_empty() {
+            String::new()
+        } else {
+            format!("WHERE {}", clauses.join(" AND "))
+        };
+        self.version_ids(&filter, &args)?
+            .into_iter()
+            .map(|vid| load_version(&self.conn, vid))
+            .collect()
+    }
+
+    fn version_ids(&self, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<i64>> {
+        let sql = format!(
+            "SELECT v.id FROM versions v JOIN models m ON m.id = v.model_id {filter}
+             ORDER BY m.name, v.number"
+        );
+        let mut st = self
+            .conn
+            .prepare(&sql)
+            .map_err(RegistryError::db("listing versions"))?;
+        let rows = st
+            .query_map(args, |r| r.get(0))
+            .map_err(RegistryError::db("listing versions"))?;
+        rows.collect::<rusqlite::Result<_>>()
+            .map_err(RegistryError::db("listing versions"))
+    }
+
+    /// The version a reference names: an alias's target, a number, or the
+    /// highest READY version.
+    pub fn resolve(&self, r: &VersionRef) -> Result<Version> {
+        match r {
+            VersionRef::Number(m, n) => self.version(m, *n),
+            VersionRef::Alias(m, a) => {
+                let id = model_id(&self.conn, m)?
+                    .ok_or_else(|| RegistryError::UnknownModel { name: m.clone() })?;
+                let n = alias_target(&self.conn, id, a)?.ok_or_else(|| {
+                    RegistryError::UnknownAlias {
+                        name: m.clone(),
+                        alias: a.clone(),
+                    }
+                })?;
+                self.version(m, n)
+            }
+            VersionRef::Latest(m) => {
+                let id = model_id(&self.conn, m)?
+                    .ok_or_else(|| RegistryError::UnknownModel { name: m.clone() })?;
+                let n: Option<i64> = self
+                    .conn
+                    .query_row(
+                        "SELECT MAX(number) FROM versions WHERE model_id = ?1 AND status = 'READY'",
+                        [id],
+                        |r| r.get(0),
+                    )
+                    .map_err(RegistryError::db("finding the latest version"))?;
+                match n {
+                    Some(n) => self.version(m, n as u64),
+                    None => Err(RegistryError::Invalid {
+                        what: "model",
+                        value: m.clone(),
+                        reason: "it has no READY version".into(),
+                    }),
+                }
+            }
+        }
+    }
+
+    // ----- aliases ------------------------------------------------------
+
+    /// Points an alias at a READY version.
+    pub fn set_alias(
+        &mut self,
+        actor: &str,
+        model: &str,
+        alias: &str,
+        version: u64,
+        reason: &str,
+    ) -> Result<AliasEvent> {
+        check_alias(alias)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = version_row_id(&tx, id, model, version)?;
+        let status: String = tx
+            .query_row("SELECT status FROM versions WHERE id = ?1", [vid], |r| {
+                r.get(0)
+            })
+            .map_err(RegistryError::db("reading a version"))?;
+        if status != "READY" {
+            return Err(RegistryError::WrongStatus {
+                name: model.to_owned(),
+                version,
+                status,
+                expected: "READY",
+            });
+        }
+        let old = alias_target(&tx, id, alias)?;
+        let ev = move_alias(
+            &tx,
+            now,
+            actor,
+            id,
+            model,
+            alias,
+            AliasAction::Set,
+            old,
+            Some(version),
+            reason,
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        Ok(ev)
+    }
+
+    /// Removes an alias.
+    pub fn delete_alias(
+        &mut self,
+        actor: &str,
+        model: &str,
+        alias: &str,
+        reason: &str,
+    ) -> Result<AliasEvent> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let old = alias_target(&tx, id, alias)?.ok_or_else(|| RegistryError::UnknownAlias {
+            name: model.to_owned(),
+            alias: alias.to_owned(),
+        })?;
+        let ev = move_alias(
+            &tx,
+            now,
+            actor,
+            id,
+            model,
+            alias,
+            AliasAction::Delete,
+            Some(old),
+            None,
+            reason,
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        Ok(ev)
+    }
+
+    /// Moves an alias back to what it pointed at before its last change.
+    /// Rollbacks undo changes one at a time, like a stack: after `set 1`,
+    /// `set 2`, `set 3`, rollbacks go to 2, then 1, then refuse.
+    pub fn rollback(
+        &mut self,
+        actor: &str,
+        model: &str,
+        alias: &str,
+        reason: &str,
+    ) -> Result<AliasEvent> {
+        check_alias(alias)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let events = alias_events(&tx, Some(model), Some(alias))?;
+        let mut stack = replay_stack(&events);
+        let current = alias_target(&tx, id, alias)?;
+        if stack.last().copied().flatten() != current {
+            // The state disagrees with its history: refuse to guess.
+            return Err(RegistryError::Invalid {
+                what: "alias",
+                value: format!("{model}@{alias}"),
+                reason:
+                    "its current target does not match its history (run `keel model audit verify`)"
+                        .into(),
+            });
+        }
+        if current.is_none() && stack.is_empty() {
+            return Err(RegistryError::UnknownAlias {
+                name: model.to_owned(),
+                alias: alias.to_owned(),
+            });
+        }
+        stack.pop();
+        let Some(&target) = stack.last() else {
+            return Err(RegistryError::NothingToRollBack {
+                name: model.to_owned(),
+                alias: alias.to_owned(),
+            });
+        };
+        let ev = move_alias(
+            &tx,
+            now,
+            actor,
+            id,
+            model,
+            alias,
+            AliasAction::Rollback,
+            current,
+            target,
+            reason,
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        Ok(ev)
+    }
+
+    /// A model's alias history (one alias, or all), oldest first.
+    pub fn history(&self, model: &str, alias: Option<&str>) -> Result<Vec<AliasEvent>> {
+        require_model(&self.conn, model)?;
+        alias_events(&self.conn, Some(model), alias)
+    }
+
+    /// The audit log, oldest first.
+    pub fn audit_log(&self) -> Result<Vec<AuditEvent>> {
+        audit_events(&self.conn)
+    }
+
+    /// Checks both hash chains end to end, then the current state against
+    /// them: every alias's target against its replayed history, and every
+    /// READY version's files against its manifest digest and the digest
+    /// its registration event recorded.
+    pub fn verify_chains(&self) -> Result<ChainReport> {
+        let mut breaks = Vec::new();
+        let alias = alias_events(&self.conn, None, None)?;
+        let audit = audit_events(&self.conn)?;
+        let alias_head = check_chain(
+            ChainName::AliasHistory,
+            alias.iter().map(|e| {
+                let rec = AliasRecord {
+                    seq: e.seq,
+                    time_ms: e.time_ms,
+                    actor: &e.actor,
+                    model: &e.model,
+                    alias: &e.alias,
+                    action: e.action.as_str(),
+                    old_version: e.old_version.map(|v| v as i64),
+                    new_version: e.new_version.map(|v| v as i64),
+                    reason: &e.reason,
+                };
+                (
+                    e.seq,
+                    e.prev_hash.clone(),
+                    e.hash.clone(),
+                    chain::link(ALIAS_DOMAIN, &e.prev_hash, &rec),
+                )
+            }),
+            meta(&self.conn, "alias_head")?,
+            &mut breaks,
+        );
+        let audit_head = check_chain(
+            ChainName::AuditLog,
+            audit.iter().map(|e| {
+                let rec = AuditRecord {
+                    seq: e.seq,
+                    time_ms: e.time_ms,
+                    actor: &e.actor,
+                    action: &e.action,
+                    target: &e.target,
+                    detail: &e.detail,
+                };
+                (
+                    e.seq,
+                    e.prev_hash.clone(),
+                    e.hash.clone(),
+                    chain::link(AUDIT_DOMAIN, &e.prev_hash, &rec),
+                )
+            }),
+            meta(&self.conn, "audit_head")?,
+            &mut breaks,
+        );
+
+        // Aliases now versus their replayed history.
+        let mut replayed: BTreeMap<(String, String), Vec<Option<u64>>> = BTreeMap::new();
+        for e in &alias {
+            let s = replayed
+                .entry((e.model.clone(), e.alias.clone()))
+                .or_default();
+            match e.action {
+                AliasAction::Set | AliasAction::Delete => s.push(e.new_version),
+                AliasAction::Rollback => {
+                    s.pop();
+                }
+            }
+        }
+        let mut current: BTreeMap<(String, String), u64> = BTreeMap::new();
+        {
+            let mut st = self
+                .conn
+                .prepare("SELECT m.name, a.alias, a.version FROM aliases a JOIN models m ON m.id = a.model_id")
+                .map_err(RegistryError::db("reading aliases"))?;
+            let rows = st
+                .query_map([], |r| {
+                    Ok(((r.get(0)?, r.get(1)?), r.get::<_, i64>(2)? as u64))
+                })
+                .map_err(RegistryError::db("reading aliases"))?;
+            for row in rows {
+                let (k, v) = row.map_err(RegistryError::db("reading aliases"))?;
+                current.insert(k, v);
+            }
+        }
+        let keys: std::collections::BTreeSet<_> =
+            replayed.keys().chain(current.keys()).cloned().collect();
+        for k in keys {
+            let want = replayed.get(&k).and_then(|s| s.last().copied().flatten());
+            let have = current.get(&k).copied();
+            if want != have {
+                let show =
+                    |v: Option<u64>| v.map_or("nothing".to_owned(), |v| format!("version {v}"));
+                breaks.push(Break {
+                    chain: ChainName::State,
+                    seq: 0,
+                    what: format!(
+                        "alias {}@{} points at {}, but its history says {}",
+                        k.0,
+                        k.1,
+                        show(have),
+                        show(want)
+                    ),
+                });
+            }
+        }
+
+        // READY versions: files against digest, digest against the audit.
+        let mut registered: BTreeMap<String, Option<String>> = BTreeMap::new();
+        for e in &audit {
+            if e.action == "version.register" {
+                let d: serde_json::Value = serde_json::from_str(&e.detail).unwrap_or_default();
+                registered.insert(
+                    e.target.clone(),
+                    d["manifest_digest"].as_str().map(str::to_owned),
+                );
+            }
+        }
+        let mut checked = 0u64;
+        for v in self.search_versions(None, None)? {
+            if v.status != Status::Ready {
+                continue;
+            }
+            checked += 1;
+            let target = format!("{}:{}", v.model, v.version);
+            if let Some(d) = &v.manifest_digest {
+                let mut h = keel_store::manifest::Hasher::new();
+                let mut ok = true;
+                for f in &v.files {
+                    match Digest::from_hex(&f.sha256) {
+                        Some(x) => h.update(&x.0),
+                        None => ok = false,
+                    }
+                }
+                if !ok || &h.finish().hex() != d {
+                    breaks.push(Break {
+                        chain: ChainName::State,
+                        seq: 0,
+                        what: format!("version {target}: its file digests do not add up to its manifest digest {d}"),
+                    });
+                }
+            }
+            match registered.get(&target) {
+                None => breaks.push(Break {
+                    chain: ChainName::State,
+                    seq: 0,
+                    what: format!("version {target} is READY but the audit log has no registration for it"),
+                }),
+                Some(d) if d != &v.manifest_digest => breaks.push(Break {
+                    chain: ChainName::State,
+                    seq: 0,
+                    what: format!(
+                        "version {target}: manifest digest {} differs from the {} its registration recorded",
+                        v.manifest_digest.as_deref().unwrap_or("none"),
+                        d.as_deref().unwrap_or("none")
+                    ),
+                }),
+                Some(_) => {}
+            }
+        }
+        Ok(ChainReport {
+            alias_events: alias.len() as u64,
+            audit_events: audit.len() as u64,
+            alias_head,
+            audit_head,
+            versions_checked: checked,
+            breaks,
+        })
+    }
+
+    // ----- signatures ---------------------------------------------------
+
+    /// Attaches a signature bundle to a READY version. The caller has
+    /// checked that the bundle signs this version's files.
+    pub fn attach_signature(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        bundle: &str,
+        public_key_pem: &str,
+        key_hint: &str,
+    ) -> Result<SignatureRecord> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = version_row_id(&tx, id, model, number)?;
+        tx.execute(
+            "INSERT INTO signatures (version_id, bundle, public_key_pem, key_hint, created_ms, created_by)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![vid, bundle, public_key_pem, key_hint, now, actor],
+        )
+        .map_err(RegistryError::db("storing a signature"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "version.sign",
+            &format!("{model}:{number}"),
+            json!({"version": number, "key_hint": key_hint, "bundle_sha256": sha256_hex(bundle)}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.signature(model, number)?
+            .ok_or_else(|| RegistryError::UnknownVersion {
+                name: model.to_owned(),
+                version: number,
+            })
+    }
+
+    /// The newest signature of a version, if any.
+    pub fn signature(&self, model: &str, number: u64) -> Result<Option<SignatureRecord>> {
+        let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
+            name: model.to_owned(),
+        })?;
+        let vid = version_row_id(&self.conn, id, model, number)?;
+        self.conn
+            .query_row(
+                "SELECT bundle, public_key_pem, key_hint, created_ms, created_by FROM signatures
+                 WHERE version_id = ?1 ORDER BY id DESC LIMIT 1",
+                [vid],
+                |r| {
+                    Ok(SignatureRecord {
+                        model: model.to_owned(),
+                        version: number,
+                        bundle: r.get(0)?,
+                        public_key_pem: r.get(1)?,
+                        key_hint: r.get(2)?,
+                        created_ms: r.get(3)?,
+                        created_by: r.get(4)?,
+                    })
+                },
+            )
+            .optional()
+            .map_err(RegistryError::db("reading a signature"))
+    }
+
+    // ----- API keys -----------------------------------------------------
+
+    /// Creates an API key from a secret the caller generated (see
+    /// [`crate::auth::new_secret`]); only its SHA-256 is stored.
+    pub fn create_api_key(
+        &mut self,
+        actor: &str,
+        name: &str,
+        role: Role,
+        secret: &str,
+    ) -> Result<ApiKey> {
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(RegistryError::Invalid {
+                what: "key name",
+                value: name.to_owned(),
+                reason: "use 1-64 letters, digits, `.`, `_` and `-`".into(),
+            });
+        }
+        if secret.len() < 32 {
+            return Err(RegistryError::Invalid {
+                what: "key secret",
+                value: "***".into(),
+                reason: "secrets must be at least 32 characters".into(),
+            });
+        }
+        let hash = sha256_hex(secret);
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let exists: bool = tx
+            .query_row(
+                "SELECT COUNT(*) FROM api_keys WHERE name = ?1",
+                [name],
+                |r| r.get::<_, i64>(0),
+            )
+            .map_err(RegistryError::db("reading keys"))?
+            > 0;
+        if exists {
+            return Err(RegistryError::KeyExists {
+                name: name.to_owned(),
+            });
+        }
+        tx.execute(
+            "INSERT INTO api_keys (name, sha256, role, created_ms, created_by) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![name, hash, role.as_str(), now, actor],
+        )
+        .map_err(RegistryError::db("storing a key"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "key.create",
+            &format!("key:{name}"),
+            json!({"role": role.as_str(), "id": &hash[..12]}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.api_keys()?
+            .into_iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| RegistryError::UnknownKey {
+                name: name.to_owned(),
+            })
+    }
+
+    pub fn api_keys(&self) -> Result<Vec<ApiKey>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys ORDER BY name")
+            .map_err(RegistryError::db("reading keys"))?;
+        let rows = st
+            .query_map([], key_row)
+            .map_err(RegistryError::db("reading keys"))?;
+        rows.collect::<rusqlite::Result<_>>()
+            .map_err(RegistryError::db("reading keys"))
+    }
+
+    /// Revokes a key; it stops working at once.
+    pub fn revoke_api_key(&mut self, actor: &str, name: &str) -> Result<ApiKey> {
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let n = tx
+            .execute(
+                "UPDATE api_keys SET revoked_ms = COALESCE(revoked_ms, ?2) WHERE name = ?1",
+                params![name, now],
+            )
+            .map_err(RegistryError::db("revoking a key"))?;
+        if n == 0 {
+            return Err(RegistryError::UnknownKey {
+                name: name.to_owned(),
+            });
+        }
+        audit(
+            &tx,
+            now,
+            actor,
+            "key.revoke",
+            &format!("key:{name}"),
+            json!({}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.api_keys()?
+            .into_iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| RegistryError::UnknownKey {
+                name: name.to_owned(),
+            })
+    }
+
+    /// The live (not revoked) key whose secret this is.
+    pub fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>> {
+        if !secret.starts_with(SECRET_PREFIX) {
+            return Ok(None);
+        }
+        self.conn
+            .query_row(
+                "SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys
+                 WHERE sha256 = ?1 AND revoked_ms IS NULL",
+                [sha256_hex(secret)],
+                key_row,
+            )
+            .optional()
+            .map_err(RegistryError::db("checking a key"))
+    }
+
+    // ----- backup and restore -------------------------------------------
+
+    /// Copies the live database to `dest` with SQLite's online backup (a
+    /// consistent snapshot while others keep writing).
+    pub fn backup_to(&self, dest: &Path) -> Result<()> {
+        self.conn
+            .backup(rusqlite::MAIN_DB, dest, None)
+            .map_err(RegistryError::db("backing up"))
+    }
+
+    /// Replaces this database's content with a backup file's, after
+    /// checking that the backup is a registry whose chains verify. Refuses
+    /// to overwrite a registry that holds anything unless `force`.
+    pub fn restore_from(&mut self, actor: &str, src: &Path, force: bool) -> Result<ChainReport> {
+        let bad = |reason: String| RegistryError::BadBackup {
+            path: src.to_owned(),
+            reason,
+        };
+        // Check the backup first, on its own connection.
+        {
+            let conn = Connection::open_with_flags(src, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .map_err(|e| bad(e.to_string()))?;
+            let ok: String = conn
+                .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+                .map_err(|e| bad(e.to_string()))?;
+            if ok != "ok" {
+                return Err(bad(format!("integrity check: {ok}")));
+            }
+            let v: i64 = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .map_err(|e| bad(e.to_string()))?;
+            if v < 1 || v > crate::db::SCHEMA_VERSION {
+                return Err(bad(format!(
+                    "schema version {v}, this keel reads 1 to {}",
+                    crate::db::SCHEMA_VERSION
+                )));
+            }
+        }
+        let check = Registry {
+            conn: Connection::open(src).map_err(|e| bad(e.to_string()))?,
+            clock: self.clock.clone(),
+            path: src.to_owned(),
+        };
+        let report = check.verify_chains()?;
+        if !report.ok() {
+            return Err(bad(format!(
+                "it does not verify: {}",
+                report.breaks[0].what
+            )));
+        }
+        drop(check);
+        let events: i64 = self
+            .conn
+            .query_row("SELECT COUNT(*) FROM audit_events", [], |r| r.get(0))
+            .map_err(RegistryError::db("reading the audit log"))?;
+        if events > 0 && !force {
+            return Err(RegistryError::NotEmpty {
+                path: self.path.clone(),
+            });
+        }
+        self.conn
+            .restore(
+                rusqlite::MAIN_DB,
+                src,
+                None::<fn(rusqlite::backup::Progress)>,
+            )
+            .map_err(RegistryError::db("restoring"))?;
+        // Migrate a backup from an older schema.
+        let conn = std::mem::replace(
+            &mut self.conn,
+            Connection::open_in_memory().map_err(RegistryError::db("restoring"))?,
+        );
+        drop(conn);
+        self.conn = if self.path == Path::new(":memory:") {
+            crate::db::open_in_memory()?
+        } else {
+            crate::db::open(&self.path)?
+        };
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "registry.restore",
+            "registry",
+            json!({"from": src.display().to_string(), "audit_head": report.audit_head, "alias_head": report.alias_head}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        Ok(report)
+    }
+}
+
+// ----- helpers on a connection or transaction ----------------------------
+
+fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
+    let role: String = r.get(1)?;
+    let hash: String = r.get(2)?;
+    Ok(ApiKey {
+        name: r.get(0)?,
+        role: if role == "write" {
+            Role::Write
+        } else {
+            Role::Read
+        },
+        id: hash.chars().take(12).collect(),
+        created_ms: r.get(3)?,
+        created_by: r.get(4)?,
+        revoked_ms: r.get(5)?,
+    })
+}
+
+fn model_id(c: &Connection, name: &str) -> Result<Option<i64>> {
+    c.query_row("SELECT id FROM models WHERE name = ?1", [name], |r| {
+        r.get(0)
+    })
+    .optional()
+    .map_err(RegistryError::db("finding a model"))
+}
+
+fn require_model(c: &Connection, name: &str) -> Result<i64> {
+    model_id(c, name)?.ok_or_else(|| RegistryError::UnknownModel {
+        name: name.to_owned(),
+    })
+}
+
+fn version_row_id(c: &Connection, model_id: i64, model: &str, number: u64) -> Result<i64> {
+    c.query_row(
+        "SELECT id FROM versions WHERE model_id = ?1 AND number = ?2",
+        params![model_id, number as i64],
+        |r| r.get(0),
+    )
+    .optional()
+    .map_err(RegistryError::db("finding a version"))?
+    .ok_or_else(|| RegistryError::UnknownVersion {
+        name: model.to_owned(),
+        version: number,
+    })
+}
+
+fn pending_version(c: &Connection, model_id: i64, model: &str, number: u64) -> Result<i64> {
+    let vid = version_row_id(c, model_id, model, number)?;
+    let status: String = c
+        .query_row("SELECT status FROM versions WHERE id = ?1", [vid], |r| {
+            r.get(0)
+        })
+        .map_err(RegistryError::db("reading a version"))?;
+    if status != "PENDING_REGISTRATION" {
+        return Err(RegistryError::WrongStatus {
+            name: model.to_owned(),
+            version: number,
+            status,
+            expected: "PENDING_REGISTRATION",
+        });
+    }
+    Ok(vid)
+}
+
+fn insert_model(
+    tx: &Transaction<'_>,
+    now: i64,
+    actor: &str,
+    name: &str,
+    description: &str,
+    tags: &[Tag],
+) -> Result<i64> {
+    tx.execute(
+        "INSERT INTO models (name, description, created_ms, created_by, updated_ms) VALUES (?1, ?2, ?3, ?4, ?3)",
+        params![name, description, now, actor],
+    )
+    .map_err(RegistryError::db("creating a model"))?;
+    let id = tx.last_insert_rowid();
+    for t in tags {
+        tx.execute(
+            "INSERT INTO model_tags (model_id, key, value) VALUES (?1, ?2, ?3)
+             ON CONFLICT (model_id, key) DO UPDATE SET value = excluded.value",
+            params![id, t.key, t.value],
+        )
+        .map_err(RegistryError::db("tagging a model"))?;
+    }
+    audit(
+        tx,
+        now,
+        actor,
+        "model.create",
+        name,
+        json!({"description": description, "tags": tags_json(tags)}),
+    )?;
+    Ok(id)
+}
+
+fn touch_model(c: &Connection, id: i64, now: i64) -> Result<()> {
+    c.execute(
+        "UPDATE models SET updated_ms = MAX(updated_ms, ?2) WHERE id = ?1",
+        params![id, now],
+    )
+    .map(|_| ())
+    .map_err(RegistryError::db("updating a model"))
+}
+
+/// Stores a pending version's files and makes it READY.
+fn finish(
+    tx: &Transaction<'_>,
+    now: i64,
+    actor: &str,
+    vid: i64,
+    target: &str,
+    artifacts: Option<&Artifacts>,
+) -> Result<()> {
+    let (url, digest, files, bytes) = match artifacts {
+        Some(a) => {
+            for f in a.manifest.files() {
+                tx.execute(
+                    "INSERT INTO version_files (version_id, name, size, sha256) VALUES (?1, ?2, ?3, ?4)",
+                    params![vid, f.name, f.size as i64, f.sha256.hex()],
+                )
+                .map_err(RegistryError::db("storing version files"))?;
+            }
+            (
+                Some(a.url.clone()),
+                Some(a.manifest.subject_digest().hex()),
+                a.manifest.files().len(),
+                a.manifest.total_bytes(),
+            )
+        }
+        None => (None, None, 0, 0),
+    };
+    tx.execute(
+        "UPDATE versions SET status = 'READY', artifact_url = ?2, manifest_digest = ?3, updated_ms = ?4
+         WHERE id = ?1",
+        params![vid, url, digest, now],
+    )
+    .map_err(RegistryError::db("completing a version"))?;
+    audit(
+        tx,
+        now,
+        actor,
+        "version.register",
+        target,
+        json!({"artifact_url": url, "manifest_digest": digest, "files": files, "bytes": bytes}),
+    )
+}
+
+fn alias_target(c: &Connection, model_id: i64, alias: &str) -> Result<Option<u64>> {
+    c.query_row(
+        "SELECT version FROM aliases WHERE model_id = ?1 AND alias = ?2",
+        params![model_id, alias],
+        |r| r.get::<_, i64>(0),
+    )
+    .optional()
+    .map(|v| v.map(|v| v as u64))
+    .map_err(RegistryError::db("reading an alias"))
+}
+
+/// The targets an alias has had, as a stack: `set` and `delete` push,
+/// `rollback` pops.
+fn replay_stack(events: &[AliasEvent]) -> Vec<Option<u64>> {
+    let mut stack = Vec::new();
+    for e in events {
+        match e.action {
+            AliasAction::Set | AliasAction::Delete => stack.push(e.new_version),
+            AliasAction::Rollback => {
+                stack.pop();
+            }
+        }
+    }
+    stack
+}
+
+#[allow(clippy::too_many_arguments)]
+fn move_alias(
+    tx: &Transaction<'_>,
+    now: i64,
+    actor: &str,
+    model_id: i64,
+    model: &str,
+    alias: &str,
+    action: AliasAction,
+    old: Option<u64>,
+    new: Option<u64>,
+    reason: &str,
+) -> Result<AliasEvent> {
+    match new {
+        Some(v) => tx.execute(
+            "INSERT INTO aliases (model_id, alias, version) VALUES (?1, ?2, ?3)
+             ON CONFLICT (model_id, alias) DO UPDATE SET version = excluded.version",
+            params![model_id, alias, v as i64],
+        ),
+        None => tx.execute(
+            "DELETE FROM aliases WHERE model_id = ?1 AND alias = ?2",
+            params![model_id, alias],
+        ),
+    }
+    .map_err(RegistryError::db("moving an alias"))?;
+    touch_model(tx, model_id, now)?;
+    let prev = meta(tx, "alias_head")?.unwrap_or_else(|| GENESIS.to_owned());
+    let seq: i64 = tx
+        .query_row(
+            "SELECT COALESCE(MAX(seq), 0) + 1 FROM alias_events",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("numbering an alias event"))?;
+    let rec = AliasRecord {
+        seq,
+        time_ms: now,
+        actor,
+        model,
+        alias,
+        action: action.as_str(),
+        old_version: old.map(|v| v as i64),
+        new_version: new.map(|v| v as i64),
+        reason,
+    };
+    let hash = chain::link(ALIAS_DOMAIN, &prev, &rec);
+    tx.execute(
+        "INSERT INTO alias_events (seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        params![seq, now, actor, model, alias, action.as_str(), rec.old_version, rec.new_version, reason, prev, hash],
+    )
+    .map_err(RegistryError::db("appending alias history"))?;
+    set_meta(tx, "alias_head", &hash)?;
+    let verb = format!("alias.{}", action.as_str());
+    audit(
+        tx,
+        now,
+        actor,
+        &verb,
+        &format!("{model}@{alias}"),
+        json!({"old_version": old, "new_version": new, "reason": reason, "alias_event": seq}),
+    )?;
+    Ok(AliasEvent {
+        seq,
+        time_ms: now,
+        actor: actor.to_owned(),
+        model: model.to_owned(),
+        alias: alias.to_owned(),
+        action,
+        old_version: old,
+        new_version: new,
+        reason: reason.to_owned(),
+        prev_hash: prev,
+        hash,
+    })
+}
+
+fn audit(
+    tx: &Connection,
+    now: i64,
+    actor: &str,
+    action: &str,
+    target: &str,
+    detail: serde_json::Value,
+) -> Result<()> {
+    let detail = detail.to_string();
+    let prev = meta(tx, "audit_head")?.unwrap_or_else(|| GENESIS.to_owned());
+    let seq: i64 = tx
+        .query_row(
+            "SELECT COALESCE(MAX(seq), 0) + 1 FROM audit_events",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("numbering an audit event"))?;
+    let rec = AuditRecord {
+        seq,
+        time_ms: now,
+        actor,
+        action,
+        target,
+        detail: &detail,
+    };
+    let hash = chain::link(AUDIT_DOMAIN, &prev, &rec);
+    tx.execute(
+        "INSERT INTO audit_events (seq, time_ms, actor, action, target, detail, prev_hash, hash)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        params![seq, now, actor, action, target, detail, prev, hash],
+    )
+    .map_err(RegistryError::db("appending to the audit log"))?;
+    set_meta(tx, "audit_head", &hash)
+}
+
+fn meta(c: &Connection, key: &str) -> Result<Option<String>> {
+    c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+        .optional()
+        .map_err(RegistryError::db("reading registry metadata"))
+}
+
+fn set_meta(c: &Connection, key: &str, value: &str) -> Result<()> {
+    c.execute(
+        "INSERT INTO meta (key, value) VALUES (?1, ?2)
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        params![key, value],
+    )
+    .map(|_| ())
+    .map_err(RegistryError::db("writing registry metadata"))
+}
+
+/// Walks a chain, records its first break, returns its head hash.
+fn check_chain(
+    chain: ChainName,
+    events: impl Iterator<Item = (i64, String, String, String)>,
+    head: Option<String>,
+    breaks: &mut Vec<Break>,
+) -> String {
+    let mut prev = GENESIS.to_owned();
+    let mut expected_seq = 1;
+    let mut broken = false;
+    for (seq, prev_hash, hash, computed) in events {
+        let what = if seq != expected_seq {
+            Some(format!(
+                "event #{seq} follows #{}: event(s) missing",
+                expected_seq - 1
+            ))
+        } else if prev_hash != prev {
+            Some(format!(
+                "event #{seq} does not link to the event before it (an event was removed, reordered or rewritten)"
+            ))
+        } else if computed != hash {
+            Some(format!(
+                "event #{seq} was changed after it was written (its content no longer matches its hash)"
+            ))
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            if !broken {
+                breaks.push(Break { chain, seq, what });
+                broken = true;
+            }
+        }
+        prev = hash;
+        expected_seq = seq + 1;
+    }
+    if !broken && head.as_deref().unwrap_or(GENESIS) != prev {
+        breaks.push(Break {
+            chain,
+            seq: expected_seq,
+            what: format!(
+                "the chain ends at event #{} but the recorded head is later: event(s) removed from the end",
+                expected_seq - 1
+            ),
+        });
+    }
+    prev
+}
+
+fn alias_events(
+    c: &Connection,
+    model: Option<&str>,
+    alias: Option<&str>,
+) -> Result<Vec<AliasEvent>> {
+    let mut st = c
+        .prepare(
+            "SELECT seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash
+             FROM alias_events
+             WHERE (?1 IS NULL OR model = ?1) AND (?2 IS NULL OR alias = ?2)
+             ORDER BY seq",
+        )
+        .map_err(RegistryError::db("reading alias history"))?;
+    let rows = st
+        .query_map(params![model, alias], |r| {
+            let action: String = r.get(5)?;
+            Ok(AliasEvent {
+                seq: r.get(0)?,
+                time_ms: r.get(1)?,
+                actor: r.get(2)?,
+                model: r.get(3)?,
+                alias: r.get(4)?,
+                // An unknown action (an edited row) reads as `set`; the
+                // chain check reports the edit.
+                action: AliasAction::parse(&action).unwrap_or(AliasAction::Set),
+                old_version: r.get::<_, Option<i64>>(6)?.map(|v| v as u64),
+                new_version: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
+                reason: r.get(8)?,
+                prev_hash: r.get(9)?,
+                hash: r.get(10)?,
+            })
+        })
+        .map_err(RegistryError::db("reading alias history"))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .map_err(RegistryError::db("reading alias history"))
+}
+
+fn audit_events(c: &Connection) -> Result<Vec<AuditEvent>> {
+    let mut st = c
+        .prepare(
+            "SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
+             FROM audit_events ORDER BY seq",
+        )
+        .map_err(RegistryError::db("reading the audit log"))?;
+    let rows = st
+        .query_map([], |r| {
+            Ok(AuditEvent {
+                seq: r.get(0)?,
+                time_ms: r.get(1)?,
+                actor: r.get(2)?,
+                action: r.get(3)?,
+                target: r.get(4)?,
+                detail: r.get(5)?,
+                prev_hash: r.get(6)?,
+                hash: r.get(7)?,
+            })
+        })
+        .map_err(RegistryError::db("reading the audit log"))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .map_err(RegistryError::db("reading the audit log"))
+}
+
+fn load_model(c: &Connection, id: i64) -> Result<Model> {
+    let (name, description, created_ms, created_by, updated_ms): (String, String, i64, String, i64) = c
+        .query_row(
+            "SELECT name, description, created_ms, created_by, updated_ms FROM models WHERE id = ?1",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )
+        .map_err(RegistryError::db("reading a model"))?;
+    let tags = read_tags(
+        c,
+        "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key",
+        id,
+    )?;
+    let aliases = {
+        let mut st = c
+            .prepare("SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias")
+            .map_err(RegistryError::db("reading aliases"))?;
+        let rows = st
+            .query_map([id], |r| {
+                Ok(AliasTarget {
+                    alias: r.get(0)?,
+                    version: r.get::<_, i64>(1)? as u64,
+                })
+            })
+            .map_err(RegistryError::db("reading aliases"))?;
+        rows.collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("reading aliases"))?
+    };
+    let (latest, count): (Option<i64>, i64) = c
+        .query_row(
+            "SELECT MAX(number), COUNT(*) FROM versions WHERE model_id = ?1",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .map_err(RegistryError::db("counting versions"))?;
+    Ok(Model {
+        name,
+        description,
+        created_ms,
+        created_by,
+        updated_ms,
+        tags,
+        aliases,
+        latest_version: latest.map(|v| v as u64),
+        versions: count as u64,
+    })
+}
+
+fn read_tags(c: &Connection, sql: &str, id: i64) -> Result<Vec<Tag>> {
+    let mut st = c.prepare(sql).map_err(RegistryError::db("reading tags"))?;
+    let rows = st
+        .query_map([id], |r| {
+            Ok(Tag {
+                key: r.get(0)?,
+                value: r.get(1)?,
+            })
+        })
+        .map_err(RegistryError::db("reading tags"))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .map_err(RegistryError::db("reading tags"))
+}
+
+fn load_version(c: &Connection, vid: i64) -> Result<Version> {
+    struct Row {
+        model_id: i64,
+        model: String,
+        number: i64,
+        status: String,
+        status_message: String,
+        source: String,
+        artifact_url: Option<String>,
+        manifest_digest: Option<String>,
+        description: String,
+        lineage: String,
+        created_ms: i64,
+        created_by: String,
+        updated_ms: i64,
+    }
+    let row = c
+        .query_row(
+            "SELECT v.model_id, m.name, v.number, v.status, v.status_message, v.source, v.artifact_url,
+                    v.manifest_digest, v.description, v.lineage, v.created_ms, v.created_by, v.updated_ms
+             FROM versions v JOIN models m ON m.id = v.model_id WHERE v.id = ?1",
+            [vid],
+            |r| {
+                Ok(Row {
+                    model_id: r.get(0)?,
+                    model: r.get(1)?,
+                    number: r.get(2)?,
+                    status: r.get(3)?,
+                    status_message: r.get(4)?,
+                    source: r.get(5)?,
+                    artifact_url: r.get(6)?,
+                    manifest_digest: r.get(7)?,
+                    description: r.get(8)?,
+                    lineage: r.get(9)?,
+                    created_ms: r.get(10)?,
+                    created_by: r.get(11)?,
+                    updated_ms: r.get(12)?,
+                })
+            },
+        )
+        .map_err(RegistryError::db("reading a version"))?;
+    let files = {
+        let mut st = c
+            .prepare(
+                "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
+            )
+            .map_err(RegistryError::db("reading version files"))?;
+        let rows = st
+            .query_map([vid], |r| {
+                Ok(VersionFile {
+                    name: r.get(0)?,
+                    size: r.get::<_, i64>(1)? as u64,
+                    sha256: r.get(2)?,
+                })
+            })
+            .map_err(RegistryError::db("reading version files"))?;
+        rows.collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("reading version files"))?
+    };
+    let tags = read_tags(
+        c,
+        "SELECT key, value FROM version_tags WHERE version_id = ?1 ORDER BY key",
+        vid,
+    )?;
+    let aliases = {
+        let mut st = c
+            .prepare(
+                "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
+            )
+            .map_err(RegistryError::db("reading aliases"))?;
+        let rows = st
+            .query_map(params![row.model_id, row.number], |r| r.get(0))
+            .map_err(RegistryError::db("reading aliases"))?;
+        rows.collect::<rusqlite::Result<Vec<String>>>()
+            .map_err(RegistryError::db("reading aliases"))?
+    };
+    let signed: i64 = c
+        .query_row(
+            "SELECT COUNT(*) FROM signatures WHERE version_id = ?1",
+            [vid],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("reading signatures"))?;
+    let lineage: Lineage =
+        serde_json::from_str(&row.lineage).map_err(|e| RegistryError::Invalid {
+            what: "stored lineage",
+            value: format!("{}:{}", row.model, row.number),
+            reason: e.to_string(),
+        })?;
+    Ok(Version {
+        model: row.model,
+        version: row.number as u64,
+        status: Status::parse(&row.status),
+        status_message: row.status_message,
+        source: row.source,
+        artifact_url: row.artifact_url,
+        manifest_digest: row.manifest_digest,
+        description: row.description,
+        lineage,
+        created_ms: row.created_ms,
+        created_by: row.created_by,
+        updated_ms: row.updated_ms,
+        files,
+        tags,
+        aliases,
+        signed: signed > 0,
+    })
+}
+
+/// Rebuilds a version's manifest (for signing and verifying): its files in
+/// the keel-store statement layout, named after the model and version.
+pub fn version_manifest(v: &Version) -> std::result::Result<Manifest, RegistryError> {
+    let files = v
+        .files
+        .iter()
+        .map(|f| {
+            Ok(FileEntry {
+                name: f.name.clone(),
+                size: f.size,
+                sha256: Digest::from_hex(&f.sha256).ok_or_else(|| RegistryError::Invalid {
+                    what: "stored digest",
+                    value: f.sha256.clone(),
+                    reason: format!("file {} of {}:{}", f.name, v.model, v.version),
+                })?,
+            })
+        })
+        .collect::<std::result::Result<Vec<_>, RegistryError>>()?;
+    Manifest::new(
+        format!("{}:{}", v.model, v.version),
+        files,
+        Default::default(),
+    )
+    .map_err(|e| RegistryError::Invalid {
+        what: "stored files",
+        value: format!("{}:{}", v.model, v.version),
+        reason: e.to_string(),
+    })
+}

@@ -1,0 +1,254 @@
+//! The HTTP API over a real socket: every route rejects a missing, wrong
+//! or revoked credential; read keys cannot write; the bearer token from
+//! the configuration works; keel's read API returns versioned JSON.
+
+use std::sync::Arc;
+
+use keel_registry::http::{router, serve, ServeOptions};
+use keel_registry::{FixedClock, NewVersion, Registry, Role};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Every route with a method and a body that would succeed when allowed.
+const ROUTES: &[(&str, &str, &str)] = &[
+    ("GET", "/api/v1/models", ""),
+    ("GET", "/api/v1/models/get?name=m", ""),
+    ("GET", "/api/v1/versions?name=m", ""),
+    ("GET", "/api/v1/versions/get?name=m&version=1", ""),
+    ("GET", "/api/v1/aliases?name=m", ""),
+    ("GET", "/api/v1/history?name=m", ""),
+    ("GET", "/api/v1/audit/verify", ""),
+    (
+        "POST",
+        "/api/2.0/mlflow/registered-models/create",
+        r#"{"name":"new"}"#,
+    ),
+    ("GET", "/api/2.0/mlflow/registered-models/get?name=m", ""),
+    ("GET", "/api/2.0/mlflow/registered-models/search", ""),
+    (
+        "DELETE",
+        "/api/2.0/mlflow/registered-models/delete",
+        r#"{"name":"new"}"#,
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/registered-models/set-tag",
+        r#"{"name":"m","key":"k","value":"v"}"#,
+    ),
+    (
+        "DELETE",
+        "/api/2.0/mlflow/registered-models/delete-tag",
+        r#"{"name":"m","key":"k"}"#,
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/registered-models/alias",
+        r#"{"name":"m","alias":"a","version":"1"}"#,
+    ),
+    (
+        "GET",
+        "/api/2.0/mlflow/registered-models/alias?name=m&alias=a",
+        "",
+    ),
+    (
+        "DELETE",
+        "/api/2.0/mlflow/registered-models/alias",
+        r#"{"name":"m","alias":"a"}"#,
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/model-versions/create",
+        r#"{"name":"m","source":"s3://b/x"}"#,
+    ),
+    (
+        "GET",
+        "/api/2.0/mlflow/model-versions/get?name=m&version=1",
+        "",
+    ),
+    (
+        "GET",
+        "/api/2.0/mlflow/model-versions/search?filter=name%3D%27m%27",
+        "",
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/model-versions/set-tag",
+        r#"{"name":"m","version":"1","key":"k","value":"v"}"#,
+    ),
+    (
+        "DELETE",
+        "/api/2.0/mlflow/model-versions/delete-tag",
+        r#"{"name":"m","version":"1","key":"k"}"#,
+    ),
+];
+
+async fn call(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    auth: Option<&str>,
+) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    if let Some(a) = auth {
+        req.push_str(&format!("{a}\r\n"));
+    }
+    if !body.is_empty() {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.expect("read");
+    let status = resp.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_is_authenticated_and_roles_hold() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let writer = keel_registry::auth::new_secret();
+    let reader = keel_registry::auth::new_secret();
+    let revoked = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "writer", Role::Write, &writer)
+        .expect("k");
+    reg.create_api_key("admin", "reader", Role::Read, &reader)
+        .expect("k");
+    reg.create_api_key("admin", "old", Role::Write, &revoked)
+        .expect("k");
+    reg.revoke_api_key("admin", "old").expect("revoke");
+    let new = NewVersion {
+        model: "m".into(),
+        source: "s3://b/m".into(),
+        create_model: true,
+        ..Default::default()
+    };
+    reg.register_version("ci", &new, None).expect("v1");
+    let token = "a-bearer-token-from-the-config-file-0123456789";
+    let app = router(
+        reg,
+        ServeOptions {
+            token_sha256: Some(keel_registry::auth::secret_hash(token)),
+            max_body_bytes: 4096,
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+
+    assert_eq!(call(addr, "GET", "/health", "", None).await.0, 200);
+    let bad = [
+        None,
+        Some("Authorization: Bearer keel_not-a-key".to_owned()),
+        Some(format!("Authorization: Bearer {revoked}")),
+        Some(format!("Authorization: Basic {writer}")),
+        Some("api-key: ".to_owned()),
+    ];
+    for (method, path, body) in ROUTES {
+        for auth in &bad {
+            let (status, text) = call(addr, method, path, body, auth.as_deref()).await;
+            assert_eq!(status, 401, "{method} {path} with {auth:?}: {text}");
+            assert!(!text.contains("keel_"), "{text}");
+        }
+        let (status, text) = call(
+            addr,
+            method,
+            path,
+            body,
+            Some(&format!("api-key: {reader}")),
+        )
+        .await;
+        if *method == "GET" {
+            assert!(
+                status == 200 || status == 404,
+                "{method} {path} read: {status} {text}"
+            );
+        } else {
+            assert_eq!(status, 403, "{method} {path} read: {text}");
+        }
+    }
+    // Writers go through in order (create, tag, alias, ...).
+    for (method, path, body) in ROUTES {
+        let auth = if path.contains("set-tag") {
+            format!("Authorization: Bearer {token}")
+        } else {
+            format!("Authorization: Bearer {writer}")
+        };
+        let (status, text) = call(addr, method, path, body, Some(&auth)).await;
+        assert_eq!(status, 200, "{method} {path}: {text}");
+    }
+    // Errors carry MLflow's codes and no internals.
+    let auth = format!("api-key: {writer}");
+    let (s, t) = call(
+        addr,
+        "GET",
+        "/api/2.0/mlflow/registered-models/get?name=nope",
+        "",
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 404);
+    assert!(t.contains("RESOURCE_DOES_NOT_EXIST"), "{t}");
+    let (s, t) = call(
+        addr,
+        "POST",
+        "/api/2.0/mlflow/registered-models/create",
+        r#"{"name":"m"}"#,
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 409);
+    assert!(t.contains("RESOURCE_ALREADY_EXISTS"), "{t}");
+    let (s, _) = call(
+        addr,
+        "POST",
+        "/api/2.0/mlflow/registered-models/create",
+        "{not json",
+        Some(&auth),
+    )
+    .await;
+    assert!((400..500).contains(&s), "{s}");
+    let big = format!(r#"{{"name":"{}"}}"#, "x".repeat(10_000));
+    let (s, _) = call(
+        addr,
+        "POST",
+        "/api/2.0/mlflow/registered-models/create",
+        &big,
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 413);
+    let (s, t) = call(
+        addr,
+        "GET",
+        "/api/2.0/mlflow/model-versions/get?name=m&version=abc",
+        "",
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 400, "{t}");
+    // keel's read API: versioned JSON, the alias history with its hashes.
+    let (s, t) = call(addr, "GET", "/api/v1/history?name=m", "", Some(&auth)).await;
+    assert_eq!(s, 200);
+    let v: serde_json::Value = serde_json::from_str(&t).expect("json");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["events"].as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!(v["events"][0]["actor"], "key:writer");
+    let (_, t) = call(addr, "GET", "/api/v1/audit/verify", "", Some(&auth)).await;
+    assert!(t.contains("\"ok\":true"), "{t}");
+    let _ = tx.send(());
+    server.await.expect("join").expect("serve");
+}

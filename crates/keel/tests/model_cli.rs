@@ -1,0 +1,526 @@
+//! `keel model` end to end through the binary: registration from a
+//! directory and from storage, aliases, pull, verify, tampering with a
+//! stored byte and with the history, concurrent registrations from several
+//! processes, bad input and exit codes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+struct Env {
+    dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::tempdir().expect("tmp");
+        let m = dir.path().join("model");
+        std::fs::create_dir_all(m.join("tok")).expect("mkdir");
+        std::fs::write(m.join("weights.safetensors"), vec![7u8; 70_000]).expect("w");
+        std::fs::write(m.join("config.json"), b"{\"layers\": 2}\n").expect("w");
+        std::fs::write(m.join("tok/vocab.txt"), b"a\nb\n").expect("w");
+        Env { dir }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn keel(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["model", "--db"])
+            .arg(self.path("reg.db"))
+            .args(args)
+            .env(
+                "KEEL_ARTIFACT_STORE",
+                format!("file://{}", self.path("store").display()),
+            )
+            .env("KEEL_ACTOR", "tester")
+            .env_remove("KEEL_CONFIG")
+            .env("HOME", self.dir.path())
+            .output()
+            .expect("run keel")
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.keel(args);
+        assert!(
+            o.status.success(),
+            "keel model {args:?}: {}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&self.ok(&a)).expect("json")
+    }
+
+    /// Exit code and stderr of a failing call.
+    fn fails(&self, args: &[&str]) -> (i32, String) {
+        let o = self.keel(args);
+        assert!(!o.status.success(), "keel model {args:?} succeeded");
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf8")
+}
+
+#[test]
+fn register_alias_pull_verify_end_to_end() {
+    let e = Env::new();
+    let m = e.path("model");
+    let v1 = e.json(&[
+        "register",
+        "llama",
+        "--path",
+        s(&m),
+        "--run-id",
+        "job-42",
+        "--dataset",
+        "s3://data/train#sha256:abcd",
+        "--code-commit",
+        "0123abc",
+        "--tag",
+        "stage=dev",
+    ]);
+    let v1 = &v1["model_version"];
+    assert_eq!(v1["version"], 1);
+    assert_eq!(v1["status"], "READY");
+    assert_eq!(v1["files"].as_array().map(Vec::len), Some(3));
+    assert_eq!(v1["lineage"]["run_id"], "job-42");
+    assert_eq!(v1["lineage"]["datasets"][0]["digest"], "sha256:abcd");
+    let url = v1["artifact_url"].as_str().expect("url").to_owned();
+    assert!(url.ends_with("/llama/v1"), "{url}");
+
+    // The same files registered again from storage: same digest, next number.
+    let v2 = e.json(&["register", "llama", "--from", &url, "--parent", "1"]);
+    assert_eq!(v2["model_version"]["version"], 2);
+    assert_eq!(
+        v2["model_version"]["manifest_digest"],
+        v1["manifest_digest"]
+    );
+
+    e.ok(&[
+        "alias",
+        "set",
+        "llama",
+        "production",
+        "1",
+        "--reason",
+        "first",
+    ]);
+    e.ok(&[
+        "alias",
+        "set",
+        "llama",
+        "production",
+        "2",
+        "--reason",
+        "second",
+    ]);
+    let rb = e.json(&["rollback", "llama", "production", "--reason", "bad canary"]);
+    assert_eq!(rb["event"]["new_version"], 1);
+    let h = e.json(&["history", "llama", "production"]);
+    assert_eq!(h["events"].as_array().map(Vec::len), Some(3));
+    assert_eq!(h["events"][2]["reason"], "bad canary");
+    assert_eq!(h["events"][2]["actor"], "tester");
+    let shown = e.ok(&["show", "llama@production"]);
+    assert!(
+        shown.contains("llama:1 | READY | aliases production"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("job-42") && shown.contains("weights.safetensors"),
+        "{shown}"
+    );
+    let ls = e.ok(&["ls"]);
+    assert!(ls.contains("production=1"), "{ls}");
+
+    e.ok(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("k.pem")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    e.ok(&["sign", "llama:1", "--key", s(&e.path("k.pem"))]);
+    let out = e.path("pulled");
+    e.ok(&["pull", "llama@production", "--to", s(&out)]);
+    assert_eq!(
+        std::fs::read(out.join("weights.safetensors")).expect("read"),
+        vec![7u8; 70_000]
+    );
+    assert!(out.join("model.sig").exists());
+    let v = e.json(&[
+        "verify",
+        "llama@production",
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    assert_eq!(v["ok"], true, "{v}");
+    let d = e.ok(&[
+        "verify",
+        "--path",
+        s(&out),
+        "--signature",
+        s(&out.join("model.sig")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    assert!(d.contains("signature valid; 3 resources match"), "{d}");
+
+    // Another key: the signature is not accepted.
+    e.ok(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("o.pem")),
+        "--public-key",
+        s(&e.path("o.pub")),
+    ]);
+    let (code, err) = e.fails(&["verify", "llama:1", "--public-key", s(&e.path("o.pub"))]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not made with this public key"), "{err}");
+    let (code, err) = e.fails(&[
+        "verify",
+        "--path",
+        s(&out),
+        "--signature",
+        s(&out.join("model.sig")),
+        "--public-key",
+        s(&e.path("o.pub")),
+    ]);
+    assert_eq!(code, 2, "{err}");
+
+    // A local file changed after the pull is named.
+    std::fs::write(out.join("tok/vocab.txt"), b"a\nc\n").expect("w");
+    let (code, err) = e.fails(&[
+        "verify",
+        "--path",
+        s(&out),
+        "--signature",
+        s(&out.join("model.sig")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("tok/vocab.txt was modified"), "{err}");
+
+    // Backup and restore into another database.
+    e.ok(&[
+        "backup",
+        &format!("file://{}/backups/reg.db", e.path("").display()),
+    ]);
+    let o = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["model", "--db"])
+        .arg(e.path("restored.db"))
+        .args([
+            "restore",
+            &format!("file://{}/backups/reg.db", e.path("").display()),
+        ])
+        .output()
+        .expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let a = e.ok(&["audit", "verify"]);
+    assert!(a.ends_with("ok\n"), "{a}");
+}
+
+#[test]
+fn a_changed_stored_byte_is_named_and_pull_leaves_nothing() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    let stored = e.path("store/m/v1/weights.safetensors");
+    let mut data = std::fs::read(&stored).expect("read");
+    data[12_345] ^= 1;
+    std::fs::write(&stored, data).expect("write");
+    let (code, err) = e.fails(&["verify", "m:1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("weights.safetensors: content changed"),
+        "{err}"
+    );
+    let (code, err) = e.fails(&["pull", "m:1", "--to", s(&e.path("out"))]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("weights.safetensors"), "{err}");
+    assert!(!e.path("out").exists());
+}
+
+#[test]
+fn an_edited_history_row_is_named_by_audit_verify() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    for (v, r) in [("1", "a"), ("2", "b"), ("1", "c")] {
+        e.ok(&["alias", "set", "m", "prod", v, "--reason", r]);
+    }
+    let c = rusqlite::Connection::open(e.path("reg.db")).expect("open");
+    c.execute_batch(
+        "DROP TRIGGER alias_events_no_update; UPDATE alias_events SET actor = 'mallory' WHERE seq = 2;",
+    )
+    .expect("edit");
+    drop(c);
+    let o = e.keel(&["audit", "verify"]);
+    assert_eq!(o.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains(
+            "BROKEN alias history at event #2: event #2 was changed after it was written"
+        ),
+        "{text}"
+    );
+    let o = e.keel(&["--json", "audit", "verify"]);
+    assert_eq!(o.status.code(), Some(2));
+    let j: Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(j["ok"], false);
+    assert_eq!(j["report"]["breaks"][0]["seq"], 2);
+}
+
+#[test]
+fn concurrent_registrations_from_several_processes_get_gapless_numbers() {
+    let e = Env::new();
+    let v = e.json(&["register", "m", "--path", s(&e.path("model"))]);
+    let url = v["model_version"]["artifact_url"]
+        .as_str()
+        .expect("url")
+        .to_owned();
+    let procs = 8;
+    let children: Vec<_> = (0..procs)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_keel"))
+                .args(["model", "--json", "--db"])
+                .arg(e.path("reg.db"))
+                .args(["register", "m", "--from", &url])
+                .env("KEEL_ACTOR", "racer")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    let mut numbers: Vec<u64> = children
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().expect("wait");
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let v: Value = serde_json::from_slice(&o.stdout).expect("json");
+            v["model_version"]["version"].as_u64().expect("n")
+        })
+        .collect();
+    numbers.sort_unstable();
+    assert_eq!(numbers, (2..=procs as u64 + 1).collect::<Vec<_>>());
+    let all = e.json(&["show", "m"]);
+    assert_eq!(all["versions"].as_array().map(Vec::len), Some(procs + 1));
+    assert!(e.ok(&["audit", "verify"]).ends_with("ok\n"));
+}
+
+const ED25519: &str = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIOtkPHJsyinizeny486mQ4SiECU9EPFzI5JPaFPLhFZ0\n-----END PRIVATE KEY-----\n";
+const P384: &str = "-----BEGIN EC PRIVATE KEY-----\nMIGkAgEBBDD4Kz4cxlpoM1ukV7PZ81QMzagBLsXnaWyTeP6A5Tjics/OY9Ilgs0y\nWldUy0ZiG3SgBwYFK4EEACKhZANiAAROwPsaKGPTXtAdEAYPzAWcmp8FWw3lysH/\nHMU91dmg4WAcxYWHFasrr7LRs4xkYkGh6NAd1FiDwiWWx2KuPlbuqrw4HIRl359p\nnU6wjEGE+/l3tikuEfNF7GDPkhSp5lg=\n-----END EC PRIVATE KEY-----\n";
+
+#[test]
+fn bad_input_gets_clear_errors_and_exit_codes() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["show", "nope"], 64, "no model named \"nope\""),
+        (&["show", "m:7"], 64, "has no version 7"),
+        (&["show", "m:abc"], 64, "invalid version \"abc\""),
+        (&["show", "m@prod"], 64, "has no alias \"prod\""),
+        (
+            &["alias", "set", "m", "prod", "0", "--reason", "x"],
+            64,
+            "invalid version",
+        ),
+        (
+            &["alias", "set", "nope", "prod", "1", "--reason", "x"],
+            64,
+            "no model named",
+        ),
+        (&["rollback", "m", "prod"], 64, "no alias"),
+        (
+            &["register", "bad name", "--path", "/tmp"],
+            64,
+            "invalid model name",
+        ),
+        (
+            &["register", "m", "--path", "/nonexistent-keel-dir/x"],
+            64,
+            "not a directory",
+        ),
+        (&["pull", "m:1", "--to", "/"], 64, "not an empty directory"),
+    ];
+    for (args, code, text) in cases {
+        let (c, err) = e.fails(args);
+        assert_eq!(c, *code, "{args:?}: {err}");
+        assert!(err.contains(text), "{args:?}: {err}");
+    }
+    let keys: &[(&str, &str, i32, &str)] = &[
+        ("garbage.pem", "not a key\n", 65, "not a PEM file"),
+        ("ed25519.pem", ED25519, 65, "wrong key type: Ed25519"),
+        (
+            "p384.pem",
+            P384,
+            65,
+            "wrong key type: EC key on curve secp384r1",
+        ),
+        (
+            "truncated.pem",
+            "-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEI\n-----END EC PRIVATE KEY-----\n",
+            65,
+            "malformed EC PRIVATE KEY",
+        ),
+        (
+            "encrypted.pem",
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+            65,
+            "encrypted",
+        ),
+    ];
+    for (name, pem, code, text) in keys {
+        std::fs::write(e.path(name), pem).expect("w");
+        let (c, err) = e.fails(&["sign", "m:1", "--key", s(&e.path(name))]);
+        assert_eq!(c, *code, "{name}: {err}");
+        assert!(err.contains(text), "{name}: {err}");
+    }
+    let (c, err) = e.fails(&["sign", "m:1", "--key", s(&e.path("missing.pem"))]);
+    assert_eq!(c, 74, "{err}");
+    // A private key given where the public key belongs.
+    e.ok(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("k.pem")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    let (c, err) = e.fails(&["verify", "m:1", "--public-key", s(&e.path("k.pem"))]);
+    assert_eq!(c, 65, "{err}");
+    assert!(err.contains("this is a private key"), "{err}");
+    // An unsigned version checked against a trusted key fails.
+    let (c, err) = e.fails(&["verify", "m:1", "--public-key", s(&e.path("k.pub"))]);
+    assert_eq!(c, 2, "{err}");
+    assert!(err.contains("is not signed"), "{err}");
+    // keygen never overwrites.
+    let (c, _) = e.fails(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("k.pem")),
+        "--public-key",
+        s(&e.path("x.pub")),
+    ]);
+    assert_eq!(c, 64);
+}
+
+#[test]
+fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
+    let e = Env::new();
+    let ckpts = format!("file://{}", e.path("ckpts").display());
+    let push = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["ckpt", "push"])
+        .arg(e.path("model"))
+        .args(["--to", &ckpts, "--run", "pretrain", "--step", "100"])
+        .output()
+        .expect("push");
+    assert!(
+        push.status.success(),
+        "{}",
+        String::from_utf8_lossy(&push.stderr)
+    );
+    let v = e.json(&[
+        "register",
+        "llama",
+        "--from-ckpt",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "100",
+    ]);
+    let v = &v["model_version"];
+    assert_eq!(v["version"], 1);
+    let link = &v["lineage"]["checkpoint"];
+    assert_eq!(link["run"], "pretrain");
+    assert_eq!(link["step"], 100);
+    // The version's digest is the checkpoint's: same files, same digest.
+    assert_eq!(v["manifest_digest"], link["manifest_digest"]);
+    assert_eq!(v["lineage"]["run_id"], "pretrain");
+    // The files are read where the checkpoint keeps them, verified.
+    let out = e.path("pulled");
+    e.ok(&["pull", "llama:1", "--to", s(&out)]);
+    assert_eq!(
+        std::fs::read(out.join("tok/vocab.txt")).expect("read"),
+        b"a\nb\n"
+    );
+    // Pinned, so checkpoint GC keeps it.
+    let ls = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["ckpt", "ls", &ckpts, "--run", "pretrain"])
+        .output()
+        .expect("ls");
+    let text = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        text.contains("pinned (registered as model version llama:1)"),
+        "{text}"
+    );
+    // A newer step, then GC keeping one: the registered step stays.
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .output()
+            .expect("run");
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    run(&[
+        "ckpt",
+        "push",
+        s(&e.path("model")),
+        "--to",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "200",
+    ]);
+    run(&[
+        "ckpt",
+        "gc",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--keep-last",
+        "1",
+        "--apply",
+    ]);
+    let again = e.path("pulled-after-gc");
+    e.ok(&["pull", "llama:1", "--to", s(&again)]);
+    e.ok(&["verify", "llama:1"]);
+    // A step that does not exist is refused, and no version is taken.
+    let (code, err) = e.fails(&[
+        "register",
+        "llama",
+        "--from-ckpt",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "7",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("step 7"), "{err}");
+    assert_eq!(
+        e.json(&["show", "llama"])["versions"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+}

@@ -1,0 +1,400 @@
+//! Interop with the real Python tools (`scripts/services/python-tools`
+//! installs them and sets KEEL_TEST_PYTHON): the OpenSSF reference signer
+//! `model-signing` 1.1.1 in both directions, and the MLflow client against
+//! `keel model serve`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn python() -> PathBuf {
+    std::env::var_os("KEEL_TEST_PYTHON")
+        .map(PathBuf::from)
+        .expect("KEEL_TEST_PYTHON is not set: run `eval \"$(scripts/services/python-tools)\"` (scripts/test does)")
+}
+
+fn keel(db: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["model", "--db"])
+        .arg(db)
+        .args(args)
+        .env("KEEL_ACTOR", "interop")
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel")
+}
+
+fn ok(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `python -m model_signing ARGS`.
+fn model_signing(args: &[&str]) -> Output {
+    Command::new(python())
+        .args(["-m", "model_signing"])
+        .args(args)
+        .output()
+        .expect("run model_signing")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf8")
+}
+
+fn model_dir(root: &Path) -> PathBuf {
+    let m = root.join("model");
+    std::fs::create_dir_all(m.join("tokenizer")).expect("mkdir");
+    std::fs::write(
+        m.join("model.safetensors"),
+        (0..300_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>(),
+    )
+    .expect("w");
+    std::fs::write(m.join("config.json"), b"{\"hidden\": 64}\n").expect("w");
+    std::fs::write(m.join("tokenizer/vocab.json"), b"{\"a\": 1}\n").expect("w");
+    m
+}
+
+/// A P-256 key exactly as `openssl ecparam -name prime256v1 -genkey`
+/// writes it (EC PARAMETERS block, then the SEC1 key), and its public key.
+fn openssl_key(dir: &Path) -> (PathBuf, PathBuf) {
+    let key = dir.join("key.pem");
+    let public = dir.join("key.pub");
+    let made = Command::new("openssl")
+        .args(["ecparam", "-name", "prime256v1", "-genkey", "-out"])
+        .arg(&key)
+        .status()
+        .is_ok_and(|s| s.success())
+        && Command::new("openssl")
+            .args(["ec", "-pubout", "-in"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&public)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    if !made {
+        // No openssl binary: the venv's `cryptography` writes the same
+        // formats (TraditionalOpenSSL is SEC1).
+        let script = format!(
+            "from cryptography.hazmat.primitives.asymmetric import ec\nfrom cryptography.hazmat.primitives import serialization as s\nk = ec.generate_private_key(ec.SECP256R1())\nopen({:?}, 'wb').write(k.private_bytes(s.Encoding.PEM, s.PrivateFormat.TraditionalOpenSSL, s.NoEncryption()))\nopen({:?}, 'wb').write(k.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo))\n",
+            s(&key),
+            s(&public)
+        );
+        ok(Command::new(python())
+            .args(["-c", &script])
+            .output()
+            .expect("python"));
+    }
+    (key, public)
+}
+
+#[test]
+#[ignore = "needs Python tools: scripts/test installs them"]
+fn model_signing_verifies_keel_signatures() {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("reg.db");
+    let m = model_dir(t.path());
+    let store = format!("file://{}", t.path().join("store").display());
+    ok(keel(
+        &db,
+        &[
+            "register",
+            "llama",
+            "--path",
+            s(&m),
+            "--artifact-store",
+            &store,
+        ],
+    ));
+    // keel's own key, and an openssl-made one: both are accepted.
+    ok(keel(
+        &db,
+        &[
+            "keygen",
+            "--private-key",
+            s(&t.path().join("k.pem")),
+            "--public-key",
+            s(&t.path().join("k.pub")),
+        ],
+    ));
+    ok(keel(
+        &db,
+        &["sign", "llama:1", "--key", s(&t.path().join("k.pem"))],
+    ));
+    let pulled = t.path().join("pulled");
+    ok(keel(&db, &["pull", "llama:1", "--to", s(&pulled)]));
+    let sig = pulled.join("model.sig");
+    let o = model_signing(&[
+        "verify",
+        "key",
+        "--signature",
+        s(&sig),
+        "--public_key",
+        s(&t.path().join("k.pub")),
+        "--ignore-paths",
+        s(&sig),
+        s(&pulled),
+    ]);
+    assert!(
+        o.status.success(),
+        "reference verifier rejected keel's signature: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    let (okey, opub) = openssl_key(t.path());
+    ok(keel(
+        &db,
+        &[
+            "register",
+            "llama",
+            "--path",
+            s(&m),
+            "--artifact-store",
+            &store,
+        ],
+    ));
+    ok(keel(&db, &["sign", "llama:2", "--key", s(&okey)]));
+    let pulled2 = t.path().join("pulled2");
+    ok(keel(&db, &["pull", "llama:2", "--to", s(&pulled2)]));
+    let sig2 = pulled2.join("model.sig");
+    let o = model_signing(&[
+        "verify",
+        "key",
+        "--signature",
+        s(&sig2),
+        "--public_key",
+        s(&opub),
+        "--ignore-paths",
+        s(&sig2),
+        s(&pulled2),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // The reference tool also refuses a changed file and a wrong key.
+    std::fs::write(pulled.join("config.json"), b"{\"hidden\": 65}\n").expect("w");
+    let o = model_signing(&[
+        "verify",
+        "key",
+        "--signature",
+        s(&sig),
+        "--public_key",
+        s(&t.path().join("k.pub")),
+        "--ignore-paths",
+        s(&sig),
+        s(&pulled),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("config.json")
+            || String::from_utf8_lossy(&o.stderr).contains("config.json")
+    );
+    let o = model_signing(&[
+        "verify",
+        "key",
+        "--signature",
+        s(&sig2),
+        "--public_key",
+        s(&t.path().join("k.pub")),
+        "--ignore-paths",
+        s(&sig2),
+        s(&pulled2),
+    ]);
+    assert!(!o.status.success());
+}
+
+#[test]
+#[ignore = "needs Python tools: scripts/test installs them"]
+fn keel_verifies_model_signing_signatures() {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("unused.db");
+    let m = model_dir(t.path());
+    let (key, public) = openssl_key(t.path());
+    let sig = m.join("model.sig");
+    let o = model_signing(&[
+        "sign",
+        "key",
+        "--private_key",
+        s(&key),
+        "--signature",
+        s(&sig),
+        s(&m),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = ok(keel(
+        &db,
+        &[
+            "verify",
+            "--path",
+            s(&m),
+            "--signature",
+            s(&sig),
+            "--public-key",
+            s(&public),
+        ],
+    ));
+    assert!(
+        out.contains("signature valid; 3 resources match (files serialization)"),
+        "{out}"
+    );
+
+    // Shards serialization, through the reference library's API.
+    let shard_sig = t.path().join("shards.sig");
+    let script = format!(
+        "from model_signing import signing, hashing\nsigning.Config().use_elliptic_key_signer(private_key={:?}).set_hashing_config(hashing.Config().use_shard_serialization(shard_size=65536)).sign({:?}, {:?})\n",
+        s(&key), s(&m), s(&shard_sig)
+    );
+    ok(Command::new(python())
+        .args(["-c", &script])
+        .output()
+        .expect("python"));
+    let out = ok(keel(
+        &db,
+        &[
+            "verify",
+            "--path",
+            s(&m),
+            "--signature",
+            s(&shard_sig),
+            "--public-key",
+            s(&public),
+        ],
+    ));
+    assert!(out.contains("(shards serialization)"), "{out}");
+
+    // One flipped byte is named (file and shard); another key is refused.
+    let w = m.join("model.safetensors");
+    let mut data = std::fs::read(&w).expect("r");
+    data[200_000] ^= 0x40;
+    std::fs::write(&w, data).expect("w");
+    let o = keel(
+        &db,
+        &[
+            "verify",
+            "--path",
+            s(&m),
+            "--signature",
+            s(&sig),
+            "--public-key",
+            s(&public),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("model.safetensors was modified"), "{err}");
+    let o = keel(
+        &db,
+        &[
+            "verify",
+            "--path",
+            s(&m),
+            "--signature",
+            s(&shard_sig),
+            "--public-key",
+            s(&public),
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("model.safetensors:196608:262144 was modified"),
+        "{err}"
+    );
+    ok(keel(
+        &db,
+        &[
+            "keygen",
+            "--private-key",
+            s(&t.path().join("o.pem")),
+            "--public-key",
+            s(&t.path().join("o.pub")),
+        ],
+    ));
+    let o = keel(
+        &db,
+        &[
+            "verify",
+            "--path",
+            s(&m),
+            "--signature",
+            s(&sig),
+            "--public-key",
+            s(&t.path().join("o.pub")),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not made with this public key"));
+}
+
+/// Kills the server when the test ends, passing or not.
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+#[ignore = "needs Python tools: scripts/test installs them"]
+fn mlflow_client_works_against_keel_serve() {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("reg.db");
+    let created: serde_json::Value = serde_json::from_str(&ok(keel(
+        &db,
+        &["--json", "keys", "create", "mlflow", "--role", "write"],
+    )))
+    .expect("json");
+    let secret = created["secret"].as_str().expect("secret").to_owned();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["model", "--db"])
+        .arg(&db)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let server = Server(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read");
+    let url = line.trim().rsplit(' ').next().expect("url").to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_client.py");
+    let o = Command::new(python())
+        .arg(&script)
+        .arg(&url)
+        .env("MLFLOW_TRACKING_TOKEN", &secret)
+        .env("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        .output()
+        .expect("python");
+    let out = ok(o);
+    let seen: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json");
+    assert_eq!(seen["versions"], serde_json::json!(["1", "2"]));
+    assert_eq!(seen["by_run"], serde_json::json!(["1"]));
+    assert_eq!(seen["models"], serde_json::json!(["mlf-model"]));
+    assert_eq!(seen["aliases"]["champion"], "2");
+    assert_eq!(seen["v1_tags"]["k"], "v");
+    assert_eq!(seen["alias_deleted"], true);
+    assert_eq!(seen["duplicate"], "RESOURCE_ALREADY_EXISTS");
+    // Without the token the client is refused.
+    let o = Command::new(python())
+        .arg(&script)
+        .arg(&url)
+        .env_remove("MLFLOW_TRACKING_TOKEN")
+        .env("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        .output()
+        .expect("python");
+    assert!(!o.status.success());
+    drop(server);
+    // What the client did is in keel's history and audit log.
+    let h = ok(keel(&db, &["history", "mlf-model"]));
+    assert!(h.contains("key:mlflow"), "{h}");
+    assert!(ok(keel(&db, &["audit", "verify"])).ends_with("ok\n"));
+}

@@ -1,0 +1,61 @@
+"""The real MLflow client against `keel model serve`: create a model and
+versions, set and read aliases, search versions, delete an alias.
+
+Usage: python mlflow_client.py URL   (MLFLOW_TRACKING_TOKEN set by the caller)
+Prints one JSON line with what it saw; exits non-zero on any failure.
+"""
+
+import json
+import sys
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+url = sys.argv[1]
+c = MlflowClient(tracking_uri=url, registry_uri=url)
+
+m = c.create_registered_model("mlf-model", tags={"team": "infra"}, description="from mlflow")
+assert m.name == "mlf-model", m
+
+v1 = c.create_model_version("mlf-model", source="s3://bucket/runs/r1/model", run_id="r1", tags={"k": "v"})
+v2 = c.create_model_version("mlf-model", source="s3://bucket/runs/r2/model", run_id="r2")
+assert (v1.version, v2.version) == ("1", "2") or (v1.version, v2.version) == (1, 2), (v1.version, v2.version)
+
+c.set_registered_model_alias("mlf-model", "champion", v1.version)
+c.set_registered_model_alias("mlf-model", "champion", v2.version)
+champ = c.get_model_version_by_alias("mlf-model", "champion")
+assert str(champ.version) == "2", champ
+assert champ.source == "s3://bucket/runs/r2/model", champ.source
+
+got = c.get_registered_model("mlf-model")
+aliases = dict(got.aliases)
+
+found = c.search_model_versions("name='mlf-model'")
+by_run = c.search_model_versions("run_id='r1'")
+models = c.search_registered_models(filter_string="name LIKE 'mlf-%'")
+
+one = c.get_model_version("mlf-model", "1")
+
+c.delete_registered_model_alias("mlf-model", "champion")
+try:
+    c.get_model_version_by_alias("mlf-model", "champion")
+    deleted = False
+except MlflowException as e:
+    deleted = e.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+try:
+    c.create_registered_model("mlf-model")
+    dup = "accepted"
+except MlflowException as e:
+    dup = e.error_code
+
+print(json.dumps({
+    "versions": sorted(str(v.version) for v in found),
+    "by_run": [str(v.version) for v in by_run],
+    "models": [m.name for m in models],
+    "aliases": {k: str(v) for k, v in aliases.items()},
+    "v1_tags": dict(one.tags),
+    "v1_run": one.run_id,
+    "alias_deleted": deleted,
+    "duplicate": dup,
+}))
