@@ -1,5 +1,5 @@
 //! Interop with the real Python tools (`scripts/services/python-tools`
-//! installs them and sets KEEL_TEST_PYTHON): the OpenSSF reference signer
+//! installs them and sets KEEL_TEST_PYTHON_TOOLS): the OpenSSF reference signer
 //! `model-signing` 1.1.1 in both directions, and the MLflow client against
 //! `keel model serve`.
 
@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 fn python() -> PathBuf {
-    std::env::var_os("KEEL_TEST_PYTHON")
+    std::env::var_os("KEEL_TEST_PYTHON_TOOLS")
         .map(PathBuf::from)
-        .expect("KEEL_TEST_PYTHON is not set: run `eval \"$(scripts/services/python-tools)\"` (scripts/test does)")
+        .expect("KEEL_TEST_PYTHON_TOOLS is not set: run `eval \"$(scripts/services/python-tools)\"` (scripts/test does)")
 }
 
 fn keel(db: &Path, args: &[&str]) -> Output {
