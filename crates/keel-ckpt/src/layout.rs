@@ -31,6 +31,11 @@ pub fn pin_key(step: u64, epoch: u64) -> String {
     format!("pins/{step:020}-e{epoch:010}.json")
 }
 
+/// The record of a removed pin, unique per removal.
+pub fn unpin_key(step: u64, epoch: u64, time: i64, nonce: u64) -> String {
+    format!("unpins/{step:020}-e{epoch:010}-{time}-{nonce:016x}.json")
+}
+
 /// Parses `ckpt/<step>/e<epoch>/manifest.json`.
 pub fn parse_manifest_key(key: &str) -> Option<(u64, u64)> {
     let rest = key.strip_prefix("ckpt/")?;

@@ -39,7 +39,7 @@ pub use ops::{
     CheckpointInfo, Failure, FileCheck, Published, PullReport, PushReport, PushRequest, Selector,
     VerifyReport,
 };
-pub use records::{CkptMeta, CkptRef, GenKind, GenRecord, PinRecord, WriterRecord};
+pub use records::{CkptMeta, CkptRef, GenKind, GenRecord, PinRecord, UnpinRecord, WriterRecord};
 
 /// What a library call needs from the world: the time, this host's name,
 /// and a random number for attempt ids.
@@ -474,13 +474,35 @@ impl Ckpt {
         Ok(rec)
     }
 
-    pub async fn unpin(&self, sel: Selector) -> Result<CkptRef, CkptError> {
+    /// Removes a pin, first recording why (a create-only `unpins/` record
+    /// holding the removed pin), so pins never vanish without a trace.
+    pub async fn unpin(
+        &self,
+        sel: Selector,
+        reason: &str,
+        ctx: &Context,
+    ) -> Result<UnpinRecord, CkptError> {
         let c = self.resolve_one(sel).await?;
         let key = layout::pin_key(c.step, c.epoch);
-        if self.store.head(&key).await?.is_none() {
+        let Some(bytes) = self.store.get_opt(&key).await? else {
             return Err(CkptError::NotPinned { checkpoint: c });
-        }
+        };
+        let pin: PinRecord = record(&key, &bytes)?;
+        let rec = UnpinRecord {
+            version: records::VERSION,
+            checkpoint: c,
+            reason: reason.to_owned(),
+            host: ctx.host.clone(),
+            time: ctx.now_unix,
+            pin,
+        };
+        self.store
+            .create(
+                &layout::unpin_key(c.step, c.epoch, ctx.now_unix, ctx.nonce),
+                json(&rec).into(),
+            )
+            .await?;
         self.store.delete(&key).await?;
-        Ok(c)
+        Ok(rec)
     }
 }

@@ -65,6 +65,19 @@ pub struct PinRecord {
     pub time: i64,
 }
 
+/// `unpins/<step>-e<epoch>-<time>.json`: a removed pin, why and by whom;
+/// created once, never changed, so removing a pin leaves a trail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnpinRecord {
+    pub version: u32,
+    pub checkpoint: CkptRef,
+    pub reason: String,
+    pub host: String,
+    pub time: i64,
+    /// The pin that was removed.
+    pub pin: PinRecord,
+}
+
 /// Checkpoint metadata, stored in the manifest as `predicate.keel`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CkptMeta {

@@ -448,9 +448,16 @@ async fn gc_keeps_what_it_must_and_deletes_commit_first(env: Env) {
             .len(),
         1
     );
-    ck.unpin(Selector::Step(2)).await.expect("unpin");
+    let u = ck
+        .unpin(Selector::Step(2), "baseline superseded", &ctx(71))
+        .await
+        .expect("unpin");
+    assert_eq!(u.reason, "baseline superseded");
+    assert_eq!(u.pin.reason, "paper baseline");
+    // The removal left a record behind.
+    assert_eq!(ck.store().list("unpins").await.expect("ls").len(), 1);
     assert!(matches!(
-        ck.unpin(Selector::Step(2)).await,
+        ck.unpin(Selector::Step(2), "again", &ctx(72)).await,
         Err(CkptError::NotPinned { .. })
     ));
 }

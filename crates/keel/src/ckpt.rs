@@ -141,13 +141,15 @@ pub enum CkptCommand {
         #[arg(long)]
         reason: String,
     },
-    /// Remove a pin.
+    /// Remove a pin (the removal is recorded with its reason).
     Unpin {
         url: String,
         #[command(flatten)]
         run: RunArg,
         #[command(flatten)]
         step: StepArg,
+        #[arg(long)]
+        reason: String,
     },
     /// Take the run over as this writer (a new job after a requeue):
     /// every older writer is fenced from then on.
@@ -942,18 +944,28 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
             }
             Ok(Code::Ok)
         }
-        CkptCommand::Unpin { url, run, step } => {
+        CkptCommand::Unpin {
+            url,
+            run,
+            step,
+            reason,
+        } => {
             let sel = parse_step(&step.step)?;
             let store = open(url)?;
             let ck = Ckpt::new(&store, &run.run)?;
-            let c = ck.unpin(sel).await?;
+            let u = ck.unpin(sel, reason, &context()).await?;
             if out.json {
                 out.json(
                     "ckpt unpin",
-                    &serde_json::json!({"run": run.run, "checkpoint": c}),
+                    &serde_json::json!({"run": run.run, "checkpoint": u.checkpoint, "unpin": u}),
                 )?;
             } else {
-                out.text(&format!("unpinned {}\n", step_text(c)))?;
+                out.text(&format!(
+                    "unpinned {}: {} (was pinned: {})\n",
+                    step_text(u.checkpoint),
+                    u.reason,
+                    u.pin.reason
+                ))?;
             }
             Ok(Code::Ok)
         }
