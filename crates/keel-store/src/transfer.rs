@@ -260,24 +260,42 @@ pub async fn fetch_files(
     fail_fast: bool,
 ) -> Result<Vec<(Fetch, Result<(), StoreError>)>, StoreError> {
     let n = opts.files_in_parallel.max(1);
+    // With fail_fast, the first failure stops new files from starting, and
+    // the files already in flight are drained before returning: their
+    // blocking file work must be over before the caller removes the
+    // directory they write into.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = &stop;
     let mut s = futures::stream::iter(items)
         .map(|f| async move {
+            if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return (f, None);
+            }
             let r = fetch_one(store, &f, opts).await;
-            (f, r)
+            (f, Some(r))
         })
         .buffered(n);
     let mut out = Vec::new();
+    let mut first_error = None;
     while let Some((f, r)) = s.next().await {
+        let Some(r) = r else { continue };
         if fail_fast {
-            if let Err(e) = r {
-                return Err(e);
+            match r {
+                Err(e) if first_error.is_none() => {
+                    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                    first_error = Some(e);
+                }
+                Err(_) => {}
+                Ok(()) => out.push((f, Ok(()))),
             }
-            out.push((f, Ok(())));
         } else {
             out.push((f, r));
         }
     }
-    Ok(out)
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
 }
 
 async fn fetch_one(store: &Store, f: &Fetch, opts: &TransferOptions) -> Result<(), StoreError> {
