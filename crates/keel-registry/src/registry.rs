@@ -55,10 +55,6 @@ pub struct Registry {
 
 const SECRET_PREFIX: &str = "keel_";
 
-fn sha256_hex(s: &str) -> String {
-    Digest::of(s.as_bytes()).hex()
-}
-
 fn tags_json(tags: &[Tag]) -> serde_json::Value {
     tags.iter()
         .map(|t| (t.key.clone(), serde_json::Value::String(t.value.clone())))
@@ -893,7 +889,7 @@ impl Registry {
             actor,
             "version.sign",
             &format!("{model}:{number}"),
-            json!({"version": number, "key_hint": key_hint, "bundle_sha256": sha256_hex(bundle)}),
+            json!({"version": number, "key_hint": key_hint, "bundle_sha256": Digest::of(bundle.as_bytes()).hex()}),
         )?;
         tx.commit().map_err(RegistryError::db("committing"))?;
         self.signature(model, number)?
@@ -960,7 +956,7 @@ impl Registry {
                 reason: "secrets must be at least 32 characters".into(),
             });
         }
-        let hash = sha256_hex(secret);
+        let hash = crate::auth::secret_hash(secret);
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let exists: bool = tx
@@ -1051,7 +1047,7 @@ impl Registry {
             .query_row(
                 "SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys
                  WHERE sha256 = ?1 AND revoked_ms IS NULL",
-                [sha256_hex(secret)],
+                [crate::auth::secret_hash(secret)],
                 key_row,
             )
             .optional()
@@ -1249,6 +1245,17 @@ fn insert_model(
     Ok(id)
 }
 
+/// The next sequence number of an event table (`alias_events`,
+/// `audit_events`), inside the writing transaction.
+fn next_seq(tx: &Connection, table: &'static str, what: &'static str) -> Result<i64> {
+    tx.query_row(
+        &format!("SELECT COALESCE(MAX(seq), 0) + 1 FROM {table}"),
+        [],
+        |r| r.get(0),
+    )
+    .map_err(RegistryError::db(what))
+}
+
 fn touch_model(c: &Connection, id: i64, now: i64) -> Result<()> {
     c.execute(
         "UPDATE models SET updated_ms = MAX(updated_ms, ?2) WHERE id = ?1",
@@ -1354,13 +1361,7 @@ fn move_alias(
     .map_err(RegistryError::db("moving an alias"))?;
     touch_model(tx, model_id, now)?;
     let prev = meta(tx, "alias_head")?.unwrap_or_else(|| GENESIS.to_owned());
-    let seq: i64 = tx
-        .query_row(
-            "SELECT COALESCE(MAX(seq), 0) + 1 FROM alias_events",
-            [],
-            |r| r.get(0),
-        )
-        .map_err(RegistryError::db("numbering an alias event"))?;
+    let seq = next_seq(tx, "alias_events", "numbering an alias event")?;
     let rec = AliasRecord {
         seq,
         time_ms: now,
@@ -1414,13 +1415,7 @@ fn audit(
 ) -> Result<()> {
     let detail = detail.to_string();
     let prev = meta(tx, "audit_head")?.unwrap_or_else(|| GENESIS.to_owned());
-    let seq: i64 = tx
-        .query_row(
-            "SELECT COALESCE(MAX(seq), 0) + 1 FROM audit_events",
-            [],
-            |r| r.get(0),
-        )
-        .map_err(RegistryError::db("numbering an audit event"))?;
+    let seq = next_seq(tx, "audit_events", "numbering an audit event")?;
     let rec = AuditRecord {
         seq,
         time_ms: now,
