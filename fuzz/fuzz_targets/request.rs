@@ -10,7 +10,7 @@ use keel_gateway::request::{parse_openai, route};
 
 fuzz_target!(|data: &[u8]| {
     for field in ["messages", "prompt", "input"] {
-        let _ = parse_openai(data, field);
+        let _ = parse_openai(&bytes::Bytes::copy_from_slice(data), field);
     }
     if let Ok(s) = std::str::from_utf8(data) {
         let _ = route(&http::Method::GET, s);

@@ -2,10 +2,12 @@
 //! line before it, so removing, reordering or editing any line breaks the
 //! chain that `verify` (and `keel serve audit verify`) checks.
 //!
-//! A line is `{"event":...,"prev":"<hex>","seq":N,"ts":"...",...,"hash":"<hex>"}`
+//! A line is `{"seq":N,"prev":"<hex>","event":...,"ts":"...",...,"hash":"<hex>"}`
 //! where `hash` is the SHA-256 of the line's text without its `,"hash":...`
-//! suffix (keys before it in sorted order). Lines are written by one
-//! thread, off the request path, in batches every few milliseconds.
+//! suffix. Verification reads `seq` and `prev` wherever they are, so the
+//! order of the other keys is free. Requests serialise their event; one
+//! thread, off the request path, numbers, chains and writes them in
+//! batches every few milliseconds.
 //! Prompts and completions are recorded only when configured.
 
 use std::fs::OpenOptions;
@@ -25,18 +27,34 @@ const SUFFIX_LEN: usize = ",\"hash\":\"\"}".len() + 64;
 /// A running audit log.
 #[derive(Debug)]
 pub struct AuditLog {
-    batcher: Batcher<Map<String, Value>>,
+    batcher: Batcher<String>,
     path: PathBuf,
 }
 
-/// Makes one chained line from an event: `(line, hash)`.
-pub fn chain_line(seq: u64, prev: &str, mut event: Map<String, Value>) -> (String, String) {
-    event.insert("seq".into(), seq.into());
-    event.insert("prev".into(), prev.into());
-    let body = Value::Object(event).to_string();
-    let hash = hex(&Sha256::digest(body.as_bytes()));
-    let line = format!("{},\"hash\":\"{hash}\"}}", &body[..body.len() - 1]);
-    (line, hash)
+/// Makes one chained line from an event, the text of a JSON object:
+/// `(line, hash)`.
+pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
+    let fields = event
+        .trim()
+        .strip_prefix('{')
+        .and_then(|e| e.strip_suffix('}'))
+        .unwrap_or("")
+        .trim();
+    let mut body = String::with_capacity(event.len() + 100);
+    body.push_str("{\"seq\":");
+    body.push_str(&seq.to_string());
+    body.push_str(",\"prev\":\"");
+    body.push_str(prev);
+    body.push('"');
+    if !fields.is_empty() {
+        body.push(',');
+        body.push_str(fields);
+    }
+    let hash = hex(&Sha256::digest(format!("{body}}}").as_bytes()));
+    body.push_str(",\"hash\":\"");
+    body.push_str(&hash);
+    body.push_str("\"}");
+    (body, hash)
 }
 
 /// What a chain check found.
@@ -145,10 +163,10 @@ impl AuditLog {
             .open(path)
             .map_err(werr)?;
         let mut w = BufWriter::with_capacity(64 << 10, file);
-        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Map<String, Value>>, last| {
+        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<String>, last| {
             for ev in batch {
                 seq += 1;
-                let (line, hash) = chain_line(seq, &prev, ev);
+                let (line, hash) = chain_line(seq, &prev, &ev);
                 prev = hash;
                 let _ = w.write_all(line.as_bytes());
                 let _ = w.write_all(b"\n");
@@ -169,8 +187,14 @@ impl AuditLog {
         &self.path
     }
 
-    /// Queues an event (a JSON object; `ts` should be in it).
+    /// Queues an event (a JSON object; `ts` should be in it, `seq` and
+    /// `prev` must not).
     pub fn record(&self, event: Map<String, Value>) {
+        self.batcher.push(Value::Object(event).to_string());
+    }
+
+    /// Queues an event already serialised as the text of a JSON object.
+    pub fn record_json(&self, event: String) {
         self.batcher.push(event);
     }
 

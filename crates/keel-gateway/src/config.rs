@@ -43,6 +43,7 @@ pub struct FileServer {
     pub shutdown_grace_s: Option<f64>,
     pub pin_header: Option<String>,
     pub access_log: Option<bool>,
+    pub workers: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -212,6 +213,8 @@ pub struct ServerConfig {
     pub shutdown_grace_s: f64,
     pub pin_header: String,
     pub access_log: bool,
+    /// Runtime worker threads; `None`: one per CPU. Read at start only.
+    pub workers: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -371,7 +374,13 @@ impl GatewayConfig {
                 .unwrap_or_else(|| "x-keel-deployment".into())
                 .to_ascii_lowercase(),
             access_log: f.server.access_log.unwrap_or(true),
+            workers: f.server.workers,
         };
+        if server.workers.is_some_and(|w| !(1..=1024).contains(&w)) {
+            return bad(
+                "server.workers must be between 1 and 1024 (leave it out for one per CPU)".into(),
+            );
+        }
         if http::HeaderName::from_bytes(server.pin_header.as_bytes()).is_err() {
             return bad(format!(
                 "server.pin_header {:?} is not a header name",
@@ -727,5 +736,15 @@ url = "http://127.0.0.1:8002/prefix"
             ),
             "unknown operation",
         );
+        check(
+            &EXAMPLE.replace("[server]\n", "[server]\nworkers = 0\n"),
+            "server.workers",
+        );
+        let c = GatewayConfig::from_toml(
+            &EXAMPLE.replace("[server]\n", "[server]\nworkers = 2\n"),
+            Path::new("/"),
+        )
+        .expect("valid");
+        assert_eq!(c.server.workers, Some(2));
     }
 }

@@ -22,7 +22,7 @@ use crate::limits::{
     reset_header, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
 };
 use crate::metrics::{Metrics, RequestLabels};
-use crate::proxy::{retry_after, upstream_headers, usage_of, SseFilter, TokenUsage, Upstream};
+use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::traffic::{Backend, ModelRoute, RetryBudget, Rng, Traffic};
 
@@ -37,7 +37,14 @@ pub struct GatewayOptions {
     pub seed: u64,
     /// How `POST /admin/reload` and `Gateway::reload` get a new config.
     pub reload: Option<ReloadFn>,
+    /// Where access-log lines go, already serialised (one JSON object and
+    /// a newline each). Without one they are `tracing` events (target
+    /// `keel::access`).
+    pub access_sink: Option<AccessSink>,
 }
+
+/// Takes one serialised access-log line.
+pub type AccessSink = Arc<dyn Fn(Vec<u8>) + Send + Sync>;
 
 impl std::fmt::Debug for GatewayOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -70,6 +77,7 @@ struct Inner {
     upstream: Upstream,
     budget: RetryBudget,
     reload: Option<ReloadFnBox>,
+    access_sink: Option<AccessSinkBox>,
     reload_lock: tokio::sync::Mutex<()>,
     /// Stream and mirror tasks still running.
     tasks: std::sync::atomic::AtomicUsize,
@@ -99,6 +107,13 @@ struct ReloadFnBox(ReloadFn);
 impl std::fmt::Debug for ReloadFnBox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ReloadFn")
+    }
+}
+
+struct AccessSinkBox(AccessSink);
+impl std::fmt::Debug for AccessSinkBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AccessSink")
     }
 }
 
@@ -142,11 +157,42 @@ struct Ctx {
     response_body: Option<Bytes>,
 }
 
+/// One audit line for a request or a refusal.
+#[derive(serde::Serialize)]
+struct RequestEvent<'a> {
+    event: &'static str,
+    ts: String,
+    request_id: &'a str,
+    route: &'static str,
+    key: Option<&'a str>,
+    team: Option<&'a str>,
+    model: Option<&'a str>,
+    served_model: Option<&'a str>,
+    deployment: Option<&'a str>,
+    status: u16,
+    duration_ms: f64,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    retries: u32,
+    fallback: bool,
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_body: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_body: Option<String>,
+}
+
 /// What is sent upstream, rendered per deployment (the model name differs).
 enum Payload {
     OpenAi {
         path: &'static str,
-        obj: Map<String, Value>,
+        body: request::OpenAiBody,
+        /// Ask for the usage chunk of a stream.
+        force_usage: bool,
     },
     Oip {
         method: Method,
@@ -160,16 +206,16 @@ enum Payload {
 impl Payload {
     fn render(&self, backend_model: &str) -> (Method, String, Bytes, Option<HeaderValue>) {
         match self {
-            Payload::OpenAi { path, obj } => {
-                let mut o = obj.clone();
-                o.insert("model".into(), Value::String(backend_model.to_owned()));
-                (
-                    Method::POST,
-                    (*path).to_owned(),
-                    Bytes::from(Value::Object(o).to_string()),
-                    None,
-                )
-            }
+            Payload::OpenAi {
+                path,
+                body,
+                force_usage,
+            } => (
+                Method::POST,
+                (*path).to_owned(),
+                body.render(backend_model, *force_usage),
+                None,
+            ),
             Payload::Oip {
                 method,
                 version,
@@ -309,32 +355,31 @@ pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
 }
 
 fn rate_headers(h: &mut HeaderMap, info: &RateInfo) {
-    let mut put = |k: &'static str, v: String| {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            h.insert(k, v);
-        }
-    };
+    use http::header::HeaderName;
+    const LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
+    const REMAINING_REQUESTS: HeaderName =
+        HeaderName::from_static("x-ratelimit-remaining-requests");
+    const RESET_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-reset-requests");
+    const LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
+    const REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
+    const RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
+    let reset = |ms: u64| HeaderValue::from_str(&reset_header(ms)).ok();
     if let Some(l) = info.limit_requests {
-        put("x-ratelimit-limit-requests", l.to_string());
-        put(
-            "x-ratelimit-remaining-requests",
-            info.remaining_requests.to_string(),
+        h.insert(LIMIT_REQUESTS, HeaderValue::from(l));
+        h.insert(
+            REMAINING_REQUESTS,
+            HeaderValue::from(info.remaining_requests),
         );
-        put(
-            "x-ratelimit-reset-requests",
-            reset_header(info.reset_requests_ms),
-        );
+        if let Some(v) = reset(info.reset_requests_ms) {
+            h.insert(RESET_REQUESTS, v);
+        }
     }
     if let Some(l) = info.limit_tokens {
-        put("x-ratelimit-limit-tokens", l.to_string());
-        put(
-            "x-ratelimit-remaining-tokens",
-            info.remaining_tokens.to_string(),
-        );
-        put(
-            "x-ratelimit-reset-tokens",
-            reset_header(info.reset_tokens_ms),
-        );
+        h.insert(LIMIT_TOKENS, HeaderValue::from(l));
+        h.insert(REMAINING_TOKENS, HeaderValue::from(info.remaining_tokens));
+        if let Some(v) = reset(info.reset_tokens_ms) {
+            h.insert(RESET_TOKENS, v);
+        }
     }
 }
 
@@ -379,6 +424,7 @@ impl Gateway {
                 upstream,
                 budget,
                 reload: opts.reload.map(ReloadFnBox),
+                access_sink: opts.access_sink.map(AccessSinkBox),
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
             }),
@@ -386,6 +432,11 @@ impl Gateway {
         gw.start_background();
         gw.audit_event("start", Map::new());
         Ok(gw)
+    }
+
+    /// Where access-log lines go (see [`GatewayOptions::access_sink`]).
+    pub fn access_sink(&self) -> Option<AccessSink> {
+        self.inner.access_sink.as_ref().map(|s| s.0.clone())
     }
 
     pub fn generation(&self) -> Arc<Generation> {
@@ -647,56 +698,46 @@ impl Gateway {
         } else if ctx.status >= 400 {
             m.error(ctx.route, "client");
         }
-        if self.inner.audit.is_none() || ctx.route == "/healthz" || ctx.route == "/readyz" {
+        let Some(audit) = &self.inner.audit else {
+            return;
+        };
+        if ctx.route == "/healthz" || ctx.route == "/readyz" {
             return;
         }
-        let mut e = Map::new();
-        e.insert("request_id".into(), ctx.id.clone().into());
-        e.insert("route".into(), ctx.route.into());
-        e.insert("key".into(), ctx.key.clone().into());
-        e.insert("team".into(), ctx.team.clone().into());
-        e.insert("model".into(), ctx.model.clone().into());
-        e.insert("served_model".into(), ctx.served_model.clone().into());
-        e.insert("deployment".into(), ctx.deployment.clone().into());
-        e.insert("status".into(), ctx.status.into());
-        e.insert(
-            "duration_ms".into(),
-            json!((total.as_secs_f64() * 1e6).round() / 1e3),
-        );
-        e.insert("prompt_tokens".into(), ctx.usage.map(|u| u.prompt).into());
-        e.insert(
-            "completion_tokens".into(),
-            ctx.usage.map(|u| u.completion).into(),
-        );
-        e.insert("retries".into(), ctx.retries.into());
-        e.insert("fallback".into(), ctx.fallback.into());
-        e.insert("stream".into(), ctx.stream.into());
-        if let Some(d) = ctx.denied {
-            e.insert("reason".into(), d.into());
-        }
-        if let Some(err) = &ctx.error {
-            e.insert("error".into(), err.clone().into());
-        }
-        if let Some(b) = &ctx.request_body {
-            e.insert(
-                "request_body".into(),
-                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
-            );
-        }
-        if let Some(b) = &ctx.response_body {
-            e.insert(
-                "response_body".into(),
-                String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into(),
-            );
-        }
-        self.audit_event(
-            if ctx.denied.is_some() {
+        let content = |b: &Option<Bytes>| {
+            b.as_ref()
+                .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
+        };
+        let e = RequestEvent {
+            event: if ctx.denied.is_some() {
                 "denied"
             } else {
                 "request"
             },
-            e,
-        );
+            ts: rfc3339(self.inner.clock.now_ms()),
+            request_id: &ctx.id,
+            route: ctx.route,
+            key: ctx.key.as_deref(),
+            team: ctx.team.as_deref(),
+            model: ctx.model.as_deref(),
+            served_model: ctx.served_model.as_deref(),
+            deployment: ctx.deployment.as_deref(),
+            status: ctx.status,
+            duration_ms: (total.as_secs_f64() * 1e6).round() / 1e3,
+            prompt_tokens: ctx.usage.map(|u| u.prompt),
+            completion_tokens: ctx.usage.map(|u| u.completion),
+            retries: ctx.retries,
+            fallback: ctx.fallback,
+            stream: ctx.stream,
+            reason: ctx.denied,
+            error: ctx.error.as_deref(),
+            request_body: content(&ctx.request_body),
+            response_body: content(&ctx.response_body),
+        };
+        match serde_json::to_string(&e) {
+            Ok(line) => audit.record_json(line),
+            Err(err) => tracing::error!(error = %err, "audit event not serialisable"),
+        }
     }
 
     fn authenticate(
@@ -932,7 +973,7 @@ impl Gateway {
             Duration::from_millis(s.body_timeout_ms),
         )
         .await?;
-        let (mut obj, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
+        let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
@@ -959,18 +1000,12 @@ impl Gateway {
         };
         let reservation = self.admit(gen, &ident, tokens, ctx).await?;
         let strip = parsed.stream && !parsed.include_usage;
-        if strip {
-            match obj.get_mut("stream_options") {
-                Some(Value::Object(o)) => {
-                    o.insert("include_usage".into(), true.into());
-                }
-                _ => {
-                    obj.insert("stream_options".into(), json!({"include_usage": true}));
-                }
-            }
-        }
         let path = route.template();
-        let payload = Payload::OpenAi { path, obj };
+        let payload = Payload::OpenAi {
+            path,
+            body,
+            force_usage: strip,
+        };
         let pin = parts
             .headers
             .get(s.pin_header.as_str())
@@ -1030,10 +1065,7 @@ impl Gateway {
         };
         let ok = parts.status.is_success();
         if ok && usage {
-            ctx.usage = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .as_ref()
-                .and_then(usage_of);
+            ctx.usage = usage_of_body(&bytes);
         }
         match (ok, ctx.usage) {
             (false, _) => self.settle(reservation, 0).await,

@@ -3,7 +3,14 @@
 //! estimate). Everything here takes untrusted bytes and must never panic;
 //! a proptest and the `request` fuzz target hold it to that.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
+use bytes::Bytes;
 use http::Method;
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// A public route. Templates (`route_template`) label metrics.
@@ -173,6 +180,8 @@ pub enum ParseError {
     Model,
     #[error("`{0}` has the wrong type")]
     Field(&'static str),
+    #[error("`{0}` appears more than once")]
+    Duplicate(&'static str),
 }
 
 /// Which field holds the prompt for each route.
@@ -184,66 +193,347 @@ pub fn prompt_field(r: &Route) -> &'static str {
     }
 }
 
-/// Parses an OpenAI-style body into its JSON object and the fields the
-/// gateway needs.
-pub fn parse_openai(
-    body: &[u8],
-    prompt_field: &str,
-) -> Result<(Map<String, Value>, OpenAiRequest), ParseError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
-    let Value::Object(obj) = v else {
-        return Err(ParseError::NotObject);
-    };
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        _ => return Err(ParseError::Model),
-    };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ParseError::Field("stream")),
-    };
-    let include_usage = match obj.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => match o.get("include_usage") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(ParseError::Field("stream_options.include_usage")),
-        },
-        Some(_) => return Err(ParseError::Field("stream_options")),
-    };
-    let mut max_tokens = None;
-    for f in ["max_tokens", "max_completion_tokens"] {
-        match obj.get(f) {
-            None | Some(Value::Null) => {}
-            Some(Value::Number(n)) => match n.as_u64() {
-                Some(n) => max_tokens = Some(n),
-                None => {
-                    return Err(ParseError::Field(if f == "max_tokens" {
-                        "max_tokens"
-                    } else {
-                        "max_completion_tokens"
-                    }))
+/// An OpenAI-style body as the client sent it, with the byte spans of the
+/// top-level fields the gateway rewrites. Forwarding splices the backend's
+/// model name (and, for streams, `stream_options`) into the original bytes:
+/// every other field reaches the backend exactly as the client wrote it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenAiBody {
+    bytes: Bytes,
+    /// Where the opening `{` is.
+    open: usize,
+    model: Range<usize>,
+    stream_options: Option<Range<usize>>,
+}
+
+impl OpenAiBody {
+    /// The original bytes.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// The body to send: `model` set to `backend_model`, and with
+    /// `force_usage`, `stream_options.include_usage` set to true (added
+    /// when absent).
+    pub fn render(&self, backend_model: &str, force_usage: bool) -> Bytes {
+        let b = &self.bytes[..];
+        let model = serde_json::to_string(backend_model).expect("a string serialises");
+        let mut edits: Vec<(Range<usize>, Vec<u8>)> =
+            vec![(self.model.clone(), model.into_bytes())];
+        if force_usage {
+            match &self.stream_options {
+                Some(r) => {
+                    let mut o = match serde_json::from_slice::<Value>(&b[r.clone()]) {
+                        Ok(Value::Object(o)) => o,
+                        _ => Map::new(),
+                    };
+                    o.insert("include_usage".into(), Value::Bool(true));
+                    edits.push((r.clone(), Value::Object(o).to_string().into_bytes()));
                 }
-            },
-            Some(_) => {
-                return Err(ParseError::Field(if f == "max_tokens" {
-                    "max_tokens"
-                } else {
-                    "max_completion_tokens"
-                }))
+                None => edits.push((
+                    self.open + 1..self.open + 1,
+                    br#""stream_options":{"include_usage":true},"#.to_vec(),
+                )),
             }
         }
+        edits.sort_by_key(|(r, _)| r.start);
+        let mut out =
+            Vec::with_capacity(b.len() + edits.iter().map(|(_, v)| v.len()).sum::<usize>());
+        let mut at = 0;
+        for (r, v) in edits {
+            out.extend_from_slice(&b[at..r.start]);
+            out.extend_from_slice(&v);
+            at = r.end;
+        }
+        out.extend_from_slice(&b[at..]);
+        Bytes::from(out)
     }
-    let prompt_estimate = obj.get(prompt_field).map_or(0, estimate_tokens);
+}
+
+/// A top-level key, borrowed from the body unless it has escapes.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// Counts a prompt's size as it is parsed, with the rules of
+/// [`estimate_tokens`], without building the value.
+struct Estimate<'a> {
+    bytes: &'a mut u64,
+    ids: &'a mut u64,
+    depth: u32,
+    /// Strings and numbers count here (false: only what is nested inside).
+    scalars: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for Estimate<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        if self.depth > 64 {
+            return IgnoredAny::deserialize(d).map(|_| ());
+        }
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Estimate<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        if self.scalars {
+            *self.bytes += v.len() as u64;
+        }
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        if self.scalars {
+            *self.ids += 1;
+        }
+        Ok(())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        self.visit_u64(v.unsigned_abs())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        self.visit_u64(0)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
+        while a
+            .next_element_seed(Estimate {
+                bytes: &mut *self.bytes,
+                ids: &mut *self.ids,
+                depth: self.depth + 1,
+                scalars: true,
+            })?
+            .is_some()
+        {}
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
+        while let Some(Key(k)) = a.next_key::<Key<'de>>()? {
+            a.next_value_seed(Estimate {
+                bytes: &mut *self.bytes,
+                ids: &mut *self.ids,
+                depth: self.depth + 1,
+                scalars: k == "content" || k == "text" || self.depth == 0,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The top-level object: spans of the rewritten fields and what the
+/// gateway reads.
+struct Top<'a> {
+    base: usize,
+    prompt_field: &'a str,
+}
+
+#[derive(Default)]
+struct Seen {
+    model: Option<(String, Range<usize>)>,
+    stream: Option<bool>,
+    stream_options: Option<(bool, Range<usize>)>,
+    max_tokens: Option<Option<u64>>,
+    max_completion_tokens: Option<Option<u64>>,
+    prompt: Option<u64>,
+}
+
+impl<'de> Visitor<'de> for Top<'_> {
+    type Value = Result<Seen, ParseError>;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+        let mut seen = Seen::default();
+        let mut failed = None;
+        while let Some(Key(k)) = a.next_key::<Key<'de>>()? {
+            if k == self.prompt_field {
+                let (mut bytes, mut ids) = (0, 0);
+                a.next_value_seed(Estimate {
+                    bytes: &mut bytes,
+                    ids: &mut ids,
+                    depth: 0,
+                    scalars: true,
+                })?;
+                if seen.prompt.replace(bytes.div_ceil(4) + ids).is_some() {
+                    failed.get_or_insert(ParseError::Duplicate(field_name(self.prompt_field)));
+                }
+                continue;
+            }
+            let Some(name) = READ_FIELDS.iter().copied().find(|f| *f == k) else {
+                a.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            let raw: &'de RawValue = a.next_value()?;
+            let span = {
+                let start = raw.get().as_ptr() as usize - self.base;
+                start..start + raw.get().len()
+            };
+            let v: Value = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
+            let dup = match name {
+                "model" => match v {
+                    Value::String(s) if !s.is_empty() => seen.model.replace((s, span)).is_some(),
+                    _ => {
+                        failed.get_or_insert(ParseError::Model);
+                        false
+                    }
+                },
+                "stream" => match v {
+                    Value::Null => seen.stream.replace(false).is_some(),
+                    Value::Bool(b) => seen.stream.replace(b).is_some(),
+                    _ => {
+                        failed.get_or_insert(ParseError::Field("stream"));
+                        false
+                    }
+                },
+                "stream_options" => {
+                    let include = match &v {
+                        Value::Null => Some(false),
+                        Value::Object(o) => match o.get("include_usage") {
+                            None | Some(Value::Null) => Some(false),
+                            Some(Value::Bool(b)) => Some(*b),
+                            Some(_) => {
+                                failed.get_or_insert(ParseError::Field(
+                                    "stream_options.include_usage",
+                                ));
+                                None
+                            }
+                        },
+                        _ => {
+                            failed.get_or_insert(ParseError::Field("stream_options"));
+                            None
+                        }
+                    };
+                    include.is_some_and(|i| seen.stream_options.replace((i, span)).is_some())
+                }
+                f => {
+                    let n = match v {
+                        Value::Null => Some(None),
+                        Value::Number(n) => n.as_u64().map(Some),
+                        _ => None,
+                    };
+                    let slot = if f == "max_tokens" {
+                        &mut seen.max_tokens
+                    } else {
+                        &mut seen.max_completion_tokens
+                    };
+                    match n {
+                        Some(n) => slot.replace(n).is_some(),
+                        None => {
+                            failed.get_or_insert(ParseError::Field(field_name(f)));
+                            false
+                        }
+                    }
+                }
+            };
+            if dup {
+                failed.get_or_insert(ParseError::Duplicate(field_name(name)));
+            }
+        }
+        Ok(match failed {
+            Some(e) => Err(e),
+            None => Ok(seen),
+        })
+    }
+}
+
+/// The top-level fields the gateway reads (besides the prompt).
+const READ_FIELDS: [&str; 5] = [
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+];
+
+fn field_name(f: &str) -> &'static str {
+    const ALL: [&str; 8] = [
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "messages",
+        "prompt",
+        "input",
+    ];
+    ALL.iter().copied().find(|a| *a == f).unwrap_or("prompt")
+}
+
+/// Parses an OpenAI-style body: the fields the gateway needs, and the body
+/// kept for forwarding. The document is scanned once; only the small
+/// fields the gateway reads are built as values. A field the gateway reads
+/// that appears twice is refused, so the gateway and the backend cannot
+/// disagree about which model was asked for.
+pub fn parse_openai(
+    body: &Bytes,
+    prompt_field: &str,
+) -> Result<(OpenAiBody, OpenAiRequest), ParseError> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace());
+    if open.is_none_or(|i| body[i] != b'{') {
+        return Err(match serde_json::from_slice::<IgnoredAny>(body) {
+            Ok(_) => ParseError::NotObject,
+            Err(e) => ParseError::Json(e.to_string()),
+        });
+    }
+    let top = Top {
+        base: body.as_ptr() as usize,
+        prompt_field,
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let seen = de
+        .deserialize_map(top)
+        .and_then(|r| de.end().map(|()| r))
+        .map_err(|e| ParseError::Json(e.to_string()))??;
+    let Some((model, model_span)) = seen.model else {
+        return Err(ParseError::Model);
+    };
+    let stream = seen.stream.unwrap_or(false);
+    let (include_usage, stream_options) = match seen.stream_options {
+        Some((i, r)) => (i, Some(r)),
+        None => (false, None),
+    };
     Ok((
-        obj,
+        OpenAiBody {
+            bytes: body.clone(),
+            open: open.unwrap_or(0),
+            model: model_span,
+            stream_options,
+        },
         OpenAiRequest {
             model,
             stream,
             include_usage,
-            max_tokens,
-            prompt_estimate,
+            max_tokens: seen
+                .max_completion_tokens
+                .flatten()
+                .or(seen.max_tokens.flatten()),
+            prompt_estimate: seen.prompt.unwrap_or(0),
         },
     ))
 }
@@ -324,8 +614,7 @@ mod tests {
 
     #[test]
     fn bodies() {
-        let (_, r) = parse_openai(
-            br#"{"model":"m","messages":[{"role":"user","content":"12345678"}],"stream":true,"max_tokens":10}"#,
+        let (_, r) = parse_openai(&Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"12345678"}],"stream":true,"max_tokens":10}"#),
             "messages",
         )
         .expect("ok");
@@ -340,43 +629,170 @@ mod tests {
             }
         );
         let (_, r) = parse_openai(
-            br#"{"model":"m","prompt":[1,2,3],"stream_options":{"include_usage":true}}"#,
+            &Bytes::from_static(
+                br#"{"model":"m","prompt":[1,2,3],"stream_options":{"include_usage":true}}"#,
+            ),
             "prompt",
         )
         .expect("ok");
         assert_eq!((r.prompt_estimate, r.include_usage), (3, true));
         assert!(matches!(
-            parse_openai(b"{", "messages"),
+            parse_openai(&Bytes::from_static(b"{"), "messages"),
             Err(ParseError::Json(_))
         ));
-        assert_eq!(parse_openai(b"[]", "messages"), Err(ParseError::NotObject));
         assert_eq!(
-            parse_openai(br#"{"model":1}"#, "messages"),
+            parse_openai(&Bytes::from_static(b"[]"), "messages"),
+            Err(ParseError::NotObject)
+        );
+        assert_eq!(
+            parse_openai(&Bytes::from_static(br#"{"model":1}"#), "messages"),
             Err(ParseError::Model)
         );
         assert_eq!(
-            parse_openai(br#"{"model":"m","stream":"yes"}"#, "messages"),
+            parse_openai(
+                &Bytes::from_static(br#"{"model":"m","stream":"yes"}"#),
+                "messages"
+            ),
             Err(ParseError::Field("stream"))
         );
         assert_eq!(
-            parse_openai(br#"{"model":"m","max_tokens":-1}"#, "messages"),
+            parse_openai(
+                &Bytes::from_static(br#"{"model":"m","max_tokens":-1}"#),
+                "messages"
+            ),
             Err(ParseError::Field("max_tokens"))
         );
+    }
+
+    fn body(s: &str) -> Bytes {
+        Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    #[test]
+    fn rendering_splices_only_what_changes() {
+        let src = r#" { "temperature" : 0.5, "model": "public\u002dname", "messages":[{"role":"user","content":"hi"}], "x": {"model": "inner"} } "#;
+        let (b, r) = parse_openai(&body(src), "messages").expect("ok");
+        assert_eq!(r.model, "public-name");
+        let out = b.render("backend/\"quoted\"", false);
+        assert_eq!(
+            std::str::from_utf8(&out).expect("utf8"),
+            r#" { "temperature" : 0.5, "model": "backend/\"quoted\"", "messages":[{"role":"user","content":"hi"}], "x": {"model": "inner"} } "#
+        );
+        let v: Value = serde_json::from_slice(&b.render("b", true)).expect("json");
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"include_usage": true})
+        );
+        assert_eq!(v["model"], "b");
+        assert_eq!(v["x"]["model"], "inner");
+
+        for (so, want) in [
+            (r#"null"#, serde_json::json!({"include_usage": true})),
+            (
+                r#"{"include_usage": false, "other": 1}"#,
+                serde_json::json!({"include_usage": true, "other": 1}),
+            ),
+        ] {
+            let src = format!(r#"{{"stream":true,"stream_options":{so},"model":"m"}}"#);
+            let (b, _) = parse_openai(&body(&src), "messages").expect("ok");
+            let v: Value = serde_json::from_slice(&b.render("b", true)).expect("json");
+            assert_eq!(v["stream_options"], want, "{src}");
+            assert_eq!(v["model"], "b");
+            let v: Value = serde_json::from_slice(&b.render("b", false)).expect("json");
+            assert_eq!(v, {
+                let mut o: Value = serde_json::from_str(&src).expect("json");
+                o["model"] = "b".into();
+                o
+            });
+        }
+    }
+
+    #[test]
+    fn fields_the_gateway_reads_may_not_repeat() {
+        for (src, field) in [
+            (r#"{"model":"a","model":"b"}"#, "model"),
+            (r#"{"model":"a","mod\u0065l":"b"}"#, "model"),
+            (r#"{"model":"a","stream":true,"stream":false}"#, "stream"),
+            (
+                r#"{"model":"a","max_tokens":1,"max_tokens":2}"#,
+                "max_tokens",
+            ),
+            (r#"{"model":"a","messages":[],"messages":[]}"#, "messages"),
+        ] {
+            assert_eq!(
+                parse_openai(&body(src), "messages"),
+                Err(ParseError::Duplicate(field)),
+                "{src}"
+            );
+        }
+        // Fields passed through untouched may repeat: the backend decides.
+        assert!(parse_openai(&body(r#"{"model":"a","user":"x","user":"y"}"#), "messages").is_ok());
+        assert!(matches!(
+            parse_openai(&body(r#"{"model":"a"} x"#), "messages"),
+            Err(ParseError::Json(_))
+        ));
+        assert_eq!(
+            parse_openai(&body(" 1 "), "messages"),
+            Err(ParseError::NotObject)
+        );
+        assert_eq!(
+            parse_openai(&body("{}"), "messages"),
+            Err(ParseError::Model)
+        );
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            "\\PC{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(6, 48, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec(
+                    (
+                        prop_oneof![
+                            Just("content".to_owned()),
+                            Just("text".to_owned()),
+                            Just("role".to_owned()),
+                            "[a-z]{1,6}"
+                        ],
+                        inner
+                    ),
+                    0..6
+                )
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
     }
 
     proptest! {
         #[test]
         fn parsing_never_panics(body in proptest::collection::vec(any::<u8>(), 0..512), path in "[/a-z0-9{}._-]{0,40}") {
-            let _ = parse_openai(&body, "messages");
+            let _ = parse_openai(&Bytes::from(body), "messages");
             let _ = route(&Method::POST, &path);
             let _ = route(&Method::GET, &format!("/v2/models/{path}"));
+        }
+
+        #[test]
+        fn streaming_estimate_matches_the_value_rule(prompt in json_value(), field in prop_oneof![Just("messages"), Just("prompt"), Just("input")]) {
+            let body = serde_json::json!({"model": "m", field: prompt.clone()});
+            let bytes = Bytes::from(serde_json::to_vec(&body).expect("json"));
+            let (b, r) = parse_openai(&bytes, field).expect("parses");
+            prop_assert_eq!(r.prompt_estimate, estimate_tokens(&prompt));
+            prop_assert_eq!(b.render("m", false), bytes, "the same model name gives the same bytes");
         }
 
         #[test]
         fn json_bodies_never_panic(model in "\\PC{0,20}", content in "\\PC{0,64}", mt in any::<i64>(), stream in any::<bool>()) {
             let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": mt, "stream": stream});
             let bytes = serde_json::to_vec(&body).expect("json");
-            if let Ok((_, r)) = parse_openai(&bytes, "messages") {
+            if let Ok((_, r)) = parse_openai(&Bytes::from(bytes), "messages") {
                 prop_assert_eq!(r.prompt_estimate, (content.len() as u64).div_ceil(4));
                 prop_assert_eq!(r.max_tokens, u64::try_from(mt).ok());
             }

@@ -22,7 +22,7 @@ use tower::{Layer, Service, ServiceBuilder};
 
 use crate::body::GwBody;
 use crate::error::ApiError;
-use crate::gateway::{AccessInfo, Gateway};
+use crate::gateway::{AccessInfo, AccessSink, Gateway};
 use crate::keys::sha256_hex;
 
 /// How connections are served.
@@ -108,9 +108,28 @@ impl Service<Request<Incoming>> for Gateway {
 
 /// Writes one structured access-log event per response (target
 /// `keel::access`), with the route template, never the raw path.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct AccessLogLayer {
     pub enabled: bool,
+    pub sink: Option<AccessSink>,
+}
+
+impl std::fmt::Debug for AccessLogLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AccessLogLayer")
+            .field("enabled", &self.enabled)
+            .field("sink", &self.sink.is_some())
+            .finish()
+    }
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for AccessLog<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AccessLog")
+            .field("inner", &self.inner)
+            .field("enabled", &self.enabled)
+            .finish()
+    }
 }
 
 impl<S> Layer<S> for AccessLogLayer {
@@ -119,14 +138,16 @@ impl<S> Layer<S> for AccessLogLayer {
         AccessLog {
             inner,
             enabled: self.enabled,
+            sink: self.sink.clone(),
         }
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AccessLog<S> {
     inner: S,
     enabled: bool,
+    sink: Option<AccessSink>,
 }
 
 impl<S> Service<Request<Incoming>> for AccessLog<S>
@@ -144,34 +165,98 @@ where
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let enabled = self.enabled;
+        let sink = self.sink.clone();
         let method = req.method().clone();
         let start = Instant::now();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
             if enabled {
-                let i = resp
-                    .extensions()
-                    .get::<AccessInfo>()
-                    .cloned()
-                    .unwrap_or_default();
-                tracing::info!(
-                    target: "keel::access",
-                    request_id = %i.request_id,
-                    method = %method,
-                    route = i.route,
-                    status = resp.status().as_u16(),
-                    duration_ms = start.elapsed().as_secs_f64() * 1e3,
-                    key = i.key.as_deref().unwrap_or("-"),
-                    model = i.model.as_deref().unwrap_or("-"),
-                    deployment = i.deployment.as_deref().unwrap_or("-"),
-                    stream = i.stream,
-                    "request"
-                );
+                let empty = AccessInfo::default();
+                let i = resp.extensions().get::<AccessInfo>().unwrap_or(&empty);
+                let duration_ms = start.elapsed().as_secs_f64() * 1e3;
+                match sink {
+                    Some(sink) => sink(access_line(
+                        std::time::SystemTime::now(),
+                        &method,
+                        resp.status().as_u16(),
+                        duration_ms,
+                        i,
+                    )),
+                    None => tracing::info!(
+                        target: "keel::access",
+                        request_id = %i.request_id,
+                        method = %method,
+                        route = i.route,
+                        status = resp.status().as_u16(),
+                        duration_ms,
+                        key = i.key.as_deref().unwrap_or("-"),
+                        model = i.model.as_deref().unwrap_or("-"),
+                        deployment = i.deployment.as_deref().unwrap_or("-"),
+                        stream = i.stream,
+                        "request"
+                    ),
+                }
             }
             Ok(resp)
         })
     }
+}
+
+/// One access-log line in the shape of the JSON `tracing` events around
+/// it: `{"timestamp":..,"level":"INFO","fields":{"message":"request",..},"target":"keel::access"}`.
+pub fn access_line(
+    now: std::time::SystemTime,
+    method: &Method,
+    status: u16,
+    duration_ms: f64,
+    i: &AccessInfo,
+) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct Fields<'a> {
+        message: &'static str,
+        request_id: &'a str,
+        method: &'a str,
+        route: &'static str,
+        status: u16,
+        duration_ms: f64,
+        key: &'a str,
+        model: &'a str,
+        deployment: &'a str,
+        stream: bool,
+    }
+    #[derive(serde::Serialize)]
+    struct Line<'a> {
+        timestamp: String,
+        level: &'static str,
+        fields: Fields<'a>,
+        target: &'static str,
+    }
+    let us = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let ms = crate::clock::rfc3339(us / 1000);
+    let timestamp = format!("{}{:03}Z", ms.strip_suffix('Z').unwrap_or(&ms), us % 1000);
+    let line = Line {
+        timestamp,
+        level: "INFO",
+        fields: Fields {
+            message: "request",
+            request_id: &i.request_id,
+            method: method.as_str(),
+            route: i.route,
+            status,
+            duration_ms,
+            key: i.key.as_deref().unwrap_or("-"),
+            model: i.model.as_deref().unwrap_or("-"),
+            deployment: i.deployment.as_deref().unwrap_or("-"),
+            stream: i.stream,
+        },
+        target: "keel::access",
+    };
+    let mut v = serde_json::to_vec(&line).unwrap_or_default();
+    v.push(b'\n');
+    v
 }
 
 /// Compares two hex digests without an early exit.
@@ -312,6 +397,7 @@ pub async fn run(
     let public = ServiceBuilder::new()
         .layer(AccessLogLayer {
             enabled: cfg.server.access_log,
+            sink: gateway.access_sink(),
         })
         .service(gateway.clone());
     let mut tasks = Vec::new();
@@ -353,4 +439,34 @@ pub async fn run(
     }
     gateway.close();
     result
+}
+
+#[cfg(test)]
+mod access_tests {
+    use super::*;
+
+    #[test]
+    fn access_lines_have_the_shape_of_the_tracing_events() {
+        let i = AccessInfo {
+            request_id: "00ff".into(),
+            route: "/v1/chat/completions",
+            key: Some("key_1".into()),
+            model: Some("chat \"x\"".into()),
+            deployment: None,
+            stream: true,
+        };
+        let t = std::time::UNIX_EPOCH + Duration::from_micros(1_780_000_000_123_456);
+        let line = access_line(t, &Method::POST, 429, 1.5, &i);
+        assert_eq!(line.last(), Some(&b'\n'));
+        let v: serde_json::Value = serde_json::from_slice(&line).expect("one JSON object");
+        assert_eq!(v["timestamp"], "2026-05-28T20:26:40.123456Z");
+        assert_eq!(v["level"], "INFO");
+        assert_eq!(v["target"], "keel::access");
+        assert_eq!(
+            v["fields"],
+            json!({"message": "request", "request_id": "00ff", "method": "POST",
+                   "route": "/v1/chat/completions", "status": 429, "duration_ms": 1.5,
+                   "key": "key_1", "model": "chat \"x\"", "deployment": "-", "stream": true})
+        );
+    }
 }

@@ -22,6 +22,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::exit::Code;
+
+/// mimalloc instead of glibc's allocator: `keel serve` allocates and frees
+/// across threads on every request, where glibc's arenas contend.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use crate::output::Out;
 
 /// keel keeps GPU AI infrastructure well-architected.

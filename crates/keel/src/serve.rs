@@ -241,7 +241,12 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .with_max_level(tracing::Level::INFO)
         .with_current_span(false)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let access = logs.clone();
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cfg.server.workers {
+        rt.worker_threads(n);
+    }
+    let rt = rt
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
@@ -262,7 +267,12 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         let admin = match &cfg.admin { Some(a) => Some(bind(a.listen).await?), None => None };
         let metrics = match &cfg.metrics { Some(m) => Some(bind(m.listen).await?), None => None };
         let seed = u64::from_le_bytes(random::<8>()?);
-        let gw = Gateway::new(cfg, GatewayOptions { clock: Arc::new(SystemClock), seed, reload: Some(reload) }).await?;
+        let gw = Gateway::new(cfg, GatewayOptions {
+            clock: Arc::new(SystemClock),
+            seed,
+            reload: Some(reload),
+            access_sink: Some(Arc::new(move |line| access.0.push(line))),
+        }).await?;
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {
             lines.push(format!("admin    {}", a.local_addr()?));

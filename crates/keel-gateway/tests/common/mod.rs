@@ -146,6 +146,7 @@ impl Running {
                     clock,
                     seed: 7,
                     reload: Some(Arc::new(move || GatewayConfig::load(&reload_path))),
+                    access_sink: None,
                 },
             )
             .await
