@@ -31,6 +31,8 @@ pub struct FileConfig {
     pub models: Vec<FileModel>,
     #[serde(default)]
     pub audit: FileAudit,
+    #[serde(default)]
+    pub upstream_tls: FileUpstreamTls,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -44,6 +46,8 @@ pub struct FileServer {
     pub pin_header: Option<String>,
     pub access_log: Option<bool>,
     pub workers: Option<usize>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -51,6 +55,18 @@ pub struct FileServer {
 pub struct FileListener {
     pub listen: SocketAddr,
     pub token_sha256: String,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+}
+
+/// How the gateway connects to `https://` backends and JWKS URLs.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileUpstreamTls {
+    pub system_roots: Option<bool>,
+    pub ca_file: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -202,6 +218,7 @@ pub struct GatewayConfig {
     pub traffic: TrafficConfig,
     pub models: Vec<ModelConfig>,
     pub audit: AuditConfig,
+    pub upstream_tls: UpstreamTlsConfig,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -215,6 +232,10 @@ pub struct ServerConfig {
     pub access_log: bool,
     /// Runtime worker threads; `None`: one per CPU. Read at start only.
     pub workers: Option<usize>,
+    /// PEM certificate chain and key: the listener serves HTTPS (both or
+    /// neither; validation checks).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -222,6 +243,39 @@ pub struct ListenerConfig {
     pub listen: SocketAddr,
     /// SHA-256 (hex) of the bearer token this listener accepts.
     pub token_sha256: String,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+}
+
+/// Trust and identity for HTTPS to backends and JWKS URLs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UpstreamTlsConfig {
+    /// Trust the system's roots (rustls-native-certs).
+    pub system_roots: bool,
+    /// Also trust the CAs in this PEM file.
+    pub ca_file: Option<PathBuf>,
+    /// Present this certificate chain and key (both or neither).
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+}
+
+/// A listener's certificate and key, when it serves HTTPS.
+pub fn listener_tls(cert: &Option<PathBuf>, key: &Option<PathBuf>) -> Option<(PathBuf, PathBuf)> {
+    cert.clone().zip(key.clone())
+}
+
+impl ServerConfig {
+    /// Certificate and key when the public listener serves HTTPS.
+    pub fn tls(&self) -> Option<(PathBuf, PathBuf)> {
+        listener_tls(&self.tls_cert, &self.tls_key)
+    }
+}
+
+impl ListenerConfig {
+    /// Certificate and key when this listener serves HTTPS.
+    pub fn tls(&self) -> Option<(PathBuf, PathBuf)> {
+        listener_tls(&self.tls_cert, &self.tls_key)
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -304,7 +358,7 @@ pub struct MirrorConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct DeploymentConfig {
     pub name: String,
-    /// `http://host:port` with an optional path prefix.
+    /// `http://` or `https://host:port` with an optional path prefix.
     pub url: String,
     pub weight: u32,
     /// The model name sent to the backend.
@@ -359,6 +413,24 @@ impl GatewayConfig {
     pub fn validate(f: FileConfig, base: &Path) -> Result<Self, GatewayError> {
         let bad = |m: String| Err(GatewayError::Config(m));
         let rel = |p: PathBuf| if p.is_absolute() { p } else { base.join(p) };
+        let pair = |section: &str,
+                    (a, b): (&str, &str),
+                    x: Option<PathBuf>,
+                    y: Option<PathBuf>|
+         -> Result<(Option<PathBuf>, Option<PathBuf>), GatewayError> {
+            if x.is_some() != y.is_some() {
+                return Err(GatewayError::Config(format!(
+                    "{section}.{a} and {section}.{b} go together: give both or neither"
+                )));
+            }
+            Ok((x.map(rel), y.map(rel)))
+        };
+        let (tls_cert, tls_key) = pair(
+            "server",
+            ("tls_cert", "tls_key"),
+            f.server.tls_cert,
+            f.server.tls_key,
+        )?;
         let server = ServerConfig {
             listen: f
                 .server
@@ -375,6 +447,8 @@ impl GatewayConfig {
                 .to_ascii_lowercase(),
             access_log: f.server.access_log.unwrap_or(true),
             workers: f.server.workers,
+            tls_cert,
+            tls_key,
         };
         if server.workers.is_some_and(|w| !(1..=1024).contains(&w)) {
             return bad(
@@ -398,9 +472,12 @@ impl GatewayConfig {
                     "{name}.token_sha256 must be 64 hex digits (the SHA-256 of the token)"
                 )));
             }
+            let (tls_cert, tls_key) = pair(name, ("tls_cert", "tls_key"), l.tls_cert, l.tls_key)?;
             Ok(Some(ListenerConfig {
                 listen: l.listen,
                 token_sha256: t,
+                tls_cert,
+                tls_key,
             }))
         };
         let admin = listener("admin", f.admin)?;
@@ -413,9 +490,9 @@ impl GatewayConfig {
                     return bad("auth.jwt needs exactly one of jwks_file and jwks_url".into());
                 }
                 if let Some(u) = &j.jwks_url {
-                    if !u.starts_with("http://") {
+                    if !u.starts_with("http://") && !u.starts_with("https://") {
                         return bad(format!(
-                            "auth.jwt.jwks_url {u:?}: only http:// URLs are supported (use jwks_file for others)"
+                            "auth.jwt.jwks_url {u:?}: only http:// and https:// URLs are supported (use jwks_file for others)"
                         ));
                     }
                 }
@@ -585,6 +662,19 @@ impl GatewayConfig {
             path: f.audit.path.map(rel),
             include_content: f.audit.include_content.unwrap_or(false),
         };
+        let u = f.upstream_tls;
+        let (client_cert, client_key) = pair(
+            "upstream_tls",
+            ("client_cert", "client_key"),
+            u.client_cert,
+            u.client_key,
+        )?;
+        let upstream_tls = UpstreamTlsConfig {
+            system_roots: u.system_roots.unwrap_or(true),
+            ca_file: u.ca_file.map(rel),
+            client_cert,
+            client_key,
+        };
         Ok(Self {
             server,
             admin,
@@ -595,7 +685,23 @@ impl GatewayConfig {
             traffic,
             models,
             audit,
+            upstream_tls,
         })
+    }
+
+    /// Whether any backend or the JWKS is reached over HTTPS.
+    pub fn uses_https(&self) -> bool {
+        let jwks = self
+            .auth
+            .jwt
+            .as_ref()
+            .and_then(|j| j.jwks_url.as_deref())
+            .is_some_and(|u| u.starts_with("https://"));
+        jwks || self
+            .models
+            .iter()
+            .flat_map(|m| &m.deployments)
+            .any(|d| d.url.starts_with("https://"))
     }
 }
 
@@ -640,6 +746,38 @@ url = "http://127.0.0.1:8002/prefix"
         assert_eq!(c.models[0].deployments[0].model, "chat");
         assert_eq!(c.models[0].deployments[0].health_path, "/health");
         assert_eq!(c.traffic.retries, 2);
+        assert!(c.server.tls().is_none());
+        assert!(c.upstream_tls.system_roots);
+        assert!(!c.uses_https());
+    }
+
+    #[test]
+    fn tls_paths_are_taken_from_the_config_directory() {
+        let text = EXAMPLE
+            .replace(
+                "[server]\n",
+                "[server]\ntls_cert = \"tls/gw.pem\"\ntls_key = \"/secrets/gw.key\"\n",
+            )
+            .replace("http://127.0.0.1:8002/prefix", "https://llm.internal:8443");
+        let text = format!(
+            "{text}[upstream_tls]\nsystem_roots = false\nca_file = \"ca.pem\"\nclient_cert = \"client.pem\"\nclient_key = \"client.key\"\n"
+        );
+        let c = GatewayConfig::from_toml(&text, Path::new("/etc/keel")).expect("valid");
+        assert_eq!(
+            c.server.tls(),
+            Some((
+                PathBuf::from("/etc/keel/tls/gw.pem"),
+                PathBuf::from("/secrets/gw.key")
+            ))
+        );
+        let u = &c.upstream_tls;
+        assert!(!u.system_roots);
+        assert_eq!(u.ca_file.as_deref(), Some(Path::new("/etc/keel/ca.pem")));
+        assert_eq!(
+            u.client_key.as_deref(),
+            Some(Path::new("/etc/keel/client.key"))
+        );
+        assert!(c.uses_https());
     }
 
     #[test]
@@ -726,8 +864,28 @@ url = "http://127.0.0.1:8002/prefix"
             "fallback",
         );
         check(
-            &EXAMPLE.replace("http://127.0.0.1:8001", "https://x"),
-            "only http",
+            &EXAMPLE.replace("http://127.0.0.1:8001", "ftp://x"),
+            "only http:// and https://",
+        );
+        check(
+            &EXAMPLE.replace("[server]\n", "[server]\ntls_cert = \"c.pem\"\n"),
+            "server.tls_cert and server.tls_key go together",
+        );
+        check(
+            &EXAMPLE.replace("[server]\n", "[server]\ntls_key = \"k.pem\"\n"),
+            "server.tls_cert and server.tls_key go together",
+        );
+        check(
+            &format!("{EXAMPLE}[admin]\nlisten = \"127.0.0.1:1\"\ntoken_sha256 = \"{}\"\ntls_cert = \"c.pem\"\n", "0".repeat(64)),
+            "admin.tls_cert and admin.tls_key go together",
+        );
+        check(
+            &format!("{EXAMPLE}[upstream_tls]\nclient_cert = \"c.pem\"\n"),
+            "upstream_tls.client_cert and upstream_tls.client_key go together",
+        );
+        check(
+            &format!("{EXAMPLE}[upstream_tls]\nverify = false\n"),
+            "unknown field `verify`",
         );
         check(
             &EXAMPLE.replace(

@@ -24,6 +24,7 @@ use crate::limits::{
 use crate::metrics::{Metrics, RequestLabels};
 use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
+use crate::tls::ServerTls;
 use crate::traffic::{Backend, ModelRoute, RetryBudget, Rng, Traffic};
 
 /// Re-reads the configuration (the binary reads the file).
@@ -64,6 +65,37 @@ pub struct Generation {
     keys: Option<KeyRing>,
     jwt: Option<Arc<JwtVerifier>>,
     rbac: Rbac,
+    /// The certificates of the listeners that serve HTTPS, as read when
+    /// this generation was built (indexed by `Listener`).
+    listener_keys: [Option<Arc<rustls::sign::CertifiedKey>>; 3],
+}
+
+/// The gateway's three listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    Public = 0,
+    Admin = 1,
+    Metrics = 2,
+}
+
+impl Listener {
+    pub const ALL: [Listener; 3] = [Listener::Public, Listener::Admin, Listener::Metrics];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Listener::Public => "server",
+            Listener::Admin => "admin",
+            Listener::Metrics => "metrics",
+        }
+    }
+
+    fn tls_files(self, cfg: &GatewayConfig) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+        match self {
+            Listener::Public => cfg.server.tls(),
+            Listener::Admin => cfg.admin.as_ref().and_then(|a| a.tls()),
+            Listener::Metrics => cfg.metrics.as_ref().and_then(|m| m.tls()),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -75,6 +107,9 @@ struct Inner {
     clock: Arc<dyn Clock>,
     rng: Rng,
     upstream: Upstream,
+    /// TLS of the listeners that serve HTTPS, fixed at start; a reload
+    /// swaps the certificates inside.
+    listener_tls: [Option<ServerTls>; 3],
     budget: RetryBudget,
     reload: Option<ReloadFnBox>,
     access_sink: Option<AccessSinkBox>,
@@ -410,8 +445,15 @@ impl Gateway {
             None => Limiter::local(opts.clock.clone()),
         };
         let audit = cfg.audit.path.as_deref().map(AuditLog::open).transpose()?;
-        let upstream = Upstream::new(Duration::from_millis(cfg.traffic.connect_timeout_ms));
-        let generation = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
+        let upstream = Upstream::new(
+            Duration::from_millis(cfg.traffic.connect_timeout_ms),
+            &cfg.upstream_tls,
+        )?;
+        let (generation, _) = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
+        let mut listener_tls = [None, None, None];
+        for (slot, key) in listener_tls.iter_mut().zip(&generation.listener_keys) {
+            *slot = key.clone().map(ServerTls::new).transpose()?;
+        }
         let budget = RetryBudget::new(cfg.traffic.retry_budget_ratio, cfg.traffic.retry_budget_min);
         let gw = Self {
             inner: Arc::new(Inner {
@@ -422,6 +464,7 @@ impl Gateway {
                 clock: opts.clock,
                 rng: Rng::new(opts.seed),
                 upstream,
+                listener_tls,
                 budget,
                 reload: opts.reload.map(ReloadFnBox),
                 access_sink: opts.access_sink.map(AccessSinkBox),
@@ -455,6 +498,11 @@ impl Gateway {
         &self.inner.limiter
     }
 
+    /// The TLS a listener serves, when its config names a certificate.
+    pub fn listener_tls(&self, l: Listener) -> Option<ServerTls> {
+        self.inner.listener_tls[l as usize].clone()
+    }
+
     /// Reloads through the reload function given at construction.
     pub async fn reload(&self) -> Result<(), GatewayError> {
         let Some(f) = &self.inner.reload else {
@@ -475,19 +523,37 @@ impl Gateway {
         }
     }
 
-    /// Swaps in a new configuration. Listeners, the limit store and the
-    /// audit log path stay as they were started; in-flight requests finish
-    /// on the generation they started with; backends keep their state.
+    /// Swaps in a new configuration. Listeners (and whether they serve
+    /// HTTPS), the limit store and the audit log path stay as they were
+    /// started; listener certificates and `[upstream_tls]` files are read
+    /// again; in-flight requests finish on the generation they started
+    /// with; backends keep their state.
     pub async fn apply(&self, cfg: GatewayConfig) -> Result<(), GatewayError> {
         let _g = self.inner.reload_lock.lock().await;
         let old = self.generation();
-        let new = build_generation(
+        let (new, upstream) = build_generation(
             cfg,
             Some(&old.traffic),
             &self.inner.upstream,
             &self.inner.clock,
         )
         .await?;
+        self.inner.upstream.adopt(&upstream);
+        for l in Listener::ALL {
+            let i = l as usize;
+            match (&self.inner.listener_tls[i], &new.listener_keys[i]) {
+                (Some(tls), Some(key)) => tls.set(key.clone()),
+                (None, None) => {}
+                (Some(_), None) => tracing::warn!(
+                    listener = l.name(),
+                    "the listener keeps serving HTTPS until the next start"
+                ),
+                (None, Some(_)) => tracing::warn!(
+                    listener = l.name(),
+                    "the listener serves HTTPS from the next start"
+                ),
+            }
+        }
         *self
             .inner
             .generation
@@ -1398,12 +1464,28 @@ impl Gateway {
     }
 }
 
+/// Reads and checks everything a configuration names (keys, JWKS,
+/// certificates) and builds its routing table; returns it with the client
+/// for `[upstream_tls]` (`upstream` itself when nothing changed), which the
+/// JWKS was fetched with.
 async fn build_generation(
     cfg: GatewayConfig,
     previous: Option<&Traffic>,
     upstream: &Upstream,
     clock: &Arc<dyn Clock>,
-) -> Result<Generation, GatewayError> {
+) -> Result<(Generation, Upstream), GatewayError> {
+    let upstream = upstream.prepare(&cfg.upstream_tls)?;
+    if cfg.uses_https() && upstream.trusted_roots() == 0 {
+        tracing::warn!(
+            "no trusted CA certificates (no system roots found and no upstream_tls.ca_file): HTTPS to backends and JWKS URLs will fail"
+        );
+    }
+    let mut listener_keys = [None, None, None];
+    for l in Listener::ALL {
+        if let Some((cert, key)) = l.tls_files(&cfg) {
+            listener_keys[l as usize] = Some(crate::tls::certified_key(&cert, &key)?);
+        }
+    }
     let keys = cfg
         .auth
         .keys_file
@@ -1415,7 +1497,7 @@ async fn build_generation(
         Some(j) => {
             let set = match (&j.jwks_file, &j.jwks_url) {
                 (Some(f), _) => JwtVerifier::load_file(f)?,
-                (None, Some(u)) => fetch_jwks(upstream, u).await?,
+                (None, Some(u)) => fetch_jwks(&upstream, u).await?,
                 (None, None) => {
                     return Err(GatewayError::Config("auth.jwt has no key source".into()))
                 }
@@ -1425,13 +1507,17 @@ async fn build_generation(
     };
     let traffic = Traffic::build(&cfg, previous);
     let rbac = Rbac::new(cfg.roles.clone());
-    Ok(Generation {
-        cfg,
-        traffic,
-        keys,
-        jwt,
-        rbac,
-    })
+    Ok((
+        Generation {
+            cfg,
+            traffic,
+            keys,
+            jwt,
+            rbac,
+            listener_keys,
+        },
+        upstream,
+    ))
 }
 
 async fn fetch_jwks(

@@ -5,12 +5,16 @@
 //! token limits exactly (in process or shared through Redis), routes by
 //! weight with pinning, mirroring, fallback, retries and circuit breakers,
 //! streams responses chunk by chunk, and records Prometheus metrics,
-//! access logs and a hash-chained audit log.
+//! access logs and a hash-chained audit log. It speaks HTTP or HTTPS to
+//! backends and JWKS URLs (rustls: system roots, a private CA, an optional
+//! client certificate) and can serve its listeners over HTTPS.
 //!
 //! It owns configuration validation, the request path and its state. It
-//! does not read the process environment or the wall clock (a `Clock` is
-//! injected), print, or exit; it does not train or register models, and
-//! knows deployments by backend URL (the model registry is not used yet).
+//! does not read the process environment (but for the system's trusted
+//! roots, which rustls-native-certs finds as OpenSSL does) or the wall
+//! clock (a `Clock` is injected), print, or exit; it does not train or
+//! register models, and knows deployments by backend URL (the model
+//! registry is not used yet).
 
 pub mod audit;
 pub mod auth;
@@ -27,10 +31,11 @@ pub mod proxy;
 pub mod redis;
 pub mod request;
 pub mod server;
+pub mod tls;
 pub mod traffic;
 
 pub use clock::{Clock, ManualClock};
 pub use config::GatewayConfig;
 pub use error::{ApiError, GatewayError};
-pub use gateway::{Gateway, GatewayOptions, ReloadFn};
+pub use gateway::{Gateway, GatewayOptions, Listener, ReloadFn};
 pub use server::{run, serve, Listeners, ServeOptions};

@@ -1,30 +1,45 @@
-//! Talking to backends: their URLs, the pooled HTTP/1 client, and the SSE
-//! filter that reads `usage` from a stream as it passes (and removes the
-//! usage chunk the gateway asked for on the client's behalf).
+//! Talking to backends: their URLs, the pooled HTTP/1 client (plain or
+//! TLS), and the SSE filter that reads `usage` from a stream as it passes
+//! (and removes the usage chunk the gateway asked for on the client's
+//! behalf).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
 
-/// `http://host:port[/prefix]`.
+use crate::config::UpstreamTlsConfig;
+use crate::error::GatewayError;
+use crate::tls::UpstreamTlsFiles;
+
+/// `http://host:port[/prefix]` or `https://host:port[/prefix]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendUrl {
+    pub tls: bool,
     pub authority: String,
     pub prefix: String,
 }
 
 impl BackendUrl {
     pub fn parse(url: &str) -> Result<Self, String> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or("only http:// backends are supported")?;
+        let (tls, rest) = if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else {
+            return Err("only http:// and https:// backends are supported".into());
+        };
         let (authority, prefix) = match rest.find('/') {
             Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
             None => (rest, ""),
@@ -32,41 +47,165 @@ impl BackendUrl {
         if authority.is_empty() || authority.contains('@') {
             return Err("no host, or user info in the URL".into());
         }
-        let uri = format!("http://{authority}{prefix}/");
-        uri.parse::<http::Uri>().map_err(|e| e.to_string())?;
-        Ok(Self {
+        let url = Self {
+            tls,
             authority: authority.to_owned(),
             prefix: prefix.to_owned(),
-        })
+        };
+        url.uri("/")
+            .parse::<http::Uri>()
+            .map_err(|e| e.to_string())?;
+        Ok(url)
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.tls {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     pub fn uri(&self, path: &str) -> String {
-        format!("http://{}{}{}", self.authority, self.prefix, path)
+        format!(
+            "{}://{}{}{}",
+            self.scheme(),
+            self.authority,
+            self.prefix,
+            path
+        )
     }
 
     /// The URL as configured, for labels and logs.
     pub fn label(&self) -> String {
-        format!("http://{}{}", self.authority, self.prefix)
+        format!("{}://{}{}", self.scheme(), self.authority, self.prefix)
     }
 }
 
-/// The pooled client to every backend.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Conn = MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
+
+/// The HTTPS-or-HTTP connector, with the TCP connect and the TLS handshake
+/// together bounded by the connect timeout for `https://` (plain `http://`
+/// keeps the TCP connector's own timeout).
+#[derive(Debug, Clone)]
+struct Connector {
+    inner: HttpsConnector<HttpConnector>,
+    timeout: Duration,
+}
+
+impl tower::Service<Uri> for Connector {
+    type Response = Conn;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Conn, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let fut = self.inner.call(uri);
+        if !tls {
+            return fut;
+        }
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(format!(
+                    "no TLS connection within the connect timeout ({} ms)",
+                    timeout.as_millis()
+                )
+                .into()),
+            }
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Current {
+    client: Client<Connector, Full<Bytes>>,
+    /// Digest of the `[upstream_tls]` files the client was built from.
+    digest: [u8; 32],
+    /// How many CA certificates it trusts.
+    roots: usize,
+}
+
+/// The pooled client to every backend and JWKS URL. Clones share one
+/// client, which a reload replaces when `[upstream_tls]` or its files
+/// changed (requests in flight finish on the old one).
 #[derive(Debug, Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    current: Arc<RwLock<Current>>,
+    connect_timeout: Duration,
 }
 
 impl Upstream {
-    pub fn new(connect_timeout: Duration) -> Self {
+    pub fn new(connect_timeout: Duration, tls: &UpstreamTlsConfig) -> Result<Self, GatewayError> {
+        let files = UpstreamTlsFiles::read(tls)?;
+        let current = Self::build(connect_timeout, &files)?;
+        Ok(Self {
+            current: Arc::new(RwLock::new(current)),
+            connect_timeout,
+        })
+    }
+
+    fn build(connect_timeout: Duration, files: &UpstreamTlsFiles) -> Result<Current, GatewayError> {
         let mut c = HttpConnector::new();
         c.set_connect_timeout(Some(connect_timeout));
         c.set_nodelay(true);
         c.set_keepalive(Some(Duration::from_secs(60)));
+        // Let https:// URIs through to the TCP connector; hyper-rustls
+        // wraps those in TLS (ALPN http/1.1 only: the client speaks
+        // HTTP/1.1) and passes http:// ones on as they are.
+        c.enforce_http(false);
+        let (tls, roots) = files.client_config()?;
+        let https = HttpsConnector::from((c, tls));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(512)
-            .build(c);
-        Self { client }
+            .build(Connector {
+                inner: https,
+                timeout: connect_timeout,
+            });
+        Ok(Current {
+            client,
+            digest: files.digest,
+            roots,
+        })
+    }
+
+    /// The client for `tls`: this one when nothing changed, else a new one
+    /// (not shared with this one until [`Upstream::adopt`]). Reads the files
+    /// every time, so a reload picks up a renewed certificate.
+    pub fn prepare(&self, tls: &UpstreamTlsConfig) -> Result<Self, GatewayError> {
+        let files = UpstreamTlsFiles::read(tls)?;
+        if self.read().digest == files.digest {
+            return Ok(self.clone());
+        }
+        Ok(Self {
+            current: Arc::new(RwLock::new(Self::build(self.connect_timeout, &files)?)),
+            connect_timeout: self.connect_timeout,
+        })
+    }
+
+    /// Makes every clone of this client use `other`'s from now on.
+    pub fn adopt(&self, other: &Upstream) {
+        if Arc::ptr_eq(&self.current, &other.current) {
+            return;
+        }
+        let next = other.read().clone();
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = next;
+    }
+
+    /// How many CA certificates the client trusts for `https://`.
+    pub fn trusted_roots(&self) -> usize {
+        self.read().roots
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Current> {
+        self.current.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Sends a request; `timeout` bounds the wait for the response head.
@@ -84,7 +223,8 @@ impl Upstream {
             .body(Full::new(body))
             .map_err(|e| e.to_string())?;
         *req.headers_mut() = headers.clone();
-        match tokio::time::timeout(timeout, self.client.request(req)).await {
+        let fut = self.read().client.request(req);
+        match tokio::time::timeout(timeout, fut).await {
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) => Err(format!("{e}: {}", source_chain(&e))),
             Err(_) => Err(format!("no response within {} ms", timeout.as_millis())),
@@ -319,9 +459,16 @@ mod tests {
     fn urls() {
         let u = BackendUrl::parse("http://127.0.0.1:8000/api/").expect("ok");
         assert_eq!(u.uri("/v1/models"), "http://127.0.0.1:8000/api/v1/models");
-        assert!(BackendUrl::parse("https://x").is_err());
+        assert!(!u.tls);
+        let u = BackendUrl::parse("https://llm.internal:8443/v").expect("ok");
+        assert!(u.tls);
+        assert_eq!(u.uri("/health"), "https://llm.internal:8443/v/health");
+        assert_eq!(u.label(), "https://llm.internal:8443/v");
+        assert!(BackendUrl::parse("ftp://x").is_err());
         assert!(BackendUrl::parse("http://").is_err());
+        assert!(BackendUrl::parse("https://").is_err());
         assert!(BackendUrl::parse("http://u:p@x").is_err());
+        assert!(BackendUrl::parse("https://u:p@x").is_err());
     }
 
     const STREAM: &str = concat!(

@@ -1,8 +1,8 @@
-//! Serving: `serve(listener, app, shutdown)` for any tower service, the
-//! access-log layer, the admin and metrics listeners (each with its own
-//! bearer token), and `run`, which starts all three and shuts them down
-//! together: stop accepting, let requests and streams finish within the
-//! grace period, then close the audit log.
+//! Serving: `serve(listener, app, shutdown)` for any tower service, over
+//! plain TCP or TLS, the access-log layer, the admin and metrics listeners
+//! (each with its own bearer token), and `run`, which starts all three and
+//! shuts them down together: stop accepting, let requests and streams
+//! finish within the grace period, then close the audit log.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,31 +14,54 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use serde_json::json;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder};
 
 use crate::body::GwBody;
 use crate::error::ApiError;
-use crate::gateway::{AccessInfo, AccessSink, Gateway};
+use crate::gateway::{AccessInfo, AccessSink, Gateway, Listener};
 use crate::keys::sha256_hex;
+use crate::tls::ServerTls;
 
 /// How connections are served.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// A client must send its request head within this (slow clients).
+    /// A client must send its request head within this (slow clients);
+    /// with TLS, the handshake must finish within it too.
     pub header_timeout: Duration,
     /// How long in-flight requests and streams may take after shutdown.
     pub grace: Duration,
+    /// Serve HTTPS with this (the handshake runs in the connection's task).
+    pub tls: Option<ServerTls>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// Serves HTTP/1.1 on an already-bound listener until `shutdown`
-/// resolves, then stops accepting and waits up to the grace period for
-/// open connections to finish.
+/// Serves one connection until it closes or a graceful shutdown ends it.
+async fn connection<I, S>(io: I, app: S, header_timeout: Duration, watcher: Watcher)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+    let _ = watcher.watch(conn).await;
+}
+
+/// Serves HTTP/1.1 (over TLS when `opts.tls`) on an already-bound listener
+/// until `shutdown` resolves, then stops accepting and waits up to the
+/// grace period for open connections to finish. A TLS handshake that
+/// fails or takes longer than the header timeout closes its connection.
 pub async fn serve<S>(
     listener: TcpListener,
     app: S,
@@ -66,14 +89,24 @@ where
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(opts.header_timeout)
-                    .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                });
+                let watcher = graceful.watcher();
+                let app = app.clone();
+                let header_timeout = opts.header_timeout;
+                match &opts.tls {
+                    None => {
+                        tokio::spawn(connection(stream, app, header_timeout, watcher));
+                    }
+                    Some(tls) => {
+                        let acceptor = tls.acceptor().clone();
+                        tokio::spawn(async move {
+                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                                Ok(Ok(s)) => connection(s, app, header_timeout, watcher).await,
+                                Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                                Err(_) => tracing::debug!("TLS handshake timed out"),
+                            }
+                        });
+                    }
+                }
             }
             _ = &mut shutdown => break,
         }
@@ -386,10 +419,12 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let gen = gateway.generation();
     let cfg = &gen.cfg;
-    let opts = ServeOptions {
+    let opts = |l: Listener| ServeOptions {
         header_timeout: Duration::from_millis(cfg.server.header_timeout_ms),
         grace: Duration::from_secs_f64(cfg.server.shutdown_grace_s),
+        tls: gateway.listener_tls(l),
     };
+    let grace = Duration::from_secs_f64(cfg.server.shutdown_grace_s);
     let (tx, rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
@@ -405,21 +440,31 @@ pub async fn run(
         listeners.public,
         public,
         wait(rx.clone()),
-        opts,
+        opts(Listener::Public),
     )));
     if let (Some(l), Some(a)) = (listeners.admin, &cfg.admin) {
         let svc = AdminService {
             gateway: gateway.clone(),
             token_sha256: a.token_sha256.clone(),
         };
-        tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
+        tasks.push(tokio::spawn(serve(
+            l,
+            svc,
+            wait(rx.clone()),
+            opts(Listener::Admin),
+        )));
     }
     if let (Some(l), Some(m)) = (listeners.metrics, &cfg.metrics) {
         let svc = MetricsService {
             gateway: gateway.clone(),
             token_sha256: m.token_sha256.clone(),
         };
-        tasks.push(tokio::spawn(serve(l, svc, wait(rx.clone()), opts)));
+        tasks.push(tokio::spawn(serve(
+            l,
+            svc,
+            wait(rx.clone()),
+            opts(Listener::Metrics),
+        )));
     }
     drop(gen);
     shutdown.await;
@@ -433,7 +478,7 @@ pub async fn run(
         }
     }
     // Streams finish in their own tasks; give them the same grace.
-    let deadline = Instant::now() + opts.grace;
+    let deadline = Instant::now() + grace;
     while Instant::now() < deadline && gateway.tasks_in_flight() > 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

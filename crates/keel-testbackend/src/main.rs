@@ -8,9 +8,12 @@
 //! keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N]
 //!                  [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang]
 //!                  [--usage asked|always|never] [--threads N]
+//!                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 //! ```
 //!
-//! It prints `listening on ADDR` once bound. At run time `POST /_control`
+//! With `--tls-cert` and `--tls-key` (PEM) it serves HTTPS (TLS 1.2 and
+//! 1.3, ALPN `http/1.1`); `--tls-client-ca` makes it require a client
+//! certificate issued by that CA. It prints `listening on ADDR` once bound. At run time `POST /_control`
 //! with `{"mode": ..., "latency_ms": ..., "healthy": ..., "tokens": ...}`
 //! changes its behaviour and `GET /_stats` counts what it was sent. Prompt
 //! tokens are a quarter of the prompt's text bytes, rounded up (the same
@@ -31,7 +34,10 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
 #[derive(Debug)]
@@ -348,6 +354,58 @@ impl State {
     }
 }
 
+/// The server side of `--tls-cert`, `--tls-key` and `--tls-client-ca`.
+fn tls_config(cert: &str, key: &str, client_ca: Option<&str>) -> tokio_rustls::TlsAcceptor {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+        .unwrap_or_else(|e| die(&format!("--tls-cert {cert}: {e}")));
+    let key =
+        PrivateKeyDer::from_pem_file(key).unwrap_or_else(|e| die(&format!("--tls-key {key}: {e}")));
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap_or_else(|e| die(&e.to_string()));
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            let certs = CertificateDer::pem_file_iter(ca)
+                .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+                .unwrap_or_else(|e| die(&format!("--tls-client-ca {ca}: {e}")));
+            for c in certs {
+                roots
+                    .add(c)
+                    .unwrap_or_else(|e| die(&format!("--tls-client-ca {ca}: {e}")));
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .unwrap_or_else(|e| die(&format!("--tls-client-ca {ca}: {e}")));
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut cfg = builder
+        .with_single_cert(chain, key)
+        .unwrap_or_else(|e| die(&format!("--tls-cert/--tls-key: {e}")));
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+}
+
+async fn serve_connection<I>(io: I, st: Arc<State>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| {
+        let st = st.clone();
+        async move { Ok::<_, Infallible>(st.handle(req).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), svc)
+        .await;
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut listen = "127.0.0.1:0".to_owned();
@@ -363,6 +421,7 @@ fn main() {
         stats: Mutex::new(BTreeMap::new()),
     };
     let mut threads = 0usize;
+    let (mut tls_cert, mut tls_key, mut tls_client_ca) = (None, None, None);
     while let Some(a) = args.next() {
         let mut val = || {
             args.next()
@@ -381,13 +440,21 @@ fn main() {
             "--mode" => st.mode = Mutex::new(val()),
             "--usage" => st.usage = val(),
             "--threads" => threads = num(val()) as usize,
+            "--tls-cert" => tls_cert = Some(val()),
+            "--tls-key" => tls_key = Some(val()),
+            "--tls-client-ca" => tls_client_ca = Some(val()),
             "-h" | "--help" => {
-                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang] [--usage asked|always|never] [--threads N]");
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang] [--usage asked|always|never] [--threads N] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
                 return;
             }
             _ => die(&format!("unknown argument {a}")),
         }
     }
+    let tls = match (&tls_cert, &tls_key) {
+        (Some(c), Some(k)) => Some(tls_config(c, k, tls_client_ca.as_deref())),
+        (None, None) if tls_client_ca.is_none() => None,
+        _ => die("--tls-cert and --tls-key go together (and --tls-client-ca needs them)"),
+    };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if threads > 0 {
         rt.worker_threads(threads);
@@ -410,15 +477,21 @@ fn main() {
             };
             let _ = s.set_nodelay(true);
             let st = st.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    let st = st.clone();
-                    async move { Ok::<_, Infallible>(st.handle(req).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
-            });
+            match &tls {
+                None => {
+                    tokio::spawn(serve_connection(s, st));
+                }
+                Some(acceptor) => {
+                    let acceptor = acceptor.clone();
+                    tokio::spawn(async move {
+                        // A failed or stalled handshake closes the connection.
+                        let hs = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(s));
+                        if let Ok(Ok(s)) = hs.await {
+                            serve_connection(s, st).await;
+                        }
+                    });
+                }
+            }
         }
     });
 }

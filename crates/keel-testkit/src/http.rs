@@ -2,7 +2,7 @@
 //! (`Connection: close`), Content-Length and chunked bodies, and a raw
 //! socket for tests that misbehave on purpose (slow or oversized clients).
 
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
@@ -40,10 +40,29 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> io::Result<HttpResponse> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    let s = connect(addr)?;
+    exchange(s, &addr.to_string(), method, path, headers, body)
+}
+
+/// A TCP connection for one request: 5 s to connect, 30 s per read.
+pub fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     s.set_nodelay(true)?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    Ok(s)
+}
+
+/// Sends one request on an open stream (plain or TLS) and reads the whole
+/// response.
+pub fn exchange<S: Read + Write>(
+    mut s: S,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> io::Result<HttpResponse> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -54,6 +73,7 @@ pub fn request(
     let mut buf = req.into_bytes();
     buf.extend_from_slice(body);
     s.write_all(&buf)?;
+    s.flush()?;
     read_response(&mut BufReader::new(s))
 }
 

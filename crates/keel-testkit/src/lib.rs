@@ -16,8 +16,11 @@
 //! (`KEEL_TEST_REDIS_URL`, from `scripts/services/redis start`), the Python
 //! with the `openai` client (`KEEL_TEST_PYTHON`, from
 //! `scripts/services/python-openai`), the test model backend
-//! (`keel-testbackend`, started as a process), gateway processes, and a
-//! small blocking HTTP/1.1 client ([`http`]).
+//! (`keel-testbackend`, started as a process, over HTTP or HTTPS), gateway
+//! processes, and a small blocking HTTP/1.1 client ([`http`]).
+//!
+//! [`tls`] makes a throwaway PKI (CA, server and client certificates, with
+//! rcgen) and holds a blocking HTTPS client.
 //!
 //! It does not start the cluster or the services: `scripts/test` does,
 //! once, before the tests. Unlike the library crates it reads the process environment and
@@ -34,6 +37,7 @@ use keel_slurm::{Slurm, SlurmConfig};
 pub mod http;
 pub mod objects;
 pub mod serve;
+pub mod tls;
 
 /// The variable naming the test cluster's slurm.conf.
 pub const CONF_VAR: &str = "KEEL_TEST_SLURM_CONF";

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
 use crate::http;
+use crate::tls::{TestPki, TlsClient};
 
 /// The variable naming the test Redis (`redis://127.0.0.1:PORT`).
 pub const REDIS_VAR: &str = "KEEL_TEST_REDIS_URL";
@@ -97,11 +98,43 @@ fn wait_line(child: &mut Child, prefix: &str) -> Vec<String> {
 pub struct TestBackend {
     child: Child,
     pub addr: SocketAddr,
+    /// How the test talks to it when it serves HTTPS.
+    tls: Option<TlsClient>,
+}
+
+/// How a test backend serves HTTPS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendTls {
+    /// With the PKI's server certificate.
+    Server,
+    /// And it requires a client certificate from the PKI's CA.
+    Mutual,
 }
 
 impl TestBackend {
     /// Starts `keel-testbackend ARGS` on a free port.
     pub fn start(args: &[&str]) -> Self {
+        Self::spawn(args, None)
+    }
+
+    /// Starts `keel-testbackend ARGS` serving HTTPS with `pki`'s server
+    /// certificate (and requiring its client certificate for `Mutual`).
+    pub fn start_tls(args: &[&str], pki: &TestPki, mode: BackendTls) -> Self {
+        let (cert, key, ca) = (pki.server_cert(), pki.server_key(), pki.ca());
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend([
+            "--tls-cert",
+            cert.to_str().expect("utf8"),
+            "--tls-key",
+            key.to_str().expect("utf8"),
+        ]);
+        if mode == BackendTls::Mutual {
+            all.extend(["--tls-client-ca", ca.to_str().expect("utf8")]);
+        }
+        Self::spawn(&all, Some(pki.mtls_client()))
+    }
+
+    fn spawn(args: &[&str], tls: Option<TlsClient>) -> Self {
         let mut child = Command::new(testbackend_bin())
             .args(args)
             .stdin(Stdio::null())
@@ -115,29 +148,33 @@ impl TestBackend {
             .and_then(|l| l.strip_prefix("listening on "))
             .and_then(|a| a.parse().ok())
             .expect("backend address");
-        Self { child, addr }
+        Self { child, addr, tls }
     }
 
+    /// `http://ADDR`, or `https://ADDR` when it serves HTTPS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// One request to the backend itself (over TLS when it serves HTTPS).
+    pub fn request(&self, method: &str, path: &str, body: &[u8]) -> http::HttpResponse {
+        match &self.tls {
+            Some(t) => t.request(self.addr, method, path, &[], body),
+            None => http::request(self.addr, method, path, &[], body),
+        }
+        .expect("request to the test backend")
     }
 
     /// `POST /_control` (mode, latency_ms, healthy, tokens, reset).
     pub fn control(&self, v: serde_json::Value) {
-        let r = http::request(
-            self.addr,
-            "POST",
-            "/_control",
-            &[],
-            v.to_string().as_bytes(),
-        )
-        .expect("control the backend");
+        let r = self.request("POST", "/_control", v.to_string().as_bytes());
         assert_eq!(r.status, 200);
     }
 
     /// How many requests it saw on `path` (`GET /_stats`).
     pub fn count(&self, key: &str) -> u64 {
-        let r = http::request(self.addr, "GET", "/_stats", &[], b"").expect("backend stats");
+        let r = self.request("GET", "/_stats", b"");
         r.json()["counts"][key].as_u64().unwrap_or(0)
     }
 

@@ -1,11 +1,14 @@
 //! `keel serve` as a process: keys made, listed and revoked with the CLI
 //! while it runs, the audit log checked by `keel serve audit verify`,
-//! SIGHUP reload, and graceful shutdown with a stream in flight.
+//! SIGHUP reload, graceful shutdown with a stream in flight, and TLS on
+//! the listener and to a backend.
 
 mod serve_common;
 
 use std::time::{Duration, Instant};
 
+use keel_testkit::serve::BackendTls;
+use keel_testkit::tls::TestPki;
 use serde_json::{json, Value};
 use serve_common::*;
 
@@ -191,4 +194,94 @@ fn print_config_and_bad_config_exit_codes() {
         64
     );
     assert_eq!(run(&["serve", "--config", "/nonexistent/gw.toml"]).0, 74);
+}
+
+/// Runs `keel ARGS` and returns (exit code, stderr).
+fn run_stderr(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(keel())
+        .args(args)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn https_listener_to_an_mtls_backend_with_sighup_certificate_renewal_and_tls_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = TestPki::generate(dir.path());
+    let b = TestBackend::start_tls(&[], &pki, BackendTls::Mutual);
+    let (cert, key) = (dir.path().join("gw.pem"), dir.path().join("gw.key"));
+    std::fs::copy(pki.server_cert(), &cert).expect("copy");
+    std::fs::copy(pki.server_key(), &key).expect("copy");
+    // Relative paths: from the config file's directory.
+    let upstream = "[upstream_tls]\nsystem_roots = false\nca_file = \"ca.pem\"\nclient_cert = \"client.pem\"\nclient_key = \"client.key\"\n";
+    let cfg = config(dir.path(), &b.url(), upstream);
+    let text = std::fs::read_to_string(&cfg).expect("read");
+    let tls_text = text.replacen(
+        "[server]\n",
+        "[server]\ntls_cert = \"gw.pem\"\ntls_key = \"gw.key\"\n",
+        1,
+    );
+    std::fs::write(&cfg, &tls_text).expect("write");
+    let (_, secret) = create_key(&cfg, "t", "user", None);
+    let g = GatewayProcess::start(&keel(), &cfg);
+    let client = pki.client();
+    let r = client
+        .post_json(g.public, "/v1/chat/completions", &secret, &chat_body())
+        .expect("chat over TLS");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(b.count("/v1/chat/completions"), 1);
+    assert!(
+        http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).is_err(),
+        "plain HTTP gets no answer"
+    );
+
+    // A renewed certificate, then SIGHUP: new connections get it.
+    let renewed_dir = dir.path().join("renewed");
+    std::fs::create_dir(&renewed_dir).expect("mkdir");
+    let renewed = TestPki::generate(&renewed_dir);
+    std::fs::copy(renewed.server_cert(), &cert).expect("copy");
+    std::fs::copy(renewed.server_key(), &key).expect("copy");
+    g.signal("HUP");
+    let t = Instant::now();
+    while renewed.client().connect(g.public).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "SIGHUP did not load the renewed certificate"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = renewed
+        .client()
+        .post_json(g.public, "/v1/chat/completions", &secret, &chat_body())
+        .expect("chat over TLS");
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(g);
+
+    // Files that do not load stop `keel serve` with the file's name.
+    let c = cfg.to_str().expect("utf8");
+    std::fs::write(&cfg, tls_text.replace("gw.key", "missing.key")).expect("write");
+    let (code, err) = run_stderr(&["serve", "--config", c]);
+    assert_eq!(code, 74, "{err}");
+    assert!(err.contains("missing.key"), "{err}");
+    std::fs::write(
+        dir.path().join("garbage.pem"),
+        "-----BEGIN CERTIFICATE-----\nnope\n",
+    )
+    .expect("write");
+    std::fs::write(&cfg, tls_text.replace("ca.pem", "garbage.pem")).expect("write");
+    let (code, err) = run_stderr(&["serve", "--config", c]);
+    assert_eq!(code, 65, "{err}");
+    assert!(err.contains("garbage.pem"), "{err}");
+    std::fs::write(&cfg, tls_text.replace("tls_key = \"gw.key\"\n", "")).expect("write");
+    let (code, err) = run_stderr(&["serve", "--config", c]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("server.tls_cert and server.tls_key go together"),
+        "{err}"
+    );
 }
