@@ -181,6 +181,10 @@ struct Ctx {
     deployment: Option<String>,
     status: u16,
     usage: Option<TokenUsage>,
+    /// `usage` is the gateway's estimate: the backend reported none.
+    usage_estimated: bool,
+    /// Prompt tokens as estimated from the request.
+    prompt_estimate: u64,
     backend_time: Option<Duration>,
     denied: Option<&'static str>,
     error: Option<String>,
@@ -208,6 +212,8 @@ struct RequestEvent<'a> {
     duration_ms: f64,
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    usage_estimated: bool,
     retries: u32,
     fallback: bool,
     stream: bool,
@@ -792,6 +798,7 @@ impl Gateway {
             duration_ms: (total.as_secs_f64() * 1e6).round() / 1e3,
             prompt_tokens: ctx.usage.map(|u| u.prompt),
             completion_tokens: ctx.usage.map(|u| u.completion),
+            usage_estimated: ctx.usage_estimated,
             retries: ctx.retries,
             fallback: ctx.fallback,
             stream: ctx.stream,
@@ -1043,6 +1050,7 @@ impl Gateway {
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
+        ctx.prompt_estimate = parsed.prompt_estimate;
         if gen.cfg.audit.include_content {
             ctx.request_body = Some(bytes.clone());
         }
@@ -1228,7 +1236,19 @@ impl Gateway {
             match f.usage {
                 Some(u) => gw.settle(reservation.as_ref(), u.total()).await,
                 None if f.events == 0 => gw.settle(reservation.as_ref(), 0).await,
-                None => {}
+                None => {
+                    // No usage chunk (a server that ignores
+                    // `stream_options`, or a stream cut short): charge
+                    // the prompt estimate and the text that was sent, by
+                    // the same quarter-of-the-bytes rule.
+                    let u = TokenUsage {
+                        prompt: ctx.prompt_estimate,
+                        completion: f.content_bytes.div_ceil(4),
+                    };
+                    ctx.usage = Some(u);
+                    ctx.usage_estimated = true;
+                    gw.settle(reservation.as_ref(), u.total()).await;
+                }
             }
             if capture {
                 ctx.response_body = Some(Bytes::from(captured));

@@ -312,6 +312,10 @@ pub struct SseFilter {
     pub usage: Option<TokenUsage>,
     pub done: bool,
     pub events: u64,
+    /// Bytes of generated text seen (`choices[].delta.content`,
+    /// `choices[].text`): the basis of an estimate when a stream ends
+    /// without a usage chunk.
+    pub content_bytes: u64,
 }
 
 impl SseFilter {
@@ -348,6 +352,9 @@ impl SseFilter {
         let has = |needle: &[u8]| ev.windows(needle.len()).any(|w| w == needle);
         if has(b"data: [DONE]") || has(b"data:[DONE]") {
             self.done = true;
+        }
+        if has(b"\"content\"") || has(b"\"text\"") {
+            self.content_bytes += content_bytes(ev);
         }
         if !has(b"\"usage\"") {
             out.extend_from_slice(ev);
@@ -397,6 +404,44 @@ impl SseFilter {
             out.extend_from_slice(kept.as_bytes());
         }
     }
+}
+
+/// Bytes of generated text in one SSE event's `data:` lines.
+fn content_bytes(ev: &[u8]) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Delta<'a> {
+        #[serde(borrow)]
+        content: Option<std::borrow::Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Choice<'a> {
+        #[serde(borrow)]
+        delta: Option<Delta<'a>>,
+        #[serde(borrow)]
+        text: Option<std::borrow::Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Chunk<'a> {
+        #[serde(borrow)]
+        choices: Option<Vec<Choice<'a>>>,
+    }
+    let mut n = 0;
+    for line in ev.split(|b| *b == b'\n') {
+        let Some(data) = line.strip_prefix(b"data:") else {
+            continue;
+        };
+        let Ok(c) = serde_json::from_slice::<Chunk>(data) else {
+            continue;
+        };
+        for ch in c.choices.unwrap_or_default() {
+            n += ch
+                .delta
+                .and_then(|d| d.content)
+                .map_or(0, |t| t.len() as u64);
+            n += ch.text.map_or(0, |t| t.len() as u64);
+        }
+    }
+    n
 }
 
 /// End of the first event: (offset of its blank line, separator length).

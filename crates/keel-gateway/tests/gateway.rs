@@ -326,6 +326,44 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     );
 }
 
+#[test]
+fn a_stream_without_a_usage_chunk_is_charged_its_prompt_and_the_text_sent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--tokens", "5", "--usage", "never"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\ntokens_per_minute = 100000\n",
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let mut body = chat_body("chat");
+    body["stream"] = json!(true);
+    body["max_tokens"] = json!(100);
+    let text = g.chat(&key, body).text();
+    assert_eq!(text.matches("\"content\":\"tok \"").count(), 5, "{text}");
+    assert!(!text.contains("usage"), "{text}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        g.usage(&format!("key:{id}"))["tokens"],
+        7,
+        "2 prompt + 5 sent (of the 102 reserved)"
+    );
+    let audit = g.stop();
+    let e = audit
+        .iter()
+        .find(|e| e["event"] == "request")
+        .expect("request line");
+    assert_eq!(
+        (
+            &e["prompt_tokens"],
+            &e["completion_tokens"],
+            &e["usage_estimated"]
+        ),
+        (&json!(2), &json!(5), &json!(true))
+    );
+}
+
 fn hammer(g: &Running, key: &str, clients: usize, each: usize) -> (usize, usize) {
     let ok = std::sync::atomic::AtomicUsize::new(0);
     let limited = std::sync::atomic::AtomicUsize::new(0);
