@@ -43,7 +43,8 @@ fn workspace_root() -> PathBuf {
 }
 
 /// The `keel-testbackend` binary beside the running test's target
-/// directory, built once if it is not there.
+/// directory, built if it is not there or is older than its sources (a
+/// test run of other packages does not rebuild it).
 pub fn testbackend_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -54,7 +55,22 @@ pub fn testbackend_bin() -> PathBuf {
         // target/debug/deps/test-hash -> target/debug/keel-testbackend
         let dir = exe.parent().and_then(Path::parent).expect("target dir");
         let bin = dir.join("keel-testbackend");
-        if !bin.exists() {
+        let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let src = workspace_root().join("crates/keel-testbackend");
+        let newest_source = std::fs::read_dir(src.join("src"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .chain([src.join("Cargo.toml")])
+            .filter_map(|p| mtime(&p))
+            .max();
+        let stale = match (mtime(&bin), newest_source) {
+            (None, _) => true,
+            (Some(b), Some(s)) => b < s,
+            (Some(_), None) => false,
+        };
+        if stale {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let ok = Command::new(cargo)
                 .args(["build", "-q", "-p", "keel-testbackend"])
