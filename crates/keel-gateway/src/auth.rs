@@ -16,13 +16,14 @@ use crate::clock::Clock;
 use crate::config::{JwtConfig, RoleConfig};
 use crate::error::GatewayError;
 
-/// An authenticated caller.
+/// An authenticated caller. Cloning shares the strings (a request takes
+/// its key's identity without copying it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     /// The key id (`key_...`) or `jwt:<sub>`; never a secret.
-    pub id: String,
-    pub team: Option<String>,
-    pub roles: Vec<String>,
+    pub id: Arc<str>,
+    pub team: Option<Arc<str>>,
+    pub roles: Arc<[String]>,
 }
 
 /// The credential a request carries, if any.
@@ -149,11 +150,11 @@ impl JwtVerifier {
         let team = c
             .get(&self.cfg.team_claim)
             .and_then(Value::as_str)
-            .map(str::to_owned);
+            .map(Arc::from);
         Ok(Identity {
-            id: format!("jwt:{sub}"),
+            id: Arc::from(format!("jwt:{sub}")),
             team,
-            roles,
+            roles: Arc::from(roles),
         })
     }
 }

@@ -163,7 +163,7 @@ pub struct Gateway {
 pub struct AccessInfo {
     pub request_id: String,
     pub route: &'static str,
-    pub key: Option<String>,
+    pub key: Option<Arc<str>>,
     pub model: Option<String>,
     pub deployment: Option<String>,
     pub stream: bool,
@@ -174,8 +174,8 @@ pub struct AccessInfo {
 struct Ctx {
     id: String,
     route: &'static str,
-    key: Option<String>,
-    team: Option<String>,
+    key: Option<Arc<str>>,
+    team: Option<Arc<str>>,
     model: Option<String>,
     served_model: Option<String>,
     deployment: Option<String>,
@@ -377,7 +377,7 @@ where
 /// and its team's when the team has limits.
 pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
     let mut v = Vec::new();
-    let own = l.keys.get(&id.id).copied().unwrap_or(l.default);
+    let own = l.keys.get(&*id.id).copied().unwrap_or(l.default);
     if !own.is_empty() {
         v.push(Scope {
             name: format!("key:{}", id.id),
@@ -385,7 +385,7 @@ pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
         });
     }
     if let Some(t) = &id.team {
-        if let Some(tl) = l.teams.get(t).filter(|tl| !tl.is_empty()) {
+        if let Some(tl) = l.teams.get(&**t).filter(|tl| !tl.is_empty()) {
             v.push(Scope {
                 name: format!("team:{t}"),
                 limits: *tl,
@@ -724,17 +724,17 @@ impl Gateway {
                 h.insert("x-keel-deployment", d);
             }
         }
-        resp.extensions_mut().insert(AccessInfo {
-            request_id: ctx.id.clone(),
-            route: ctx.route,
-            key: ctx.key.clone(),
-            model: ctx.served_model.clone().or(ctx.model.clone()),
-            deployment: ctx.deployment.clone(),
-            stream: streaming,
-        });
         if !streaming {
             self.finish(&ctx, started);
         }
+        resp.extensions_mut().insert(AccessInfo {
+            request_id: ctx.id,
+            route: ctx.route,
+            key: ctx.key,
+            model: ctx.served_model.or(ctx.model),
+            deployment: ctx.deployment,
+            stream: streaming,
+        });
         resp
     }
 
@@ -836,11 +836,7 @@ impl Gateway {
             return Err(denied(ctx, "not a JWT, and no keys are configured".into()));
         };
         match ring.lookup(token) {
-            Ok(Some(k)) => Ok(Identity {
-                id: k.id.clone(),
-                team: k.team.clone(),
-                roles: k.roles.clone(),
-            }),
+            Ok(Some(k)) => Ok(k),
             Ok(None) => Err(denied(ctx, "unknown or revoked key".into())),
             Err(e) => {
                 tracing::error!(error = %e, "key file unreadable: refusing every key until it is fixed");
@@ -1386,7 +1382,7 @@ impl Gateway {
             match self
                 .inner
                 .upstream
-                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .send(method, &backend.url.uri(&path), headers, body, timeout)
                 .await
             {
                 Ok(resp)
@@ -1465,7 +1461,7 @@ impl Gateway {
             let _guard = guard;
             let backend = shadow.backend.clone();
             let outcome = match upstream
-                .send(method, &backend.url.uri(&path), &headers, body, timeout)
+                .send(method, &backend.url.uri(&path), headers, body, timeout)
                 .await
             {
                 Ok(r) => {
@@ -1554,7 +1550,7 @@ async fn fetch_jwks(
         HeaderValue::from_static("application/json"),
     );
     let r = upstream
-        .send(Method::GET, url, &h, Bytes::new(), Duration::from_secs(5))
+        .send(Method::GET, url, h, Bytes::new(), Duration::from_secs(5))
         .await
         .map_err(err)?;
     if !r.status().is_success() {
@@ -1579,7 +1575,7 @@ async fn probe_loop(
         let Some(b) = backend.upgrade() else { break };
         let uri = b.url.uri(&path);
         let ok = match upstream
-            .send(Method::GET, &uri, &HeaderMap::new(), Bytes::new(), timeout)
+            .send(Method::GET, &uri, HeaderMap::new(), Bytes::new(), timeout)
             .await
         {
             Ok(r) => {

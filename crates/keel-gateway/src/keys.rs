@@ -14,6 +14,7 @@ use std::sync::{Arc, RwLock};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::auth::Identity;
 use crate::error::GatewayError;
 
 /// The key file's format version.
@@ -53,6 +54,20 @@ pub fn hex(bytes: &[u8]) -> String {
         s.push(D[(b & 15) as usize] as char);
     }
     s
+}
+
+/// 64 hex digits (either case) as 32 bytes.
+fn unhex32(s: &str) -> Option<[u8; 32]> {
+    let b = s.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = nibble(b[2 * i])? << 4 | nibble(b[2 * i + 1])?;
+    }
+    Some(out)
 }
 
 /// What a new key needs.
@@ -153,18 +168,10 @@ impl KeyFile {
     }
 }
 
-/// The identity behind a valid key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyEntry {
-    pub id: String,
-    pub roles: Vec<String>,
-    pub team: Option<String>,
-}
-
 type Stamp = Option<(u64, i64, i64, u64)>;
 
-/// Live keys by the hex SHA-256 of their secret.
-pub type KeyMap = HashMap<String, Arc<KeyEntry>>;
+/// Live keys by the SHA-256 of their secret.
+pub type KeyMap = HashMap<[u8; 32], Identity>;
 
 /// The live key set, re-read whenever the file changes.
 #[derive(Debug)]
@@ -189,19 +196,21 @@ impl KeyRing {
         })
     }
 
-    fn read(path: &Path) -> Result<HashMap<String, Arc<KeyEntry>>, GatewayError> {
+    fn read(path: &Path) -> Result<KeyMap, GatewayError> {
         let f = KeyFile::load(path)?;
         Ok(f.keys
             .into_iter()
             .filter(|k| k.revoked_ms.is_none())
-            .map(|k| {
+            // A digest that is not 64 hex digits matches no secret.
+            .filter_map(|k| Some((unhex32(&k.sha256)?, k)))
+            .map(|(digest, k)| {
                 (
-                    k.sha256.to_ascii_lowercase(),
-                    Arc::new(KeyEntry {
-                        id: k.id,
-                        roles: k.roles,
-                        team: k.team,
-                    }),
+                    digest,
+                    Identity {
+                        id: Arc::from(k.id),
+                        roles: Arc::from(k.roles),
+                        team: k.team.map(Arc::from),
+                    },
                 )
             })
             .collect())
@@ -232,9 +241,10 @@ impl KeyRing {
     }
 
     /// The live key whose secret this is.
-    pub fn lookup(&self, secret: &str) -> Result<Option<Arc<KeyEntry>>, GatewayError> {
+    pub fn lookup(&self, secret: &str) -> Result<Option<Identity>, GatewayError> {
         let map = self.current()?;
-        Ok(map.get(&sha256_hex(secret.as_bytes())).cloned())
+        let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+        Ok(map.get(&digest).cloned())
     }
 }
 
@@ -261,7 +271,7 @@ mod tests {
         f.store(&path).expect("store");
         let ring = KeyRing::open(&path).expect("ring");
         let k = ring.lookup(&secret).expect("ok").expect("found");
-        assert_eq!(k.id, rec.id);
+        assert_eq!(&*k.id, rec.id.as_str());
         assert!(ring.lookup("sk-keel-wrong").expect("ok").is_none());
 
         let mut f = KeyFile::load(&path).expect("load");
@@ -278,5 +288,15 @@ mod tests {
 
         std::fs::write(&path, "not json").expect("write");
         assert!(ring.lookup(&secret).is_err());
+    }
+
+    #[test]
+    fn digests_in_either_case_match_and_malformed_ones_match_nothing() {
+        let d = sha256_hex(b"s");
+        assert_eq!(unhex32(&d), unhex32(&d.to_ascii_uppercase()));
+        assert_eq!(unhex32(&d).map(|b| hex(&b)), Some(d.clone()), "round trip");
+        assert_eq!(unhex32(&d[..63]), None);
+        assert_eq!(unhex32(&format!("{}g", &d[..63])), None);
+        assert_eq!(unhex32(&format!("{d}00")), None);
     }
 }

@@ -234,7 +234,10 @@ impl LocalLimiter {
         let mut cs: Vec<Counter> = scopes
             .iter()
             .map(|s| {
-                let c = map.entry(s.name.clone()).or_default();
+                let c = match map.get_mut(&s.name) {
+                    Some(c) => c,
+                    None => map.entry(s.name.clone()).or_default(),
+                };
                 c.roll(now);
                 *c
             })
@@ -251,7 +254,9 @@ impl LocalLimiter {
             c.tokens += tokens;
             c.day_tokens += tokens;
             c.month_tokens += tokens;
-            map.insert(s.name.clone(), *c);
+            if let Some(m) = map.get_mut(&s.name) {
+                *m = *c;
+            }
         }
         Admission::Admitted {
             info: rate_info(scopes, &cs, now),

@@ -213,7 +213,7 @@ impl Upstream {
         &self,
         method: Method,
         uri: &str,
-        headers: &HeaderMap,
+        headers: HeaderMap,
         body: Bytes,
         timeout: Duration,
     ) -> Result<Response<Incoming>, String> {
@@ -222,7 +222,7 @@ impl Upstream {
             .uri(uri)
             .body(Full::new(body))
             .map_err(|e| e.to_string())?;
-        *req.headers_mut() = headers.clone();
+        *req.headers_mut() = headers;
         let fut = self.read().client.request(req);
         match tokio::time::timeout(timeout, fut).await {
             Ok(Ok(r)) => Ok(r),
