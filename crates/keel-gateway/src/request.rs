@@ -272,8 +272,13 @@ impl<'de> Deserialize<'de> for Key<'de> {
     }
 }
 
-/// Counts a prompt's size as it is parsed, with the rules of
-/// [`estimate_tokens`], without building the value.
+/// Counts a prompt's size as it is parsed, without building the value:
+/// tokens are a quarter of its text bytes rounded up, plus one per number
+/// (token-id prompts). Text counts in strings directly in the prompt, in
+/// arrays, and under `content` and `text` keys (so a chat message's `role`
+/// does not); nesting deeper than 64 levels is not counted. The test
+/// backend reports prompt tokens by the same rule, so tests can assert
+/// exact accounting.
 struct Estimate<'a> {
     bytes: &'a mut u64,
     ids: &'a mut u64,
@@ -348,9 +353,9 @@ impl<'de> Visitor<'de> for Estimate<'_> {
 
 /// The top-level object: spans of the rewritten fields and what the
 /// gateway reads.
-struct Top<'a> {
+struct Top {
     base: usize,
-    prompt_field: &'a str,
+    prompt_field: &'static str,
 }
 
 #[derive(Default)]
@@ -363,7 +368,7 @@ struct Seen {
     prompt: Option<u64>,
 }
 
-impl<'de> Visitor<'de> for Top<'_> {
+impl<'de> Visitor<'de> for Top {
     type Value = Result<Seen, ParseError>;
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a JSON object")
@@ -381,7 +386,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                     scalars: true,
                 })?;
                 if seen.prompt.replace(bytes.div_ceil(4) + ids).is_some() {
-                    failed.get_or_insert(ParseError::Duplicate(field_name(self.prompt_field)));
+                    failed.get_or_insert(ParseError::Duplicate(self.prompt_field));
                 }
                 continue;
             }
@@ -445,14 +450,14 @@ impl<'de> Visitor<'de> for Top<'_> {
                     match n {
                         Some(n) => slot.replace(n).is_some(),
                         None => {
-                            failed.get_or_insert(ParseError::Field(field_name(f)));
+                            failed.get_or_insert(ParseError::Field(f));
                             false
                         }
                     }
                 }
             };
             if dup {
-                failed.get_or_insert(ParseError::Duplicate(field_name(name)));
+                failed.get_or_insert(ParseError::Duplicate(name));
             }
         }
         Ok(match failed {
@@ -471,20 +476,6 @@ const READ_FIELDS: [&str; 5] = [
     "max_completion_tokens",
 ];
 
-fn field_name(f: &str) -> &'static str {
-    const ALL: [&str; 8] = [
-        "model",
-        "stream",
-        "stream_options",
-        "max_tokens",
-        "max_completion_tokens",
-        "messages",
-        "prompt",
-        "input",
-    ];
-    ALL.iter().copied().find(|a| *a == f).unwrap_or("prompt")
-}
-
 /// Parses an OpenAI-style body: the fields the gateway needs, and the body
 /// kept for forwarding. The document is scanned once; only the small
 /// fields the gateway reads are built as values. A field the gateway reads
@@ -492,7 +483,7 @@ fn field_name(f: &str) -> &'static str {
 /// disagree about which model was asked for.
 pub fn parse_openai(
     body: &Bytes,
-    prompt_field: &str,
+    prompt_field: &'static str,
 ) -> Result<(OpenAiBody, OpenAiRequest), ParseError> {
     let open = body.iter().position(|b| !b.is_ascii_whitespace());
     if open.is_none_or(|i| body[i] != b'{') {
@@ -538,39 +529,38 @@ pub fn parse_openai(
     ))
 }
 
-/// Tokens in a prompt, estimated as a quarter of its text bytes rounded
-/// up (token-id arrays count one token per id). The test backend reports
-/// prompt tokens by the same rule, so tests can assert exact accounting.
-pub fn estimate_tokens(v: &Value) -> u64 {
-    fn walk(v: &Value, bytes: &mut u64, ids: &mut u64, depth: u32) {
-        if depth > 64 {
-            return;
-        }
-        match v {
-            Value::String(s) => *bytes += s.len() as u64,
-            Value::Number(_) => *ids += 1,
-            Value::Array(a) => a.iter().for_each(|x| walk(x, bytes, ids, depth + 1)),
-            Value::Object(o) => {
-                for (k, x) in o {
-                    if k == "content" || k == "text" || depth == 0 {
-                        walk(x, bytes, ids, depth + 1);
-                    } else if let Value::Array(_) | Value::Object(_) = x {
-                        walk(x, bytes, ids, depth + 1);
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    let (mut bytes, mut ids) = (0, 0);
-    walk(v, &mut bytes, &mut ids, 0);
-    bytes.div_ceil(4) + ids
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The estimate rule over a built JSON value: the reference the
+    /// streaming count is checked against.
+    fn estimate_tokens(v: &Value) -> u64 {
+        fn walk(v: &Value, bytes: &mut u64, ids: &mut u64, depth: u32) {
+            if depth > 64 {
+                return;
+            }
+            match v {
+                Value::String(s) => *bytes += s.len() as u64,
+                Value::Number(_) => *ids += 1,
+                Value::Array(a) => a.iter().for_each(|x| walk(x, bytes, ids, depth + 1)),
+                Value::Object(o) => {
+                    for (k, x) in o {
+                        if k == "content" || k == "text" || depth == 0 {
+                            walk(x, bytes, ids, depth + 1);
+                        } else if let Value::Array(_) | Value::Object(_) = x {
+                            walk(x, bytes, ids, depth + 1);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let (mut bytes, mut ids) = (0, 0);
+        walk(v, &mut bytes, &mut ids, 0);
+        bytes.div_ceil(4) + ids
+    }
 
     #[test]
     fn routes() {
