@@ -24,6 +24,21 @@ pub struct Identity {
     pub id: Arc<str>,
     pub team: Option<Arc<str>>,
     pub roles: Arc<[String]>,
+    /// The names of its limit counters, `key:<id>` and `team:<team>`.
+    pub key_scope: Arc<str>,
+    pub team_scope: Option<Arc<str>>,
+}
+
+impl Identity {
+    pub fn new(id: Arc<str>, team: Option<Arc<str>>, roles: Arc<[String]>) -> Self {
+        Self {
+            key_scope: Arc::from(format!("key:{id}")),
+            team_scope: team.as_ref().map(|t| Arc::from(format!("team:{t}"))),
+            id,
+            team,
+            roles,
+        }
+    }
 }
 
 /// The credential a request carries, if any.
@@ -151,11 +166,11 @@ impl JwtVerifier {
             .get(&self.cfg.team_claim)
             .and_then(Value::as_str)
             .map(Arc::from);
-        Ok(Identity {
-            id: Arc::from(format!("jwt:{sub}")),
+        Ok(Identity::new(
+            Arc::from(format!("jwt:{sub}")),
             team,
-            roles: Arc::from(roles),
-        })
+            Arc::from(roles),
+        ))
     }
 }
 

@@ -79,15 +79,77 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 
 /// RFC 3339 UTC with milliseconds, for logs.
 pub fn rfc3339(ms: u64) -> String {
-    let (y, m, d) = civil_from_days(day_of(ms) as i64);
-    let s = (ms / 1000) % 86_400;
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        s / 3600,
-        (s / 60) % 60,
-        s % 60,
-        ms % 1000
-    )
+    Stamp::millis(ms).as_str().to_owned()
+}
+
+/// An RFC 3339 UTC time written into a fixed buffer, for the per-request
+/// log lines (no allocation, no formatting machinery).
+#[derive(Clone, Copy)]
+pub struct Stamp {
+    buf: [u8; 27],
+    len: usize,
+}
+
+impl Stamp {
+    /// `YYYY-MM-DDTHH:MM:SS.mmmZ`; years past 9999 are clamped to 9999.
+    pub fn millis(ms: u64) -> Self {
+        Self::write(ms, None)
+    }
+
+    /// `YYYY-MM-DDTHH:MM:SS.uuuuuuZ`.
+    pub fn micros(us: u64) -> Self {
+        Self::write(us / 1000, Some((us % 1000) as u32))
+    }
+
+    fn write(ms: u64, extra_us: Option<u32>) -> Self {
+        let (y, m, d) = civil_from_days(day_of(ms) as i64);
+        let s = (ms / 1000) % 86_400;
+        let mut buf = [0u8; 27];
+        let mut put = |at: usize, v: u64, width: usize| {
+            let mut v = v;
+            for i in (0..width).rev() {
+                buf[at + i] = b'0' + (v % 10) as u8;
+                v /= 10;
+            }
+        };
+        put(0, y.clamp(0, 9999) as u64, 4);
+        put(5, m as u64, 2);
+        put(8, d as u64, 2);
+        put(11, s / 3600, 2);
+        put(14, (s / 60) % 60, 2);
+        put(17, s % 60, 2);
+        put(20, ms % 1000, 3);
+        let len = match extra_us {
+            Some(us) => {
+                put(23, us as u64, 3);
+                27
+            }
+            None => 24,
+        };
+        for (at, c) in [
+            (4, b'-'),
+            (7, b'-'),
+            (10, b'T'),
+            (13, b':'),
+            (16, b':'),
+            (19, b'.'),
+        ] {
+            buf[at] = c;
+        }
+        buf[len - 1] = b'Z';
+        Self { buf, len }
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only ASCII digits and separators are ever written.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+}
+
+impl std::fmt::Debug for Stamp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[cfg(test)]
@@ -105,5 +167,28 @@ mod tests {
         assert_eq!(rfc3339(month_end_ms(t + 1)), "2026-03-01T00:00:00.000Z");
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(month_of(0), 0);
+        assert_eq!(
+            Stamp::micros(t * 1000 + 42).as_str(),
+            "2026-01-31T23:59:59.999042Z"
+        );
+        assert_eq!(Stamp::micros(0).as_str(), "1970-01-01T00:00:00.000000Z");
+    }
+
+    #[test]
+    fn stamps_agree_with_a_formatter() {
+        // Every day boundary for 500 years, and odd times within days.
+        for day in (0..500 * 366).step_by(7) {
+            let ms = day * 86_400_000 + (day * 7_919_113) % 86_400_000;
+            let (y, m, d) = civil_from_days(day_of(ms) as i64);
+            let s = (ms / 1000) % 86_400;
+            let want = format!(
+                "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+                s / 3600,
+                (s / 60) % 60,
+                s % 60,
+                ms % 1000
+            );
+            assert_eq!(rfc3339(ms), want);
+        }
     }
 }

@@ -14,12 +14,12 @@ use serde_json::{json, Map, Value};
 use crate::audit::AuditLog;
 use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
-use crate::clock::{rfc3339, Clock};
+use crate::clock::{rfc3339, Clock, Stamp};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
 use crate::error::{ApiError, GatewayError};
 use crate::keys::KeyRing;
 use crate::limits::{
-    reset_header, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
+    reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
@@ -161,24 +161,70 @@ pub struct Gateway {
 /// What the access log layer reads from a response.
 #[derive(Debug, Clone, Default)]
 pub struct AccessInfo {
-    pub request_id: String,
+    pub request_id: RequestId,
     pub route: &'static str,
     pub key: Option<Arc<str>>,
-    pub model: Option<String>,
-    pub deployment: Option<String>,
+    pub model: Option<Arc<str>>,
+    pub deployment: Option<Arc<str>>,
     pub stream: bool,
 }
+
+/// A request's id: 16 hex digits, kept inline (it goes into two headers
+/// and two log lines).
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestId {
+    hex: [u8; 16],
+    len: u8,
+}
+
+impl RequestId {
+    pub fn new(n: u64) -> Self {
+        const D: &[u8; 16] = b"0123456789abcdef";
+        let mut hex = [0u8; 16];
+        for (i, h) in hex.iter_mut().enumerate() {
+            *h = D[((n >> (60 - 4 * i)) & 15) as usize];
+        }
+        Self { hex, len: 16 }
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.hex[..self.len as usize]).unwrap_or("")
+    }
+
+    pub fn header_value(&self) -> HeaderValue {
+        HeaderValue::from_bytes(&self.hex[..self.len as usize])
+            .unwrap_or(HeaderValue::from_static(""))
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+pub(crate) const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+const X_KEEL_MODEL: http::HeaderName = http::HeaderName::from_static("x-keel-model");
+const X_KEEL_DEPLOYMENT: http::HeaderName = http::HeaderName::from_static("x-keel-deployment");
 
 /// What is known about a request as it goes.
 #[derive(Debug, Clone, Default)]
 struct Ctx {
-    id: String,
+    id: RequestId,
     route: &'static str,
     key: Option<Arc<str>>,
     team: Option<Arc<str>>,
     model: Option<String>,
-    served_model: Option<String>,
-    deployment: Option<String>,
+    served_model: Option<Arc<str>>,
+    deployment: Option<Arc<str>>,
+    /// `served_model` and `deployment` as header values.
+    served_headers: Option<(HeaderValue, HeaderValue)>,
     status: u16,
     usage: Option<TokenUsage>,
     /// `usage` is the gateway's estimate: the backend reported none.
@@ -200,7 +246,7 @@ struct Ctx {
 #[derive(serde::Serialize)]
 struct RequestEvent<'a> {
     event: &'static str,
-    ts: String,
+    ts: &'a str,
     request_id: &'a str,
     route: &'static str,
     key: Option<&'a str>,
@@ -245,7 +291,15 @@ enum Payload {
 }
 
 impl Payload {
-    fn render(&self, backend_model: &str) -> (Method, String, Bytes, Option<HeaderValue>) {
+    fn render(
+        &self,
+        backend_model: &str,
+    ) -> (
+        Method,
+        std::borrow::Cow<'static, str>,
+        Bytes,
+        Option<HeaderValue>,
+    ) {
         match self {
             Payload::OpenAi {
                 path,
@@ -253,7 +307,7 @@ impl Payload {
                 force_usage,
             } => (
                 Method::POST,
-                (*path).to_owned(),
+                std::borrow::Cow::Borrowed(*path),
                 body.render(backend_model, *force_usage),
                 None,
             ),
@@ -270,7 +324,7 @@ impl Payload {
                     p.push_str(v);
                 }
                 p.push_str(action);
-                (method.clone(), p, body.clone(), content_type.clone())
+                (method.clone(), p.into(), body.clone(), content_type.clone())
             }
         }
     }
@@ -376,22 +430,28 @@ where
 /// The counters a caller is held to: its key's (or the default) limits,
 /// and its team's when the team has limits.
 pub fn scopes_for(l: &LimitsConfig, id: &Identity) -> Vec<Scope> {
-    let mut v = Vec::new();
     let own = l.keys.get(&*id.id).copied().unwrap_or(l.default);
+    let team = id
+        .team
+        .as_ref()
+        .zip(id.team_scope.as_ref())
+        .and_then(|(t, name)| {
+            l.teams
+                .get(&**t)
+                .filter(|tl| !tl.is_empty())
+                .map(|tl| Scope {
+                    name: name.clone(),
+                    limits: *tl,
+                })
+        });
+    let mut v = Vec::with_capacity(usize::from(!own.is_empty()) + usize::from(team.is_some()));
     if !own.is_empty() {
         v.push(Scope {
-            name: format!("key:{}", id.id),
+            name: id.key_scope.clone(),
             limits: own,
         });
     }
-    if let Some(t) = &id.team {
-        if let Some(tl) = l.teams.get(&**t).filter(|tl| !tl.is_empty()) {
-            v.push(Scope {
-                name: format!("team:{t}"),
-                limits: *tl,
-            });
-        }
-    }
+    v.extend(team);
     v
 }
 
@@ -404,7 +464,7 @@ fn rate_headers(h: &mut HeaderMap, info: &RateInfo) {
     const LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
     const REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
     const RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
-    let reset = |ms: u64| HeaderValue::from_str(&reset_header(ms)).ok();
+    let reset = reset_header_value;
     if let Some(l) = info.limit_requests {
         h.insert(LIMIT_REQUESTS, HeaderValue::from(l));
         h.insert(
@@ -661,12 +721,12 @@ impl Gateway {
             .values()
             .map(|m| {
                 json!({
-                    "name": m.name,
+                    "name": &*m.name,
                     "protocol": m.protocol,
                     "fallback": m.fallback,
-                    "mirror": m.mirror.as_ref().map(|(d, p)| json!({"deployment": d.name, "percent": p})),
+                    "mirror": m.mirror.as_ref().map(|(d, p)| json!({"deployment": &*d.name, "percent": p})),
                     "deployments": m.all.iter().map(|d| json!({
-                        "name": d.name,
+                        "name": &*d.name,
                         "url": d.backend.url.label(),
                         "weight": d.weight,
                         "healthy": d.backend.healthy.load(std::sync::atomic::Ordering::Relaxed),
@@ -679,8 +739,8 @@ impl Gateway {
         json!({"version": 1, "models": models})
     }
 
-    fn request_id(&self) -> String {
-        format!("{:016x}", self.inner.rng.next_u64())
+    fn request_id(&self) -> RequestId {
+        RequestId::new(self.inner.rng.next_u64())
     }
 
     /// Answers one request on the public listener.
@@ -712,17 +772,13 @@ impl Gateway {
         };
         ctx.status = resp.status().as_u16();
         let h = resp.headers_mut();
-        if let Ok(v) = HeaderValue::from_str(&ctx.id) {
-            h.insert("x-request-id", v);
-        }
+        h.insert(X_REQUEST_ID, ctx.id.header_value());
         if let Some(info) = &ctx.rate {
             rate_headers(h, info);
         }
-        if let (Some(m), Some(d)) = (&ctx.served_model, &ctx.deployment) {
-            if let (Ok(m), Ok(d)) = (HeaderValue::from_str(m), HeaderValue::from_str(d)) {
-                h.insert("x-keel-model", m);
-                h.insert("x-keel-deployment", d);
-            }
+        if let Some((m, d)) = ctx.served_headers.take() {
+            h.insert(X_KEEL_MODEL, m);
+            h.insert(X_KEEL_DEPLOYMENT, d);
         }
         if !streaming {
             self.finish(&ctx, started);
@@ -731,7 +787,7 @@ impl Gateway {
             request_id: ctx.id,
             route: ctx.route,
             key: ctx.key,
-            model: ctx.served_model.or(ctx.model),
+            model: ctx.served_model.or_else(|| ctx.model.map(Arc::from)),
             deployment: ctx.deployment,
             stream: streaming,
         });
@@ -780,14 +836,15 @@ impl Gateway {
             b.as_ref()
                 .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
         };
+        let stamp = Stamp::millis(self.inner.clock.now_ms());
         let e = RequestEvent {
             event: if ctx.denied.is_some() {
                 "denied"
             } else {
                 "request"
             },
-            ts: rfc3339(self.inner.clock.now_ms()),
-            request_id: &ctx.id,
+            ts: stamp.as_str(),
+            request_id: ctx.id.as_str(),
             route: ctx.route,
             key: ctx.key.as_deref(),
             team: ctx.team.as_deref(),
@@ -807,8 +864,10 @@ impl Gateway {
             request_body: content(&ctx.request_body),
             response_body: content(&ctx.response_body),
         };
-        match serde_json::to_string(&e) {
-            Ok(line) => audit.record_json(line),
+        let mut line = Vec::with_capacity(512);
+        match serde_json::to_writer(&mut line, &e).map(|()| String::from_utf8(line)) {
+            Ok(Ok(line)) => audit.record_json(line),
+            Ok(Err(err)) => tracing::error!(error = %err, "audit event not UTF-8"),
             Err(err) => tracing::error!(error = %err, "audit event not serialisable"),
         }
     }
@@ -1345,7 +1404,7 @@ impl Gateway {
         if pin.is_none() {
             if let Some((shadow, pct)) = &model.mirror {
                 if self.inner.rng.unit() * 100.0 < *pct {
-                    self.mirror(gen, model, shadow.clone(), payload, &ctx.id);
+                    self.mirror(gen, model, shadow.clone(), payload, ctx.id);
                 }
             }
         }
@@ -1377,12 +1436,23 @@ impl Gateway {
             }
             sent += 1;
             let (method, path, body, ct) = payload.render(&c.deployment.backend_model);
-            let headers = upstream_headers(ct.as_ref(), &ctx.id);
+            let uri = match backend.url.request_uri(&path) {
+                Ok(u) => u,
+                Err(e) => {
+                    // A model or version name that makes no URI: the
+                    // request's fault, not the backend's.
+                    drop(lease);
+                    return Err(
+                        ApiError::bad_request(format!("cannot address the backend: {e}")).into(),
+                    );
+                }
+            };
+            let headers = upstream_headers(ct.as_ref(), ctx.id);
             let sent_at = Instant::now();
             match self
                 .inner
                 .upstream
-                .send(method, &backend.url.uri(&path), headers, body, timeout)
+                .send(method, uri, headers, body, timeout)
                 .await
             {
                 Ok(resp)
@@ -1410,6 +1480,8 @@ impl Gateway {
                     }
                     ctx.served_model = Some(c.model.clone());
                     ctx.deployment = Some(c.deployment.name.clone());
+                    ctx.served_headers =
+                        c.model_header.clone().zip(c.deployment.name_header.clone());
                     return Ok(Served { resp, sent_at });
                 }
                 Err(e) => {
@@ -1448,7 +1520,7 @@ impl Gateway {
         model: &ModelRoute,
         shadow: crate::traffic::Deployment,
         payload: &Payload,
-        id: &str,
+        id: RequestId,
     ) {
         let (method, path, body, ct) = payload.render(&shadow.backend_model);
         let headers = upstream_headers(ct.as_ref(), id);
@@ -1460,10 +1532,11 @@ impl Gateway {
         tokio::spawn(async move {
             let _guard = guard;
             let backend = shadow.backend.clone();
-            let outcome = match upstream
-                .send(method, &backend.url.uri(&path), headers, body, timeout)
-                .await
-            {
+            let sent = async {
+                let uri = backend.url.request_uri(&path)?;
+                upstream.send(method, uri, headers, body, timeout).await
+            };
+            let outcome = match sent.await {
                 Ok(r) => {
                     let ok = r.status().is_success();
                     let _ = read_limited(r.into_body(), 64 << 20, timeout).await;
@@ -1549,8 +1622,9 @@ async fn fetch_jwks(
         http::header::ACCEPT,
         HeaderValue::from_static("application/json"),
     );
+    let uri = url.parse::<http::Uri>().map_err(|e| err(e.to_string()))?;
     let r = upstream
-        .send(Method::GET, url, h, Bytes::new(), Duration::from_secs(5))
+        .send(Method::GET, uri, h, Bytes::new(), Duration::from_secs(5))
         .await
         .map_err(err)?;
     if !r.status().is_success() {
@@ -1565,7 +1639,7 @@ async fn fetch_jwks(
 async fn probe_loop(
     backend: Weak<Backend>,
     upstream: Upstream,
-    path: String,
+    path: Arc<str>,
     h: crate::config::HealthConfig,
 ) {
     let every = Duration::from_millis(h.interval_ms);
@@ -1573,11 +1647,13 @@ async fn probe_loop(
     loop {
         tokio::time::sleep(every).await;
         let Some(b) = backend.upgrade() else { break };
-        let uri = b.url.uri(&path);
-        let ok = match upstream
-            .send(Method::GET, &uri, HeaderMap::new(), Bytes::new(), timeout)
-            .await
-        {
+        let sent = async {
+            let uri = b.url.request_uri(&path)?;
+            upstream
+                .send(Method::GET, uri, HeaderMap::new(), Bytes::new(), timeout)
+                .await
+        };
+        let ok = match sent.await {
             Ok(r) => {
                 let ok = r.status().is_success();
                 let _ = read_limited(r.into_body(), 64 << 10, timeout).await;

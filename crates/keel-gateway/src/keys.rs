@@ -1,7 +1,9 @@
 //! API keys: a JSON file of key records holding only SHA-256 hashes of the
 //! secrets (`keel serve keys create|ls|revoke` edit it), and the `KeyRing`
 //! that answers "whose secret is this?" and notices a changed file on the
-//! very next request, so a revocation takes effect immediately.
+//! very next request (through an inotify watch on its directory, or a
+//! `stat` per request where that cannot work), so a revocation takes
+//! effect immediately.
 //!
 //! Secrets are random bytes handed in by the caller (the library does not
 //! read the system's randomness or clock).
@@ -9,7 +11,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -168,6 +170,7 @@ impl KeyFile {
     }
 }
 
+/// Inode, modification time and size.
 type Stamp = Option<(u64, i64, i64, u64)>;
 
 /// Live keys by the SHA-256 of their secret.
@@ -177,7 +180,39 @@ pub type KeyMap = HashMap<[u8; 32], Identity>;
 #[derive(Debug)]
 pub struct KeyRing {
     path: PathBuf,
-    state: RwLock<(Stamp, Arc<KeyMap>)>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    watch: Watch,
+    stamp: Stamp,
+    map: Arc<KeyMap>,
+    /// The last read failed: read again on every call until it works.
+    failed: bool,
+}
+
+/// How the ring learns that the file may have changed.
+#[derive(Debug)]
+enum Watch {
+    /// inotify watches on the file's directory (for the file's name:
+    /// created, replaced by a rename, removed) and on the file itself
+    /// (written, through any of its links), read without blocking on every
+    /// call. The kernel queues an event before the write or rename that
+    /// caused it returns, so a change made before a request arrived is
+    /// always seen by that request. An event about the file leads to a
+    /// `stat` of it; other files in the directory (an audit log, say)
+    /// cost nothing more.
+    #[cfg(target_os = "linux")]
+    Inotify {
+        fd: rustix::fd::OwnedFd,
+        dir: i32,
+        name: std::ffi::OsString,
+    },
+    /// A `stat` of the file on every call: where inotify is unavailable,
+    /// or where a symbolic link on the path could change the file without
+    /// an event about it.
+    Stat,
 }
 
 fn stamp(path: &Path) -> Stamp {
@@ -186,13 +221,147 @@ fn stamp(path: &Path) -> Stamp {
     Some((m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
 }
 
+#[cfg(target_os = "linux")]
+fn watch(path: &Path) -> Watch {
+    use rustix::fs::inotify::{self, CreateFlags, WatchFlags};
+    let Ok(abs) = std::path::absolute(path) else {
+        return Watch::Stat;
+    };
+    let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
+        return Watch::Stat;
+    };
+    // Only a path without symbolic links (and without `.` or `..`) is
+    // watched: a link swapped elsewhere changes the file silently here.
+    let plain_dir = std::fs::canonicalize(dir).is_ok_and(|c| c == dir);
+    let plain_file = match std::fs::symlink_metadata(&abs) {
+        Ok(m) => !m.file_type().is_symlink(),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    };
+    if !plain_dir || !plain_file {
+        return Watch::Stat;
+    }
+    let Ok(fd) = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK) else {
+        return Watch::Stat;
+    };
+    let mask = WatchFlags::MODIFY
+        | WatchFlags::ATTRIB
+        | WatchFlags::CLOSE_WRITE
+        | WatchFlags::MOVED_FROM
+        | WatchFlags::MOVED_TO
+        | WatchFlags::CREATE
+        | WatchFlags::DELETE
+        | WatchFlags::DELETE_SELF
+        | WatchFlags::MOVE_SELF;
+    let Ok(dir) = inotify::add_watch(&fd, dir, mask) else {
+        return Watch::Stat;
+    };
+    let w = Watch::Inotify {
+        fd,
+        dir,
+        name: name.to_owned(),
+    };
+    if w.follow(&abs) {
+        w
+    } else {
+        Watch::Stat
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn watch(_: &Path) -> Watch {
+    Watch::Stat
+}
+
+/// What the watch says since the last call.
+enum Seen {
+    Nothing,
+    Something,
+    /// The directory's watch is gone (removed, moved, unmounted) or the
+    /// watch cannot be read.
+    WatchLost,
+}
+
+impl Watch {
+    /// Watches the file now at `path` (after it was created or replaced);
+    /// false if that failed for another reason than there being no file.
+    fn follow(&self, path: &Path) -> bool {
+        match self {
+            #[cfg(target_os = "linux")]
+            Watch::Inotify { fd, .. } => {
+                use rustix::fs::inotify::{self, WatchFlags};
+                let mask = WatchFlags::MODIFY | WatchFlags::ATTRIB | WatchFlags::CLOSE_WRITE;
+                match inotify::add_watch(fd, path, mask) {
+                    Ok(_) | Err(rustix::io::Errno::NOENT) => true,
+                    Err(_) => false,
+                }
+            }
+            Watch::Stat => true,
+        }
+    }
+
+    fn poll(&self) -> Seen {
+        match self {
+            #[cfg(target_os = "linux")]
+            Watch::Inotify { fd, dir, name } => {
+                use rustix::fs::inotify::{ReadFlags, Reader};
+                use rustix::io::Errno;
+                use std::os::unix::ffi::OsStrExt;
+                let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 1024];
+                let mut r = Reader::new(fd, &mut buf);
+                let mut seen = Seen::Nothing;
+                loop {
+                    match r.next() {
+                        Ok(e) if e.wd() == *dir => {
+                            let gone = ReadFlags::IGNORED
+                                | ReadFlags::DELETE_SELF
+                                | ReadFlags::MOVE_SELF
+                                | ReadFlags::UNMOUNT;
+                            if e.events().intersects(gone) {
+                                return Seen::WatchLost;
+                            }
+                            if e.file_name()
+                                .is_some_and(|n| n.to_bytes() == name.as_bytes())
+                            {
+                                seen = Seen::Something;
+                            }
+                        }
+                        // The file's own watch, or events lost to a full
+                        // queue (wd -1).
+                        Ok(_) => seen = Seen::Something,
+                        Err(Errno::WOULDBLOCK) => return seen,
+                        Err(Errno::INTR) => continue,
+                        Err(_) => return Seen::WatchLost,
+                    }
+                }
+            }
+            Watch::Stat => Seen::Something,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            #[cfg(target_os = "linux")]
+            Watch::Inotify { .. } => "inotify",
+            Watch::Stat => "stat",
+        }
+    }
+}
+
 impl KeyRing {
     pub fn open(path: &Path) -> Result<Self, GatewayError> {
+        // The watch first: a change between it and the read below is then
+        // seen by the first call.
+        let watch = watch(path);
         let st = stamp(path);
         let map = Self::read(path)?;
         Ok(Self {
             path: path.to_owned(),
-            state: RwLock::new((st, Arc::new(map))),
+            state: Mutex::new(State {
+                watch,
+                stamp: st,
+                map: Arc::new(map),
+                failed: false,
+            }),
         })
     }
 
@@ -206,35 +375,51 @@ impl KeyRing {
             .map(|(digest, k)| {
                 (
                     digest,
-                    Identity {
-                        id: Arc::from(k.id),
-                        roles: Arc::from(k.roles),
-                        team: k.team.map(Arc::from),
-                    },
+                    Identity::new(Arc::from(k.id), k.team.map(Arc::from), Arc::from(k.roles)),
                 )
             })
             .collect())
     }
 
-    /// The keys as of now: the file is checked (one `stat`) on every call
-    /// and re-read when it changed. A file that cannot be read or parsed
-    /// after a change leaves no key valid (fail closed) until it is fixed.
+    /// How changes to the file are noticed: `inotify` or `stat`.
+    pub fn watch_kind(&self) -> &'static str {
+        self.lock().watch.name()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The keys as of now: every call asks whether the file changed (a
+    /// non-blocking read of an inotify watch, or a `stat`) and re-reads it
+    /// when it did. A file that cannot be read or parsed after a change
+    /// leaves no key valid (fail closed) until it is fixed.
     pub fn current(&self) -> Result<Arc<KeyMap>, GatewayError> {
-        let st = stamp(&self.path);
-        {
-            let g = self.state.read().unwrap_or_else(|p| p.into_inner());
-            if g.0 == st {
-                return Ok(g.1.clone());
-            }
+        let mut g = self.lock();
+        match g.watch.poll() {
+            Seen::Nothing if !g.failed => return Ok(g.map.clone()),
+            Seen::WatchLost => g.watch = Watch::Stat,
+            Seen::Nothing | Seen::Something => {}
         }
-        let mut g = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let st = stamp(&self.path);
+        if st == g.stamp && !g.failed {
+            return Ok(g.map.clone());
+        }
+        if st.map(|s| s.0) != g.stamp.map(|s| s.0) && !g.watch.follow(&self.path) {
+            // A new file that cannot be watched.
+            g.watch = Watch::Stat;
+        }
         match Self::read(&self.path) {
             Ok(map) => {
-                *g = (st, Arc::new(map));
-                Ok(g.1.clone())
+                g.stamp = st;
+                g.map = Arc::new(map);
+                g.failed = false;
+                Ok(g.map.clone())
             }
             Err(e) => {
-                *g = (None, Arc::new(HashMap::new()));
+                g.stamp = None;
+                g.map = Arc::new(HashMap::new());
+                g.failed = true;
                 Err(e)
             }
         }
@@ -288,6 +473,124 @@ mod tests {
 
         std::fs::write(&path, "not json").expect("write");
         assert!(ring.lookup(&secret).is_err());
+    }
+
+    fn file_with_key(path: &Path, name: &str) -> (KeyFile, KeyRecord, String) {
+        let mut f = KeyFile::load(path).expect("load");
+        let (rec, secret) = f.create(
+            NewKey {
+                name: name.into(),
+                roles: vec!["user".into()],
+                team: None,
+            },
+            [name.len() as u8; 32],
+            1000,
+        );
+        f.store(path).expect("store");
+        (f, rec, secret)
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_plain_path_is_watched_and_every_kind_of_change_is_seen_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = std::fs::canonicalize(dir.path()).expect("canonical");
+        let path = dir.join("keys.json");
+        let (mut f, rec, secret) = file_with_key(&path, "alice");
+        let ring = KeyRing::open(&path).expect("ring");
+        assert_eq!(ring.watch_kind(), "inotify");
+        assert!(ring.lookup(&secret).expect("ok").is_some());
+        // Other files in the directory change nothing.
+        std::fs::write(dir.join("audit.jsonl"), "x\n").expect("write");
+        assert!(ring.lookup(&secret).expect("ok").is_some());
+        // Replaced by rename (what `keys revoke` does).
+        f.revoke(&rec.id, 2000).expect("revoke");
+        f.store(&path).expect("store");
+        assert!(ring.lookup(&secret).expect("ok").is_none());
+        // Written in place, with the same length and within the same
+        // second as before.
+        let (_, _, bob) = file_with_key(&path, "bob");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+        let text = std::fs::read_to_string(&path).expect("read");
+        std::fs::write(
+            &path,
+            text.replace("\"revoked_ms\": null", "\"revoked_ms\": 1234"),
+        )
+        .expect("write in place");
+        assert!(
+            ring.lookup(&bob).expect("ok").is_none(),
+            "in-place edit seen"
+        );
+        // Removed: no key is valid; back: valid again.
+        let saved = std::fs::read_to_string(&path).expect("read");
+        std::fs::remove_file(&path).expect("rm");
+        assert!(ring.lookup(&bob).expect("ok").is_none());
+        std::fs::write(&path, saved.replace("1234", "null")).expect("restore");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+        // Broken: refused with the error on every call until fixed.
+        std::fs::write(&path, "not json").expect("break");
+        assert!(ring.lookup(&bob).is_err());
+        assert!(ring.lookup(&bob).is_err(), "still refused, no new event");
+        std::fs::write(&path, saved.replace("1234", "null")).expect("fix");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+        // Written through a hard link in another directory.
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        let link = elsewhere.path().join("link.json");
+        std::fs::hard_link(&path, &link).expect("ln");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&link)
+            .and_then(|mut f| f.write_all(saved.as_bytes()))
+            .expect("write through the link");
+        assert!(
+            ring.lookup(&bob).expect("ok").is_none(),
+            "write through a link seen"
+        );
+        assert_eq!(ring.watch_kind(), "inotify");
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_moved_directory_falls_back_to_stat() {
+        let top = tempfile::tempdir().expect("tempdir");
+        let top = std::fs::canonicalize(top.path()).expect("canonical");
+        let dir = top.join("conf");
+        std::fs::create_dir(&dir).expect("mkdir");
+        let path = dir.join("keys.json");
+        let (_, _, secret) = file_with_key(&path, "alice");
+        let ring = KeyRing::open(&path).expect("ring");
+        assert_eq!(ring.watch_kind(), "inotify");
+        std::fs::rename(&dir, top.join("old")).expect("mv");
+        assert!(ring.lookup(&secret).expect("ok").is_none(), "file gone");
+        assert_eq!(ring.watch_kind(), "stat");
+        // A new directory at the old path is followed by stat.
+        std::fs::create_dir(&dir).expect("mkdir");
+        let (_, _, bob) = file_with_key(&path, "bob");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+    }
+
+    #[test]
+    fn a_symlinked_file_is_checked_by_stat_and_a_swapped_link_is_seen() {
+        // The layout of a Kubernetes secret volume: the file is a link
+        // through a `..data` link that an update swaps.
+        let top = tempfile::tempdir().expect("tempdir");
+        let top = std::fs::canonicalize(top.path()).expect("canonical");
+        let (v1, v2) = (top.join("v1"), top.join("v2"));
+        std::fs::create_dir(&v1).expect("mkdir");
+        std::fs::create_dir(&v2).expect("mkdir");
+        let (mut f, rec, secret) = file_with_key(&v1.join("keys.json"), "alice");
+        f.revoke(&rec.id, 2000).expect("revoke");
+        f.store(&v2.join("keys.json")).expect("store v2");
+        std::os::unix::fs::symlink("v1", top.join("..data")).expect("link");
+        let path = top.join("keys.json");
+        std::os::unix::fs::symlink("..data/keys.json", &path).expect("link");
+        let ring = KeyRing::open(&path).expect("ring");
+        assert_eq!(ring.watch_kind(), "stat");
+        assert!(ring.lookup(&secret).expect("ok").is_some());
+        std::os::unix::fs::symlink("v2", top.join("..data_tmp")).expect("link");
+        std::fs::rename(top.join("..data_tmp"), top.join("..data")).expect("swap");
+        assert!(ring.lookup(&secret).expect("ok").is_none(), "revoked in v2");
     }
 
     #[test]

@@ -22,7 +22,8 @@ pub const WINDOW_MS: u64 = 60_000;
 /// One counter set and its limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Scope {
-    pub name: String,
+    /// `key:<id>` or `team:<name>`; shared, not copied, per request.
+    pub name: Arc<str>,
     pub limits: LimitSet,
 }
 
@@ -224,7 +225,7 @@ fn rate_info(scopes: &[Scope], counters: &[Counter], now: u64) -> RateInfo {
 #[derive(Debug)]
 pub struct LocalLimiter {
     clock: Arc<dyn Clock>,
-    counters: Mutex<HashMap<String, Counter>>,
+    counters: Mutex<HashMap<Arc<str>, Counter>>,
 }
 
 impl LocalLimiter {
@@ -234,7 +235,7 @@ impl LocalLimiter {
         let mut cs: Vec<Counter> = scopes
             .iter()
             .map(|s| {
-                let c = match map.get_mut(&s.name) {
+                let c = match map.get_mut(&*s.name) {
                     Some(c) => c,
                     None => map.entry(s.name.clone()).or_default(),
                 };
@@ -254,7 +255,7 @@ impl LocalLimiter {
             c.tokens += tokens;
             c.day_tokens += tokens;
             c.month_tokens += tokens;
-            if let Some(m) = map.get_mut(&s.name) {
+            if let Some(m) = map.get_mut(&*s.name) {
                 *m = *c;
             }
         }
@@ -274,7 +275,7 @@ impl LocalLimiter {
         let mut map = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         let adj = |v: &mut u64| *v = (*v + actual).saturating_sub(res.tokens);
         for (s, start) in res.scopes.iter().zip(&res.window_starts) {
-            let Some(c) = map.get_mut(&s.name) else {
+            let Some(c) = map.get_mut(&*s.name) else {
                 continue;
             };
             if c.window_start == *start {
@@ -521,14 +522,34 @@ impl RedisLimiter {
 
 /// `1s`, `59.5s`, `6m0s`: durations as OpenAI's reset headers write them.
 pub fn reset_header(ms: u64) -> String {
-    if ms >= 60_000 {
-        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+    reset_text(ms, &mut [0; 48]).to_owned()
+}
+
+/// [`reset_header`] as a header value, without a temporary string.
+pub fn reset_header_value(ms: u64) -> Option<http::HeaderValue> {
+    http::HeaderValue::from_str(reset_text(ms, &mut [0; 48])).ok()
+}
+
+fn reset_text(ms: u64, buf: &mut [u8; 48]) -> &str {
+    use std::io::Write;
+    let mut w = &mut buf[..];
+    let _ = if ms >= 60_000 {
+        write!(w, "{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
     } else if ms.is_multiple_of(1000) {
-        format!("{}s", ms / 1000)
+        write!(w, "{}s", ms / 1000)
     } else {
-        let s = format!("{:.3}", ms as f64 / 1000.0);
-        format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
-    }
+        // Milliseconds as a decimal fraction, trailing zeros dropped.
+        let mut frac = ms % 1000;
+        let mut digits = 3;
+        while frac.is_multiple_of(10) {
+            frac /= 10;
+            digits -= 1;
+        }
+        write!(w, "{}.{:0digits$}s", ms / 1000, frac)
+    };
+    let left = w.len();
+    let len = buf.len() - left;
+    std::str::from_utf8(&buf[..len]).unwrap_or("")
 }
 
 /// Whole seconds to wait, at least 1.
@@ -710,6 +731,27 @@ mod tests {
         assert_eq!(reset_header(1000), "1s");
         assert_eq!(reset_header(59_500), "59.5s");
         assert_eq!(reset_header(360_000), "6m0s");
+        for ms in (0..200_000)
+            .step_by(7)
+            .chain([1, 10, 100, 1001, 1010, 1100, 59_999, u64::MAX])
+        {
+            let old = if ms >= 60_000 {
+                format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
+            } else if ms.is_multiple_of(1000) {
+                format!("{}s", ms / 1000)
+            } else {
+                let s = format!("{:.3}", ms as f64 / 1000.0);
+                format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
+            };
+            assert_eq!(reset_header(ms), old, "{ms}");
+            assert_eq!(
+                reset_header_value(ms)
+                    .expect("a header value")
+                    .to_str()
+                    .ok(),
+                Some(old.as_str())
+            );
+        }
         assert_eq!(retry_after_s(1), 1);
         assert_eq!(retry_after_s(60_000), 60);
     }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -35,7 +36,25 @@ impl Histogram {
 }
 
 /// Series by the hash of their label values; a hit allocates nothing.
-type Series<T> = HashMap<u64, Vec<(Box<[String]>, Arc<T>)>>;
+type Series<T> = HashMap<u64, Vec<(Box<[String]>, Arc<T>)>, BuildHasherDefault<Prehashed>>;
+
+/// The map's keys are hashes already: passed through as they are.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8) | u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
 
 #[derive(Debug)]
 struct Family<T> {
@@ -45,13 +64,18 @@ struct Family<T> {
     series: RwLock<Series<T>>,
 }
 
+/// FNV-1a over the values, each followed by a 0xff (which no UTF-8 text
+/// contains), so that `["ab", "c"]` and `["a", "bc"]` differ. Collisions
+/// only cost a comparison: series with one hash are told apart by value.
 fn label_hash(values: &[&str]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for v in values {
-        v.hash(&mut h);
+        for b in v.bytes().chain([0xff]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
     }
-    h.finish()
+    h
 }
 
 fn same(a: &[String], b: &[&str]) -> bool {
@@ -362,5 +386,26 @@ mod tests {
         assert!(t.contains("keel_gateway_overhead_seconds_bucket{route=\"/v1/chat/completions\",model=\"chat\",deployment=\"blue\",le=\"0.001\"} 1"), "{t}");
         assert!(t.contains("keel_tokens_total{direction=\"out\",model=\"chat\",deployment=\"blue\",key=\"key_1\"} 7"));
         assert!(t.contains("keel_backend_healthy{backend=\"http://b\\\"\"} 1"));
+    }
+
+    #[test]
+    fn series_are_told_apart_by_their_values() {
+        let f: Family<AtomicU64> = Family::new("t", "t", &["a", "b"]);
+        f.get(&["ab", "c"]).fetch_add(1, Ordering::Relaxed);
+        f.get(&["a", "bc"]).fetch_add(2, Ordering::Relaxed);
+        f.get(&["ab", "c"]).fetch_add(4, Ordering::Relaxed);
+        assert_ne!(label_hash(&["ab", "c"]), label_hash(&["a", "bc"]));
+        let rows: Vec<(Vec<String>, u64)> = f
+            .rows()
+            .into_iter()
+            .map(|(k, v)| (k.to_vec(), v.load(Ordering::Relaxed)))
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                (vec!["a".to_owned(), "bc".to_owned()], 2),
+                (vec!["ab".to_owned(), "c".to_owned()], 5)
+            ]
+        );
     }
 }

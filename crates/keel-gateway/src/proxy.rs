@@ -29,7 +29,12 @@ pub struct BackendUrl {
     pub tls: bool,
     pub authority: String,
     pub prefix: String,
+    /// The request URIs of the OpenAI routes, parsed once.
+    openai: Vec<(&'static str, Uri)>,
 }
+
+/// The paths every OpenAI-compatible request goes to.
+const OPENAI_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
 
 impl BackendUrl {
     pub fn parse(url: &str) -> Result<Self, String> {
@@ -47,15 +52,28 @@ impl BackendUrl {
         if authority.is_empty() || authority.contains('@') {
             return Err("no host, or user info in the URL".into());
         }
-        let url = Self {
+        let mut url = Self {
             tls,
             authority: authority.to_owned(),
             prefix: prefix.to_owned(),
+            openai: Vec::new(),
         };
         url.uri("/")
             .parse::<http::Uri>()
             .map_err(|e| e.to_string())?;
+        for p in OPENAI_PATHS {
+            let u = url.uri(p).parse::<Uri>().map_err(|e| e.to_string())?;
+            url.openai.push((p, u));
+        }
         Ok(url)
+    }
+
+    /// The URI of `path` on this backend.
+    pub fn request_uri(&self, path: &str) -> Result<Uri, String> {
+        if let Some((_, u)) = self.openai.iter().find(|(p, _)| *p == path) {
+            return Ok(u.clone());
+        }
+        self.uri(path).parse::<Uri>().map_err(|e| e.to_string())
     }
 
     fn scheme(&self) -> &'static str {
@@ -212,7 +230,7 @@ impl Upstream {
     pub async fn send(
         &self,
         method: Method,
-        uri: &str,
+        uri: Uri,
         headers: HeaderMap,
         body: Bytes,
         timeout: Duration,
@@ -461,17 +479,18 @@ fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
 
 /// Headers sent to a backend: content type, accept, the request id. The
 /// client's credentials never are.
-pub fn upstream_headers(content_type: Option<&HeaderValue>, request_id: &str) -> HeaderMap {
-    let mut h = HeaderMap::new();
+pub fn upstream_headers(
+    content_type: Option<&HeaderValue>,
+    request_id: crate::gateway::RequestId,
+) -> HeaderMap {
+    let mut h = HeaderMap::with_capacity(4);
     h.insert(
         http::header::CONTENT_TYPE,
         content_type
             .cloned()
             .unwrap_or(HeaderValue::from_static("application/json")),
     );
-    if let Ok(v) = HeaderValue::from_str(request_id) {
-        h.insert("x-request-id", v);
-    }
+    h.insert(crate::gateway::X_REQUEST_ID, request_id.header_value());
     h
 }
 

@@ -260,7 +260,7 @@ pub fn access_line(
     }
     #[derive(serde::Serialize)]
     struct Line<'a> {
-        timestamp: String,
+        timestamp: &'a str,
         level: &'static str,
         fields: Fields<'a>,
         target: &'static str,
@@ -268,14 +268,13 @@ pub fn access_line(
     let us = now
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64);
-    let ms = crate::clock::rfc3339(us / 1000);
-    let timestamp = format!("{}{:03}Z", ms.strip_suffix('Z').unwrap_or(&ms), us % 1000);
+    let stamp = crate::clock::Stamp::micros(us);
     let line = Line {
-        timestamp,
+        timestamp: stamp.as_str(),
         level: "INFO",
         fields: Fields {
             message: "request",
-            request_id: &i.request_id,
+            request_id: i.request_id.as_str(),
             method: method.as_str(),
             route: i.route,
             status,
@@ -287,7 +286,10 @@ pub fn access_line(
         },
         target: "keel::access",
     };
-    let mut v = serde_json::to_vec(&line).unwrap_or_default();
+    let mut v = Vec::with_capacity(320);
+    if serde_json::to_writer(&mut v, &line).is_err() {
+        v.clear();
+    }
     v.push(b'\n');
     v
 }
@@ -493,7 +495,7 @@ mod access_tests {
     #[test]
     fn access_lines_have_the_shape_of_the_tracing_events() {
         let i = AccessInfo {
-            request_id: "00ff".into(),
+            request_id: crate::gateway::RequestId::new(0xff),
             route: "/v1/chat/completions",
             key: Some("key_1".into()),
             model: Some("chat \"x\"".into()),
@@ -509,7 +511,7 @@ mod access_tests {
         assert_eq!(v["target"], "keel::access");
         assert_eq!(
             v["fields"],
-            json!({"message": "request", "request_id": "00ff", "method": "POST",
+            json!({"message": "request", "request_id": "00000000000000ff", "method": "POST",
                    "route": "/v1/chat/completions", "status": 429, "duration_ms": 1.5,
                    "key": "key_1", "model": "chat \"x\"", "deployment": "-", "stream": true})
         );

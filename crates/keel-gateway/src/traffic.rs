@@ -215,18 +215,23 @@ impl Circuit {
 }
 
 /// A deployment of a model: a backend and the model name it knows.
+/// Cloning shares the strings (each request takes a few).
 #[derive(Debug, Clone)]
 pub struct Deployment {
-    pub name: String,
-    pub backend_model: String,
+    pub name: Arc<str>,
+    pub backend_model: Arc<str>,
     pub weight: u32,
     pub backend: Arc<Backend>,
-    pub health_path: String,
+    pub health_path: Arc<str>,
+    /// `name` as a response header value, when it can be one.
+    pub name_header: Option<http::HeaderValue>,
 }
 
 #[derive(Debug)]
 pub struct ModelRoute {
-    pub name: String,
+    pub name: Arc<str>,
+    /// `name` as a response header value, when it can be one.
+    pub name_header: Option<http::HeaderValue>,
     pub protocol: Protocol,
     /// Serving deployments (the mirror target excluded).
     pub deployments: Vec<Deployment>,
@@ -235,12 +240,16 @@ pub struct ModelRoute {
     pub fallback: Vec<String>,
     pub mirror: Option<(Deployment, f64)>,
     total_weight: u64,
+    /// Indices of `deployments` by weight, heaviest first (ties in
+    /// configuration order).
+    by_weight: Vec<usize>,
 }
 
 /// One place a request may be sent.
 #[derive(Debug, Clone)]
 pub struct Candidate {
-    pub model: String,
+    pub model: Arc<str>,
+    pub model_header: Option<http::HeaderValue>,
     pub deployment: Deployment,
     pub fallback: bool,
 }
@@ -360,35 +369,40 @@ impl Traffic {
                     })
                     .clone();
                 all.push(Deployment {
-                    name: d.name.clone(),
-                    backend_model: d.model.clone(),
+                    name: Arc::from(d.name.as_str()),
+                    backend_model: Arc::from(d.model.as_str()),
                     weight: d.weight,
                     backend: b,
-                    health_path: d.health_path.clone(),
+                    health_path: Arc::from(d.health_path.as_str()),
+                    name_header: http::HeaderValue::from_str(&d.name).ok(),
                 });
             }
             let mirror_name = m.mirror.as_ref().map(|mi| mi.deployment.as_str());
             let deployments: Vec<Deployment> = all
                 .iter()
-                .filter(|d| Some(d.name.as_str()) != mirror_name)
+                .filter(|d| Some(&*d.name) != mirror_name)
                 .cloned()
                 .collect();
             let mirror = m.mirror.as_ref().and_then(|mi| {
                 all.iter()
-                    .find(|d| d.name == mi.deployment)
+                    .find(|d| *d.name == *mi.deployment)
                     .map(|d| (d.clone(), mi.percent))
             });
             let total_weight = deployments.iter().map(|d| d.weight as u64).sum();
+            let mut by_weight: Vec<usize> = (0..deployments.len()).collect();
+            by_weight.sort_by_key(|&i| std::cmp::Reverse(deployments[i].weight));
             models.insert(
                 m.name.clone(),
                 Arc::new(ModelRoute {
-                    name: m.name.clone(),
+                    name: Arc::from(m.name.as_str()),
+                    name_header: http::HeaderValue::from_str(&m.name).ok(),
                     protocol: m.protocol,
                     deployments,
                     all,
                     fallback: m.fallback.clone(),
                     mirror,
                     total_weight,
+                    by_weight,
                 }),
             );
         }
@@ -409,30 +423,45 @@ impl Traffic {
             let d = model
                 .all
                 .iter()
-                .find(|d| d.name == p)
+                .find(|d| *d.name == *p)
                 .ok_or_else(|| format!("model {:?} has no deployment {p:?}", model.name))?;
             return Ok(vec![Candidate {
                 model: model.name.clone(),
+                model_header: model.name_header.clone(),
                 deployment: d.clone(),
                 fallback: false,
             }]);
         }
-        let mut out = Vec::new();
+        let fallbacks = model.fallback.iter().filter_map(|f| self.models.get(f));
+        let n = model.deployments.len()
+            + fallbacks
+                .clone()
+                .map(|m| m.deployments.len())
+                .sum::<usize>();
+        let mut out = Vec::with_capacity(n);
         push_weighted(&mut out, model, rng, false);
-        for f in &model.fallback {
-            if let Some(fm) = self.models.get(f) {
-                push_weighted(&mut out, fm, rng, true);
-            }
+        for fm in fallbacks {
+            push_weighted(&mut out, fm, rng, true);
         }
         Ok(out)
     }
 }
 
+/// A weighted pick among the model's deployments, then the others by
+/// weight.
 fn push_weighted(out: &mut Vec<Candidate>, m: &ModelRoute, rng: &Rng, fallback: bool) {
-    let mut rest: Vec<&Deployment> = m.deployments.iter().collect();
+    let push = |out: &mut Vec<Candidate>, d: &Deployment| {
+        out.push(Candidate {
+            model: m.name.clone(),
+            model_header: m.name_header.clone(),
+            deployment: d.clone(),
+            fallback,
+        })
+    };
+    let mut first = None;
     if m.total_weight > 0 {
         let mut x = (rng.unit() * m.total_weight as f64) as u64;
-        let first = rest.iter().position(|d| {
+        first = m.deployments.iter().position(|d| {
             if x < d.weight as u64 {
                 true
             } else {
@@ -440,22 +469,14 @@ fn push_weighted(out: &mut Vec<Candidate>, m: &ModelRoute, rng: &Rng, fallback: 
                 false
             }
         });
-        if let Some(i) = first {
-            let d = rest.remove(i);
-            out.push(Candidate {
-                model: m.name.clone(),
-                deployment: d.clone(),
-                fallback,
-            });
-        }
     }
-    rest.sort_by_key(|d| std::cmp::Reverse(d.weight));
-    for d in rest {
-        out.push(Candidate {
-            model: m.name.clone(),
-            deployment: d.clone(),
-            fallback,
-        });
+    if let Some(i) = first {
+        push(out, &m.deployments[i]);
+    }
+    for &i in &m.by_weight {
+        if Some(i) != first {
+            push(out, &m.deployments[i]);
+        }
     }
 }
 
@@ -537,6 +558,64 @@ mod tests {
     }
 
     #[test]
+    fn candidates_are_the_pick_then_the_rest_by_weight_then_the_fallback() {
+        let text = r#"
+[auth]
+keys_file = "k"
+[[models]]
+name = "m"
+fallback = ["small"]
+[[models.deployments]]
+name = "a"
+url = "http://127.0.0.1:1"
+weight = 10
+[[models.deployments]]
+name = "b"
+url = "http://127.0.0.1:2"
+weight = 60
+[[models.deployments]]
+name = "c"
+url = "http://127.0.0.1:3"
+weight = 30
+[[models]]
+name = "small"
+[[models.deployments]]
+name = "s"
+url = "http://127.0.0.1:4"
+"#;
+        let c = GatewayConfig::from_toml(text, std::path::Path::new("/")).expect("config");
+        let t = Traffic::build(&c, None);
+        let m = t.models["m"].clone();
+        let rng = Rng::new(7);
+        let mut firsts = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let c = t.candidates(&m, None, &rng).expect("ok");
+            let names: Vec<(&str, &str, bool)> = c
+                .iter()
+                .map(|c| (&*c.model, &*c.deployment.name, c.fallback))
+                .collect();
+            let (first, rest) = (names[0].1, &names[1..]);
+            firsts.insert(first.to_owned());
+            let by_weight: Vec<(&str, &str, bool)> = ["b", "c", "a"]
+                .into_iter()
+                .filter(|d| *d != first)
+                .map(|d| ("m", d, false))
+                .chain([("small", "s", true)])
+                .collect();
+            assert_eq!(rest, by_weight.as_slice());
+            assert_eq!(
+                c[0].model_header.as_ref().map(|h| h.as_bytes()),
+                Some(&b"m"[..])
+            );
+        }
+        assert_eq!(
+            firsts.len(),
+            3,
+            "every deployment is picked first sometimes"
+        );
+    }
+
+    #[test]
     fn weighted_pick_is_within_tolerance() {
         let text = r#"
 [auth]
@@ -558,7 +637,13 @@ weight = 20
         let rng = Rng::new(42);
         let n = 10_000;
         let blue = (0..n)
-            .filter(|_| t.candidates(&m, None, &rng).expect("ok")[0].deployment.name == "blue")
+            .filter(|_| {
+                t.candidates(&m, None, &rng).expect("ok")[0]
+                    .deployment
+                    .name
+                    .as_ref()
+                    == "blue"
+            })
             .count();
         // Binomial(10000, 0.8): sd 40; 5 sd either side.
         assert!((7800..=8200).contains(&blue), "{blue}");

@@ -28,7 +28,7 @@ async fn concurrent_reservations_are_exact() {
         Limiter::redis(&url, Arc::new(ManualClock::new(1_767_225_600_000))).expect("limiter"),
     );
     let s = Scope {
-        name: unique("exact"),
+        name: unique("exact").into(),
         limits: LimitSet {
             requests_per_minute: Some(500),
             tokens_per_minute: Some(2_345),
@@ -69,7 +69,7 @@ async fn settle_refund_and_quota_reset_through_redis() {
     let clock = Arc::new(ManualClock::new(1_769_903_940_000));
     let l = Limiter::redis(&url, clock.clone()).expect("limiter");
     let s = [Scope {
-        name: unique("quota"),
+        name: unique("quota").into(),
         limits: LimitSet {
             tokens_per_day: Some(100),
             tokens_per_month: Some(250),
