@@ -40,9 +40,9 @@ pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
         .and_then(|e| e.strip_suffix('}'))
         .unwrap_or("")
         .trim();
-    let mut body = String::with_capacity(event.len() + 100);
+    let mut body = String::with_capacity(event.len() + prev.len() + 120);
     body.push_str("{\"seq\":");
-    body.push_str(&seq.to_string());
+    body.push_str(itoa_u64(seq, &mut [0; 20]));
     body.push_str(",\"prev\":\"");
     body.push_str(prev);
     body.push('"');
@@ -50,11 +50,28 @@ pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
         body.push(',');
         body.push_str(fields);
     }
-    let hash = hex(&Sha256::digest(format!("{body}}}").as_bytes()));
+    // The hash covers the line without its hash field: `body` closed.
+    let mut h = Sha256::new();
+    h.update(body.as_bytes());
+    h.update(b"}");
+    let hash = hex(&h.finalize());
     body.push_str(",\"hash\":\"");
     body.push_str(&hash);
     body.push_str("\"}");
     (body, hash)
+}
+
+fn itoa_u64(mut n: u64, buf: &mut [u8; 20]) -> &str {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    std::str::from_utf8(&buf[i..]).unwrap_or("0")
 }
 
 /// What a chain check found.

@@ -61,13 +61,13 @@ pub fn credential(headers: &HeaderMap) -> Option<&str> {
 
 /// Whether a token looks like a JWT (three base64url parts).
 pub fn looks_like_jwt(t: &str) -> bool {
-    let parts: Vec<&str> = t.split('.').collect();
-    parts.len() == 3
-        && parts.iter().all(|p| {
-            !p.is_empty()
-                && p.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        })
+    let mut parts = 0;
+    t.split('.').all(|p| {
+        parts += 1;
+        !p.is_empty()
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    }) && parts == 3
 }
 
 /// Validates JWTs against a key set.
@@ -215,6 +215,12 @@ mod tests {
         );
         assert!(looks_like_jwt("a.b.c"));
         assert!(!looks_like_jwt("sk-keel-abc"));
+        for t in [
+            "", "a.b", "a.b.c.d", "a..c", ".b.c", "a.b.", "a.b.c=", "a.b c.d",
+        ] {
+            assert!(!looks_like_jwt(t), "{t:?}");
+        }
+        assert!(looks_like_jwt("eyJ-_0.x_Y.Z-9"));
     }
 
     #[test]

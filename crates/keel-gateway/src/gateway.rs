@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 
@@ -412,19 +412,48 @@ fn too_large(limit: usize) -> ApiError {
 async fn read_limited<B>(body: B, limit: usize, timeout: Duration) -> Result<Bytes, BodyError>
 where
     B: http_body::Body<Data = Bytes>,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
-        Err(_) => Err(BodyError::Timeout),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(BodyError::TooLarge)
-        }
-        Ok(Err(_)) => Err(BodyError::Broken),
-        Ok(Ok(c)) => Ok(c.to_bytes()),
+    tokio::time::timeout(timeout, collect_limited(body, limit))
+        .await
+        .unwrap_or(Err(BodyError::Timeout))
+}
+
+/// A whole body of at most `limit` bytes; one that came in one piece (the
+/// usual case) is passed on as it is, without a copy.
+async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(BodyError::TooLarge);
     }
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<bytes::BytesMut> = None;
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|_| BodyError::Broken)?.into_data() else {
+            continue; // trailers
+        };
+        total += data.len();
+        if total > limit {
+            return Err(BodyError::TooLarge);
+        }
+        if let Some(m) = &mut more {
+            m.extend_from_slice(&data);
+        } else if let Some(f) = first.take() {
+            let mut m = bytes::BytesMut::with_capacity(total.max(f.len() * 2));
+            m.extend_from_slice(&f);
+            m.extend_from_slice(&data);
+            more = Some(m);
+        } else {
+            first = Some(data);
+        }
+    }
+    Ok(match more {
+        Some(m) => m.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// The counters a caller is held to: its key's (or the default) limits,
@@ -772,6 +801,7 @@ impl Gateway {
         };
         ctx.status = resp.status().as_u16();
         let h = resp.headers_mut();
+        h.reserve(12);
         h.insert(X_REQUEST_ID, ctx.id.header_value());
         if let Some(info) = &ctx.rate {
             rate_headers(h, info);
@@ -1206,6 +1236,9 @@ impl Gateway {
         }
         let mut r = Response::new(GwBody::full(bytes));
         *r.status_mut() = parts.status;
+        // Room for the headers the gateway adds (id, model, deployment,
+        // six rate-limit headers) without growing.
+        *r.headers_mut() = HeaderMap::with_capacity(16);
         if let Some(ct) = parts.headers.get(http::header::CONTENT_TYPE) {
             r.headers_mut()
                 .insert(http::header::CONTENT_TYPE, ct.clone());
@@ -1447,7 +1480,7 @@ impl Gateway {
                     );
                 }
             };
-            let headers = upstream_headers(ct.as_ref(), ctx.id);
+            let headers = upstream_headers(backend.url.host.as_ref(), ct.as_ref(), ctx.id);
             let sent_at = Instant::now();
             match self
                 .inner
@@ -1523,7 +1556,7 @@ impl Gateway {
         id: RequestId,
     ) {
         let (method, path, body, ct) = payload.render(&shadow.backend_model);
-        let headers = upstream_headers(ct.as_ref(), id);
+        let headers = upstream_headers(shadow.backend.url.host.as_ref(), ct.as_ref(), id);
         let upstream = self.inner.upstream.clone();
         let timeout = gen.cfg.traffic.timeout();
         let gw = self.clone();
@@ -1662,5 +1695,75 @@ async fn probe_loop(
             Err(_) => false,
         };
         b.probe_result(ok, h.unhealthy_after, h.healthy_after);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A body of the given pieces; `None` is a broken connection.
+    struct Pieces(VecDeque<Option<&'static [u8]>>);
+
+    impl http_body::Body for Pieces {
+        type Data = Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+            Poll::Ready(self.0.pop_front().map(|p| match p {
+                Some(b) => Ok(http_body::Frame::data(Bytes::from_static(b))),
+                None => Err(std::io::Error::other("reset")),
+            }))
+        }
+    }
+
+    fn pieces(p: &[Option<&'static [u8]>]) -> Pieces {
+        Pieces(p.iter().copied().collect())
+    }
+
+    #[tokio::test]
+    async fn bodies_are_collected_within_their_limit() {
+        let t = Duration::from_secs(5);
+        let one: &'static [u8] = b"{\"usage\":{}}";
+        let b = read_limited(pieces(&[Some(one)]), 100, t)
+            .await
+            .ok()
+            .expect("one piece");
+        assert_eq!(
+            b.as_ptr(),
+            one.as_ptr(),
+            "one piece is passed on without a copy"
+        );
+        let b = read_limited(
+            pieces(&[Some(b"ab"), Some(b""), Some(b"cd"), Some(b"ef")]),
+            6,
+            t,
+        )
+        .await
+        .ok()
+        .expect("pieces");
+        assert_eq!(&b[..], b"abcdef");
+        assert!(matches!(
+            read_limited(pieces(&[Some(b"abc"), Some(b"def")]), 5, t).await,
+            Err(BodyError::TooLarge)
+        ));
+        assert!(matches!(
+            read_limited(pieces(&[Some(b"abc"), None]), 50, t).await,
+            Err(BodyError::Broken)
+        ));
+        assert_eq!(
+            read_limited(pieces(&[]), 0, t).await.ok().map(|b| b.len()),
+            Some(0)
+        );
+        let full = http_body_util::Full::new(Bytes::from_static(b"0123456789"));
+        assert!(matches!(
+            read_limited(full, 9, t).await,
+            Err(BodyError::TooLarge)
+        ));
     }
 }

@@ -31,6 +31,8 @@ pub struct BackendUrl {
     pub prefix: String,
     /// The request URIs of the OpenAI routes, parsed once.
     openai: Vec<(&'static str, Uri)>,
+    /// The `Host` header for this backend, made once.
+    pub host: Option<HeaderValue>,
 }
 
 /// The paths every OpenAI-compatible request goes to.
@@ -57,6 +59,7 @@ impl BackendUrl {
             authority: authority.to_owned(),
             prefix: prefix.to_owned(),
             openai: Vec::new(),
+            host: HeaderValue::from_str(authority).ok(),
         };
         url.uri("/")
             .parse::<http::Uri>()
@@ -480,10 +483,14 @@ fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
 /// Headers sent to a backend: content type, accept, the request id. The
 /// client's credentials never are.
 pub fn upstream_headers(
+    host: Option<&HeaderValue>,
     content_type: Option<&HeaderValue>,
     request_id: crate::gateway::RequestId,
 ) -> HeaderMap {
     let mut h = HeaderMap::with_capacity(4);
+    if let Some(host) = host {
+        h.insert(http::header::HOST, host.clone());
+    }
     h.insert(
         http::header::CONTENT_TYPE,
         content_type
