@@ -1,13 +1,17 @@
 //! Off-the-request-path writing: callers push items under a short lock and
 //! never wake anyone; one thread takes what has queued every few
-//! milliseconds (5 ms while busy, backing off to 50 ms when idle) and hands
-//! it to a sink (the audit log, the access log). Per-item wake-ups cost the
-//! gateway more CPU than the writing itself.
+//! milliseconds (20 ms while busy, backing off to 50 ms when idle) and
+//! hands it to a sink (the audit log, the access log). Per-item wake-ups
+//! cost the gateway more CPU than the writing itself, and each wake-up of
+//! these threads takes a core from the requests for a moment.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// How often a busy queue is drained.
+const BUSY: Duration = Duration::from_millis(20);
 
 #[derive(Debug)]
 struct Shared<T> {
@@ -39,7 +43,7 @@ impl<T: Send + 'static> Batcher<T> {
         let thread = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
-                let mut wait = Duration::from_millis(5);
+                let mut wait = BUSY;
                 loop {
                     std::thread::park_timeout(wait);
                     let closed = s.closed.load(Ordering::SeqCst);
@@ -49,7 +53,7 @@ impl<T: Send + 'static> Batcher<T> {
                     if batch.is_empty() {
                         wait = (wait * 2).min(Duration::from_millis(50));
                     } else {
-                        wait = Duration::from_millis(5);
+                        wait = BUSY;
                         sink(batch, false);
                     }
                     s.busy.store(false, Ordering::SeqCst);
