@@ -3,29 +3,12 @@
 //! milliseconds (20 ms while busy, backing off to 50 ms when idle) and
 //! hands it to a sink (the audit log, the access log). Per-item wake-ups
 //! cost the gateway more CPU than the writing itself, and each wake-up of
-//! these threads takes a core from the requests for a moment; the threads
-//! run ten steps nicer than the process, so that they wait for a busy core
-//! rather than preempt the request path.
+//! these threads takes a core from the requests for a moment.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Ten steps nicer than the process: a writer waking up with a batch
-/// must not preempt a thread serving requests (on a loaded machine that
-/// shows as a latency spike for every request in flight), yet still gets
-/// its share of a busy CPU. Best effort: left as it is where that fails.
-fn lower_priority() {
-    #[cfg(target_os = "linux")]
-    {
-        use rustix::process::{getpriority_process, setpriority_process};
-        let me = Some(rustix::thread::gettid());
-        if let Ok(now) = getpriority_process(me) {
-            let _ = setpriority_process(me, (now + 10).min(19));
-        }
-    }
-}
 
 /// How often a busy queue is drained.
 const BUSY: Duration = Duration::from_millis(20);
@@ -60,7 +43,6 @@ impl<T: Send + 'static> Batcher<T> {
         let thread = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
-                lower_priority();
                 let mut wait = BUSY;
                 loop {
                     std::thread::park_timeout(wait);
@@ -169,21 +151,5 @@ mod tests {
         let v = seen.lock().expect("lock").clone();
         assert_eq!(v, (0..1100).collect::<Vec<_>>());
         b.push(5);
-    }
-
-    #[test]
-    #[cfg(target_os = "linux")]
-    fn the_writer_runs_nicer_than_its_caller() {
-        use rustix::process::getpriority_process;
-        let mine = getpriority_process(Some(rustix::thread::gettid())).expect("nice");
-        let seen = Arc::new(Mutex::new(None));
-        let s = seen.clone();
-        let b = Batcher::spawn("test", move |_: Vec<u32>, _| {
-            *s.lock().expect("lock") = getpriority_process(Some(rustix::thread::gettid())).ok();
-        })
-        .expect("spawn");
-        b.push(1);
-        b.close();
-        assert_eq!(*seen.lock().expect("lock"), Some((mine + 10).min(19)));
     }
 }
