@@ -42,7 +42,7 @@ pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
         .trim();
     let mut body = String::with_capacity(event.len() + prev.len() + 120);
     body.push_str("{\"seq\":");
-    body.push_str(itoa_u64(seq, &mut [0; 20]));
+    body.push_str(crate::digits::decimal(seq, &mut [0; 20]));
     body.push_str(",\"prev\":\"");
     body.push_str(prev);
     body.push('"');
@@ -59,19 +59,6 @@ pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
     body.push_str(&hash);
     body.push_str("\"}");
     (body, hash)
-}
-
-fn itoa_u64(mut n: u64, buf: &mut [u8; 20]) -> &str {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    std::str::from_utf8(&buf[i..]).unwrap_or("0")
 }
 
 /// What a chain check found.

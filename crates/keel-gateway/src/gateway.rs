@@ -179,11 +179,8 @@ pub struct RequestId {
 
 impl RequestId {
     pub fn new(n: u64) -> Self {
-        const D: &[u8; 16] = b"0123456789abcdef";
         let mut hex = [0u8; 16];
-        for (i, h) in hex.iter_mut().enumerate() {
-            *h = D[((n >> (60 - 4 * i)) & 15) as usize];
-        }
+        crate::digits::hex_into(&n.to_be_bytes(), &mut hex);
         Self { hex, len: 16 }
     }
 

@@ -49,13 +49,9 @@ pub fn sha256_hex(data: &[u8]) -> String {
 }
 
 pub fn hex(bytes: &[u8]) -> String {
-    const D: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(D[(b >> 4) as usize] as char);
-        s.push(D[(b & 15) as usize] as char);
-    }
-    s
+    let mut out = vec![0u8; bytes.len() * 2];
+    crate::digits::hex_into(bytes, &mut out);
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// 64 hex digits (either case) as 32 bytes.
@@ -475,6 +471,14 @@ mod tests {
         assert!(ring.lookup(&secret).is_err());
     }
 
+    /// A temporary directory (kept while the first value lives) and its
+    /// path without symbolic links, which inotify mode requires.
+    fn plain_tempdir() -> (tempfile::TempDir, PathBuf) {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = std::fs::canonicalize(d.path()).expect("canonical");
+        (d, p)
+    }
+
     fn file_with_key(path: &Path, name: &str) -> (KeyFile, KeyRecord, String) {
         let mut f = KeyFile::load(path).expect("load");
         let (rec, secret) = f.create(
@@ -493,8 +497,7 @@ mod tests {
     #[test]
     #[cfg(target_os = "linux")]
     fn a_plain_path_is_watched_and_every_kind_of_change_is_seen_at_once() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let dir = std::fs::canonicalize(dir.path()).expect("canonical");
+        let (_keep, dir) = plain_tempdir();
         let path = dir.join("keys.json");
         let (mut f, rec, secret) = file_with_key(&path, "alice");
         let ring = KeyRing::open(&path).expect("ring");
@@ -553,8 +556,7 @@ mod tests {
     #[test]
     #[cfg(target_os = "linux")]
     fn a_moved_directory_falls_back_to_stat() {
-        let top = tempfile::tempdir().expect("tempdir");
-        let top = std::fs::canonicalize(top.path()).expect("canonical");
+        let (_keep, top) = plain_tempdir();
         let dir = top.join("conf");
         std::fs::create_dir(&dir).expect("mkdir");
         let path = dir.join("keys.json");
@@ -574,8 +576,7 @@ mod tests {
     fn a_symlinked_file_is_checked_by_stat_and_a_swapped_link_is_seen() {
         // The layout of a Kubernetes secret volume: the file is a link
         // through a `..data` link that an update swaps.
-        let top = tempfile::tempdir().expect("tempdir");
-        let top = std::fs::canonicalize(top.path()).expect("canonical");
+        let (_keep, top) = plain_tempdir();
         let (v1, v2) = (top.join("v1"), top.join("v2"));
         std::fs::create_dir(&v1).expect("mkdir");
         std::fs::create_dir(&v2).expect("mkdir");
