@@ -197,8 +197,9 @@ enum Watch {
     /// call. The kernel queues an event before the write or rename that
     /// caused it returns, so a change made before a request arrived is
     /// always seen by that request. An event about the file leads to a
-    /// `stat` of it; other files in the directory (an audit log, say)
-    /// cost nothing more.
+    /// `stat` of it; writes to other files in the directory (an audit
+    /// log, say) queue nothing, and names coming and going there cost one
+    /// event each, read at most `MAX_EVENTS` per call.
     #[cfg(target_os = "linux")]
     Inotify {
         fd: rustix::fd::OwnedFd,
@@ -239,10 +240,10 @@ fn watch(path: &Path) -> Watch {
     let Ok(fd) = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK) else {
         return Watch::Stat;
     };
-    let mask = WatchFlags::MODIFY
-        | WatchFlags::ATTRIB
-        | WatchFlags::CLOSE_WRITE
-        | WatchFlags::MOVED_FROM
+    // Names coming and going only: writes to the file are seen by its own
+    // watch (`follow`), and writes to other files in the directory (a log
+    // next to the key file) then queue nothing.
+    let mask = WatchFlags::MOVED_FROM
         | WatchFlags::MOVED_TO
         | WatchFlags::CREATE
         | WatchFlags::DELETE
@@ -267,6 +268,10 @@ fn watch(path: &Path) -> Watch {
 fn watch(_: &Path) -> Watch {
     Watch::Stat
 }
+
+/// The most inotify events one call reads.
+#[cfg(target_os = "linux")]
+const MAX_EVENTS: usize = 64;
 
 /// What the watch says since the last call.
 enum Seen {
@@ -305,7 +310,16 @@ impl Watch {
                 let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 1024];
                 let mut r = Reader::new(fd, &mut buf);
                 let mut seen = Seen::Nothing;
+                let mut n = 0;
                 loop {
+                    // Bounded work per call: past MAX_EVENTS (other files
+                    // created and removed in a burst) the answer is
+                    // "something", which a `stat` settles, and the rest
+                    // waits for the next call.
+                    n += 1;
+                    if n > MAX_EVENTS {
+                        return Seen::Something;
+                    }
                     match r.next() {
                         Ok(e) if e.wd() == *dir => {
                             let gone = ReadFlags::IGNORED
@@ -550,6 +564,43 @@ mod tests {
             ring.lookup(&bob).expect("ok").is_none(),
             "write through a link seen"
         );
+        assert_eq!(ring.watch_kind(), "inotify");
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_burst_of_other_files_is_read_a_bounded_batch_at_a_time() {
+        let (_keep, dir) = plain_tempdir();
+        let path = dir.join("keys.json");
+        let (mut f, rec, secret) = file_with_key(&path, "alice");
+        let ring = KeyRing::open(&path).expect("ring");
+        // Writes to another file queue nothing.
+        for i in 0..200 {
+            std::fs::write(dir.join("audit.jsonl"), format!("{i}\n")).expect("write");
+        }
+        assert!(matches!(ring.lock().watch.poll(), Seen::Nothing));
+        // 400 names come and go: 800 events, read MAX_EVENTS at a time.
+        for i in 0..400 {
+            let p = dir.join(format!("tmp{i}"));
+            std::fs::write(&p, "x").expect("create");
+            std::fs::remove_file(&p).expect("rm");
+        }
+        let mut calls = 0;
+        while !matches!(ring.lock().watch.poll(), Seen::Nothing) {
+            calls += 1;
+            assert!(calls < 100, "the queue drains");
+        }
+        assert!(calls >= 800 / MAX_EVENTS, "{calls} calls for 800 events");
+        // Keys still answer, and a change after the burst is seen at once.
+        for i in 0..400 {
+            let p = dir.join(format!("again{i}"));
+            std::fs::write(&p, "x").expect("create");
+            std::fs::remove_file(&p).expect("rm");
+        }
+        assert!(ring.lookup(&secret).expect("ok").is_some());
+        f.revoke(&rec.id, 2000).expect("revoke");
+        f.store(&path).expect("store");
+        assert!(ring.lookup(&secret).expect("ok").is_none());
         assert_eq!(ring.watch_kind(), "inotify");
     }
 
