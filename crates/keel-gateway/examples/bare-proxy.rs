@@ -26,7 +26,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn usage() -> ! {
-    eprintln!("usage: bare-proxy LISTEN BACKEND [WORKERS]  (e.g. 127.0.0.1:8080 http://127.0.0.1:8000 1)");
+    eprintln!(
+        "usage: bare-proxy LISTEN BACKEND [WORKERS]  (e.g. 127.0.0.1:8080 http://127.0.0.1:8000 1)"
+    );
     std::process::exit(64);
 }
 
@@ -111,7 +113,10 @@ async fn forward(
     };
     parts.uri = uri;
     parts.headers.remove(http::header::HOST);
-    let Ok(resp) = client.request(Request::from_parts(parts, Full::new(body))).await else {
+    let Ok(resp) = client
+        .request(Request::from_parts(parts, Full::new(body)))
+        .await
+    else {
         return Ok(bad_gateway());
     };
     let (parts, body) = resp.into_parts();
