@@ -580,11 +580,14 @@ mod tests {
         }
         assert!(matches!(ring.lock().watch.poll(), Seen::Nothing));
         // 400 names come and go: 800 events, read MAX_EVENTS at a time.
-        for i in 0..400 {
-            let p = dir.join(format!("tmp{i}"));
-            std::fs::write(&p, "x").expect("create");
-            std::fs::remove_file(&p).expect("rm");
-        }
+        let churn = |prefix: &str| {
+            for i in 0..400 {
+                let p = dir.join(format!("{prefix}{i}"));
+                std::fs::write(&p, "x").expect("create");
+                std::fs::remove_file(&p).expect("rm");
+            }
+        };
+        churn("tmp");
         let mut calls = 0;
         while !matches!(ring.lock().watch.poll(), Seen::Nothing) {
             calls += 1;
@@ -592,11 +595,7 @@ mod tests {
         }
         assert!(calls >= 800 / MAX_EVENTS, "{calls} calls for 800 events");
         // Keys still answer, and a change after the burst is seen at once.
-        for i in 0..400 {
-            let p = dir.join(format!("again{i}"));
-            std::fs::write(&p, "x").expect("create");
-            std::fs::remove_file(&p).expect("rm");
-        }
+        churn("again");
         assert!(ring.lookup(&secret).expect("ok").is_some());
         f.revoke(&rec.id, 2000).expect("revoke");
         f.store(&path).expect("store");
