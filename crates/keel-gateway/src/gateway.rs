@@ -22,6 +22,7 @@ use crate::limits::{
     reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
 };
 use crate::metrics::{Metrics, RequestLabels};
+use crate::pool::UpstreamBody;
 use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
@@ -329,7 +330,7 @@ impl Payload {
 
 /// A response from the deployment that served.
 struct Served {
-    resp: Response<Incoming>,
+    resp: Response<UpstreamBody>,
     sent_at: Instant,
 }
 

@@ -28,6 +28,7 @@ pub mod gateway;
 pub mod keys;
 pub mod limits;
 pub mod metrics;
+pub mod pool;
 pub mod proxy;
 pub mod redis;
 pub mod request;

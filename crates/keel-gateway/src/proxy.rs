@@ -10,17 +10,18 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::uri::Authority;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use serde_json::Value;
+use tower::Service;
 
 use crate::config::UpstreamTlsConfig;
 use crate::error::GatewayError;
+use crate::pool::{self, Pool, Return, Sender, UpstreamBody};
 use crate::tls::UpstreamTlsFiles;
 
 /// `http://host:port[/prefix]` or `https://host:port[/prefix]`.
@@ -144,13 +145,49 @@ impl tower::Service<Uri> for Connector {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Current {
-    client: Client<Connector, Full<Bytes>>,
+    /// Kept-alive connections made by `connector`.
+    pool: Arc<Pool>,
+    connector: Connector,
     /// Digest of the `[upstream_tls]` files the client was built from.
     digest: [u8; 32],
     /// How many CA certificates it trusts.
     roots: usize,
+}
+
+impl Current {
+    /// A connection to `uri`'s authority: an idle one that is still open,
+    /// else a new one (TCP, TLS for `https://`, then the HTTP/1 handshake).
+    async fn checkout(
+        &self,
+        uri: &Uri,
+        tls: bool,
+        authority: &Authority,
+    ) -> Result<(Sender, bool), String> {
+        while let Some(s) = self.pool.take(tls, authority, std::time::Instant::now()) {
+            if let Some(s) = pool::ready(s).await {
+                return Ok((s, true));
+            }
+        }
+        let mut c = self.connector.clone();
+        std::future::poll_fn(|cx| c.poll_ready(cx))
+            .await
+            .map_err(|e| format!("connect: {}", describe(&*e)))?;
+        let io = c
+            .call(uri.clone())
+            .await
+            .map_err(|e| format!("connect: {}", describe(&*e)))?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| format!("handshake: {}", describe(&e)))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "backend connection ended");
+            }
+        });
+        Ok((sender, false))
+    }
 }
 
 /// The pooled client to every backend and JWKS URL. Clones share one
@@ -158,16 +195,20 @@ struct Current {
 /// changed (requests in flight finish on the old one).
 #[derive(Debug, Clone)]
 pub struct Upstream {
-    current: Arc<RwLock<Current>>,
+    current: Arc<RwLock<Arc<Current>>>,
     connect_timeout: Duration,
 }
+
+/// How many idle connections are kept per backend, and for how long.
+const MAX_IDLE: usize = 512;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Upstream {
     pub fn new(connect_timeout: Duration, tls: &UpstreamTlsConfig) -> Result<Self, GatewayError> {
         let files = UpstreamTlsFiles::read(tls)?;
         let current = Self::build(connect_timeout, &files)?;
         Ok(Self {
-            current: Arc::new(RwLock::new(current)),
+            current: Arc::new(RwLock::new(Arc::new(current))),
             connect_timeout,
         })
     }
@@ -183,15 +224,12 @@ impl Upstream {
         c.enforce_http(false);
         let (tls, roots) = files.client_config()?;
         let https = HttpsConnector::from((c, tls));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(512)
-            .build(Connector {
+        Ok(Current {
+            pool: Arc::new(Pool::new(MAX_IDLE, IDLE_TIMEOUT)),
+            connector: Connector {
                 inner: https,
                 timeout: connect_timeout,
-            });
-        Ok(Current {
-            client,
+            },
             digest: files.digest,
             roots,
         })
@@ -206,7 +244,10 @@ impl Upstream {
             return Ok(self.clone());
         }
         Ok(Self {
-            current: Arc::new(RwLock::new(Self::build(self.connect_timeout, &files)?)),
+            current: Arc::new(RwLock::new(Arc::new(Self::build(
+                self.connect_timeout,
+                &files,
+            )?))),
             connect_timeout: self.connect_timeout,
         })
     }
@@ -216,7 +257,7 @@ impl Upstream {
         if Arc::ptr_eq(&self.current, &other.current) {
             return;
         }
-        let next = other.read().clone();
+        let next = other.read();
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = next;
     }
 
@@ -225,31 +266,84 @@ impl Upstream {
         self.read().roots
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Current> {
-        self.current.read().unwrap_or_else(|p| p.into_inner())
+    /// Idle backend connections kept now.
+    pub fn idle_connections(&self) -> usize {
+        self.read().pool.idle_count()
     }
 
-    /// Sends a request; `timeout` bounds the wait for the response head.
+    fn read(&self) -> Arc<Current> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Sends a request to the absolute `uri` (in origin form, with a
+    /// `Host` header from the URI unless `headers` has one); `timeout`
+    /// bounds the wait for a connection and the response head.
     pub async fn send(
         &self,
         method: Method,
         uri: Uri,
-        headers: HeaderMap,
+        mut headers: HeaderMap,
         body: Bytes,
         timeout: Duration,
-    ) -> Result<Response<Incoming>, String> {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(uri)
-            .body(Full::new(body))
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Response<UpstreamBody>, String> {
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err(format!("{uri}: not an http:// or https:// URL")),
+        };
+        let Some(authority) = uri.authority().cloned() else {
+            return Err(format!("{uri}: no host"));
+        };
+        if !headers.contains_key(http::header::HOST) {
+            if let Ok(h) = HeaderValue::from_str(authority.as_str()) {
+                headers.insert(http::header::HOST, h);
+            }
+        }
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = method;
+        *req.uri_mut() = uri
+            .path_and_query()
+            .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()));
         *req.headers_mut() = headers;
-        let fut = self.read().client.request(req);
-        match tokio::time::timeout(timeout, fut).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(format!("{e}: {}", source_chain(&e))),
+        let cur = self.read();
+        let exchange = async move {
+            loop {
+                let (mut sender, reused) = cur.checkout(&uri, tls, &authority).await?;
+                match sender.try_send_request(req).await {
+                    Ok(resp) => {
+                        let back = Return {
+                            pool: cur.pool.clone(),
+                            tls,
+                            authority,
+                            sender,
+                        };
+                        return Ok(resp.map(|b| UpstreamBody::new(b, Some(back))));
+                    }
+                    Err(mut e) => match e.take_message() {
+                        // Not written: a kept connection that had closed.
+                        Some(r) if reused => req = r,
+                        _ => return Err(describe(e.error())),
+                    },
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(r) => r,
             Err(_) => Err(format!("no response within {} ms", timeout.as_millis())),
         }
+    }
+}
+
+/// An error and its causes on one line.
+fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let chain = source_chain(e);
+    if chain.is_empty() {
+        e.to_string()
+    } else {
+        format!("{e}: {chain}")
     }
 }
 
