@@ -1,6 +1,7 @@
-//! The floor under `keel serve`, for `scripts/bench-serve`: the same HTTP
-//! stack (hyper's HTTP/1 server, hyper-util's pooled client with the
-//! gateway's connector settings, a tokio runtime of WORKERS threads,
+//! The floor under `keel serve`, for `scripts/bench-serve`: the HTTP stack
+//! (hyper's HTTP/1 server and client, here through hyper-util's pooled
+//! client with the gateway's connector settings where keel keeps its own
+//! pool of hyper's client connections; a tokio runtime of WORKERS threads,
 //! mimalloc) forwarding every request to one backend as it is, and nothing
 //! else: no authentication, limits, routing, metrics or logs. What keel
 //! adds over this is what its features cost; what this adds over nginx is
