@@ -4,14 +4,16 @@
 //! A request takes the most recently used idle connection, or opens one.
 //! The connection goes back to its list when the response body has been
 //! read to its end (a body dropped before its end closes the connection:
-//! HTTP/1 cannot reuse it). A request that a reused connection could not
+//! HTTP/1 cannot reuse it). A connection idle longer than the idle timeout is
+//! dropped, by the next request to its backend or by [`reap`] when none
+//! comes. A request that a reused connection could not
 //! take (the backend had closed it while idle) is sent again on another
 //! one; a request that was written is never sent twice here (retries are
 //! the gateway's decision, under its retry budget).
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -89,6 +91,21 @@ impl Pool {
         list.push_back(Idle { sender, since: now });
     }
 
+    /// Drops the connections idle longer than the idle timeout, and those
+    /// the backend closed.
+    pub fn evict(&self, now: Instant) {
+        let mut idle = self.lock();
+        for map in idle.iter_mut() {
+            for list in map.values_mut() {
+                list.retain(|i| {
+                    now.saturating_duration_since(i.since) <= self.idle_timeout
+                        && !i.sender.is_closed()
+                });
+            }
+            map.retain(|_, l| !l.is_empty());
+        }
+    }
+
     /// Open idle connections kept now, all authorities together.
     pub fn idle_count(&self) -> usize {
         self.lock()
@@ -97,6 +114,16 @@ impl Pool {
             .flat_map(|l| l.iter())
             .filter(|i| !i.sender.is_closed())
             .count()
+    }
+}
+
+/// Evicts expired connections every `every` until the pool is dropped, so
+/// a backend no longer called does not keep its idle connections open.
+pub async fn reap(pool: Weak<Pool>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(p) = pool.upgrade() else { return };
+        p.evict(Instant::now());
     }
 }
 
@@ -369,5 +396,32 @@ mod tests {
             .take(false, &a, now + Duration::from_millis(60))
             .is_none());
         assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_expire_without_further_requests() {
+        let (addr, _) = server(After::KeepOpen).await;
+        let pool = Arc::new(Pool::new(8, Duration::from_millis(50)));
+        let a: Authority = addr.parse().expect("authority");
+        for _ in 0..2 {
+            let s = tokio::net::TcpStream::connect(&addr)
+                .await
+                .expect("connect");
+            let (sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
+                    .await
+                    .expect("handshake");
+            tokio::spawn(conn);
+            pool.put(false, &a, sender, Instant::now());
+        }
+        assert_eq!(pool.idle_count(), 2);
+        let reaper = tokio::spawn(reap(Arc::downgrade(&pool), Duration::from_millis(20)));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(pool.idle_count(), 0, "expired without a take or put");
+        drop(pool);
+        tokio::time::timeout(Duration::from_secs(1), reaper)
+            .await
+            .expect("the reaper ends with its pool")
+            .expect("reaper");
     }
 }

@@ -224,8 +224,12 @@ impl Upstream {
         c.enforce_http(false);
         let (tls, roots) = files.client_config()?;
         let https = HttpsConnector::from((c, tls));
+        let pool = Arc::new(Pool::new(MAX_IDLE, IDLE_TIMEOUT));
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(pool::reap(Arc::downgrade(&pool), IDLE_TIMEOUT / 4));
+        }
         Ok(Current {
-            pool: Arc::new(Pool::new(MAX_IDLE, IDLE_TIMEOUT)),
+            pool,
             connector: Connector {
                 inner: https,
                 timeout: connect_timeout,
