@@ -292,6 +292,28 @@ mod tests {
         Ok(b.to_bytes().len())
     }
 
+    /// `n` requests at once, each answered in full.
+    async fn get_at_once(u: &Upstream, addr: &str, n: usize) {
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let (u, addr) = (u.clone(), addr.to_owned());
+            tasks.push(tokio::spawn(async move { get(&u, &addr).await }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.expect("task"), Ok(4096));
+        }
+    }
+
+    /// A new connection to `addr`, outside any pool.
+    async fn open(addr: &str) -> Sender {
+        let s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        sender
+    }
+
     #[tokio::test]
     async fn sequential_requests_reuse_one_connection() {
         let (addr, accepted) = server(After::KeepOpen).await;
@@ -308,14 +330,7 @@ mod tests {
         let (addr, accepted) = server(After::KeepOpen).await;
         let u = upstream();
         for _ in 0..3 {
-            let mut tasks = Vec::new();
-            for _ in 0..16 {
-                let (u, addr) = (u.clone(), addr.clone());
-                tasks.push(tokio::spawn(async move { get(&u, &addr).await }));
-            }
-            for t in tasks {
-                assert_eq!(t.await.expect("task"), Ok(4096));
-            }
+            get_at_once(&u, &addr, 16).await;
         }
         let n = accepted.load(Ordering::SeqCst);
         assert!((1..=16).contains(&n), "{n} connections for 16 at a time");
@@ -359,36 +374,12 @@ mod tests {
     #[tokio::test]
     async fn idle_lists_are_bounded_and_expire() {
         let (addr, _) = server(After::KeepOpen).await;
-        let u = upstream();
-        // Three connections at once, then kept.
-        let mut tasks = Vec::new();
-        for _ in 0..3 {
-            let (u, addr) = (u.clone(), addr.clone());
-            tasks.push(tokio::spawn(async move { get(&u, &addr).await }));
-        }
-        for t in tasks {
-            assert_eq!(t.await.expect("task"), Ok(4096));
-        }
-        let kept = u.idle_connections();
-        assert!(kept >= 1);
         // A pool that keeps two, for 50 ms.
         let pool = Pool::new(2, Duration::from_millis(50));
         let a: Authority = addr.parse().expect("authority");
         let now = Instant::now();
-        let mut senders = Vec::new();
         for _ in 0..3 {
-            let s = tokio::net::TcpStream::connect(&addr)
-                .await
-                .expect("connect");
-            let (sender, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
-                    .await
-                    .expect("handshake");
-            tokio::spawn(conn);
-            senders.push(sender);
-        }
-        for s in senders {
-            pool.put(false, &a, s, now);
+            pool.put(false, &a, open(&addr).await, now);
         }
         assert_eq!(pool.idle_count(), 2);
         assert!(pool.take(true, &a, now).is_none(), "kept apart by scheme");
@@ -404,15 +395,7 @@ mod tests {
         let pool = Arc::new(Pool::new(8, Duration::from_millis(50)));
         let a: Authority = addr.parse().expect("authority");
         for _ in 0..2 {
-            let s = tokio::net::TcpStream::connect(&addr)
-                .await
-                .expect("connect");
-            let (sender, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
-                    .await
-                    .expect("handshake");
-            tokio::spawn(conn);
-            pool.put(false, &a, sender, Instant::now());
+            pool.put(false, &a, open(&addr).await, Instant::now());
         }
         assert_eq!(pool.idle_count(), 2);
         let reaper = tokio::spawn(reap(Arc::downgrade(&pool), Duration::from_millis(20)));
