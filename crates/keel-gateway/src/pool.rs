@@ -202,7 +202,7 @@ impl Body for UpstreamBody {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use http::{HeaderMap, Method, Uri};
+    use http::{HeaderMap, Method, Response, Uri};
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -276,17 +276,22 @@ mod tests {
         Upstream::new(Duration::from_secs(2), &tls).expect("upstream")
     }
 
-    async fn get(u: &Upstream, addr: &str) -> Result<usize, String> {
+    /// A GET sent through the pool; the response's body not yet read.
+    async fn send_get(u: &Upstream, addr: &str) -> Result<Response<UpstreamBody>, String> {
         let uri: Uri = format!("http://{addr}/v1/models").parse().expect("uri");
-        let r = u
-            .send(
-                Method::GET,
-                uri,
-                HeaderMap::new(),
-                Bytes::new(),
-                Duration::from_secs(2),
-            )
-            .await?;
+        u.send(
+            Method::GET,
+            uri,
+            HeaderMap::new(),
+            Bytes::new(),
+            Duration::from_secs(2),
+        )
+        .await
+    }
+
+    /// A GET read to its end: the body's length.
+    async fn get(u: &Upstream, addr: &str) -> Result<usize, String> {
+        let r = send_get(u, addr).await?;
         assert_eq!(r.status(), 200);
         let b = r.into_body().collect().await.map_err(|e| e.to_string())?;
         Ok(b.to_bytes().len())
@@ -353,17 +358,7 @@ mod tests {
     async fn a_body_dropped_before_its_end_does_not_come_back() {
         let (addr, accepted) = server(After::KeepOpen).await;
         let u = upstream();
-        let uri: Uri = format!("http://{addr}/").parse().expect("uri");
-        let r = u
-            .send(
-                Method::GET,
-                uri,
-                HeaderMap::new(),
-                Bytes::new(),
-                Duration::from_secs(2),
-            )
-            .await
-            .expect("response");
+        let r = send_get(&u, &addr).await.expect("response");
         drop(r);
         assert_eq!(u.idle_connections(), 0);
         assert_eq!(get(&u, &addr).await, Ok(4096));
