@@ -5,9 +5,9 @@
 //! A line is `{"seq":N,"prev":"<hex>","event":...,"ts":"...",...,"hash":"<hex>"}`
 //! where `hash` is the SHA-256 of the line's text without its `,"hash":...`
 //! suffix. Verification reads `seq` and `prev` wherever they are, so the
-//! order of the other keys is free. Requests serialise their event; one
-//! thread, off the request path, numbers, chains and writes them in
-//! batches every few milliseconds.
+//! order of the other keys is free. Requests queue their event as data;
+//! one thread, off the request path, serialises, numbers, chains and
+//! writes them in batches every few milliseconds.
 //! Prompts and completions are recorded only when configured.
 
 use std::fs::OpenOptions;
@@ -24,11 +24,31 @@ use crate::keys::hex;
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 const SUFFIX_LEN: usize = ",\"hash\":\"\"}".len() + 64;
 
+/// Something to record: the writer thread, off the request path, asks it
+/// for the text of one JSON object (with `ts`, without `seq` or `prev`).
+pub trait Event: Send + 'static {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
+}
+
+/// An event already serialised.
+impl Event for String {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        out.extend_from_slice(self.as_bytes());
+        Ok(())
+    }
+}
+
 /// A running audit log.
 #[derive(Debug)]
 pub struct AuditLog {
-    batcher: Batcher<String>,
+    batcher: Batcher<Box<dyn Event>>,
     path: PathBuf,
+}
+
+impl std::fmt::Debug for dyn Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("audit event")
+    }
 }
 
 /// Makes one chained line from an event, the text of a JSON object:
@@ -167,10 +187,20 @@ impl AuditLog {
             .open(path)
             .map_err(werr)?;
         let mut w = BufWriter::with_capacity(64 << 10, file);
-        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<String>, last| {
+        let mut text = Vec::with_capacity(1024);
+        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Box<dyn Event>>, last| {
             for ev in batch {
+                text.clear();
+                if let Err(err) = ev.write_json(&mut text) {
+                    tracing::error!(error = %err, "audit event not serialisable");
+                    continue;
+                }
+                let Ok(ev) = std::str::from_utf8(&text) else {
+                    tracing::error!("audit event not UTF-8");
+                    continue;
+                };
                 seq += 1;
-                let (line, hash) = chain_line(seq, &prev, &ev);
+                let (line, hash) = chain_line(seq, &prev, ev);
                 prev = hash;
                 let _ = w.write_all(line.as_bytes());
                 let _ = w.write_all(b"\n");
@@ -194,12 +224,13 @@ impl AuditLog {
     /// Queues an event (a JSON object; `ts` should be in it, `seq` and
     /// `prev` must not).
     pub fn record(&self, event: Map<String, Value>) {
-        self.batcher.push(Value::Object(event).to_string());
+        self.batcher
+            .push(Box::new(Value::Object(event).to_string()));
     }
 
-    /// Queues an event already serialised as the text of a JSON object.
-    pub fn record_json(&self, event: String) {
-        self.batcher.push(event);
+    /// Queues an event that the writer thread serialises.
+    pub fn record_event(&self, event: impl Event) {
+        self.batcher.push(Box::new(event));
     }
 
     /// Writes everything queued, syncs the file and stops the writer.

@@ -39,14 +39,25 @@ pub struct GatewayOptions {
     pub seed: u64,
     /// How `POST /admin/reload` and `Gateway::reload` get a new config.
     pub reload: Option<ReloadFn>,
-    /// Where access-log lines go, already serialised (one JSON object and
-    /// a newline each). Without one they are `tracing` events (target
-    /// `keel::access`).
+    /// Where access-log records go (the sink makes lines of them with
+    /// [`crate::server::access_line`], off the request path). Without one
+    /// they are `tracing` events (target `keel::access`).
     pub access_sink: Option<AccessSink>,
 }
 
-/// Takes one serialised access-log line.
-pub type AccessSink = Arc<dyn Fn(Vec<u8>) + Send + Sync>;
+/// Takes one access-log record.
+pub type AccessSink = Arc<dyn Fn(AccessRecord) + Send + Sync>;
+
+/// One answered request as the access log records it.
+#[derive(Debug, Clone)]
+pub struct AccessRecord {
+    /// When the response was handed to the connection.
+    pub at: std::time::SystemTime,
+    pub method: Method,
+    pub status: u16,
+    pub duration_ms: f64,
+    pub info: AccessInfo,
+}
 
 impl std::fmt::Debug for GatewayOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -269,6 +280,52 @@ struct RequestEvent<'a> {
     request_body: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_body: Option<String>,
+}
+
+/// A finished request waiting for the audit writer.
+struct Finished {
+    ts_ms: u64,
+    total: Duration,
+    ctx: Ctx,
+}
+
+impl crate::audit::Event for Finished {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        let ctx = &self.ctx;
+        let content = |b: &Option<Bytes>| {
+            b.as_ref()
+                .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
+        };
+        let stamp = Stamp::millis(self.ts_ms);
+        let e = RequestEvent {
+            event: if ctx.denied.is_some() {
+                "denied"
+            } else {
+                "request"
+            },
+            ts: stamp.as_str(),
+            request_id: ctx.id.as_str(),
+            route: ctx.route,
+            key: ctx.key.as_deref(),
+            team: ctx.team.as_deref(),
+            model: ctx.model.as_deref(),
+            served_model: ctx.served_model.as_deref(),
+            deployment: ctx.deployment.as_deref(),
+            status: ctx.status,
+            duration_ms: (self.total.as_secs_f64() * 1e6).round() / 1e3,
+            prompt_tokens: ctx.usage.map(|u| u.prompt),
+            completion_tokens: ctx.usage.map(|u| u.completion),
+            usage_estimated: ctx.usage_estimated,
+            retries: ctx.retries,
+            fallback: ctx.fallback,
+            stream: ctx.stream,
+            reason: ctx.denied,
+            error: ctx.error.as_deref(),
+            request_body: content(&ctx.request_body),
+            response_body: content(&ctx.response_body),
+        };
+        serde_json::to_writer(out, &e)
+    }
 }
 
 /// What is sent upstream, rendered per deployment (the model name differs).
@@ -808,23 +865,28 @@ impl Gateway {
             h.insert(X_KEEL_MODEL, m);
             h.insert(X_KEEL_DEPLOYMENT, d);
         }
-        if !streaming {
-            self.finish(&ctx, started);
-        }
-        resp.extensions_mut().insert(AccessInfo {
+        let info = AccessInfo {
             request_id: ctx.id,
             route: ctx.route,
-            key: ctx.key,
-            model: ctx.served_model.or_else(|| ctx.model.map(Arc::from)),
-            deployment: ctx.deployment,
+            key: ctx.key.clone(),
+            model: ctx
+                .served_model
+                .clone()
+                .or_else(|| ctx.model.as_deref().map(Arc::from)),
+            deployment: ctx.deployment.clone(),
             stream: streaming,
-        });
+        };
+        if !streaming {
+            self.finish(ctx, started.elapsed());
+        }
+        resp.extensions_mut().insert(info);
         resp
     }
 
-    /// Metrics and audit for a finished request.
-    fn finish(&self, ctx: &Ctx, started: Instant) {
-        let total = started.elapsed();
+    /// Metrics and audit for a finished request. The metrics are counted
+    /// here; the audit event is queued as it is and serialised by the
+    /// audit writer.
+    fn finish(&self, ctx: Ctx, total: Duration) {
         let m = &self.inner.metrics;
         let model = ctx
             .served_model
@@ -860,44 +922,11 @@ impl Gateway {
         if ctx.route == "/healthz" || ctx.route == "/readyz" {
             return;
         }
-        let content = |b: &Option<Bytes>| {
-            b.as_ref()
-                .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
-        };
-        let stamp = Stamp::millis(self.inner.clock.now_ms());
-        let e = RequestEvent {
-            event: if ctx.denied.is_some() {
-                "denied"
-            } else {
-                "request"
-            },
-            ts: stamp.as_str(),
-            request_id: ctx.id.as_str(),
-            route: ctx.route,
-            key: ctx.key.as_deref(),
-            team: ctx.team.as_deref(),
-            model: ctx.model.as_deref(),
-            served_model: ctx.served_model.as_deref(),
-            deployment: ctx.deployment.as_deref(),
-            status: ctx.status,
-            duration_ms: (total.as_secs_f64() * 1e6).round() / 1e3,
-            prompt_tokens: ctx.usage.map(|u| u.prompt),
-            completion_tokens: ctx.usage.map(|u| u.completion),
-            usage_estimated: ctx.usage_estimated,
-            retries: ctx.retries,
-            fallback: ctx.fallback,
-            stream: ctx.stream,
-            reason: ctx.denied,
-            error: ctx.error.as_deref(),
-            request_body: content(&ctx.request_body),
-            response_body: content(&ctx.response_body),
-        };
-        let mut line = Vec::with_capacity(512);
-        match serde_json::to_writer(&mut line, &e).map(|()| String::from_utf8(line)) {
-            Ok(Ok(line)) => audit.record_json(line),
-            Ok(Err(err)) => tracing::error!(error = %err, "audit event not UTF-8"),
-            Err(err) => tracing::error!(error = %err, "audit event not serialisable"),
-        }
+        audit.record_event(Finished {
+            ts_ms: self.inner.clock.now_ms(),
+            total,
+            ctx,
+        });
     }
 
     fn authenticate(
@@ -1342,7 +1371,7 @@ impl Gateway {
             if !ok && ctx.status < 400 {
                 ctx.error.get_or_insert_with(|| "stream ended early".into());
             }
-            gw.finish(&ctx, started);
+            gw.finish(ctx, started.elapsed());
         });
         resp
     }

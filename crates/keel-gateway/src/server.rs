@@ -23,7 +23,7 @@ use tower::{Layer, Service, ServiceBuilder};
 
 use crate::body::GwBody;
 use crate::error::ApiError;
-use crate::gateway::{AccessInfo, AccessSink, Gateway, Listener};
+use crate::gateway::{AccessInfo, AccessRecord, AccessSink, Gateway, Listener};
 use crate::keys::sha256_hex;
 use crate::tls::ServerTls;
 
@@ -203,30 +203,33 @@ where
         let start = Instant::now();
         let fut = self.inner.call(req);
         Box::pin(async move {
-            let resp = fut.await?;
+            let mut resp = fut.await?;
             if enabled {
-                let empty = AccessInfo::default();
-                let i = resp.extensions().get::<AccessInfo>().unwrap_or(&empty);
+                let info = resp
+                    .extensions_mut()
+                    .remove::<AccessInfo>()
+                    .unwrap_or_default();
                 let duration_ms = start.elapsed().as_secs_f64() * 1e3;
+                let status = resp.status().as_u16();
                 match sink {
-                    Some(sink) => sink(access_line(
-                        std::time::SystemTime::now(),
-                        &method,
-                        resp.status().as_u16(),
+                    Some(sink) => sink(AccessRecord {
+                        at: std::time::SystemTime::now(),
+                        method,
+                        status,
                         duration_ms,
-                        i,
-                    )),
+                        info,
+                    }),
                     None => tracing::info!(
                         target: "keel::access",
-                        request_id = %i.request_id,
+                        request_id = %info.request_id,
                         method = %method,
-                        route = i.route,
-                        status = resp.status().as_u16(),
+                        route = info.route,
+                        status,
                         duration_ms,
-                        key = i.key.as_deref().unwrap_or("-"),
-                        model = i.model.as_deref().unwrap_or("-"),
-                        deployment = i.deployment.as_deref().unwrap_or("-"),
-                        stream = i.stream,
+                        key = info.key.as_deref().unwrap_or("-"),
+                        model = info.model.as_deref().unwrap_or("-"),
+                        deployment = info.deployment.as_deref().unwrap_or("-"),
+                        stream = info.stream,
                         "request"
                     ),
                 }
@@ -237,14 +240,9 @@ where
 }
 
 /// One access-log line in the shape of the JSON `tracing` events around
-/// it: `{"timestamp":..,"level":"INFO","fields":{"message":"request",..},"target":"keel::access"}`.
-pub fn access_line(
-    now: std::time::SystemTime,
-    method: &Method,
-    status: u16,
-    duration_ms: f64,
-    i: &AccessInfo,
-) -> Vec<u8> {
+/// it: `{"timestamp":..,"level":"INFO","fields":{"message":"request",..},"target":"keel::access"}`,
+/// ending in a newline.
+pub fn access_line(r: &AccessRecord, out: &mut Vec<u8>) {
     #[derive(serde::Serialize)]
     struct Fields<'a> {
         message: &'static str,
@@ -265,20 +263,21 @@ pub fn access_line(
         fields: Fields<'a>,
         target: &'static str,
     }
-    let us = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64);
+    let us =
+        r.at.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
     let stamp = crate::clock::Stamp::micros(us);
+    let i = &r.info;
     let line = Line {
         timestamp: stamp.as_str(),
         level: "INFO",
         fields: Fields {
             message: "request",
             request_id: i.request_id.as_str(),
-            method: method.as_str(),
+            method: r.method.as_str(),
             route: i.route,
-            status,
-            duration_ms,
+            status: r.status,
+            duration_ms: r.duration_ms,
             key: i.key.as_deref().unwrap_or("-"),
             model: i.model.as_deref().unwrap_or("-"),
             deployment: i.deployment.as_deref().unwrap_or("-"),
@@ -286,12 +285,12 @@ pub fn access_line(
         },
         target: "keel::access",
     };
-    let mut v = Vec::with_capacity(320);
-    if serde_json::to_writer(&mut v, &line).is_err() {
-        v.clear();
+    let start = out.len();
+    if serde_json::to_writer(&mut *out, &line).is_err() {
+        out.truncate(start);
+        return;
     }
-    v.push(b'\n');
-    v
+    out.push(b'\n');
 }
 
 /// Compares two hex digests without an early exit.
@@ -503,9 +502,19 @@ mod access_tests {
             stream: true,
         };
         let t = std::time::UNIX_EPOCH + Duration::from_micros(1_780_000_000_123_456);
-        let line = access_line(t, &Method::POST, 429, 1.5, &i);
+        let r = AccessRecord {
+            at: t,
+            method: Method::POST,
+            status: 429,
+            duration_ms: 1.5,
+            info: i,
+        };
+        let mut line = b"before\n".to_vec();
+        access_line(&r, &mut line);
+        let line = line.strip_prefix(b"before\n").expect("appended");
         assert_eq!(line.last(), Some(&b'\n'));
-        let v: serde_json::Value = serde_json::from_slice(&line).expect("one JSON object");
+        assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+        let v: serde_json::Value = serde_json::from_slice(line).expect("one JSON object");
         assert_eq!(v["timestamp"], "2026-05-28T20:26:40.123456Z");
         assert_eq!(v["level"], "INFO");
         assert_eq!(v["target"], "keel::access");

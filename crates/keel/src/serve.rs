@@ -104,11 +104,19 @@ impl Clock for SystemClock {
     }
 }
 
-/// Log lines are queued and written to stderr in batches by a thread of
-/// their own (keel_gateway::batch), so no request waits on a write or
-/// wakes a thread.
+/// Log lines and access records are queued and written to stderr in
+/// batches by a thread of their own (keel_gateway::batch), so no request
+/// waits on a write or wakes a thread; access records become lines on
+/// that thread too.
 #[derive(Debug, Clone)]
-struct LogQueue(Arc<keel_gateway::batch::Batcher<Vec<u8>>>);
+struct LogQueue(Arc<keel_gateway::batch::Batcher<LogItem>>);
+
+#[derive(Debug)]
+enum LogItem {
+    /// A `tracing` event, formatted.
+    Line(Vec<u8>),
+    Access(keel_gateway::gateway::AccessRecord),
+}
 
 #[derive(Debug)]
 struct LogLine {
@@ -129,7 +137,7 @@ impl std::io::Write for LogLine {
 impl Drop for LogLine {
     fn drop(&mut self) {
         if !self.buf.is_empty() {
-            self.q.0.push(std::mem::take(&mut self.buf));
+            self.q.0.push(LogItem::Line(std::mem::take(&mut self.buf)));
         }
     }
 }
@@ -148,9 +156,19 @@ impl LogQueue {
     fn start() -> anyhow::Result<Self> {
         use std::io::Write;
         let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
-        let b = keel_gateway::batch::Batcher::spawn("keel-log", move |lines: Vec<Vec<u8>>, _| {
-            for l in lines {
-                let _ = w.write_all(&l);
+        let mut line = Vec::with_capacity(512);
+        let b = keel_gateway::batch::Batcher::spawn("keel-log", move |items: Vec<LogItem>, _| {
+            for item in items {
+                match item {
+                    LogItem::Line(l) => {
+                        let _ = w.write_all(&l);
+                    }
+                    LogItem::Access(r) => {
+                        line.clear();
+                        keel_gateway::server::access_line(&r, &mut line);
+                        let _ = w.write_all(&line);
+                    }
+                }
             }
             let _ = w.flush();
         })
@@ -271,7 +289,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
             clock: Arc::new(SystemClock),
             seed,
             reload: Some(reload),
-            access_sink: Some(Arc::new(move |line| access.0.push(line))),
+            access_sink: Some(Arc::new(move |r| access.0.push(LogItem::Access(r)))),
         }).await?;
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {
