@@ -250,6 +250,28 @@ mod tests {
         m
     }
 
+    /// An event whose serialisation fails.
+    struct Broken;
+    impl Event for Broken {
+        fn write_json(&self, _: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+            Err(serde::de::Error::custom("broken on purpose"))
+        }
+    }
+
+    #[test]
+    fn an_event_that_does_not_serialise_leaves_no_gap_in_the_chain() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let log = AuditLog::open(&p).expect("open");
+        log.record(ev(1));
+        log.record_event(Broken);
+        log.record_event(String::from("{\"event\":\"request\",\"n\":2}"));
+        log.close();
+        let text = std::fs::read_to_string(&p).expect("read");
+        assert_eq!(verify(text.as_bytes()).expect("valid").entries, 2);
+        assert!(text.lines().nth(1).expect("second line").contains("\"n\":2"));
+    }
+
     #[test]
     fn chain_survives_restart_and_catches_tampering() {
         let dir = tempfile::tempdir().expect("tempdir");
