@@ -269,7 +269,11 @@ mod tests {
         log.close();
         let text = std::fs::read_to_string(&p).expect("read");
         assert_eq!(verify(text.as_bytes()).expect("valid").entries, 2);
-        assert!(text.lines().nth(1).expect("second line").contains("\"n\":2"));
+        assert!(text
+            .lines()
+            .nth(1)
+            .expect("second line")
+            .contains("\"n\":2"));
     }
 
     #[test]
