@@ -30,11 +30,10 @@ pub trait Event: Send + 'static {
     fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
 }
 
-/// An event already serialised.
-impl Event for String {
+/// An event built as a JSON object (the admin API's, reloads, stops).
+impl Event for Map<String, Value> {
     fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
-        out.extend_from_slice(self.as_bytes());
-        Ok(())
+        serde_json::to_writer(out, self)
     }
 }
 
@@ -221,15 +220,9 @@ impl AuditLog {
         &self.path
     }
 
-    /// Queues an event (a JSON object; `ts` should be in it, `seq` and
-    /// `prev` must not).
-    pub fn record(&self, event: Map<String, Value>) {
-        self.batcher
-            .push(Box::new(Value::Object(event).to_string()));
-    }
-
-    /// Queues an event that the writer thread serialises.
-    pub fn record_event(&self, event: impl Event) {
+    /// Queues an event (a JSON object once serialised by the writer
+    /// thread; `ts` should be in it, `seq` and `prev` must not).
+    pub fn record(&self, event: impl Event) {
         self.batcher.push(Box::new(event));
     }
 
@@ -264,8 +257,8 @@ mod tests {
         let p = dir.path().join("audit.jsonl");
         let log = AuditLog::open(&p).expect("open");
         log.record(ev(1));
-        log.record_event(Broken);
-        log.record_event(String::from("{\"event\":\"request\",\"n\":2}"));
+        log.record(Broken);
+        log.record(ev(2));
         log.close();
         let text = std::fs::read_to_string(&p).expect("read");
         assert_eq!(verify(text.as_bytes()).expect("valid").entries, 2);

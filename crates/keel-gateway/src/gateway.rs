@@ -922,7 +922,7 @@ impl Gateway {
         if ctx.route == "/healthz" || ctx.route == "/readyz" {
             return;
         }
-        audit.record_event(Finished {
+        audit.record(Finished {
             ts_ms: self.inner.clock.now_ms(),
             total,
             ctx,
