@@ -4,6 +4,14 @@
 //! hands it to a sink (the audit log, the access log). Per-item wake-ups
 //! cost the gateway more CPU than the writing itself, and each wake-up of
 //! these threads takes a core from the requests for a moment.
+//!
+//! The threads also run at the lowest priority (nice 19): a batch is a
+//! burst of a few hundred microseconds of serialising and hashing, and at
+//! normal priority that burst can take the core the serving thread was
+//! about to run on, which shows in the gateway's tail latency. At nice 19
+//! the scheduler lets a waking serving thread preempt the writer and does
+//! not let the writer preempt it; on a busy machine the writer still
+//! gets a share of a core, and whatever a core leaves idle.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,6 +51,7 @@ impl<T: Send + 'static> Batcher<T> {
         let thread = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
+                lower_priority();
                 let mut wait = BUSY;
                 loop {
                     std::thread::park_timeout(wait);
@@ -127,6 +136,17 @@ impl<T> Drop for Batcher<T> {
     }
 }
 
+/// Puts the calling thread at nice 19. Raising a thread's nice value is
+/// always allowed; if it fails all the same, the thread runs on at the
+/// priority it has, which only costs latency.
+fn lower_priority() {
+    // `PRIO_PROCESS` with no id is the calling thread on Linux.
+    #[cfg(target_os = "linux")]
+    if let Err(e) = rustix::process::setpriority_process(None, 19) {
+        tracing::debug!(error = %e, "could not lower a writer thread's priority");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +171,26 @@ mod tests {
         let v = seen.lock().expect("lock").clone();
         assert_eq!(v, (0..1100).collect::<Vec<_>>());
         b.push(5);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_writer_thread_runs_at_the_lowest_priority() {
+        let before = rustix::process::getpriority_process(None).expect("getpriority");
+        let seen = Arc::new(Mutex::new(None));
+        let s = seen.clone();
+        let b = Batcher::spawn("test-nice", move |_: Vec<u32>, _| {
+            *s.lock().expect("lock") = Some(rustix::process::getpriority_process(None));
+        })
+        .expect("spawn");
+        b.push(1);
+        b.drain(Duration::from_secs(2));
+        let nice = seen.lock().expect("lock").take().expect("the sink ran");
+        assert_eq!(nice.expect("getpriority"), 19);
+        // The thread that pushed keeps its own priority.
+        assert_eq!(
+            rustix::process::getpriority_process(None).expect("getpriority"),
+            before
+        );
     }
 }
