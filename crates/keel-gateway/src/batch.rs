@@ -8,10 +8,10 @@
 //! The threads also run at the lowest priority (nice 19): a batch is a
 //! burst of a few hundred microseconds of serialising and hashing, and at
 //! normal priority that burst can take the core the serving thread was
-//! about to run on. At nice 19
-//! the scheduler lets a waking serving thread preempt the writer and does
-//! not let the writer preempt it; on a busy machine the writer still
-//! gets a share of a core, and whatever a core leaves idle.
+//! about to run on. At nice 19 the scheduler lets a waking serving thread
+//! preempt the writer and does not let the writer preempt it; on a busy
+//! machine the writer still gets a share of a core, and whatever a core
+//! leaves idle.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
