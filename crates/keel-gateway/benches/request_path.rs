@@ -26,7 +26,7 @@ use keel_gateway::request::{self, Route};
 const REQUEST: &[u8] = br#"{"model":"chat","messages":[{"role":"user","content":"Say something short."}],"max_tokens":16}"#;
 
 /// A chat completion response as `keel-testbackend` answers it.
-const RESPONSE: &[u8] = br#"{"id":"chatcmpl-0","object":"chat.completion","created":0,"model":"test","choices":[{"index":0,"message":{"role":"assistant","content":"tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok"},"finish_reason":"length"}],"usage":{"prompt_tokens":11,"completion_tokens":16,"total_tokens":27}}"#;
+const RESPONSE: &[u8] = br#"{"choices":[{"finish_reason":"stop","index":0,"message":{"content":"tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok ","role":"assistant"}}],"created":0,"id":"cmpl-0","model":"chat","object":"chat.completion","system_fingerprint":"backend","usage":{"completion_tokens":16,"prompt_tokens":5,"total_tokens":21}}"#;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -37,10 +37,12 @@ fn main() {
     } else {
         Duration::ZERO
     };
+    let ran = std::cell::Cell::new(0);
     let run = |name: &str, f: &mut dyn FnMut()| {
         if filter.as_deref().is_some_and(|p| !name.contains(p)) {
             return;
         }
+        ran.set(ran.get() + 1);
         let (median, best) = measure(budget, f);
         println!("{name:<40} {median:>9.1} ns/call  (fastest batch {best:.1})");
     };
@@ -106,6 +108,13 @@ fn main() {
     run("read the clock", &mut || {
         black_box(Instant::now());
     });
+    if ran.get() == 0 {
+        eprintln!(
+            "request_path: no piece's name contains {:?}",
+            filter.unwrap_or_default()
+        );
+        std::process::exit(2);
+    }
 }
 
 /// Median and fastest nanoseconds per call over batches of `f` lasting
