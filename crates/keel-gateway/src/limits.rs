@@ -109,7 +109,9 @@ impl Limiter {
     pub async fn reserve(&self, scopes: &[Scope], tokens: u64) -> Result<Admission, LimitError> {
         match self {
             Limiter::Local(l) => Ok(l.reserve(scopes, tokens)),
-            Limiter::Redis(r) => r.reserve(scopes, tokens).await,
+            // Boxed: the Redis exchange's state would otherwise make
+            // every request's future larger, local limits or not.
+            Limiter::Redis(r) => Box::pin(r.reserve(scopes, tokens)).await,
         }
     }
 
@@ -123,7 +125,7 @@ impl Limiter {
                 l.settle(res, actual);
                 Ok(())
             }
-            Limiter::Redis(r) => r.settle(res, actual).await,
+            Limiter::Redis(r) => Box::pin(r.settle(res, actual)).await,
         }
     }
 

@@ -92,27 +92,35 @@ impl<T: Default> Family<T> {
         }
     }
 
-    fn get(&self, values: &[&str]) -> Arc<T> {
+    /// Runs `f` on the series for `values`, made on first use.
+    fn with<R>(&self, values: &[&str], f: impl FnOnce(&T) -> R) -> R {
+        self.with_hashed(label_hash(values), values, f)
+    }
+
+    /// [`Family::with`] for values whose [`label_hash`] is `h` (families
+    /// with the same label values share it). A series that exists is used
+    /// under the read lock, without touching its reference count.
+    fn with_hashed<R>(&self, h: u64, values: &[&str], f: impl FnOnce(&T) -> R) -> R {
         debug_assert_eq!(values.len(), self.labels.len());
-        let h = label_hash(values);
-        if let Some(v) = self
-            .series
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&h)
+        debug_assert_eq!(h, label_hash(values));
         {
-            if let Some((_, s)) = v.iter().find(|(k, _)| same(k, values)) {
-                return s.clone();
+            let r = self.series.read().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, s)) = r
+                .get(&h)
+                .and_then(|v| v.iter().find(|(k, _)| same(k, values)))
+            {
+                return f(s);
             }
         }
         let mut w = self.series.write().unwrap_or_else(|p| p.into_inner());
         let v = w.entry(h).or_default();
         if let Some((_, s)) = v.iter().find(|(k, _)| same(k, values)) {
-            return s.clone();
+            return f(s);
         }
         let s = Arc::new(T::default());
-        v.push((values.iter().map(|x| (*x).to_owned()).collect(), s.clone()));
-        s
+        let out = f(&s);
+        v.push((values.iter().map(|x| (*x).to_owned()).collect(), s));
+        out
     }
 
     /// Every series, sorted by labels, for rendering.
@@ -290,45 +298,47 @@ impl Metrics {
         let mut buf = [0u8; 20];
         let code = crate::digits::decimal(l.code.into(), &mut buf);
         self.requests
-            .get(&[l.route, l.model, l.deployment, l.key, code])
-            .fetch_add(1, Ordering::Relaxed);
+            .with(&[l.route, l.model, l.deployment, l.key, code], |c| {
+                c.fetch_add(1, Ordering::Relaxed)
+            });
         let dl = [l.route, l.model, l.deployment];
-        self.duration.get(&dl).observe(total);
+        let h = label_hash(&dl);
+        self.duration.with_hashed(h, &dl, |s| s.observe(total));
         if let Some(b) = backend {
-            self.backend.get(&dl).observe(b);
-            self.overhead.get(&dl).observe(total.saturating_sub(b));
+            self.backend.with_hashed(h, &dl, |s| s.observe(b));
+            self.overhead
+                .with_hashed(h, &dl, |s| s.observe(total.saturating_sub(b)));
         }
     }
 
     pub fn tokens(&self, model: &str, deployment: &str, key: &str, prompt: u64, completion: u64) {
-        self.tokens
-            .get(&["in", model, deployment, key])
-            .fetch_add(prompt, Ordering::Relaxed);
-        self.tokens
-            .get(&["out", model, deployment, key])
-            .fetch_add(completion, Ordering::Relaxed);
+        self.tokens.with(&["in", model, deployment, key], |c| {
+            c.fetch_add(prompt, Ordering::Relaxed)
+        });
+        self.tokens.with(&["out", model, deployment, key], |c| {
+            c.fetch_add(completion, Ordering::Relaxed)
+        });
     }
 
     pub fn error(&self, route: &str, kind: &str) {
         self.errors
-            .get(&[route, kind])
-            .fetch_add(1, Ordering::Relaxed);
+            .with(&[route, kind], |c| c.fetch_add(1, Ordering::Relaxed));
     }
 
     pub fn retry(&self, model: &str) {
-        self.retries.get(&[model]).fetch_add(1, Ordering::Relaxed);
+        self.retries
+            .with(&[model], |c| c.fetch_add(1, Ordering::Relaxed));
     }
 
     pub fn fallback(&self, model: &str, fallback: &str) {
         self.fallbacks
-            .get(&[model, fallback])
-            .fetch_add(1, Ordering::Relaxed);
+            .with(&[model, fallback], |c| c.fetch_add(1, Ordering::Relaxed));
     }
 
     pub fn mirrored(&self, model: &str, deployment: &str, outcome: &str) {
-        self.mirrored
-            .get(&[model, deployment, outcome])
-            .fetch_add(1, Ordering::Relaxed);
+        self.mirrored.with(&[model, deployment, outcome], |c| {
+            c.fetch_add(1, Ordering::Relaxed)
+        });
     }
 
     /// The text exposition, followed by per-backend gauges
@@ -392,9 +402,9 @@ mod tests {
     #[test]
     fn series_are_told_apart_by_their_values() {
         let f: Family<AtomicU64> = Family::new("t", "t", &["a", "b"]);
-        f.get(&["ab", "c"]).fetch_add(1, Ordering::Relaxed);
-        f.get(&["a", "bc"]).fetch_add(2, Ordering::Relaxed);
-        f.get(&["ab", "c"]).fetch_add(4, Ordering::Relaxed);
+        f.with(&["ab", "c"], |c| c.fetch_add(1, Ordering::Relaxed));
+        f.with(&["a", "bc"], |c| c.fetch_add(2, Ordering::Relaxed));
+        f.with(&["ab", "c"], |c| c.fetch_add(4, Ordering::Relaxed));
         assert_ne!(label_hash(&["ab", "c"]), label_hash(&["a", "bc"]));
         let rows: Vec<(Vec<String>, u64)> = f
             .rows()

@@ -170,6 +170,14 @@ impl Current {
                 return Ok((s, true));
             }
         }
+        // Boxed: opening a connection is rare once the pool is warm, and
+        // its state (TCP, TLS, handshake) would otherwise be part of every
+        // request's future, moved with it.
+        Box::pin(self.connect(uri)).await.map(|s| (s, false))
+    }
+
+    /// A new connection to `uri`'s authority.
+    async fn connect(&self, uri: &Uri) -> Result<Sender, String> {
         let mut c = self.connector.clone();
         std::future::poll_fn(|cx| c.poll_ready(cx))
             .await
@@ -186,7 +194,7 @@ impl Current {
                 tracing::debug!(error = %e, "backend connection ended");
             }
         });
-        Ok((sender, false))
+        Ok(sender)
     }
 }
 
