@@ -12,6 +12,7 @@
 //! the gateway's decision, under its retry budget).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
@@ -26,10 +27,38 @@ use hyper::client::conn::http1::SendRequest;
 
 pub type Sender = SendRequest<Full<Bytes>>;
 
+/// FNV-1a: the authorities are the configuration's backends and JWKS
+/// hosts, never a client's input, so the map needs no protection against
+/// chosen collisions, and a request looks its backend up twice (take and
+/// put back).
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = self.0;
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.0 = h;
+    }
+}
+
+type ByAuthority = HashMap<Authority, VecDeque<Idle>, BuildHasherDefault<Fnv>>;
+
 /// Idle connections, per (TLS, authority).
 #[derive(Debug)]
 pub struct Pool {
-    idle: Mutex<[HashMap<Authority, VecDeque<Idle>>; 2]>,
+    idle: Mutex<[ByAuthority; 2]>,
     max_idle: usize,
     idle_timeout: Duration,
 }
@@ -43,13 +72,13 @@ struct Idle {
 impl Pool {
     pub fn new(max_idle: usize, idle_timeout: Duration) -> Self {
         Self {
-            idle: Mutex::new([HashMap::new(), HashMap::new()]),
+            idle: Mutex::new([ByAuthority::default(), ByAuthority::default()]),
             max_idle,
             idle_timeout,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, [HashMap<Authority, VecDeque<Idle>>; 2]> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, [ByAuthority; 2]> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
