@@ -24,6 +24,7 @@ pub mod clock;
 pub mod config;
 pub mod digits;
 pub mod error;
+pub mod fnv;
 pub mod gateway;
 pub mod keys;
 pub mod limits;

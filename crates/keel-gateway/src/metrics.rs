@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::hash::BuildHasherDefault;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -68,14 +68,12 @@ struct Family<T> {
 /// contains), so that `["ab", "c"]` and `["a", "bc"]` differ. Collisions
 /// only cost a comparison: series with one hash are told apart by value.
 fn label_hash(values: &[&str]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = crate::fnv::Fnv::default();
     for v in values {
-        for b in v.bytes().chain([0xff]) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.write(v.as_bytes());
+        h.write(&[0xff]);
     }
-    h
+    h.finish()
 }
 
 fn same(a: &[String], b: &[&str]) -> bool {

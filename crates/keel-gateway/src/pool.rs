@@ -12,7 +12,7 @@
 //! the gateway's decision, under its retry budget).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
@@ -25,34 +25,13 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 
+use crate::fnv::Fnv;
+
 pub type Sender = SendRequest<Full<Bytes>>;
 
-/// FNV-1a: the authorities are the configuration's backends and JWKS
-/// hosts, never a client's input, so the map needs no protection against
-/// chosen collisions, and a request looks its backend up twice (take and
-/// put back).
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = self.0;
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        self.0 = h;
-    }
-}
-
+/// Idle lists by backend authority, hashed with FNV-1a: the authorities
+/// are the configuration's backends and JWKS hosts, never a client's input,
+/// and a request looks its backend up twice (take and put back).
 type ByAuthority = HashMap<Authority, VecDeque<Idle>, BuildHasherDefault<Fnv>>;
 
 /// Idle connections, per (TLS, authority).
