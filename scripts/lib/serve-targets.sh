@@ -1,6 +1,7 @@
 # The proxies the gateway benchmarks compare, configured once for all of
-# them (sourced by scripts/bench-serve and scripts/serve-instructions, so
-# that both measure the same configurations).
+# them (sourced by scripts/bench-serve, scripts/serve-instructions and
+# scripts/serve-profile, so that all of them measure the same
+# configurations).
 
 # The request every benchmark sends: a short non-streaming chat completion.
 SERVE_BODY='{"model":"chat","messages":[{"role":"user","content":"Say something short."}],"max_tokens":16}'
