@@ -61,3 +61,38 @@ http {
 }
 NGINX
 }
+
+# proxy_setup TARGET DIR PORT BACKEND_PORT TOKEN_SHA256 writes the
+# configuration of TARGET (keel, keel-min, hyper or nginx) under DIR for
+# one serving thread or process on PORT, and sets PROXY_CMD (the command
+# that serves, in the foreground: nginx as one process without a master),
+# PROXY_HEALTH (a URL that answers once it serves) and PROXY_AUTH (oha's
+# -H arguments: keel's API key). Needs KEEL, BARE and NGINX (paths).
+proxy_setup() {
+    local t=$1 dir=$2 port=$3 bport=$4 token_sha=$5 full=0 key
+    PROXY_AUTH=()
+    case $t in
+    keel | keel-min)
+        [[ $t == keel ]] && full=1
+        keel_config "$port" "$(free_port)" "$(free_port)" "$bport" 1 "$full" "$token_sha" >"$dir/keel.toml"
+        key=$("$KEEL" --json serve keys create --config "$dir/keel.toml" --name bench --role user |
+            python3 -c 'import json,sys; print(json.load(sys.stdin)["secret"])')
+        PROXY_AUTH=(-H "authorization: Bearer $key")
+        PROXY_CMD=("$KEEL" serve --config "$dir/keel.toml")
+        PROXY_HEALTH=http://127.0.0.1:$port/healthz
+        ;;
+    hyper)
+        PROXY_CMD=("$BARE" "127.0.0.1:$port" "http://127.0.0.1:$bport" 1)
+        PROXY_HEALTH=http://127.0.0.1:$port/health
+        ;;
+    nginx)
+        { printf 'daemon off;\nmaster_process off;\n'; nginx_config "$dir" "$port" "$bport" 1 off; } >"$dir/nginx.conf"
+        PROXY_CMD=("$NGINX" -c "$dir/nginx.conf" -p "$dir")
+        PROXY_HEALTH=http://127.0.0.1:$port/health
+        ;;
+    *)
+        echo "proxy_setup: unknown target $t" >&2
+        return 64
+        ;;
+    esac
+}
