@@ -15,7 +15,11 @@
 //!    reason keel did not write (someone else's drain is left alone). A node
 //!    keel drained for a different reason gets the new reason.
 //! 4. `Healthy` resumes only a node keel drained (its reason starts with the
-//!    policy's prefix); any other node is left as it is.
+//!    policy's prefix) for a check that ran and passed this time (the
+//!    check id after the prefix, `keel: <check>: ...`, is among the
+//!    verdict's passed checks): a node drained by a check this run did not
+//!    make (a benchmark, `--expect-idle`) stays drained until that check
+//!    passes. Any other node is left as it is.
 //!
 //! Every drain reason keel writes starts with the prefix: a reason given
 //! without it gets it prepended, so keel can always recognise its own
@@ -26,15 +30,13 @@ use crate::NodeInfo;
 /// What the health checks concluded about a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    Healthy,
+    /// Nothing failed; `passed` names the checks that ran and passed (or
+    /// only warned) in this run.
+    Healthy { passed: Vec<String> },
     /// A check failed; `reason` is the drain reason (`keel: ecc: ...`).
-    Unhealthy {
-        reason: String,
-    },
+    Unhealthy { reason: String },
     /// A check could not tell (a reading failed, a timeout).
-    Unknown {
-        reason: String,
-    },
+    Unknown { reason: String },
 }
 
 /// How keel treats nodes.
@@ -58,6 +60,18 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// The check a reason keel wrote names: `gpu.ecc` in
+    /// `keel: gpu.ecc: 3 uncorrectable`; `None` for a reason keel did not
+    /// write or one that names no check.
+    pub fn check_of<'a>(&self, reason: &'a str) -> Option<&'a str> {
+        if !self.owns(reason) {
+            return None;
+        }
+        let (id, _) = reason[self.prefix.len()..].split_once(':')?;
+        let id = id.trim();
+        (!id.is_empty() && !id.contains(char::is_whitespace)).then_some(id)
+    }
+
     /// Whether keel wrote this reason.
     pub fn owns(&self, reason: &str) -> bool {
         !self.prefix.is_empty() && reason.starts_with(&self.prefix)
@@ -130,7 +144,7 @@ pub fn decide(node: &NodeInfo, verdict: Verdict, policy: &Policy) -> Action {
     }
 
     let reason = match verdict {
-        Verdict::Healthy => return decide_healthy(node, policy),
+        Verdict::Healthy { passed } => return decide_healthy(node, &passed, policy),
         Verdict::Unhealthy { reason } => reason,
         Verdict::Unknown { reason } if policy.fail_closed => reason,
         Verdict::Unknown { reason } => {
@@ -154,12 +168,22 @@ pub fn decide(node: &NodeInfo, verdict: Verdict, policy: &Policy) -> Action {
     }
 }
 
-fn decide_healthy(node: &NodeInfo, policy: &Policy) -> Action {
+fn decide_healthy(node: &NodeInfo, passed: &[String], policy: &Policy) -> Action {
     if !node.is_drained() {
         return nothing(format!("node {} is healthy and not drained", node.name));
     }
     match node.reason.as_deref() {
-        Some(current) if policy.owns(current) => Action::Resume,
+        Some(current) if policy.owns(current) => match policy.check_of(current) {
+            Some(id) if passed.iter().any(|p| p == id) => Action::Resume,
+            Some(id) => nothing(format!(
+                "node {} was {} by keel for {id}, which did not run and pass this time: left drained until it does",
+                node.name, node.state
+            )),
+            None => nothing(format!(
+                "node {} was {} by keel with a reason that names no check ({current:?}): left drained",
+                node.name, node.state
+            )),
+        },
         current => nothing(foreign(node, current)),
     }
 }
@@ -196,8 +220,11 @@ mod tests {
         }
     }
 
+    /// Healthy, with the checks of KEEL_X and KEEL_Y among those passed.
     fn healthy() -> Verdict {
-        Verdict::Healthy
+        Verdict::Healthy {
+            passed: vec!["cpu".into(), "gpu".into(), "ecc".into()],
+        }
     }
     fn unhealthy(reason: &str) -> Verdict {
         Verdict::Unhealthy {
@@ -343,6 +370,28 @@ mod tests {
             ("drained", Some(KEEL_X), healthy(), false, resume()),
             ("draining", Some(KEEL_X), healthy(), false, resume()),
             ("drained*", Some(KEEL_X), healthy(), false, resume()),
+            // ... and only when the check that drained it ran and passed.
+            (
+                "drained",
+                Some("keel: bench.gemm: GEMM mismatch"),
+                healthy(),
+                false,
+                nothing_because("for bench.gemm, which did not run and pass this time"),
+            ),
+            (
+                "drained",
+                Some(KEEL_X),
+                Verdict::Healthy { passed: vec![] },
+                false,
+                nothing_because("for gpu, which did not run and pass"),
+            ),
+            (
+                "drained",
+                Some("keel: unhealthy"),
+                healthy(),
+                false,
+                nothing_because("names no check"),
+            ),
             (
                 "idle",
                 None,
@@ -549,6 +598,20 @@ mod tests {
                 (want, got) => assert_eq!(want.as_ref(), Some(got), "{label}"),
             }
         }
+    }
+
+    #[test]
+    fn the_check_a_reason_names() {
+        let p = Policy::default();
+        assert_eq!(
+            p.check_of("keel: gpu.ecc: 3 uncorrectable"),
+            Some("gpu.ecc")
+        );
+        assert_eq!(p.check_of("keel:gpu.xid:79"), Some("gpu.xid"));
+        assert_eq!(p.check_of("keel: unhealthy"), None);
+        assert_eq!(p.check_of("keel: two words: x"), None);
+        assert_eq!(p.check_of("keel: : x"), None);
+        assert_eq!(p.check_of("admin: gpu: x"), None);
     }
 
     #[test]

@@ -99,7 +99,9 @@ fn an_administrators_drain_is_left_alone() {
     let before = cluster.raw_node(name).expect("sinfo");
 
     for verdict in [
-        Verdict::Healthy,
+        Verdict::Healthy {
+            passed: vec!["gpu".into()],
+        },
         unhealthy("keel: gpu: xid 79"),
         Verdict::Unknown {
             reason: "keel: nvml: timeout".into(),
@@ -151,7 +153,12 @@ fn a_node_keel_drained_is_resumed_when_healthy() {
     assert_eq!(cluster.raw_node(name).expect("sinfo").state, "drained");
 
     let node = slurm.node(name).expect("reads the node");
-    let action = decide(&node, Verdict::Healthy, &policy);
+    let action = decide(&node, Verdict::Healthy { passed: vec![] }, &policy);
+    assert!(matches!(action, Action::Nothing { .. }), "{action:?}");
+    let healthy = Verdict::Healthy {
+        passed: vec!["gpu".into()],
+    };
+    let action = decide(&node, healthy, &policy);
     assert_eq!(action, Action::Resume);
     slurm.apply(name, &action).expect("resumes");
     let raw = cluster

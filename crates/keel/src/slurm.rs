@@ -30,7 +30,8 @@ pub struct SlurmOutcome {
 }
 
 /// The verdict for Slurm: failures drain, unknown drains only when fail
-/// closed, warnings and passes are healthy.
+/// closed, warnings and passes are healthy; a healthy verdict names the
+/// checks that ran and passed, the only ones whose drains it may undo.
 pub fn verdict(report: &Report) -> Verdict {
     let reason = |r: &keel_check::CheckResult| {
         let mut s = format!("keel: {}: {}", r.id, describe(r));
@@ -46,7 +47,14 @@ pub fn verdict(report: &Report) -> Verdict {
     match (report.status, report.worst()) {
         (Status::Fail, Some(r)) => Verdict::Unhealthy { reason: reason(r) },
         (Status::Unknown, Some(r)) => Verdict::Unknown { reason: reason(r) },
-        _ => Verdict::Healthy,
+        _ => Verdict::Healthy {
+            passed: report
+                .results
+                .iter()
+                .filter(|r| matches!(r.status, Status::Pass | Status::Warn))
+                .map(|r| r.id.clone())
+                .collect(),
+        },
     }
 }
 

@@ -98,6 +98,24 @@ fn an_administrators_drain_is_left_alone() {
 
 #[test]
 #[ignore = "needs Slurm: scripts/test starts one"]
+fn a_drain_by_a_check_that_did_not_run_is_kept() {
+    let cluster = SlurmCluster::get();
+    let node = cluster.node(1).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    // As a validation job's `keel check --bench` leaves it: drained for a
+    // GEMM mismatch, a check the passive health check does not run.
+    let reason = "keel: bench.gemm: GEMM results differ from the reference";
+    cluster.admin_drain(&node, reason).expect("drain");
+    let (code, v, _) = check_slurm(&cluster, &Node::ndv4(), &node, &[]);
+    assert_eq!(code, 0);
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+    assert_eq!(raw.reason, reason);
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
 fn unknown_never_drains_unless_fail_closed() {
     let cluster = SlurmCluster::get();
     let node = cluster.node(0).to_owned();
