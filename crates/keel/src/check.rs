@@ -192,12 +192,7 @@ fn effective_config(r: &RunArgs) -> anyhow::Result<(CheckConfig, Option<PathBuf>
         c.prometheus_textfile = Some(v.clone());
     }
     if let Some(v) = r.slurm_timeout {
-        if !(v > 0.0 && v.is_finite()) {
-            return Err(UsageError(format!(
-                "--slurm-timeout {v} must be a positive number of seconds"
-            ))
-            .into());
-        }
+        crate::config::check_seconds("--slurm-timeout", v)?;
         c.slurm_timeout_s = v;
     }
     if r.fail_closed {
@@ -209,6 +204,9 @@ fn effective_config(r: &RunArgs) -> anyhow::Result<(CheckConfig, Option<PathBuf>
 /// The outcome of a check run, for the Slurm step and exit code.
 pub struct Outcome {
     pub report: Report,
+    /// Writing the state file failed: reported after the Slurm step, so
+    /// that a full disk (itself a failed check) still drains the node.
+    pub state_error: Option<anyhow::Error>,
 }
 
 fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
@@ -239,14 +237,20 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
     }
     let outcome = check_node(cli, &cfg, r.expect_idle, &r.bench)?;
     let report = &outcome.report;
-
+    // Files the run writes beside its report. Their errors are reported
+    // after the Slurm step and the report: a node whose disk is full fails
+    // `host.disk` and must still be drained.
+    let mut write_errors: Vec<anyhow::Error> = outcome.state_error.into_iter().collect();
     if let Some(path) = &cfg.prometheus_textfile {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        write_atomic(path, keel_check::report::prometheus(report, now).as_bytes())
-            .with_context(|| format!("cannot write the Prometheus textfile {}", path.display()))?;
+        if let Err(e) = write_atomic(path, keel_check::report::prometheus(report, now).as_bytes())
+            .with_context(|| format!("cannot write the Prometheus textfile {}", path.display()))
+        {
+            write_errors.push(e);
+        }
     }
     let slurm = if r.slurm {
         let env_node = std::env::var("SLURMD_NODENAME")
@@ -292,7 +296,15 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
             eprintln!("keel: slurm: {}", s.message);
         }
     }
-    Ok(code_of(report.status))
+    let code = code_of(report.status);
+    if write_errors.is_empty() {
+        return Ok(code);
+    }
+    for e in &write_errors {
+        eprintln!("keel: error: {e:#}");
+    }
+    // A failed node stays "failed" (2); otherwise the I/O error decides.
+    Ok(if code == Code::Failed { code } else { Code::Io })
 }
 
 pub fn code_of(s: Status) -> Code {
@@ -358,14 +370,19 @@ pub fn check_node(
     let elapsed = started.elapsed().as_secs_f64() * 1000.0;
     let report = Report::new(host, sku, source, results, (elapsed * 10.0).round() / 10.0);
 
+    let mut state_error = None;
     if let Some(f) = &state_file {
         let state = State::from_inputs(&inputs);
         if let Ok(text) = serde_json::to_string_pretty(&state) {
-            write_atomic(f, text.as_bytes())
-                .with_context(|| format!("cannot write the state file {}", f.display()))?;
+            state_error = write_atomic(f, text.as_bytes())
+                .with_context(|| format!("cannot write the state file {}", f.display()))
+                .err();
         }
     }
-    Ok(Outcome { report })
+    Ok(Outcome {
+        report,
+        state_error,
+    })
 }
 
 fn choose_sku(cfg: &CheckConfig, inputs: &keel_check::Inputs) -> anyhow::Result<(String, String)> {
@@ -660,8 +677,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "out".into());
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    let written = (|| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot write {}", tmp.display()));
+    }
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e)
+            .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()));
+    }
     Ok(())
 }

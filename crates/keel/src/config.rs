@@ -370,12 +370,69 @@ fn check_config(
             }
         };
     }
+    for (what, v) in [
+        ("read_timeout_s (check)", c.read_timeout_s),
+        (
+            "slurm_timeout_s (check) / KEEL_SLURM_TIMEOUT_S",
+            c.slurm_timeout_s,
+        ),
+    ] {
+        check_seconds(what, v)?;
+    }
+    if !(1..=MAX_TIMEOUT_S as u64 * 1000).contains(&c.imds_timeout_ms) {
+        return Err(crate::exit::UsageError(format!(
+            "imds_timeout_ms (check) = {} must be between 1 and {} milliseconds",
+            c.imds_timeout_ms,
+            MAX_TIMEOUT_S as u64 * 1000
+        ))
+        .into());
+    }
     Ok(c)
+}
+
+/// The longest timeout keel accepts anywhere: a day.
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+
+/// A timeout in seconds: positive, finite, at most a day.
+pub fn check_seconds(what: &str, v: f64) -> anyhow::Result<()> {
+    if v > 0.0 && v <= MAX_TIMEOUT_S {
+        Ok(())
+    } else {
+        Err(crate::exit::UsageError(format!(
+            "{what} = {v} must be a positive number of seconds, at most {MAX_TIMEOUT_S}"
+        ))
+        .into())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_out_of_range_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        let none = |_: &str| None;
+        for body in [
+            "[check]\nread_timeout_s = 1e30\n",
+            "[check]\nread_timeout_s = -1.0\n",
+            "[check]\nslurm_timeout_s = inf\n",
+            "[check]\nslurm_timeout_s = nan\n",
+            "[check]\nimds_timeout_ms = 0\n",
+            "[check]\nimds_timeout_ms = 100000000000\n",
+        ] {
+            std::fs::write(&f, body).expect("write");
+            let e = load(Some(&f), &none).expect_err(body);
+            assert!(e.to_string().contains("must be"), "{body}: {e}");
+        }
+        std::fs::write(&f, "").expect("write");
+        for v in ["-1", "inf", "NaN", "1e19", "0"] {
+            let env = |k: &str| (k == "KEEL_SLURM_TIMEOUT_S").then(|| v.to_owned());
+            let e = load(Some(&f), &env).expect_err(v);
+            assert!(e.to_string().contains("KEEL_SLURM_TIMEOUT_S"), "{v}: {e}");
+        }
+    }
 
     #[test]
     fn precedence_file_then_env() {

@@ -76,7 +76,12 @@ impl Node {
 
     pub fn remove(&self, rel: &str) {
         self.own(rel);
-        std::fs::remove_file(self.path(rel)).expect("remove");
+        let path = self.path(rel);
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+            std::fs::remove_dir_all(path).expect("remove");
+        } else {
+            std::fs::remove_file(path).expect("remove");
+        }
     }
 
     pub fn gpu(&self, f: impl FnOnce(&mut Value)) {
