@@ -241,25 +241,41 @@ fn gpu_visible(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> 
         .iter()
         .map(|g| g.pci_bus_id.to_ascii_lowercase())
         .collect();
+    // NVML counted devices it could not open for a reason other than a
+    // lost GPU (no permission, a job's device cgroup): a GPU missing from
+    // its list may be one of those, so that says nothing about its health.
+    let not_permitted: Vec<&keel_gpu::Unopened> =
+        snap.unopened.iter().filter(|u| !u.lost).collect();
     let mut out = Vec::new();
     for g in &m.gpus {
         let pci = g.pci.to_string();
         if !seen.contains(&pci) {
-            out.push(
-                CheckResult::new(
+            let result = match not_permitted.first() {
+                Some(u) => CheckResult::new(
+                    ID,
+                    Status::Unknown,
+                    format!(
+                        "GPU at {pci} is on PCI but not among the GPUs NVML opened, and NVML could not open {} device(s) (device {}: {}): cannot tell whether it fell off the bus",
+                        not_permitted.len(),
+                        u.index,
+                        u.error
+                    ),
+                )
+                .code("GPU_NOT_OPENED"),
+                None => CheckResult::new(
                     ID,
                     Status::Fail,
                     format!(
                         "GPU at {pci} is on PCI but not visible to the driver: fell off the bus"
                     ),
                 )
-                .code("GPU_FELL_OFF_BUS")
-                .device(Device {
-                    gpu: Some(g.index as u32),
-                    pci: Some(pci),
-                    ..Device::default()
-                }),
-            );
+                .code("GPU_FELL_OFF_BUS"),
+            };
+            out.push(result.device(Device {
+                gpu: Some(g.index as u32),
+                pci: Some(pci),
+                ..Device::default()
+            }));
         }
     }
     if out.is_empty() {
@@ -333,8 +349,10 @@ fn gpu_ecc_errors(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResul
             return CheckResult::new(ID, Status::Unknown, "ECC counters could not be read")
                 .code("NVML_FIELD_UNREADABLE");
         }
-        let vol_unc =
-            e.volatile_sram_uncorrected.unwrap_or(0) + e.volatile_dram_uncorrected.unwrap_or(0);
+        let vol_unc = e
+            .volatile_sram_uncorrected
+            .unwrap_or(0)
+            .saturating_add(e.volatile_dram_uncorrected.unwrap_or(0));
         let evidence = format!(
             "volatile uncorrected SRAM={} DRAM={}; aggregate corrected SRAM={} DRAM={}, uncorrected DRAM={}",
             opt(e.volatile_sram_uncorrected),
@@ -364,8 +382,10 @@ fn gpu_ecc_errors(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResul
                 .threshold(format!("< {}", p.gpu.ecc_sram_corrected_fail))
                 .evidence(evidence);
         }
-        let dram =
-            e.aggregate_dram_corrected.unwrap_or(0) + e.aggregate_dram_uncorrected.unwrap_or(0);
+        let dram = e
+            .aggregate_dram_corrected
+            .unwrap_or(0)
+            .saturating_add(e.aggregate_dram_uncorrected.unwrap_or(0));
         if dram >= p.gpu.ecc_dram_aggregate_fail {
             return CheckResult::new(ID, Status::Fail, format!("{dram} aggregate DRAM errors"))
                 .code("ECC_DRAM_AGGREGATE")
@@ -416,7 +436,7 @@ fn gpu_row_remap(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult
                         Status::Pass,
                         format!(
                             "{} rows remapped, none pending",
-                            r.correctable + r.uncorrectable
+                            r.correctable.saturating_add(r.uncorrectable)
                         ),
                     )
                     .value(f64::from(r.uncorrectable), "rows")
@@ -761,6 +781,17 @@ fn ib_hcas(m: &Machine) -> Vec<&keel_topo::machine::Hca> {
         .collect()
 }
 
+/// Why sysfs may list no HCA whatever the hardware: the InfiniBand core
+/// driver is not loaded, or the loaded modules are unknown. `None` when the
+/// driver is loaded (an empty list is then a finding).
+fn ib_driver_missing(inputs: &Inputs) -> Option<String> {
+    match &inputs.host.modules {
+        Ok(mods) if mods.iter().any(|x| x == "ib_core") => None,
+        Ok(_) => Some("the ib_core module is not loaded".to_owned()),
+        Err(e) => Some(format!("the loaded modules are unknown ({e})")),
+    }
+}
+
 fn ib_ports(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
     const ID: &str = "ib.ports";
     let m = match &inputs.machine {
@@ -771,6 +802,20 @@ fn ib_ports(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
     let expected = p.infiniband.hcas.unwrap_or(hcas.len() as u32);
     if expected == 0 && hcas.is_empty() {
         return skip(ID, "no InfiniBand expected on this node");
+    }
+    if hcas.is_empty() {
+        // No HCA at all: without the InfiniBand core driver sysfs lists
+        // none, present or not. Only a loaded driver makes it a finding.
+        if let Some(why) = ib_driver_missing(inputs) {
+            return vec![CheckResult::new(
+                ID,
+                Status::Unknown,
+                format!(
+                    "no InfiniBand HCA in sysfs (expected {expected}) and {why}: cannot tell missing hardware from a missing driver"
+                ),
+            )
+            .code("IB_DRIVER_MISSING")];
+        }
     }
     let mut out = Vec::new();
     if (hcas.len() as u32) < expected {
@@ -937,6 +982,13 @@ fn topology(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
         Ok(m) => m,
         Err(e) => return unknown(ID, "SYSFS_UNREADABLE", e.clone()),
     };
+    // No HCA listed and no driver to list them: only the GPUs' placement
+    // can be compared.
+    let hcas_unknown = if ib_hcas(m).is_empty() {
+        ib_driver_missing(inputs)
+    } else {
+        None
+    };
     let mut out = Vec::new();
     for want in &p.topology {
         let gpus: BTreeSet<String> = m
@@ -952,7 +1004,7 @@ fn topology(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
             .collect();
         let want_g: BTreeSet<String> = want.gpus.iter().map(|s| s.to_ascii_lowercase()).collect();
         let want_h: BTreeSet<String> = want.hcas.iter().map(|s| s.to_ascii_lowercase()).collect();
-        if gpus != want_g || hcas != want_h {
+        if gpus != want_g || (hcas != want_h && hcas_unknown.is_none()) {
             out.push(
                 CheckResult::new(
                     ID,
@@ -974,14 +1026,25 @@ fn topology(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
         }
     }
     if out.is_empty() {
-        out.push(CheckResult::new(
-            ID,
-            Status::Pass,
-            format!(
-                "GPUs and HCAs on all {} NUMA nodes as expected",
-                p.topology.len()
+        out.push(match hcas_unknown {
+            Some(why) if p.topology.iter().any(|t| !t.hcas.is_empty()) => CheckResult::new(
+                ID,
+                Status::Unknown,
+                format!(
+                    "GPUs on all {} NUMA nodes as expected; HCA placement unknown: no HCA in sysfs and {why}",
+                    p.topology.len()
+                ),
+            )
+            .code("IB_DRIVER_MISSING"),
+            _ => CheckResult::new(
+                ID,
+                Status::Pass,
+                format!(
+                    "GPUs and HCAs on all {} NUMA nodes as expected",
+                    p.topology.len()
+                ),
             ),
-        ));
+        });
     }
     out
 }
@@ -996,6 +1059,15 @@ fn host_cpu(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
         Ok(m) => m,
         Err(e) => return unknown(ID, "SYSFS_UNREADABLE", e.clone()),
     };
+    if m.sockets.is_empty() {
+        // The topology files (`physical_package_id`) were unreadable: no
+        // count to compare, not a count of zero.
+        return unknown(
+            ID,
+            "SYSFS_UNREADABLE",
+            "the CPU topology (sockets and cores) could not be read from sysfs".to_owned(),
+        );
+    }
     let sockets = m.sockets.len() as u32;
     let cores: u32 = m.sockets.iter().map(|s| s.cores as u32).sum();
     let tpc = m.threads_per_core;

@@ -188,7 +188,7 @@ fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
             let rest = l.strip_prefix(key)?.strip_prefix(':')?;
             let mut w = rest.split_whitespace();
             let v: u64 = w.next()?.parse().ok()?;
-            (w.next() == Some("kB")).then_some(v * 1024)
+            (w.next() == Some("kB")).then_some(v.checked_mul(1024)?)
         })
     };
     let modules = small.modules;

@@ -69,6 +69,23 @@ pub struct GpuSnapshot {
     pub cuda_driver_version: Option<i32>,
     /// GPUs in NVML index order (PCI bus order).
     pub gpus: Vec<GpuReading>,
+    /// Devices NVML counts but could not open or locate, so left out of
+    /// `gpus`: a GPU that fell off the bus (`lost`), or one this process
+    /// may not use (no permission, a job's device cgroup).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unopened: Vec<Unopened>,
+}
+
+/// A device NVML counts but could not open (see [`GpuSnapshot::unopened`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Unopened {
+    pub index: u32,
+    /// NVML said the GPU is lost (`NVML_ERROR_GPU_IS_LOST`): it fell off
+    /// the bus. Any other error says nothing about the GPU's health.
+    pub lost: bool,
+    /// NVML's error.
+    pub error: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -12,10 +12,12 @@
 //! Every reading is asked for separately; a call that fails or is not
 //! supported leaves its field `None`. Only NVML's device count is
 //! essential ([`GpuError::Nvml`] when it fails). A device that NVML counts
-//! but cannot open (a GPU that fell off the bus), or whose PCI address it
-//! cannot give, is left out of [`GpuSnapshot::gpus`]: the model identifies
-//! every GPU by its PCI address, and the check that compares NVML's GPUs
-//! with those on the PCI bus reports it missing.
+//! but cannot open (a GPU that fell off the bus, or one this process may
+//! not use), or whose PCI address it cannot give, is left out of
+//! [`GpuSnapshot::gpus`] and listed in [`GpuSnapshot::unopened`] with NVML's
+//! error: the model identifies every GPU by its PCI address, and the check
+//! that compares NVML's GPUs with those on the PCI bus reports it missing
+//! (`fail` when NVML said the GPU is lost, `unknown` for any other error).
 //!
 //! This module holds no `unsafe`: everything goes through `nvml-wrapper`'s
 //! safe API. No reading needs a raw call: remapped rows, for which
@@ -155,13 +157,27 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
         message: error_chain(&e),
     })?;
     let mut gpus = Vec::new();
+    let mut unopened = Vec::new();
+    let mut left_out = |index: u32, e: NvmlError| {
+        unopened.push(crate::Unopened {
+            index,
+            lost: matches!(e, NvmlError::GpuLost),
+            error: error_chain(&e),
+        })
+    };
     for index in 0..count {
         // Left out when unreadable: see the module docs.
-        let Ok(device) = nvml.device_by_index(index) else {
-            continue;
+        let device = match nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => {
+                left_out(index, e);
+                continue;
+            }
         };
-        let Ok(pci) = device.pci_info() else { continue };
-        gpus.push(read_device(index, &pci.bus_id, &device));
+        match device.pci_info() {
+            Ok(pci) => gpus.push(read_device(index, &pci.bus_id, &device)),
+            Err(e) => left_out(index, e),
+        }
     }
     Ok(GpuSnapshot {
         version: SNAPSHOT_VERSION,
@@ -170,6 +186,7 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
         nvml_version: nvml.sys_nvml_version().ok(),
         cuda_driver_version: nvml.sys_cuda_driver_version().ok(),
         gpus,
+        unopened,
     })
     // `nvml` is dropped here, which shuts NVML down (errors ignored).
 }

@@ -171,6 +171,11 @@ mod tests {
                     ..GpuReading::default()
                 },
             ],
+            unopened: vec![crate::Unopened {
+                index: 2,
+                lost: true,
+                error: "GPU is lost".into(),
+            }],
         }
     }
 
@@ -434,6 +439,7 @@ mod tests {
                 driver_version,
                 cuda_driver_version,
                 gpus,
+                unopened: Vec::new(),
             };
             prop_assert_eq!(round_trip(&snap), snap);
         }

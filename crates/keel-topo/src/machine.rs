@@ -452,7 +452,7 @@ fn meminfo_total(
             let value = words.next();
             let unit = words.next();
             return match (value.and_then(|v| v.parse::<u64>().ok()), unit) {
-                (Some(v), Some("kB")) => Ok(Some(v * 1024)),
+                (Some(v), Some("kB")) if v.checked_mul(1024).is_some() => Ok(Some(v * 1024)),
                 _ => Err(TopoError::parse(
                     root.path(path),
                     line,
@@ -566,18 +566,27 @@ fn read_nvidia_minors(root: &Root) -> Result<BTreeMap<PciAddr, u32>, TopoError> 
 }
 
 fn read_link_info(root: &Root, dev: &Path) -> Result<PcieLink, TopoError> {
+    let width = |name: &str| -> Result<Option<u32>, TopoError> {
+        let rel = dev.join(name);
+        match root.read_attr(&rel)? {
+            Some(s) => s.trim().parse().map(Some).map_err(|_| {
+                TopoError::parse(root.path(&rel), &s, "expected a non-negative integer")
+            }),
+            None => Ok(None),
+        }
+    };
     Ok(PcieLink {
         current_speed_gts: read_speed(root, dev.join("current_link_speed"))?,
-        current_width: read_u32(root, dev.join("current_link_width"))?,
+        current_width: width("current_link_width")?,
         max_speed_gts: read_speed(root, dev.join("max_link_speed"))?,
-        max_width: read_u32(root, dev.join("max_link_width"))?,
+        max_width: width("max_link_width")?,
     })
 }
 
 /// `16.0 GT/s PCIe` (newer kernels), `16 GT/s`, `8.0 GT/s`; `Unknown` or an
 /// unreadable file is `None`.
 fn read_speed(root: &Root, rel: PathBuf) -> Result<Option<f64>, TopoError> {
-    let Some(s) = root.read_opt(&rel)? else {
+    let Some(s) = root.read_attr(&rel)? else {
         return Ok(None);
     };
     let t = s.trim();
@@ -607,7 +616,7 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
                 continue;
             };
             let p = rel.join("ports").join(&port);
-            let rate = root.read_opt(p.join("rate"))?.map(|s| s.trim().to_owned());
+            let rate = root.read_attr(p.join("rate"))?.map(|s| s.trim().to_owned());
             let rate_gbps = match &rate {
                 Some(r) => Some(
                     r.split_whitespace()
@@ -654,7 +663,7 @@ fn read_hcas(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Hca>
 
 /// `4: ACTIVE` -> `ACTIVE`.
 fn read_state(root: &Root, rel: PathBuf) -> Result<Option<String>, TopoError> {
-    Ok(root.read_opt(&rel)?.map(|s| {
+    Ok(root.read_attr(&rel)?.map(|s| {
         let t = s.trim();
         t.split_once(':')
             .map_or(t, |(_, name)| name.trim())
@@ -763,7 +772,11 @@ fn read_nvme(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Nvme
                 continue;
             }
             if let Some(sectors) = read_u64(root, rel.join(&entry).join("size"))? {
-                capacity = Some(capacity.unwrap_or(0) + sectors * 512);
+                capacity = Some(
+                    capacity
+                        .unwrap_or(0)
+                        .saturating_add(sectors.saturating_mul(512)),
+                );
             }
             namespaces.push(entry);
         }

@@ -197,6 +197,11 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
             .iter()
             .map(|&id| rank_nodes.iter().filter(|s| s.contains(id)).count())
             .collect();
+        if counts.is_empty() {
+            return Err(PlanError::NotPerNuma {
+                detail: "no NUMA node lists any CPU".to_owned(),
+            });
+        }
         if counts.iter().any(|&c| c != counts[0]) || counts[0] == 0 {
             let detail = cpu_nodes
                 .iter()

@@ -105,6 +105,18 @@ impl Root {
         }
     }
 
+    /// Reads a device attribute the kernel may refuse to read (EINVAL for
+    /// the link of a device whose config space does not answer, for the
+    /// rate of a port with an invalid width): `Ok(None)` when it is absent
+    /// or refused, so one bad attribute leaves one value absent instead of
+    /// failing the whole machine.
+    pub fn read_attr(&self, rel: impl AsRef<Path>) -> Result<Option<String>, TopoError> {
+        match self.read_opt(rel) {
+            Err(TopoError::Read { .. }) => Ok(None),
+            other => other,
+        }
+    }
+
     /// Reads a file that must exist.
     pub fn read(&self, rel: impl AsRef<Path>) -> Result<String, TopoError> {
         let rel = rel.as_ref();

@@ -219,3 +219,34 @@ fn plan_limits() {
         Err(PlanError::DoesNotFit { node: 1, .. })
     ));
 }
+
+#[test]
+fn a_refused_link_attribute_is_absent_not_an_error() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    small_machine(tmp.path());
+    // A directory where the attribute should be: reading it fails with
+    // EISDIR, as the kernel fails a read of a link whose device does not
+    // answer (EINVAL). Root reads through 000 permissions, a directory not.
+    fs::create_dir_all(tmp.path().join(format!("{GPU}/current_link_width"))).expect("mkdir");
+    write(tmp.path(), &format!("{GPU}/max_link_width"), "16\n");
+    let m = read_machine(&Root::new(tmp.path())).expect("one unreadable attribute is no error");
+    assert_eq!(m.gpus[0].link.current_width, None);
+    assert_eq!(m.gpus[0].link.max_width, Some(16));
+}
+
+#[test]
+fn mpirun_plan_on_a_machine_whose_nodes_list_no_cpu_is_an_error() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    small_machine(tmp.path());
+    write(tmp.path(), "sys/devices/system/node/node0/cpulist", "\n");
+    write(tmp.path(), "sys/devices/system/node/node1/cpulist", "\n");
+    let Ok(m) = read_machine(&Root::new(tmp.path())) else {
+        return; // refused while reading: also no panic
+    };
+    let req = PlanRequest {
+        launcher: Launcher::Mpirun,
+        ranks_per_node: None,
+        cpus_per_rank: None,
+    };
+    assert!(plan(&m, &req).is_err());
+}

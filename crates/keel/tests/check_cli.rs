@@ -12,7 +12,11 @@ use serde_json::{json, Value};
 
 /// Other checks a fault legitimately affects: a GPU gone from PCI is also
 /// missing from its NUMA node.
-const ALSO: &[(&str, &[&str])] = &[("GPU_MISSING", &["topology"])];
+const ALSO: &[(&str, &[&str])] = &[
+    ("GPU_MISSING", &["topology"]),
+    ("IB_DRIVER_MISSING", &["topology"]),
+    ("IB_HCA_MISSING", &["topology"]),
+];
 
 /// Asserts that check `id` has a result with `status` and `code`, and that
 /// no other check is worse than pass/skip (the fault is the only finding).
@@ -277,6 +281,54 @@ fn checks_that_cannot_run_are_unknown_never_fail() {
         report["summary"]
     );
 
+    let root_without_snapshot = n;
+    // NVML counted a GPU it may not open (no permission, a job's device
+    // cgroup): the GPU missing from its list is unknown, not fallen off the
+    // bus. A lost GPU still fails.
+    let n = Node::ndv4();
+    n.gpu(|v| {
+        v["gpus"].as_array_mut().expect("gpus").pop();
+        v["unopened"] = json!([{"index": 7, "lost": false, "error": "Insufficient Permissions"}]);
+    });
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 3, "{report}");
+    assert_fault(&report, "gpu.visible", "unknown", "GPU_NOT_OPENED");
+    n.gpu(|v| v["unopened"][0]["lost"] = json!(true));
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 2, "{report}");
+    assert_fault(&report, "gpu.visible", "fail", "GPU_FELL_OFF_BUS");
+
+    // Unreadable CPU topology is no count at all, not 0 sockets.
+    let n = Node::ndv4();
+    for cpu in 0..96 {
+        n.remove(&format!(
+            "sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
+        ));
+    }
+    let (_, report, _) = n.run(&[]);
+    assert_fault(&report, "host.cpu", "unknown", "SYSFS_UNREADABLE");
+
+    // No HCA in sysfs and no InfiniBand driver: cannot tell missing
+    // hardware from a missing driver.
+    let n = Node::ndv4();
+    n.remove("sys/class/infiniband");
+    let m = std::fs::read_to_string(n.path("proc/modules")).expect("modules");
+    let kept: String = m
+        .lines()
+        .filter(|l| !l.starts_with("ib_core "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    n.write("proc/modules", &kept);
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 3, "{report}");
+    assert_fault(&report, "ib.ports", "unknown", "IB_DRIVER_MISSING");
+    // With the driver loaded, no HCA is a failure.
+    n.write("proc/modules", &m);
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 2, "{report}");
+    assert_fault(&report, "ib.ports", "fail", "IB_HCA_MISSING");
+
+    let n = root_without_snapshot;
     // A root without a GPU snapshot: NVML would describe this machine, not
     // the root's, so GPU readings are unknown and say why.
     let args: Vec<String> = [
@@ -618,6 +670,27 @@ fn fleet_merge_flags_failing_nodes_and_outliers() {
     assert_eq!(code, 65, "{err}");
     assert!(
         err.contains("junk.json is not a keel check --json report"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_file_that_cannot_be_written_does_not_hide_the_report() {
+    // /proc refuses new files: the state file and the Prometheus textfile
+    // cannot be written. The report is still printed (and a Slurm step
+    // would still run); the error follows, and a failed node stays failed.
+    let n = Node::ndv4();
+    let (code, report, err) = n.run(&["--state-dir", "/proc/keel-no-such-dir"]);
+    assert_eq!(code, 74, "{err}");
+    assert_eq!(report["status"], "pass", "{report}");
+    assert!(err.contains("cannot write the state file"), "{err}");
+
+    n.remove("sys/bus/pci/devices/000e:00:00.0");
+    let (code, report, err) = n.run(&["--prometheus-textfile", "/proc/keel.prom"]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(report["status"], "fail", "{report}");
+    assert!(
+        err.contains("cannot write the Prometheus textfile"),
         "{err}"
     );
 }
