@@ -229,7 +229,11 @@ struct Ctx {
     route: &'static str,
     key: Option<Arc<str>>,
     team: Option<Arc<str>>,
+    /// The model the client asked for, as it wrote it.
     model: Option<String>,
+    /// `model` names a configured model: only then is it a metrics label
+    /// (any other name the client sends would add series without bound).
+    model_configured: bool,
     served_model: Option<Arc<str>>,
     deployment: Option<Arc<str>>,
     /// `served_model` and `deployment` as header values.
@@ -888,11 +892,12 @@ impl Gateway {
     /// audit writer.
     fn finish(&self, ctx: Ctx, total: Duration) {
         let m = &self.inner.metrics;
-        let model = ctx
-            .served_model
-            .as_deref()
-            .or(ctx.model.as_deref())
-            .unwrap_or("");
+        let model = match (&ctx.served_model, &ctx.model) {
+            (Some(m), _) => m,
+            (None, Some(m)) if ctx.model_configured => m.as_str(),
+            (None, Some(_)) => "unknown",
+            (None, None) => "",
+        };
         let deployment = ctx.deployment.as_deref().unwrap_or("");
         let key = ctx.key.as_deref().unwrap_or("");
         m.request(
@@ -1160,6 +1165,7 @@ impl Gateway {
         .await?;
         let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        ctx.model_configured = gen.traffic.models.contains_key(parsed.model.as_str());
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
         ctx.prompt_estimate = parsed.prompt_estimate;
@@ -1178,10 +1184,12 @@ impl Gateway {
         let tokens = match route {
             Route::Embeddings => parsed.prompt_estimate,
             _ => {
-                parsed.prompt_estimate
-                    + parsed
+                // Saturating: `max_tokens` is the client's number.
+                parsed.prompt_estimate.saturating_add(
+                    parsed
                         .max_tokens
-                        .unwrap_or(gen.cfg.limits.default_max_tokens)
+                        .unwrap_or(gen.cfg.limits.default_max_tokens),
+                )
             }
         };
         let reservation = self.admit(gen, &ident, tokens, ctx).await?;
@@ -1387,6 +1395,7 @@ impl Gateway {
         ident: Identity,
         ctx: &mut Ctx,
     ) -> Result<Response<GwBody>, Fail> {
+        ctx.model_configured = gen.traffic.models.contains_key(m.name.as_str());
         ctx.model = Some(m.name.clone());
         if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
             ctx.denied = Some("forbidden");

@@ -173,17 +173,21 @@ fn judge(scopes: &[Scope], counters: &[Counter], tokens: u64, now: u64) -> Optio
     let mut rate = None::<u64>;
     for (s, c) in scopes.iter().zip(counters) {
         let l = &s.limits;
-        if l.tokens_per_day.is_some_and(|m| c.day_tokens + tokens > m) {
+        if l.tokens_per_day
+            .is_some_and(|m| c.day_tokens.saturating_add(tokens) > m)
+        {
             quota = Some(quota.unwrap_or(0).max(day_end_ms(now) - now));
         }
         if l.tokens_per_month
-            .is_some_and(|m| c.month_tokens + tokens > m)
+            .is_some_and(|m| c.month_tokens.saturating_add(tokens) > m)
         {
             quota = Some(quota.unwrap_or(0).max(month_end_ms(now) - now));
         }
         let reset = (c.window_start + WINDOW_MS).saturating_sub(now);
-        if l.requests_per_minute.is_some_and(|m| c.requests + 1 > m)
-            || l.tokens_per_minute.is_some_and(|m| c.tokens + tokens > m)
+        if l.requests_per_minute
+            .is_some_and(|m| c.requests.saturating_add(1) > m)
+            || l.tokens_per_minute
+                .is_some_and(|m| c.tokens.saturating_add(tokens) > m)
         {
             rate = Some(rate.unwrap_or(0).max(reset));
         }
@@ -253,10 +257,10 @@ impl LocalLimiter {
             };
         }
         for (s, c) in scopes.iter().zip(cs.iter_mut()) {
-            c.requests += 1;
-            c.tokens += tokens;
-            c.day_tokens += tokens;
-            c.month_tokens += tokens;
+            c.requests = c.requests.saturating_add(1);
+            c.tokens = c.tokens.saturating_add(tokens);
+            c.day_tokens = c.day_tokens.saturating_add(tokens);
+            c.month_tokens = c.month_tokens.saturating_add(tokens);
             if let Some(m) = map.get_mut(&*s.name) {
                 *m = *c;
             }
@@ -275,7 +279,7 @@ impl LocalLimiter {
 
     fn settle(&self, res: &Reservation, actual: u64) {
         let mut map = self.counters.lock().unwrap_or_else(|p| p.into_inner());
-        let adj = |v: &mut u64| *v = (*v + actual).saturating_sub(res.tokens);
+        let adj = |v: &mut u64| *v = v.saturating_add(actual).saturating_sub(res.tokens);
         for (s, start) in res.scopes.iter().zip(&res.window_starts) {
             let Some(c) = map.get_mut(&*s.name) else {
                 continue;
@@ -668,6 +672,37 @@ mod tests {
             panic!("{r:?}")
         };
         assert_eq!(retry_after_ms, 27 * 86_400_000, "until 2026-03-01");
+    }
+
+    #[tokio::test]
+    async fn a_huge_reservation_is_refused_and_never_wraps_the_counters() {
+        let l = Limiter::local(Arc::new(ManualClock::new(1_000_000)));
+        let s = [scope(
+            "key:a",
+            LimitSet {
+                tokens_per_day: Some(100),
+                ..LimitSet::default()
+            },
+        )];
+        let Admission::Admitted { reservation, .. } = l.reserve(&s, 90).await.expect("ok") else {
+            panic!("90 of 100 is admitted")
+        };
+        l.settle(&reservation, 90).await.expect("ok");
+        // 90 + (u64::MAX - 8) would wrap to 81 and pass a plain sum.
+        for tokens in [u64::MAX - 8, u64::MAX] {
+            let r = l.reserve(&s, tokens).await.expect("ok");
+            assert!(
+                matches!(
+                    r,
+                    Admission::Refused {
+                        refusal: Refusal::Quota,
+                        ..
+                    }
+                ),
+                "{tokens}: {r:?}"
+            );
+        }
+        assert_eq!(l.usage("key:a").await.expect("ok").day_tokens, 90);
     }
 
     #[tokio::test]

@@ -394,7 +394,7 @@ pub struct TokenUsage {
 
 impl TokenUsage {
     pub fn total(&self) -> u64 {
-        self.prompt + self.completion
+        self.prompt.saturating_add(self.completion)
     }
 }
 

@@ -187,6 +187,10 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
         .status,
         404
     );
+    // A name the client makes up is no metrics label: series stay bounded.
+    let m = g.metrics_text();
+    assert!(!m.contains("model=\"nope\""), "{m}");
+    assert!(m.contains("model=\"unknown\""), "{m}");
     assert_eq!(
         http::request(g.public, "GET", "/v1/chat/completions", &h, b"")
             .expect("r")

@@ -238,6 +238,11 @@ fn load_gateway_config(sc: &ServeConfig) -> anyhow::Result<(GatewayConfig, PathB
 fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Result<Code> {
     let (cfg, path) = load_gateway_config(sc)?;
     if print_config {
+        // The Redis URL may carry a password: never printed.
+        let mut cfg = cfg;
+        if let Some(u) = &mut cfg.limits.redis_url {
+            *u = keel_gateway::redis::redact(u);
+        }
         if out.json {
             out.json(
                 "serve",

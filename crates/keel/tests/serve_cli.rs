@@ -176,7 +176,11 @@ fn sighup_reloads_the_config_file() {
 #[test]
 fn print_config_and_bad_config_exit_codes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = config(dir.path(), "http://127.0.0.1:9", "");
+    let cfg = config(
+        dir.path(),
+        "http://127.0.0.1:9",
+        "[limits]\nredis_url = \"redis://:s3cret-pw@127.0.0.1:6379/0\"\n",
+    );
     let (code, out) = run(&[
         "--json",
         "serve",
@@ -185,7 +189,15 @@ fn print_config_and_bad_config_exit_codes() {
         "--print-config",
     ]);
     assert_eq!(code, 0);
+    assert!(
+        !out.contains("s3cret-pw"),
+        "the Redis password is printed: {out}"
+    );
     let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(
+        v["config"]["limits"]["redis_url"],
+        "redis://***@127.0.0.1:6379/0"
+    );
     assert_eq!(v["config"]["traffic"]["retries"], 2);
     assert_eq!(v["config"]["server"]["pin_header"], "x-keel-deployment");
     std::fs::write(&cfg, "[server]\nnope = 1\n").expect("write");
