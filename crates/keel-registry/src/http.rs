@@ -587,7 +587,13 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
     Ok(out)
 }
 
-/// SQL LIKE: `%` any run, `_` one character.
+/// SQL LIKE: `%` any run, `_` one character, everything else itself (no
+/// escape character). `fold` compares the lowercased pattern and text
+/// (ILIKE).
+///
+/// Iterative, with the text position of the last `%` to go back to: time
+/// is at most the product of the two lengths and the stack stays flat,
+/// whatever the pattern.
 fn like(pattern: &str, s: &str, fold: bool) -> bool {
     let (p, s): (Vec<char>, Vec<char>) = if fold {
         (
@@ -597,15 +603,33 @@ fn like(pattern: &str, s: &str, fold: bool) -> bool {
     } else {
         (pattern.chars().collect(), s.chars().collect())
     };
-    fn m(p: &[char], s: &[char]) -> bool {
-        match p.first() {
-            None => s.is_empty(),
-            Some('%') => (0..=s.len()).any(|i| m(&p[1..], &s[i..])),
-            Some('_') => !s.is_empty() && m(&p[1..], &s[1..]),
-            Some(c) => s.first() == Some(c) && m(&p[1..], &s[1..]),
+    let (mut pi, mut si) = (0, 0);
+    // After the last `%` seen: the pattern index past it and the text index
+    // its run ends at so far.
+    let mut back: Option<(usize, usize)> = None;
+    while si < s.len() {
+        match p.get(pi) {
+            Some('%') => {
+                pi += 1;
+                back = Some((pi, si));
+            }
+            Some(&c) if c == '_' || c == s[si] => {
+                pi += 1;
+                si += 1;
+            }
+            _ => match back {
+                // The `%` takes one more character and the rest of the
+                // pattern tries again from there.
+                Some((bp, bs)) => {
+                    pi = bp;
+                    si = bs + 1;
+                    back = Some((bp, si));
+                }
+                None => return false,
+            },
         }
     }
-    m(&p, &s)
+    p[pi..].iter().all(|&c| c == '%')
 }
 
 /// A tag clause: an absent tag matches only `!=`.
@@ -938,5 +962,113 @@ mod tests {
         assert!(matches_tag(&c[1], &[]));
         assert!(parse_filter("foo = '1'").is_err());
         assert!(parse_filter("name = 'x' OR name = 'y'").is_err());
+    }
+
+    /// The backtracking matcher `like` replaced: every way to split the
+    /// text is tried, one recursion level per pattern character.
+    fn like_reference(pattern: &str, s: &str, fold: bool) -> bool {
+        let (p, s): (Vec<char>, Vec<char>) = if fold {
+            (
+                pattern.to_lowercase().chars().collect(),
+                s.to_lowercase().chars().collect(),
+            )
+        } else {
+            (pattern.chars().collect(), s.chars().collect())
+        };
+        fn m(p: &[char], s: &[char]) -> bool {
+            match p.first() {
+                None => s.is_empty(),
+                Some('%') => (0..=s.len()).any(|i| m(&p[1..], &s[i..])),
+                Some('_') => !s.is_empty() && m(&p[1..], &s[1..]),
+                Some(c) => s.first() == Some(c) && m(&p[1..], &s[1..]),
+            }
+        }
+        m(&p, &s)
+    }
+
+    /// All strings over `alphabet` up to `max_len` characters.
+    fn strings(alphabet: &[char], max_len: usize) -> Vec<String> {
+        let mut out = vec![String::new()];
+        let mut level = vec![String::new()];
+        for _ in 0..max_len {
+            level = level
+                .iter()
+                .flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}")))
+                .collect();
+            out.extend(level.iter().cloned());
+        }
+        out
+    }
+
+    #[test]
+    fn like_agrees_with_backtracking_on_every_short_input() {
+        let patterns = strings(&['a', 'B', '%', '_'], 5);
+        let texts = strings(&['a', 'b', 'B'], 5);
+        for p in &patterns {
+            for t in &texts {
+                for fold in [false, true] {
+                    assert_eq!(
+                        like(p, t, fold),
+                        like_reference(p, t, fold),
+                        "pattern {p:?} text {t:?} fold {fold}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn like_semantics() {
+        assert!(like("", "", false));
+        assert!(!like("", "a", false));
+        assert!(like("%", "", false));
+        assert!(like("%%", "anything", false));
+        assert!(!like("_", "", false));
+        assert!(
+            like("_", "\u{20ac}", false),
+            "`_` is one character, not one byte"
+        );
+        assert!(like("a_c", "a\u{20ac}c", false));
+        assert!(like("%.ckpt", "run/step-10.ckpt", false));
+        assert!(!like("%.ckpt", "run/step-10.ckpt.tmp", false));
+        assert!(like("%a%b%c%", "xxaxxbxxcxx", false));
+        assert!(!like("%a%b%c%", "xxcxxbxxaxx", false));
+        assert!(!like("ABC", "abc", false));
+        assert!(like("ABC", "abc", true));
+        assert!(like("%\u{c9}T\u{c9}", "\u{e9}t\u{e9}", true));
+        // No escape character: `\` is a literal.
+        assert!(like("a\\%", "a\\bc", false));
+        assert!(!like("a\\%", "abc", false));
+    }
+
+    /// Runs `like` on its own thread and gives up after a few seconds.
+    fn like_within_seconds(pattern: String, text: String) -> Option<bool> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(like(&pattern, &text, true));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(5)).ok()
+    }
+
+    #[test]
+    fn like_is_polynomial_in_many_wildcards() {
+        let text = "a".repeat(10_000);
+        let pattern = format!("{}b", "%".repeat(5_000));
+        assert_eq!(like_within_seconds(pattern, text.clone()), Some(false));
+        let pattern = format!("{}a", "%a".repeat(2_000));
+        assert_eq!(like_within_seconds(pattern, text.clone()), Some(true));
+        let pattern = "%a".repeat(6_000);
+        assert_eq!(like_within_seconds(pattern, "a".repeat(5_999)), Some(false));
+        assert_eq!(like_within_seconds("%a".repeat(6_000), text), Some(true));
+    }
+
+    #[test]
+    fn like_handles_patterns_longer_than_a_stack() {
+        let text = "x".repeat(200_000);
+        assert_eq!(
+            like_within_seconds("_".repeat(200_000), text.clone()),
+            Some(true)
+        );
+        assert_eq!(like_within_seconds("_".repeat(200_001), text), Some(false));
     }
 }
