@@ -657,13 +657,19 @@ fn page<T>(
     default_max: usize,
 ) -> Result<(Vec<T>, Option<String>), ApiError> {
     let start: usize = match &q.page_token {
-        Some(t) if !t.is_empty() => t.parse().map_err(|_| ApiError::invalid("bad page_token"))?,
+        Some(t) if !t.is_empty() => t.parse().map_err(|_| {
+            ApiError::invalid(format!(
+                "bad page_token {t:?}: expected the next_page_token of an earlier page"
+            ))
+        })?,
         _ => 0,
     };
     let max = q.max_results.unwrap_or(default_max).max(1);
     let total = items.len();
     let page: Vec<T> = items.into_iter().skip(start).take(max).collect();
-    let next = (start + max < total).then(|| (start + max).to_string());
+    // Past the last item when the sum does not fit: no next page.
+    let end = start.saturating_add(max);
+    let next = (end < total).then(|| end.to_string());
     Ok((page, next))
 }
 
@@ -1070,5 +1076,35 @@ mod tests {
             Some(true)
         );
         assert_eq!(like_within_seconds("_".repeat(200_001), text), Some(false));
+    }
+
+    fn query(max_results: Option<usize>, page_token: Option<&str>) -> SearchQuery {
+        SearchQuery {
+            filter: None,
+            max_results,
+            page_token: page_token.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn pages_with_extreme_offsets_and_sizes() {
+        let items = || (0..10).collect::<Vec<u32>>();
+        let (p, next) = page(items(), &query(Some(4), None), 100).expect("first");
+        assert_eq!((p, next.as_deref()), (vec![0, 1, 2, 3], Some("4")));
+        let (p, next) = page(items(), &query(Some(4), Some("8")), 100).expect("last");
+        assert_eq!((p, next), (vec![8, 9], None));
+        let (p, next) = page(items(), &query(Some(usize::MAX), Some("3")), 100).expect("max");
+        assert_eq!((p, next), ((3..10).collect(), None));
+        let top = usize::MAX.to_string();
+        let (p, next) = page(items(), &query(Some(usize::MAX), Some(&top)), 100).expect("both");
+        assert_eq!((p, next), (vec![], None));
+        let (p, next) = page(items(), &query(Some(2), Some(&top)), 100).expect("far");
+        assert_eq!((p, next), (vec![], None));
+        let e = page(items(), &query(None, Some("184467440737095516160")), 100)
+            .expect_err("beyond usize");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("184467440737095516160"), "{}", e.message);
+        let e = page(items(), &query(None, Some("-1")), 100).expect_err("negative");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 }
