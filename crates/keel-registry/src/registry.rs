@@ -62,6 +62,16 @@ fn tags_json(tags: &[Tag]) -> serde_json::Value {
         .into()
 }
 
+/// The longest start of `s` that is at most `max` bytes and ends on a
+/// character boundary.
+fn head(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 fn check_tag(t: &Tag) -> Result<()> {
     if t.key.is_empty() || t.key.len() > 250 {
         return Err(RegistryError::Invalid {
@@ -73,7 +83,7 @@ fn check_tag(t: &Tag) -> Result<()> {
     if t.value.len() > 5000 {
         return Err(RegistryError::Invalid {
             what: "tag value",
-            value: format!("{}...", &t.value[..40.min(t.value.len())]),
+            value: format!("{}...", head(&t.value, 40)),
             reason: "tag values are at most 5000 bytes".into(),
         });
     }
@@ -1760,4 +1770,46 @@ pub fn version_manifest(v: &Version) -> std::result::Result<Manifest, RegistryEr
         value: format!("{}:{}", v.model, v.version),
         reason: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FixedClock;
+
+    #[test]
+    fn long_tag_values_are_refused_whatever_their_characters() {
+        // 3-byte characters: byte 40 falls inside the 14th.
+        let euro = Tag {
+            key: "note".into(),
+            value: "\u{20ac}".repeat(1700),
+        };
+        match check_tag(&euro) {
+            Err(RegistryError::Invalid { value, reason, .. }) => {
+                assert_eq!(value, format!("{}...", "\u{20ac}".repeat(13)));
+                assert!(reason.contains("at most 5000 bytes"), "{reason}");
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+        let mut reg = Registry::open_in_memory(Arc::new(FixedClock(0))).expect("open");
+        let e = reg
+            .create_model("alice", "m", "", std::slice::from_ref(&euro))
+            .expect_err("too long");
+        assert!(e.to_string().contains("at most 5000 bytes"), "{e}");
+        let ascii = Tag {
+            key: "note".into(),
+            value: "x".repeat(5001),
+        };
+        match check_tag(&ascii) {
+            Err(RegistryError::Invalid { value, .. }) => {
+                assert_eq!(value, format!("{}...", "x".repeat(40)));
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+        let fits = Tag {
+            key: "note".into(),
+            value: "\u{20ac}".repeat(1666),
+        };
+        assert!(check_tag(&fits).is_ok());
+    }
 }
