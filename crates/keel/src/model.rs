@@ -676,7 +676,7 @@ fn show(reg: &Registry, reference: &str, out: &mut Out) -> anyhow::Result<Code> 
                     human_bytes(v.total_bytes()),
                     v.manifest_digest
                         .as_deref()
-                        .map_or("-".into(), |d| d[..12].to_owned()),
+                        .map_or("-".into(), |d| head(d, 12).to_owned()),
                     if v.aliases.is_empty() {
                         "-".into()
                     } else {
@@ -708,6 +708,12 @@ fn show(reg: &Registry, reference: &str, out: &mut Out) -> anyhow::Result<Code> 
     Ok(Code::Ok)
 }
 
+/// The first `n` characters of `s` (all of it when shorter): digests and
+/// key hints shortened for display.
+fn head(s: &str, n: usize) -> &str {
+    s.char_indices().nth(n).map_or(s, |(i, _)| &s[..i])
+}
+
 fn render_version(v: &Version, key_hint: Option<&str>) -> String {
     let mut s = format!("{}:{} | {}", v.model, v.version, v.status);
     if !v.aliases.is_empty() {
@@ -725,9 +731,7 @@ fn render_version(v: &Version, key_hint: Option<&str>) -> String {
         ),
         (
             "signed",
-            key_hint.map_or("no".into(), |h| {
-                format!("yes (key {})", &h[..16.min(h.len())])
-            }),
+            key_hint.map_or("no".into(), |h| format!("yes (key {})", head(h, 16))),
         ),
         ("run", dash(v.lineage.run_id.as_deref())),
     ];
@@ -1398,4 +1402,42 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(Code::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_registry::Status;
+
+    #[test]
+    fn digests_and_key_hints_shorten_by_character() {
+        assert_eq!(head("0123456789abcdef0123", 12), "0123456789ab");
+        assert_eq!(head("abc", 12), "abc");
+        assert_eq!(head("", 12), "");
+        assert_eq!(head(&"\u{20ac}".repeat(20), 12), "\u{20ac}".repeat(12));
+        let v = Version {
+            model: "m".into(),
+            version: 1,
+            status: Status::Ready,
+            status_message: String::new(),
+            source: "/src".into(),
+            artifact_url: None,
+            manifest_digest: Some("\u{20ac}\u{20ac}".into()),
+            description: String::new(),
+            lineage: Lineage::default(),
+            created_ms: 0,
+            created_by: "alice".into(),
+            updated_ms: 0,
+            files: Vec::new(),
+            tags: Vec::new(),
+            aliases: Vec::new(),
+            signed: true,
+        };
+        let hint = "\u{20ac}".repeat(6);
+        let text = render_version(&v, Some(&hint));
+        assert!(
+            text.contains(&format!("yes (key {})", "\u{20ac}".repeat(6))),
+            "{text}"
+        );
+    }
 }
