@@ -4,14 +4,15 @@
 //!
 //! Layout under a version's artifact URL: the files under their names, and
 //! `manifest.json` (keel-store's statement), written last and only if
-//! absent.
+//! absent. A URL that already holds a manifest holds a version, and no
+//! upload writes there.
 
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
 use keel_store::transfer::{self, Fetch, Upload};
-use keel_store::{FileEntry, Manifest, Store, StoreError, TransferOptions};
+use keel_store::{CreateOutcome, FileEntry, Manifest, Store, StoreError, TransferOptions};
 
 /// The manifest's key under an artifact URL.
 pub const MANIFEST_KEY: &str = "manifest.json";
@@ -45,6 +46,8 @@ pub enum ArtifactError {
     },
     #[error("no manifest at {url}/{MANIFEST_KEY}")]
     NoManifest { url: String },
+    #[error("{url} already holds a version ({url}/{MANIFEST_KEY} exists); a version's files are never written over")]
+    VersionExists { url: String },
     #[error("{target} already exists and is not an empty directory")]
     TargetNotEmpty { target: PathBuf },
     #[error("cannot write {path}")]
@@ -132,13 +135,22 @@ pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
 }
 
 /// Uploads a directory's files (hashed while they go) and then its
-/// manifest, create-only.
+/// manifest, create-only. A store that already holds a manifest holds a
+/// version: it is refused before anything is written
+/// ([`ArtifactError::VersionExists`]), and so is a manifest that appears
+/// there while the files go up.
 pub async fn upload_dir(
     store: &Store,
     dir: &Path,
     name: &str,
     opts: &TransferOptions,
 ) -> Result<Manifest, ArtifactError> {
+    let exists = || ArtifactError::VersionExists {
+        url: store.url().to_string(),
+    };
+    if store.head(MANIFEST_KEY).await?.is_some() {
+        return Err(exists());
+    }
     let items: Vec<Upload> = list_dir(dir)?
         .into_iter()
         .map(|(name, local)| Upload {
@@ -154,10 +166,13 @@ pub async fn upload_dir(
             source,
         }
     })?;
-    store
+    match store
         .create(MANIFEST_KEY, Bytes::from(manifest.to_json()))
-        .await?;
-    Ok(manifest)
+        .await?
+    {
+        CreateOutcome::Created => Ok(manifest),
+        CreateOutcome::AlreadyExists => Err(exists()),
+    }
 }
 
 /// Reads and checks the manifest stored under a URL.
@@ -298,4 +313,74 @@ pub async fn pull(
         let _ = std::fs::remove_dir_all(&staging);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_store::{StoreOptions, StoreUrl};
+    use std::collections::BTreeMap;
+
+    fn write(dir: &Path, files: &[(&str, &[u8])]) {
+        for (name, data) in files {
+            let p = dir.join(name);
+            std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            std::fs::write(p, data).expect("write");
+        }
+    }
+
+    /// Every file under `dir` with its bytes, by relative path.
+    fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+        let mut out = BTreeMap::new();
+        for (name, path) in list_dir(dir).expect("list") {
+            out.insert(name, std::fs::read(path).expect("read"));
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_version_into_one_prefix_is_refused_and_changes_nothing() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dest = tmp.path().join("store/m/v1");
+        let url = StoreUrl::parse(&format!("file://{}", dest.display())).expect("url");
+        let store = Store::open(
+            &url,
+            &StoreOptions {
+                create_root: true,
+                ..Default::default()
+            },
+        )
+        .expect("open");
+        let first = tmp.path().join("first");
+        write(
+            &first,
+            &[("weights.bin", b"first weights"), ("cfg/model.json", b"{}")],
+        );
+        let opts = TransferOptions::default();
+        let m1 = upload_dir(&store, &first, "m:1", &opts)
+            .await
+            .expect("first upload");
+        let before = snapshot(&dest);
+        assert_eq!(before["weights.bin"], b"first weights");
+        assert_eq!(before[MANIFEST_KEY], m1.to_json());
+
+        let second = tmp.path().join("second");
+        write(
+            &second,
+            &[("weights.bin", b"second weights"), ("extra.bin", b"new")],
+        );
+        let e = upload_dir(&store, &second, "m:1", &opts)
+            .await
+            .expect_err("the prefix already holds a version");
+        match &e {
+            ArtifactError::VersionExists { url: u } => assert_eq!(u, &url.to_string()),
+            other => panic!("expected VersionExists, got {other:?}"),
+        }
+        assert!(e.to_string().contains(&url.to_string()), "{e}");
+        assert_eq!(snapshot(&dest), before, "the first version is untouched");
+        let m = read_manifest(&store, &url.to_string())
+            .await
+            .expect("manifest");
+        assert_eq!(m.to_json(), m1.to_json());
+    }
 }

@@ -105,6 +105,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 A::Corrupt { .. } => Code::Failed,
                 A::Manifest { .. } => Code::Data,
                 A::NoManifest { .. }
+                | A::VersionExists { .. }
                 | A::Empty { .. }
                 | A::Symlink { .. }
                 | A::BadName { .. }

@@ -455,8 +455,21 @@ fn register(
             )?,
             Err(e) => {
                 let _ = reg.fail_version(actor, &r.name, pending.version, &format!("{e:#}"));
+                let taken = e.chain().any(|c| {
+                    matches!(
+                        c.downcast_ref::<ArtifactError>(),
+                        Some(ArtifactError::VersionExists { .. })
+                    )
+                });
+                let why = if taken {
+                    " (the artifact store holds versions this registry database does not \
+                     know: another database, or this one restored from an older backup, \
+                     wrote there)"
+                } else {
+                    ""
+                };
                 return Err(e.context(format!(
-                    "upload of {}:{} failed; the version is marked FAILED_REGISTRATION",
+                    "upload of {}:{} failed; the version is marked FAILED_REGISTRATION{why}",
                     r.name, pending.version
                 )));
             }

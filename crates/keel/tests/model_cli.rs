@@ -418,6 +418,51 @@ fn bad_input_gets_clear_errors_and_exit_codes() {
     assert_eq!(c, 64);
 }
 
+/// Every file under `dir` with its bytes, by path relative to `dir`.
+fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, Vec<u8>)>) {
+        for entry in std::fs::read_dir(dir).expect("read_dir") {
+            let p = entry.expect("entry").path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let rel = p.strip_prefix(root).expect("under root").to_owned();
+                out.push((rel, std::fs::read(&p).expect("read")));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn a_version_already_in_the_artifact_store_is_never_written_over() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    let v1 = e.path("store/m/v1");
+    let before = tree(&v1);
+    assert!(before.iter().any(|(p, _)| p == Path::new("manifest.json")));
+    // A fresh database numbers from 1 again, into the same store.
+    for f in ["reg.db", "reg.db-wal", "reg.db-shm"] {
+        let _ = std::fs::remove_file(e.path(f));
+    }
+    std::fs::write(e.path("model/weights.safetensors"), b"other weights").expect("w");
+    std::fs::write(e.path("model/extra.bin"), b"extra").expect("w");
+    let (c, err) = e.fails(&["register", "m", "--path", s(&e.path("model"))]);
+    assert_eq!(c, 64, "{err}");
+    let url = format!("file://{}", v1.display());
+    assert!(
+        err.contains(&format!("{url} already holds a version")),
+        "{err}"
+    );
+    assert!(err.contains("FAILED_REGISTRATION"), "{err}");
+    assert_eq!(tree(&v1), before, "the stored version is unchanged");
+    let v = e.json(&["show", "m:1"]);
+    assert_eq!(v["model_version"]["status"], "FAILED_REGISTRATION", "{v}");
+}
+
 #[test]
 fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
     let e = Env::new();
