@@ -197,7 +197,7 @@ pub struct TransferArgs {
     /// Parts of one file in flight at once.
     #[arg(long, default_value_t = 4, value_name = "N")]
     parts: usize,
-    /// Part size in MiB (multipart uploads, ranged downloads).
+    /// Part size in MiB, 1-5120 (multipart uploads, ranged downloads).
     #[arg(long, default_value_t = 8, value_name = "MIB")]
     part_mib: usize,
 }
@@ -218,15 +218,22 @@ fn parse_duration(s: &str) -> anyhow::Result<i64> {
         ))
     };
     let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?);
-    let n: i64 = num.parse().map_err(|_| bad())?;
-    let mult = match unit {
+    let too_large = || UsageError(format!("{s:?}: too large (at most {} seconds)", i64::MAX));
+    let n: i64 = num.parse().map_err(|e: std::num::ParseIntError| {
+        if *e.kind() == std::num::IntErrorKind::PosOverflow {
+            too_large()
+        } else {
+            bad()
+        }
+    })?;
+    let mult: i64 = match unit {
         "s" => 1,
         "m" => 60,
         "h" => 3600,
         "d" => 86400,
         _ => return Err(bad().into()),
     };
-    Ok(n * mult)
+    n.checked_mul(mult).ok_or_else(|| too_large().into())
 }
 
 fn parse_metrics(ms: &[String]) -> anyhow::Result<BTreeMap<String, f64>> {
@@ -309,16 +316,28 @@ fn writer_name(w: &WriterArg) -> String {
     hostname()
 }
 
+/// The largest `--part-mib`: 5 GiB, the largest part S3 accepts.
+const MAX_PART_MIB: usize = 5120;
+
 fn transfer_options(t: &TransferArgs, limiter: Arc<Limiter>) -> anyhow::Result<TransferOptions> {
     if t.parallel == 0 || t.parts == 0 || t.part_mib == 0 {
         return Err(
             UsageError("--parallel, --parts and --part-mib must be at least 1".into()).into(),
         );
     }
+    let part_size = Some(t.part_mib)
+        .filter(|&m| m <= MAX_PART_MIB)
+        .and_then(|m| m.checked_mul(1 << 20))
+        .ok_or_else(|| {
+            UsageError(format!(
+                "--part-mib {}: at most {MAX_PART_MIB} (5 GiB)",
+                t.part_mib
+            ))
+        })?;
     Ok(TransferOptions {
         files_in_parallel: t.parallel,
         parts_in_flight: t.parts,
-        part_size: t.part_mib << 20,
+        part_size,
         limiter,
         progress: None,
     })
@@ -1065,5 +1084,57 @@ mod tests {
         assert_eq!(m["loss"], 0.5);
         assert!(parse_metrics(&["loss".into()]).is_err());
         assert!(parse_metrics(&["loss=nan".into()]).is_err());
+    }
+
+    #[test]
+    fn durations_that_do_not_fit_are_refused() {
+        assert_eq!(parse_duration("0s").expect("0"), 0);
+        assert_eq!(parse_duration("7d").expect("7d"), 7 * 86400);
+        assert_eq!(
+            parse_duration("106751991167300d").expect("largest day count"),
+            106_751_991_167_300 * 86400
+        );
+        assert_eq!(
+            parse_duration("9223372036854775807s").expect("i64::MAX seconds"),
+            i64::MAX
+        );
+        for s in [
+            "106751991167301d",
+            "9223372036854775807m",
+            "153722867280912931h",
+        ] {
+            let e = parse_duration(s).expect_err(s);
+            assert!(e.downcast_ref::<UsageError>().is_some(), "{s}: {e}");
+            assert!(e.to_string().contains("too large"), "{s}: {e}");
+            assert!(e.to_string().contains(s), "{s}: {e}");
+        }
+        let e = parse_duration("99999999999999999999s").expect_err("beyond i64");
+        assert!(e.to_string().contains("too large"), "{e}");
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("d").is_err());
+        assert!(parse_duration("\u{20ac}").is_err());
+    }
+
+    fn transfer(part_mib: usize) -> TransferArgs {
+        TransferArgs {
+            cap: None,
+            parallel: 8,
+            parts: 4,
+            part_mib,
+        }
+    }
+
+    #[test]
+    fn part_sizes_are_bounded() {
+        let lim = || Arc::new(Limiter::unlimited());
+        let t = transfer_options(&transfer(8), lim()).expect("default");
+        assert_eq!(t.part_size, 8 << 20);
+        let t = transfer_options(&transfer(MAX_PART_MIB), lim()).expect("largest");
+        assert_eq!(t.part_size, MAX_PART_MIB << 20);
+        for mib in [0, MAX_PART_MIB + 1, 1 << 44, usize::MAX] {
+            let e = transfer_options(&transfer(mib), lim()).expect_err("out of range");
+            assert!(e.downcast_ref::<UsageError>().is_some(), "{mib}: {e}");
+            assert!(e.to_string().contains("--part-mib"), "{mib}: {e}");
+        }
     }
 }
