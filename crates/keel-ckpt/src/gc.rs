@@ -199,7 +199,9 @@ impl Ckpt {
             });
         }
 
-        let cutoff = ctx.now_unix - policy.grace_secs;
+        // Saturates: a grace period longer than all of time keeps every
+        // orphan, a negative one keeps none.
+        let cutoff = ctx.now_unix.saturating_sub(policy.grace_secs);
         for ((c, attempt), (n, bytes, newest)) in by_attempt {
             if live_attempts.contains(&(c, attempt.clone())) {
                 continue;

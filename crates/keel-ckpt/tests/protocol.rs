@@ -505,6 +505,46 @@ async fn bad_input_changes_nothing(env: Env) {
     assert!(Ckpt::new(&env.store, "../x").is_err());
 }
 
+async fn gc_grace_periods_at_the_limits_of_time(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-g").expect("ckpt");
+    ck.store()
+        .put(
+            "ckpt/00000000000000000003/e0000000001/data/dead/x.bin",
+            vec![1u8; 10].into(),
+        )
+        .await
+        .expect("put");
+    let now = Context {
+        now_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("time")
+            .as_secs() as i64,
+        ..ctx(80)
+    };
+    for (grace_secs, now_unix, in_grace) in [
+        (i64::MAX, now.now_unix, true),
+        (i64::MAX, -1, true),
+        (i64::MIN, now.now_unix, false),
+        (-1, i64::MAX, false),
+    ] {
+        let policy = GcPolicy {
+            grace_secs,
+            ..GcPolicy::default()
+        };
+        let at = Context {
+            now_unix,
+            ..now.clone()
+        };
+        let g = ck.gc(&policy, false, &at).await.expect("gc");
+        assert_eq!(g.orphans.len(), 1, "{g:?}");
+        assert_eq!(
+            g.orphans[0].in_grace, in_grace,
+            "grace {grace_secs} at {now_unix}"
+        );
+    }
+    assert_eq!(ck.store().list("").await.expect("ls").len(), 1, "dry runs");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod file {
@@ -536,4 +576,5 @@ suite!(
     gc_keeps_what_it_must_and_deletes_commit_first,
     watch_pushes_completed_and_survives_restart,
     bad_input_changes_nothing,
+    gc_grace_periods_at_the_limits_of_time,
 );
