@@ -180,8 +180,11 @@ pub struct Version {
 }
 
 impl Version {
+    /// The sum of the file sizes, `u64::MAX` when it does not fit.
     pub fn total_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.size).sum()
+        self.files
+            .iter()
+            .fold(0u64, |sum, f| sum.saturating_add(f.size))
     }
 }
 
@@ -438,6 +441,36 @@ mod tests {
         ] {
             assert!(bad.parse::<VersionRef>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn total_bytes_stops_at_the_largest_u64() {
+        let file = |name: &str, size: u64| VersionFile {
+            name: name.into(),
+            size,
+            sha256: String::new(),
+        };
+        let mut v = Version {
+            model: "m".into(),
+            version: 1,
+            status: Status::Ready,
+            status_message: String::new(),
+            source: String::new(),
+            artifact_url: None,
+            manifest_digest: None,
+            description: String::new(),
+            lineage: Lineage::default(),
+            created_ms: 0,
+            created_by: String::new(),
+            updated_ms: 0,
+            files: vec![file("a", 2), file("b", 3)],
+            tags: Vec::new(),
+            aliases: Vec::new(),
+            signed: false,
+        };
+        assert_eq!(v.total_bytes(), 5);
+        v.files = vec![file("a", u64::MAX), file("b", 1)];
+        assert_eq!(v.total_bytes(), u64::MAX);
     }
 
     #[test]

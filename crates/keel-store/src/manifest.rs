@@ -182,8 +182,11 @@ impl Manifest {
         &self.files
     }
 
+    /// The sum of the file sizes, `u64::MAX` when it does not fit.
     pub fn total_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.size).sum()
+        self.files
+            .iter()
+            .fold(0u64, |sum, f| sum.saturating_add(f.size))
     }
 
     pub fn file(&self, name: &str) -> Option<&FileEntry> {
@@ -399,6 +402,24 @@ mod tests {
         cat.extend_from_slice(&Digest::of(b"abc").0);
         assert_eq!(v["subject"][0]["digest"]["sha256"], Digest::of(&cat).hex());
         assert_eq!(Manifest::from_json(&m.to_json()).expect("parse"), m);
+    }
+
+    #[test]
+    fn total_bytes_stops_at_the_largest_u64() {
+        let big = |name: &str| FileEntry {
+            name: name.into(),
+            size: u64::MAX / 2 + 1,
+            sha256: Digest::of(b""),
+        };
+        let m = Manifest::new("m", vec![big("a"), big("b")], Default::default()).expect("m");
+        assert_eq!(m.total_bytes(), u64::MAX);
+        let m = Manifest::new(
+            "m",
+            vec![entry("a", b"12"), entry("b", b"345")],
+            Default::default(),
+        )
+        .expect("m");
+        assert_eq!(m.total_bytes(), 5);
     }
 
     #[test]
