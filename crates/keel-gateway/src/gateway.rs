@@ -460,6 +460,10 @@ async fn read_body(
     }
 }
 
+fn no_such_model(name: &str) -> ApiError {
+    ApiError::not_found(format!("the model {name:?} does not exist"))
+}
+
 fn too_large(limit: usize) -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -1066,13 +1070,12 @@ impl Gateway {
         gen: &Generation,
         name: &str,
         protocol: Protocol,
-    ) -> Result<Arc<ModelRoute>, ApiError> {
+    ) -> Option<Arc<ModelRoute>> {
         gen.traffic
             .models
             .get(name)
             .filter(|m| m.protocol == protocol)
             .cloned()
-            .ok_or_else(|| ApiError::not_found(format!("the model {name:?} does not exist")))
     }
 
     async fn admit(
@@ -1165,7 +1168,10 @@ impl Gateway {
         .await?;
         let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        ctx.model_configured = gen.traffic.models.contains_key(parsed.model.as_str());
+        // Looked up before the roles are checked, answered after them (a
+        // caller without the role learns nothing about what exists).
+        let model = self.model_route(gen, &parsed.model, Protocol::Openai);
+        ctx.model_configured = model.is_some();
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
         ctx.prompt_estimate = parsed.prompt_estimate;
@@ -1180,7 +1186,7 @@ impl Gateway {
             ))
             .into());
         }
-        let model = self.model_route(gen, &parsed.model, Protocol::Openai)?;
+        let model = model.ok_or_else(|| no_such_model(&parsed.model))?;
         let tokens = match route {
             Route::Embeddings => parsed.prompt_estimate,
             _ => {
@@ -1395,7 +1401,8 @@ impl Gateway {
         ident: Identity,
         ctx: &mut Ctx,
     ) -> Result<Response<GwBody>, Fail> {
-        ctx.model_configured = gen.traffic.models.contains_key(m.name.as_str());
+        let model = self.model_route(gen, &m.name, Protocol::Oip);
+        ctx.model_configured = model.is_some();
         ctx.model = Some(m.name.clone());
         if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
             ctx.denied = Some("forbidden");
@@ -1405,7 +1412,7 @@ impl Gateway {
             ))
             .into());
         }
-        let model = self.model_route(gen, &m.name, Protocol::Oip)?;
+        let model = model.ok_or_else(|| no_such_model(&m.name))?;
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
         let bytes = if action == "/infer" {

@@ -451,8 +451,9 @@ fn meminfo_total(
         if words.next().is_some() {
             let value = words.next();
             let unit = words.next();
-            return match (value.and_then(|v| v.parse::<u64>().ok()), unit) {
-                (Some(v), Some("kB")) if v.checked_mul(1024).is_some() => Ok(Some(v * 1024)),
+            let bytes = value.and_then(|v| v.parse::<u64>().ok()?.checked_mul(1024));
+            return match (bytes, unit) {
+                (Some(b), Some("kB")) => Ok(Some(b)),
                 _ => Err(TopoError::parse(
                     root.path(path),
                     line,
@@ -566,14 +567,9 @@ fn read_nvidia_minors(root: &Root) -> Result<BTreeMap<PciAddr, u32>, TopoError> 
 }
 
 fn read_link_info(root: &Root, dev: &Path) -> Result<PcieLink, TopoError> {
-    let width = |name: &str| -> Result<Option<u32>, TopoError> {
+    let width = |name: &str| {
         let rel = dev.join(name);
-        match root.read_attr(&rel)? {
-            Some(s) => s.trim().parse().map(Some).map_err(|_| {
-                TopoError::parse(root.path(&rel), &s, "expected a non-negative integer")
-            }),
-            None => Ok(None),
-        }
+        parse_u32(root, &rel, root.read_attr(&rel)?)
     };
     Ok(PcieLink {
         current_speed_gts: read_speed(root, dev.join("current_link_speed"))?,
@@ -830,7 +826,12 @@ fn read_u64(root: &Root, rel: impl AsRef<Path>) -> Result<Option<u64>, TopoError
 
 fn read_u32(root: &Root, rel: impl AsRef<Path>) -> Result<Option<u32>, TopoError> {
     let rel = rel.as_ref();
-    match root.read_opt(rel)? {
+    parse_u32(root, rel, root.read_opt(rel)?)
+}
+
+/// The text of `rel`, if read, as a `u32`.
+fn parse_u32(root: &Root, rel: &Path, text: Option<String>) -> Result<Option<u32>, TopoError> {
+    match text {
         Some(s) => {
             s.trim().parse().map(Some).map_err(|_| {
                 TopoError::parse(root.path(rel), &s, "expected a non-negative integer")
