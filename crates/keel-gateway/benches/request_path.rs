@@ -82,7 +82,7 @@ fn main() {
 
     let (parsed, _) = request::parse_openai(&body, field).expect("valid");
     run("render the backend's body", &mut || {
-        black_box(parsed.render(black_box("test"), false));
+        black_box(parsed.render(black_box("test"), false, None));
     });
 
     run("read usage from the response", &mut || {

@@ -545,6 +545,11 @@ impl GatewayConfig {
         if let Some(u) = &limits.redis_url {
             crate::redis::RedisAddr::parse(u)?;
         }
+        if limits.default_max_tokens == 0 {
+            return bad(
+                "limits.default_max_tokens must be at least 1 (it is sent as max_tokens)".into(),
+            );
+        }
 
         let c = f.traffic.circuit;
         let h = f.traffic.health;
@@ -859,6 +864,10 @@ url = "http://127.0.0.1:8002/prefix"
             "no endpoint is anonymous",
         );
         check("[auth]\nkeys_file = \"k\"\nbogus = 1\n", "bogus");
+        check(
+            &format!("{EXAMPLE}[limits]\ndefault_max_tokens = 0\n"),
+            "limits.default_max_tokens must be at least 1",
+        );
         check(
             &EXAMPLE.replace("fallback = [\"small\"]", "fallback = [\"nope\"]"),
             "fallback",

@@ -26,7 +26,7 @@ use crate::pool::UpstreamBody;
 use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
-use crate::traffic::{Backend, ModelRoute, RetryBudget, Rng, Traffic};
+use crate::traffic::{Backend, ModelRoute, Permit, RetryBudget, Rng, Traffic};
 
 /// Re-reads the configuration (the binary reads the file).
 pub type ReloadFn = Arc<dyn Fn() -> Result<GatewayConfig, GatewayError> + Send + Sync>;
@@ -339,6 +339,8 @@ enum Payload {
         body: request::OpenAiBody,
         /// Ask for the usage chunk of a stream.
         force_usage: bool,
+        /// `max_tokens` to set when the body gives no limit.
+        max_tokens: Option<u64>,
     },
     Oip {
         method: Method,
@@ -364,10 +366,11 @@ impl Payload {
                 path,
                 body,
                 force_usage,
+                max_tokens,
             } => (
                 Method::POST,
                 std::borrow::Cow::Borrowed(*path),
-                body.render(backend_model, *force_usage),
+                body.render(backend_model, *force_usage, *max_tokens),
                 None,
             ),
             Payload::Oip {
@@ -407,23 +410,85 @@ impl From<ApiError> for Fail {
     }
 }
 
-/// Releases a half-open circuit's trial if the attempt ended without a
-/// result (the request was cancelled).
+/// What the access log records of a request.
+fn access_info(ctx: &Ctx, stream: bool) -> AccessInfo {
+    AccessInfo {
+        request_id: ctx.id,
+        route: ctx.route,
+        key: ctx.key.clone(),
+        model: ctx
+            .served_model
+            .clone()
+            .or_else(|| ctx.model.as_deref().map(Arc::from)),
+        deployment: ctx.deployment.clone(),
+        stream,
+    }
+}
+
+/// A request being answered. When the client goes away first, hyper drops
+/// the request's future and with it this guard, which records the request
+/// as status 499 in the metrics, the audit log and the access log. Its
+/// token reservation stays charged as reserved: the backend may have done
+/// the work.
+struct Pending<'a> {
+    gw: &'a Gateway,
+    method: Method,
+    access_log: bool,
+    started: Instant,
+    /// The request has not been answered yet.
+    armed: bool,
+    ctx: Ctx,
+}
+
+/// The status recorded for a request whose client went away (nginx's
+/// "client closed request").
+const CLIENT_CLOSED: u16 = 499;
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut ctx = std::mem::take(&mut self.ctx);
+        ctx.status = CLIENT_CLOSED;
+        ctx.error = Some("the client closed the connection before the response".into());
+        let total = self.started.elapsed();
+        if self.access_log {
+            crate::server::emit_access(
+                self.gw.inner.access_sink.as_ref().map(|s| &s.0),
+                AccessRecord {
+                    at: std::time::SystemTime::now(),
+                    method: self.method.clone(),
+                    status: CLIENT_CLOSED,
+                    duration_ms: total.as_secs_f64() * 1e3,
+                    info: access_info(&ctx, ctx.stream),
+                },
+            );
+        }
+        self.gw.finish(ctx, total);
+    }
+}
+
+/// One attempt's hold on a backend's circuit. If the attempt ends without
+/// a result (the request was cancelled) and it was the half-open
+/// circuit's trial, the trial is given back.
 struct Lease<'a> {
     backend: &'a Backend,
+    permit: Permit,
     done: bool,
 }
 
 impl Lease<'_> {
     fn done(mut self, ok: bool, retry_after: Option<Duration>) {
         self.done = true;
-        self.backend.record(Instant::now(), ok, retry_after);
+        self.backend
+            .record(Instant::now(), ok, retry_after, self.permit);
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        if !self.done {
+        if !self.done && self.permit == Permit::Trial {
             self.backend.release_trial();
         }
     }
@@ -839,12 +904,22 @@ impl Gateway {
     pub async fn handle(&self, req: Request<Incoming>) -> Response<GwBody> {
         let started = Instant::now();
         let gen = self.generation();
-        let mut ctx = Ctx {
-            id: self.request_id(),
-            route: "unmatched",
-            ..Ctx::default()
+        let mut pending = Pending {
+            gw: self,
+            method: req.method().clone(),
+            access_log: gen.cfg.server.access_log,
+            started,
+            armed: true,
+            ctx: Ctx {
+                id: self.request_id(),
+                route: "unmatched",
+                ..Ctx::default()
+            },
         };
-        let (mut resp, streaming) = match self.dispatch(&gen, req, &mut ctx, started).await {
+        let result = self.dispatch(&gen, req, &mut pending.ctx, started).await;
+        pending.armed = false;
+        let mut ctx = std::mem::take(&mut pending.ctx);
+        let (mut resp, streaming) = match result {
             Ok((r, s)) => (r, s),
             Err(Fail::Api(e)) => (e.into_response(), false),
             Err(Fail::Upstream(status, ct, body, ra)) => {
@@ -873,17 +948,7 @@ impl Gateway {
             h.insert(X_KEEL_MODEL, m);
             h.insert(X_KEEL_DEPLOYMENT, d);
         }
-        let info = AccessInfo {
-            request_id: ctx.id,
-            route: ctx.route,
-            key: ctx.key.clone(),
-            model: ctx
-                .served_model
-                .clone()
-                .or_else(|| ctx.model.as_deref().map(Arc::from)),
-            deployment: ctx.deployment.clone(),
-            stream: streaming,
-        };
+        let info = access_info(&ctx, streaming);
         if !streaming {
             self.finish(ctx, started.elapsed());
         }
@@ -1187,14 +1252,21 @@ impl Gateway {
             .into());
         }
         let model = model.ok_or_else(|| no_such_model(&parsed.model))?;
-        let tokens = match route {
-            Route::Embeddings => parsed.prompt_estimate,
+        // The reservation is an upper bound on what the backend may
+        // generate: a request without a limit is sent with
+        // `default_max_tokens` as its `max_tokens`, and each of the `n`
+        // (or `best_of`) completions may use all of it. Saturating: these
+        // are the client's numbers.
+        let (tokens, inject) = match route {
+            Route::Embeddings => (parsed.prompt_estimate, None),
             _ => {
-                // Saturating: `max_tokens` is the client's number.
-                parsed.prompt_estimate.saturating_add(
+                let default = gen.cfg.limits.default_max_tokens;
+                let per_choice = parsed.max_tokens.unwrap_or(default);
+                (
                     parsed
-                        .max_tokens
-                        .unwrap_or(gen.cfg.limits.default_max_tokens),
+                        .prompt_estimate
+                        .saturating_add(per_choice.saturating_mul(parsed.choices)),
+                    (!body.has_limit()).then_some(default),
                 )
             }
         };
@@ -1205,6 +1277,7 @@ impl Gateway {
             path,
             body,
             force_usage: strip,
+            max_tokens: inject,
         };
         let pin = parts
             .headers
@@ -1438,11 +1511,9 @@ impl Gateway {
         if gen.cfg.audit.include_content && !bytes.is_empty() {
             ctx.request_body = Some(bytes.clone());
         }
-        let reservation = if action == "/infer" {
-            self.admit(gen, &ident, 0, ctx).await?
-        } else {
-            None
-        };
+        // Metadata and readiness calls reach the backend too: they count
+        // against the request limits like inference (no tokens).
+        let reservation = self.admit(gen, &ident, 0, ctx).await?;
         let payload = Payload::Oip {
             method: parts.method.clone(),
             version: m.version.clone(),
@@ -1495,14 +1566,15 @@ impl Gateway {
                 break;
             }
             let backend = c.deployment.backend.clone();
-            if !backend.try_acquire(now) {
+            let Some(permit) = backend.try_acquire(now) else {
                 if let Some(u) = backend.open_until(now) {
                     soonest = Some(soonest.map_or(u, |s| s.min(u)));
                 }
                 continue;
-            }
+            };
             let lease = Lease {
                 backend: &backend,
+                permit,
                 done: false,
             };
             if sent > 0 {

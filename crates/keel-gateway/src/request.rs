@@ -164,9 +164,15 @@ pub struct OpenAiRequest {
     pub stream: bool,
     /// The client asked for the usage chunk (`stream_options.include_usage`).
     pub include_usage: bool,
-    /// `max_completion_tokens`, else `max_tokens`.
+    /// The larger of `max_completion_tokens` and `max_tokens` (servers
+    /// differ in which one wins when both are given).
     pub max_tokens: Option<u64>,
-    /// Prompt tokens estimated as a quarter of the prompt's bytes.
+    /// Completions generated per request: the larger of `n` and `best_of`,
+    /// at least 1.
+    pub choices: u64,
+    /// Prompt tokens estimated as a quarter of the prompt's bytes, plus a
+    /// quarter of the bytes of `tools` and `functions` (the server renders
+    /// them into the prompt).
     pub prompt_estimate: u64,
 }
 
@@ -204,6 +210,20 @@ pub struct OpenAiBody {
     open: usize,
     model: Range<usize>,
     stream_options: Option<Range<usize>>,
+    /// How the body bounds the completion's length.
+    limit: Limit,
+}
+
+/// Whether a body bounds the completion's length, and where a `null`
+/// `max_tokens` sits (it is replaced, not shadowed by a second key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Limit {
+    /// `max_tokens` or `max_completion_tokens` is a number.
+    Given,
+    /// Neither is a number; `max_tokens` is absent.
+    Absent,
+    /// Neither is a number; `max_tokens` is `null` at this span.
+    Null(Range<usize>),
 }
 
 impl OpenAiBody {
@@ -212,14 +232,31 @@ impl OpenAiBody {
         &self.bytes
     }
 
-    /// The body to send: `model` set to `backend_model`, and with
+    /// Whether the body gives a numeric `max_tokens` or
+    /// `max_completion_tokens`.
+    pub fn has_limit(&self) -> bool {
+        self.limit == Limit::Given
+    }
+
+    /// The body to send: `model` set to `backend_model`; with
     /// `force_usage`, `stream_options.include_usage` set to true (added
-    /// when absent).
-    pub fn render(&self, backend_model: &str, force_usage: bool) -> Bytes {
+    /// when absent); with `max_tokens`, that limit set when the body gives
+    /// none (so the backend cannot generate more than was reserved).
+    pub fn render(&self, backend_model: &str, force_usage: bool, max_tokens: Option<u64>) -> Bytes {
         let b = &self.bytes[..];
         let model = serde_json::to_string(backend_model).expect("a string serialises");
         let mut edits: Vec<(Range<usize>, Vec<u8>)> =
             vec![(self.model.clone(), model.into_bytes())];
+        if let Some(n) = max_tokens {
+            match &self.limit {
+                Limit::Given => {}
+                Limit::Null(r) => edits.push((r.clone(), n.to_string().into_bytes())),
+                Limit::Absent => edits.push((
+                    self.open + 1..self.open + 1,
+                    format!(r#""max_tokens":{n},"#).into_bytes(),
+                )),
+            }
+        }
         if force_usage {
             match &self.stream_options {
                 Some(r) => {
@@ -363,9 +400,13 @@ struct Seen {
     model: Option<(String, Range<usize>)>,
     stream: Option<bool>,
     stream_options: Option<(bool, Range<usize>)>,
-    max_tokens: Option<Option<u64>>,
+    max_tokens: Option<(Option<u64>, Range<usize>)>,
     max_completion_tokens: Option<Option<u64>>,
+    n: Option<Option<u64>>,
+    best_of: Option<Option<u64>>,
     prompt: Option<u64>,
+    /// Bytes of `tools` and `functions`.
+    tools: u64,
 }
 
 impl<'de> Visitor<'de> for Top {
@@ -388,6 +429,11 @@ impl<'de> Visitor<'de> for Top {
                 if seen.prompt.replace(bytes.div_ceil(4) + ids).is_some() {
                     failed.get_or_insert(ParseError::Duplicate(self.prompt_field));
                 }
+                continue;
+            }
+            if k == "tools" || k == "functions" {
+                let raw: &'de RawValue = a.next_value()?;
+                seen.tools = seen.tools.saturating_add(raw.get().len() as u64);
                 continue;
             }
             let Some(name) = READ_FIELDS.iter().copied().find(|f| *f == k) else {
@@ -442,17 +488,15 @@ impl<'de> Visitor<'de> for Top {
                         Value::Number(n) => n.as_u64().map(Some),
                         _ => None,
                     };
-                    let slot = if f == "max_tokens" {
-                        &mut seen.max_tokens
-                    } else {
-                        &mut seen.max_completion_tokens
-                    };
-                    match n {
-                        Some(n) => slot.replace(n).is_some(),
-                        None => {
+                    match (n, f) {
+                        (None, _) => {
                             failed.get_or_insert(ParseError::Field(f));
                             false
                         }
+                        (Some(n), "max_tokens") => seen.max_tokens.replace((n, span)).is_some(),
+                        (Some(n), "n") => seen.n.replace(n).is_some(),
+                        (Some(n), "best_of") => seen.best_of.replace(n).is_some(),
+                        (Some(n), _) => seen.max_completion_tokens.replace(n).is_some(),
                     }
                 }
             };
@@ -468,12 +512,14 @@ impl<'de> Visitor<'de> for Top {
 }
 
 /// The top-level fields the gateway reads (besides the prompt).
-const READ_FIELDS: [&str; 5] = [
+const READ_FIELDS: [&str; 7] = [
     "model",
     "stream",
     "stream_options",
     "max_tokens",
     "max_completion_tokens",
+    "n",
+    "best_of",
 ];
 
 /// Parses an OpenAI-style body: the fields the gateway needs, and the body
@@ -509,22 +555,36 @@ pub fn parse_openai(
         Some((i, r)) => (i, Some(r)),
         None => (false, None),
     };
+    let max_tokens = seen.max_tokens.as_ref().and_then(|(n, _)| *n);
+    let max_completion = seen.max_completion_tokens.flatten();
+    let limit = match (&seen.max_tokens, max_tokens.or(max_completion)) {
+        (_, Some(_)) => Limit::Given,
+        (Some((None, r)), None) => Limit::Null(r.clone()),
+        _ => Limit::Absent,
+    };
     Ok((
         OpenAiBody {
             bytes: body.clone(),
             open: open.unwrap_or(0),
             model: model_span,
             stream_options,
+            limit,
         },
         OpenAiRequest {
             model,
             stream,
             include_usage,
-            max_tokens: seen
-                .max_completion_tokens
+            max_tokens: max_tokens.max(max_completion),
+            choices: seen
+                .n
                 .flatten()
-                .or(seen.max_tokens.flatten()),
-            prompt_estimate: seen.prompt.unwrap_or(0),
+                .max(seen.best_of.flatten())
+                .unwrap_or(1)
+                .max(1),
+            prompt_estimate: seen
+                .prompt
+                .unwrap_or(0)
+                .saturating_add(seen.tools.div_ceil(4)),
         },
     ))
 }
@@ -615,6 +675,7 @@ mod tests {
                 stream: true,
                 include_usage: false,
                 max_tokens: Some(10),
+                choices: 1,
                 prompt_estimate: 2
             }
         );
@@ -659,16 +720,89 @@ mod tests {
     }
 
     #[test]
+    fn reservations_bound_what_the_backend_may_generate() {
+        let parse = |s: &str, f| parse_openai(&body(s), f).expect(s);
+        // The larger of the two limits, whichever order they come in.
+        for src in [
+            r#"{"model":"m","max_tokens":5,"max_completion_tokens":9}"#,
+            r#"{"model":"m","max_completion_tokens":9,"max_tokens":5}"#,
+        ] {
+            let (b, r) = parse(src, "messages");
+            assert_eq!((r.max_tokens, r.choices, b.has_limit()), (Some(9), 1, true));
+        }
+        // n and best_of multiply; 0 and null count as one.
+        for (src, want) in [
+            (r#"{"model":"m","n":3}"#, 3),
+            (r#"{"model":"m","n":2,"best_of":5}"#, 5),
+            (r#"{"model":"m","n":0}"#, 1),
+            (r#"{"model":"m","n":null}"#, 1),
+        ] {
+            assert_eq!(parse(src, "prompt").1.choices, want, "{src}");
+        }
+        assert_eq!(
+            parse_openai(&body(r#"{"model":"m","n":"3"}"#), "messages"),
+            Err(ParseError::Field("n"))
+        );
+        assert_eq!(
+            parse_openai(&body(r#"{"model":"m","n":1,"n":9}"#), "messages"),
+            Err(ParseError::Duplicate("n"))
+        );
+        // Tools and functions count by a quarter of their bytes as sent.
+        let tools = r#"[{"type":"function","function":{"name":"get_weather"}}]"#;
+        let src = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"1234"}}],"tools":{tools},"functions":[]}}"#
+        );
+        let (_, r) = parse(&src, "messages");
+        assert_eq!(r.prompt_estimate, 1 + (tools.len() as u64 + 2).div_ceil(4));
+
+        // Without a limit, rendering sets max_tokens: inserted when absent,
+        // replacing a null, left alone when either limit is given.
+        let (b, r) = parse(r#"{"model":"m","messages":[]}"#, "messages");
+        assert_eq!((r.max_tokens, b.has_limit()), (None, false));
+        let v: Value = serde_json::from_slice(&b.render("b", false, Some(7))).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({"max_tokens": 7, "model": "b", "messages": []})
+        );
+        let (b, _) = parse(
+            r#"{"model":"m","max_tokens":null,"max_completion_tokens":null}"#,
+            "messages",
+        );
+        let out = b.render("b", true, Some(7));
+        assert_eq!(
+            std::str::from_utf8(&out).expect("utf8"),
+            r#"{"stream_options":{"include_usage":true},"model":"b","max_tokens":7,"max_completion_tokens":null}"#
+        );
+        for src in [
+            r#"{"model":"m","max_tokens":3}"#,
+            r#"{"model":"m","max_tokens":null,"max_completion_tokens":3}"#,
+        ] {
+            let (b, _) = parse(src, "messages");
+            let v: Value = serde_json::from_slice(&b.render("b", false, Some(7))).expect("json");
+            let mut want: Value = serde_json::from_str(src).expect("json");
+            want["model"] = "b".into();
+            assert_eq!(v, want, "{src}");
+        }
+        assert_eq!(
+            parse_openai(
+                &body(r#"{"model":"m","max_tokens":1,"max_tokens":null}"#),
+                "messages"
+            ),
+            Err(ParseError::Duplicate("max_tokens"))
+        );
+    }
+
+    #[test]
     fn rendering_splices_only_what_changes() {
         let src = r#" { "temperature" : 0.5, "model": "public\u002dname", "messages":[{"role":"user","content":"hi"}], "x": {"model": "inner"} } "#;
         let (b, r) = parse_openai(&body(src), "messages").expect("ok");
         assert_eq!(r.model, "public-name");
-        let out = b.render("backend/\"quoted\"", false);
+        let out = b.render("backend/\"quoted\"", false, None);
         assert_eq!(
             std::str::from_utf8(&out).expect("utf8"),
             r#" { "temperature" : 0.5, "model": "backend/\"quoted\"", "messages":[{"role":"user","content":"hi"}], "x": {"model": "inner"} } "#
         );
-        let v: Value = serde_json::from_slice(&b.render("b", true)).expect("json");
+        let v: Value = serde_json::from_slice(&b.render("b", true, None)).expect("json");
         assert_eq!(
             v["stream_options"],
             serde_json::json!({"include_usage": true})
@@ -685,10 +819,10 @@ mod tests {
         ] {
             let src = format!(r#"{{"stream":true,"stream_options":{so},"model":"m"}}"#);
             let (b, _) = parse_openai(&body(&src), "messages").expect("ok");
-            let v: Value = serde_json::from_slice(&b.render("b", true)).expect("json");
+            let v: Value = serde_json::from_slice(&b.render("b", true, None)).expect("json");
             assert_eq!(v["stream_options"], want, "{src}");
             assert_eq!(v["model"], "b");
-            let v: Value = serde_json::from_slice(&b.render("b", false)).expect("json");
+            let v: Value = serde_json::from_slice(&b.render("b", false, None)).expect("json");
             assert_eq!(v, {
                 let mut o: Value = serde_json::from_str(&src).expect("json");
                 o["model"] = "b".into();
@@ -775,7 +909,7 @@ mod tests {
             let bytes = Bytes::from(serde_json::to_vec(&body).expect("json"));
             let (b, r) = parse_openai(&bytes, field).expect("parses");
             prop_assert_eq!(r.prompt_estimate, estimate_tokens(&prompt));
-            prop_assert_eq!(b.render("m", false), bytes, "the same model name gives the same bytes");
+            prop_assert_eq!(b.render("m", false, None), bytes, "the same model name gives the same bytes");
         }
 
         #[test]

@@ -209,33 +209,43 @@ where
                     .extensions_mut()
                     .remove::<AccessInfo>()
                     .unwrap_or_default();
-                let duration_ms = start.elapsed().as_secs_f64() * 1e3;
-                let status = resp.status().as_u16();
-                match sink {
-                    Some(sink) => sink(AccessRecord {
+                emit_access(
+                    sink.as_ref(),
+                    AccessRecord {
                         at: std::time::SystemTime::now(),
                         method,
-                        status,
-                        duration_ms,
+                        status: resp.status().as_u16(),
+                        duration_ms: start.elapsed().as_secs_f64() * 1e3,
                         info,
-                    }),
-                    None => tracing::info!(
-                        target: "keel::access",
-                        request_id = %info.request_id,
-                        method = %method,
-                        route = info.route,
-                        status,
-                        duration_ms,
-                        key = info.key.as_deref().unwrap_or("-"),
-                        model = info.model.as_deref().unwrap_or("-"),
-                        deployment = info.deployment.as_deref().unwrap_or("-"),
-                        stream = info.stream,
-                        "request"
-                    ),
-                }
+                    },
+                );
             }
             Ok(resp)
         })
+    }
+}
+
+/// Hands one record to the sink, or without one writes it as a `tracing`
+/// event (target `keel::access`).
+pub(crate) fn emit_access(sink: Option<&AccessSink>, r: AccessRecord) {
+    match sink {
+        Some(sink) => sink(r),
+        None => {
+            let info = &r.info;
+            tracing::info!(
+                target: "keel::access",
+                request_id = %info.request_id,
+                method = %r.method,
+                route = info.route,
+                status = r.status,
+                duration_ms = r.duration_ms,
+                key = info.key.as_deref().unwrap_or("-"),
+                model = info.model.as_deref().unwrap_or("-"),
+                deployment = info.deployment.as_deref().unwrap_or("-"),
+                stream = info.stream,
+                "request"
+            )
+        }
     }
 }
 

@@ -45,12 +45,15 @@ impl Backend {
 
     /// May a request go to this backend now (healthy, circuit letting it)?
     /// A half-open circuit lets one trial request through.
-    pub fn try_acquire(&self, now: Instant) -> bool {
-        self.healthy.load(Ordering::Relaxed) && self.circuit().allow(now)
+    pub fn try_acquire(&self, now: Instant) -> Option<Permit> {
+        if !self.healthy.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.circuit().allow(now)
     }
 
-    pub fn record(&self, now: Instant, ok: bool, retry_after: Option<Duration>) {
-        self.circuit().record(now, ok, retry_after);
+    pub fn record(&self, now: Instant, ok: bool, retry_after: Option<Duration>, permit: Permit) {
+        self.circuit().record(now, ok, retry_after, permit);
     }
 
     /// When an open circuit lets a trial through again.
@@ -110,6 +113,15 @@ pub struct Circuit {
     buckets: VecDeque<(Instant, u32, u32)>,
 }
 
+/// What let a request through a circuit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Permit {
+    /// The circuit was closed.
+    Closed,
+    /// The one trial of a half-open circuit.
+    Trial,
+}
+
 impl Circuit {
     pub fn new(cfg: CircuitConfig) -> Self {
         Self {
@@ -119,27 +131,37 @@ impl Circuit {
         }
     }
 
-    pub fn allow(&mut self, now: Instant) -> bool {
+    pub fn allow(&mut self, now: Instant) -> Option<Permit> {
         match self.state {
-            CState::Closed => true,
+            CState::Closed => Some(Permit::Closed),
             CState::Open { until } if now >= until => {
                 self.state = CState::HalfOpen { trial_out: true };
-                true
+                Some(Permit::Trial)
             }
-            CState::Open { .. } => false,
+            CState::Open { .. } => None,
             CState::HalfOpen { trial_out: false } => {
                 self.state = CState::HalfOpen { trial_out: true };
-                true
+                Some(Permit::Trial)
             }
-            CState::HalfOpen { trial_out: true } => false,
+            CState::HalfOpen { trial_out: true } => None,
         }
     }
 
-    pub fn record(&mut self, now: Instant, ok: bool, retry_after: Option<Duration>) {
+    /// Counts a result. Only the trial's result decides a half-open
+    /// circuit: a request let through before the trip, ending while the
+    /// trial is out, is not counted.
+    pub fn record(
+        &mut self,
+        now: Instant,
+        ok: bool,
+        retry_after: Option<Duration>,
+        permit: Permit,
+    ) {
         let trip = Duration::from_secs_f64(self.cfg.trip_s);
         let open_for =
             |ra: Option<Duration>| trip.max(ra.unwrap_or_default().min(Duration::from_secs(300)));
         match self.state {
+            CState::HalfOpen { .. } if permit == Permit::Closed => return,
             CState::HalfOpen { .. } => {
                 if ok {
                     self.state = CState::Closed;
@@ -493,41 +515,60 @@ mod tests {
         }
     }
 
+    use Permit::{Closed, Trial};
+
     #[test]
     fn circuit_opens_half_opens_and_closes() {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
         for i in 0..3 {
-            assert!(c.allow(t0));
-            c.record(t0, i == 0, None);
+            assert_eq!(c.allow(t0), Some(Closed));
+            c.record(t0, i == 0, None, Closed);
         }
         assert_eq!(
             c.state_name(t0),
             "closed",
             "3 requests are below min_requests"
         );
-        c.record(t0, false, None);
+        c.record(t0, false, None, Closed);
         assert_eq!(c.state_name(t0), "open");
-        assert!(!c.allow(t0 + Duration::from_secs(4)));
+        assert_eq!(c.allow(t0 + Duration::from_secs(4)), None);
         let t5 = t0 + Duration::from_secs(5);
-        assert!(c.allow(t5), "one trial after the trip");
-        assert!(!c.allow(t5), "only one");
-        c.record(t5, false, None);
-        assert!(!c.allow(t5 + Duration::from_secs(1)));
+        assert_eq!(c.allow(t5), Some(Trial), "one trial after the trip");
+        assert_eq!(c.allow(t5), None, "only one");
+        c.record(t5, false, None, Trial);
+        assert_eq!(c.allow(t5 + Duration::from_secs(1)), None);
         let t10 = t5 + Duration::from_secs(5);
-        assert!(c.allow(t10));
-        c.record(t10, true, None);
+        assert_eq!(c.allow(t10), Some(Trial));
+        c.record(t10, true, None, Trial);
         assert_eq!(c.state_name(t10), "closed");
-        assert!(c.allow(t10));
+        assert_eq!(c.allow(t10), Some(Closed));
+    }
+
+    #[test]
+    fn only_the_trial_decides_or_frees_a_half_open_circuit() {
+        let t0 = Instant::now();
+        let mut c = Circuit::new(cfg());
+        c.record(t0, false, Some(Duration::from_secs(5)), Closed);
+        let t5 = t0 + Duration::from_secs(5);
+        assert_eq!(c.allow(t5), Some(Trial));
+        // A request let through before the trip ends while the trial is out:
+        // neither its success nor its failure decides.
+        c.record(t5, true, None, Closed);
+        c.record(t5, false, None, Closed);
+        assert_eq!(c.state_name(t5), "half-open");
+        assert_eq!(c.allow(t5), None, "the trial is still out");
+        c.record(t5, true, None, Trial);
+        assert_eq!(c.state_name(t5), "closed");
     }
 
     #[test]
     fn retry_after_is_honoured() {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
-        c.record(t0, false, Some(Duration::from_secs(30)));
-        assert!(!c.allow(t0 + Duration::from_secs(29)));
-        assert!(c.allow(t0 + Duration::from_secs(30)));
+        c.record(t0, false, Some(Duration::from_secs(30)), Closed);
+        assert_eq!(c.allow(t0 + Duration::from_secs(29)), None);
+        assert_eq!(c.allow(t0 + Duration::from_secs(30)), Some(Trial));
     }
 
     #[test]
@@ -535,10 +576,10 @@ mod tests {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
         for _ in 0..3 {
-            c.record(t0, false, None);
+            c.record(t0, false, None, Closed);
         }
         let later = t0 + Duration::from_secs(11);
-        c.record(later, false, None);
+        c.record(later, false, None, Closed);
         assert_eq!(c.state_name(later), "closed");
     }
 

@@ -411,6 +411,117 @@ fn concurrent_clients_never_exceed_request_or_token_limits() {
 }
 
 #[test]
+fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The backend would generate 2000 tokens a choice if nothing bounded it.
+    let b = TestBackend::start(&["--tokens", "2000", "--latency-ms", "50"]);
+    let cfg = format!(
+        "{}[limits]\ndefault_max_tokens = 256\n[limits.default]\ntokens_per_minute = 3000\nrequests_per_minute = 14\n{}{}",
+        head(dir.path()),
+        model("chat", "", &[("blue", b.url(), 1)]),
+        model("resnet", "protocol = \"oip\"", &[("r1", b.url(), 1)]),
+    );
+    let (id, key) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let no_limit = json!({"model": "chat", "messages": [{"role": "user", "content": "12345678"}]});
+    // Ten at once without max_tokens: 258 reserved each (2 prompt + the
+    // default 256), and the backend is told to stop there.
+    let completions: Vec<Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..10)
+            .map(|_| s.spawn(|| g.chat(&key, no_limit.clone())))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let r = h.join().expect("client");
+                assert_eq!(r.status, 200, "{}", r.text());
+                r.json()["usage"]["completion_tokens"].clone()
+            })
+            .collect()
+    });
+    assert!(completions.iter().all(|c| *c == 256), "{completions:?}");
+    assert_eq!(g.usage(&format!("key:{id}"))["tokens"], 2580);
+    // n multiplies: 2 + 3 x 100 reserved, 300 generated.
+    let mut three = chat_body("chat");
+    three["n"] = json!(3);
+    three["max_tokens"] = json!(100);
+    let r = g.chat(&key, three.clone());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 300);
+    assert_eq!(g.usage(&format!("key:{id}"))["tokens"], 2882);
+    // 118 tokens are left: a second n=3 request (302) does not fit.
+    let r = g.chat(&key, three);
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(g.usage(&format!("key:{id}"))["tokens"].as_u64() <= Some(3000));
+    // OIP metadata and readiness calls count against requests_per_minute:
+    // 11 admitted so far, 3 more fit in 14.
+    for path in [
+        "/v2/models/resnet",
+        "/v2/models/resnet/ready",
+        "/v2/models/resnet/versions/2",
+    ] {
+        let r = http::get(g.public, path, &key).expect("r");
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+    }
+    let r = http::get(g.public, "/v2/models/resnet/ready", &key).expect("r");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(g.usage(&format!("key:{id}"))["requests"], 14);
+    g.stop();
+}
+
+#[test]
+fn a_client_that_goes_away_mid_request_is_audited_and_stays_charged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--latency-ms", "400"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\ntokens_per_minute = 1000\n",
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let body = chat_body("chat").to_string();
+    let mut c = TcpStream::connect(g.public).expect("connect");
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    // Gone while the backend is still working.
+    std::thread::sleep(Duration::from_millis(100));
+    drop(c);
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(
+        b.count("/v1/chat/completions"),
+        1,
+        "the request was forwarded"
+    );
+    assert_eq!(
+        g.usage(&format!("key:{id}"))["tokens"],
+        10,
+        "the reservation (2 prompt + 8) stays charged"
+    );
+    let m = g.metrics_text();
+    assert!(
+        m.contains("route=\"/v1/chat/completions\",model=\"chat\"") && m.contains("code=\"499\""),
+        "{m}"
+    );
+    let audit = g.stop();
+    let e = audit
+        .iter()
+        .find(|e| e["event"] == "request")
+        .expect("an audit line for the abandoned request");
+    assert_eq!(e["status"], 499, "{e}");
+    assert_eq!(e["key"], id.as_str());
+    assert!(
+        e["error"]
+            .as_str()
+            .is_some_and(|s| s.contains("client closed")),
+        "{e}"
+    );
+}
+
+#[test]
 fn quotas_reset_at_the_period_boundary_by_the_injected_clock() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&[]);

@@ -17,7 +17,9 @@
 //! with `{"mode": ..., "latency_ms": ..., "healthy": ..., "tokens": ...}`
 //! changes its behaviour and `GET /_stats` counts what it was sent. Prompt
 //! tokens are a quarter of the prompt's text bytes, rounded up (the same
-//! rule keel uses to estimate), completion tokens `min(max_tokens, --tokens)`.
+//! rule keel uses to estimate) plus a quarter of the bytes of `tools` and
+//! `functions`; completion tokens are `min(max_tokens, --tokens)` for each
+//! of the `n` (or `best_of`) choices.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -81,6 +83,18 @@ fn reply(status: StatusCode, v: Value) -> Response<TBody> {
         http::HeaderValue::from_static("application/json"),
     );
     r
+}
+
+/// The bytes of the top-level `tools` and `functions` values as sent.
+fn tools_bytes(body: &[u8]) -> u64 {
+    use serde_json::value::RawValue;
+    serde_json::from_slice::<BTreeMap<String, &RawValue>>(body).map_or(0, |m| {
+        ["tools", "functions"]
+            .iter()
+            .filter_map(|k| m.get(*k))
+            .map(|r| r.get().len() as u64)
+            .sum()
+    })
 }
 
 /// A quarter of the prompt's text bytes, rounded up; token-id arrays one
@@ -201,10 +215,18 @@ impl State {
         }
         let max = ["max_completion_tokens", "max_tokens"]
             .iter()
-            .find_map(|k| v.get(*k).and_then(Value::as_u64));
-        let completion = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
+            .filter_map(|k| v.get(*k).and_then(Value::as_u64))
+            .max();
+        let per_choice = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
             m.min(self.tokens.load(Ordering::Relaxed))
         });
+        let choices = ["n", "best_of"]
+            .iter()
+            .filter_map(|k| v.get(*k).and_then(Value::as_u64))
+            .max()
+            .unwrap_or(1)
+            .clamp(1, 128);
+        let completion = per_choice * choices;
         let model = v.get("model").cloned().unwrap_or(json!("test"));
         match (&method, path.as_str()) {
             (&Method::GET, "/v1/models") => reply(
@@ -216,9 +238,9 @@ impl State {
                 let prompt = estimate_tokens(
                     v.get(if chat { "messages" } else { "prompt" })
                         .unwrap_or(&Value::Null),
-                );
+                ) + tools_bytes(&body).div_ceil(4);
                 let usage = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
-                let text = "tok ".repeat(completion as usize);
+                let text = "tok ".repeat(per_choice as usize);
                 if v.get("stream").and_then(Value::as_bool) == Some(true) {
                     let asked = v
                         .pointer("/stream_options/include_usage")
@@ -234,10 +256,12 @@ impl State {
                     };
                     return self.stream(n, chat, model, completion, send_usage.then_some(usage));
                 }
-                let choice = if chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"})
-                } else {
-                    json!({"index": 0, "text": text, "finish_reason": "stop"})
+                let choice = |i: u64| {
+                    if chat {
+                        json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"})
+                    } else {
+                        json!({"index": i, "text": text, "finish_reason": "stop"})
+                    }
                 };
                 let mut body = json!({
                     "id": format!("cmpl-{n}"),
@@ -245,7 +269,7 @@ impl State {
                     "created": 0,
                     "model": model,
                     "system_fingerprint": self.name,
-                    "choices": [choice],
+                    "choices": (0..choices).map(choice).collect::<Vec<_>>(),
                 });
                 if self.usage != "never" {
                     body["usage"] = usage;
