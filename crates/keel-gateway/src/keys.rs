@@ -3,7 +3,10 @@
 //! that answers "whose secret is this?" and notices a changed file on the
 //! very next request (through an inotify watch on its directory, or a
 //! `stat` per request where that cannot work), so a revocation takes
-//! effect immediately.
+//! effect immediately. On a network or cluster filesystem (NFS, Lustre,
+//! GPFS, CephFS, SMB, FUSE...), where inotify never hears of a change made
+//! on another host, it is a `stat` per request and a fresh read every
+//! second.
 //!
 //! Secrets are random bytes handed in by the caller (the library does not
 //! read the system's randomness or clock).
@@ -186,7 +189,15 @@ struct State {
     map: Arc<KeyMap>,
     /// The last read failed: read again on every call until it works.
     failed: bool,
+    /// When the file was last read.
+    read_at: std::time::Instant,
 }
+
+/// In `stat` mode the file is read again at least this often even when its
+/// `stat` looks the same: a network filesystem's client may cache
+/// attributes (an `open` revalidates them), and an in-place write of the
+/// same length within one timestamp tick leaves the `stat` unchanged.
+const REREAD_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How the ring learns that the file may have changed.
 #[derive(Debug)]
@@ -206,9 +217,11 @@ enum Watch {
         dir: i32,
         name: std::ffi::OsString,
     },
-    /// A `stat` of the file on every call: where inotify is unavailable,
-    /// or where a symbolic link on the path could change the file without
-    /// an event about it.
+    /// A `stat` of the file on every call, and a read every
+    /// `REREAD_EVERY`: where inotify is unavailable, where a symbolic link
+    /// on the path could change the file without an event about it, and on
+    /// any filesystem not known to be local (inotify sees only this host's
+    /// writes).
     Stat,
 }
 
@@ -234,7 +247,7 @@ fn watch(path: &Path) -> Watch {
         Ok(m) => !m.file_type().is_symlink(),
         Err(e) => e.kind() == std::io::ErrorKind::NotFound,
     };
-    if !plain_dir || !plain_file {
+    if !plain_dir || !plain_file || !local_fs(dir) {
         return Watch::Stat;
     }
     let Ok(fd) = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK) else {
@@ -264,6 +277,36 @@ fn watch(path: &Path) -> Watch {
     }
 }
 
+/// Is `dir` on a filesystem that only this host writes to, so that inotify
+/// sees every change? Known local filesystems only: anything else (NFS,
+/// Lustre, GPFS, CephFS, BeeGFS, SMB, 9p, FUSE, or a type this list does
+/// not know) is not.
+#[cfg(target_os = "linux")]
+// `f_type`'s integer type differs between targets.
+#[allow(clippy::unnecessary_cast)]
+fn local_fs(dir: &Path) -> bool {
+    rustix::fs::statfs(dir).is_ok_and(|s| is_local_fs_type(s.f_type as i64))
+}
+
+/// Filesystem magic numbers (`statfs(2)`'s `f_type`) of local filesystems.
+#[cfg(target_os = "linux")]
+fn is_local_fs_type(t: i64) -> bool {
+    const LOCAL: [i64; 10] = [
+        0xEF53,      // ext2/3/4
+        0x5846_5342, // xfs
+        0x9123_683E, // btrfs
+        0x0102_1994, // tmpfs
+        0x8584_58F6, // ramfs
+        0x794C_7630, // overlayfs
+        0x2FC1_2FC1, // zfs
+        0xF2F5_2010, // f2fs
+        0x3153_464A, // jfs
+        0x5265_4973, // reiserfs
+    ];
+    // The field is signed on some targets: compare the low 32 bits.
+    LOCAL.contains(&(t & 0xFFFF_FFFF))
+}
+
 #[cfg(not(target_os = "linux"))]
 fn watch(_: &Path) -> Watch {
     Watch::Stat
@@ -276,6 +319,9 @@ const MAX_EVENTS: usize = 64;
 /// What the watch says since the last call.
 enum Seen {
     Nothing,
+    /// An event about the file: read it again.
+    Changed,
+    /// Perhaps: a `stat` settles it.
     Something,
     /// The directory's watch is gone (removed, moved, unmounted) or the
     /// watch cannot be read.
@@ -318,7 +364,10 @@ impl Watch {
                     // waits for the next call.
                     n += 1;
                     if n > MAX_EVENTS {
-                        return Seen::Something;
+                        return match seen {
+                            Seen::Changed => Seen::Changed,
+                            _ => Seen::Something,
+                        };
                     }
                     match r.next() {
                         Ok(e) if e.wd() == *dir => {
@@ -332,12 +381,12 @@ impl Watch {
                             if e.file_name()
                                 .is_some_and(|n| n.to_bytes() == name.as_bytes())
                             {
-                                seen = Seen::Something;
+                                seen = Seen::Changed;
                             }
                         }
                         // The file's own watch, or events lost to a full
                         // queue (wd -1).
-                        Ok(_) => seen = Seen::Something,
+                        Ok(_) => seen = Seen::Changed,
                         Err(Errno::WOULDBLOCK) => return seen,
                         Err(Errno::INTR) => continue,
                         Err(_) => return Seen::WatchLost,
@@ -371,6 +420,7 @@ impl KeyRing {
                 stamp: st,
                 map: Arc::new(map),
                 failed: false,
+                read_at: std::time::Instant::now(),
             }),
         })
     }
@@ -406,19 +456,25 @@ impl KeyRing {
     /// leaves no key valid (fail closed) until it is fixed.
     pub fn current(&self) -> Result<Arc<KeyMap>, GatewayError> {
         let mut g = self.lock();
-        match g.watch.poll() {
+        let changed = match g.watch.poll() {
             Seen::Nothing if !g.failed => return Ok(g.map.clone()),
-            Seen::WatchLost => g.watch = Watch::Stat,
-            Seen::Nothing | Seen::Something => {}
-        }
+            Seen::Changed => true,
+            Seen::WatchLost => {
+                g.watch = Watch::Stat;
+                false
+            }
+            Seen::Nothing | Seen::Something => false,
+        };
         let st = stamp(&self.path);
-        if st == g.stamp && !g.failed {
+        let stale = matches!(g.watch, Watch::Stat) && g.read_at.elapsed() >= REREAD_EVERY;
+        if st == g.stamp && !g.failed && !changed && !stale {
             return Ok(g.map.clone());
         }
         if st.map(|s| s.0) != g.stamp.map(|s| s.0) && !g.watch.follow(&self.path) {
             // A new file that cannot be watched.
             g.watch = Watch::Stat;
         }
+        g.read_at = std::time::Instant::now();
         match Self::read(&self.path) {
             Ok(map) => {
                 g.stamp = st;
@@ -601,6 +657,83 @@ mod tests {
         f.store(&path).expect("store");
         assert!(ring.lookup(&secret).expect("ok").is_none());
         assert_eq!(ring.watch_kind(), "inotify");
+    }
+
+    /// Rewrites the file in place with its one key's digest changed (same
+    /// length, same inode) and puts its modification time back, so that
+    /// its `stat` is what it was.
+    fn rewrite_in_place_unchanged_stat(path: &Path) {
+        let before = std::fs::metadata(path).expect("stat");
+        let text = std::fs::read_to_string(path).expect("read");
+        let mut f = KeyFile::load(path).expect("load");
+        let old = f.keys[0].sha256.clone();
+        f.keys[0].sha256 = "0".repeat(64);
+        let new = text.replace(&old, &f.keys[0].sha256);
+        assert_eq!(new.len(), text.len());
+        std::fs::write(path, new).expect("write");
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .expect("open")
+            .set_modified(before.modified().expect("mtime"))
+            .expect("set mtime");
+        assert_eq!(stamp(path), {
+            use std::os::unix::fs::MetadataExt;
+            Some((
+                before.ino(),
+                before.mtime(),
+                before.mtime_nsec(),
+                before.len(),
+            ))
+        });
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn an_in_place_write_that_leaves_the_stat_unchanged_is_seen() {
+        // Watched: the write's event is enough, at once.
+        let (_keep, dir) = plain_tempdir();
+        let path = dir.join("keys.json");
+        let (_, _, secret) = file_with_key(&path, "alice");
+        let ring = KeyRing::open(&path).expect("ring");
+        assert_eq!(ring.watch_kind(), "inotify");
+        assert!(ring.lookup(&secret).expect("ok").is_some());
+        rewrite_in_place_unchanged_stat(&path);
+        assert!(ring.lookup(&secret).expect("ok").is_none());
+
+        // Checked by stat (through a symbolic link): read again within
+        // REREAD_EVERY.
+        let link = dir.join("link.json");
+        let (_, _, bob) = file_with_key(&dir.join("bob.json"), "bob");
+        std::os::unix::fs::symlink(dir.join("bob.json"), &link).expect("link");
+        let ring = KeyRing::open(&link).expect("ring");
+        assert_eq!(ring.watch_kind(), "stat");
+        assert!(ring.lookup(&bob).expect("ok").is_some());
+        rewrite_in_place_unchanged_stat(&dir.join("bob.json"));
+        std::thread::sleep(REREAD_EVERY + std::time::Duration::from_millis(100));
+        assert!(ring.lookup(&bob).expect("ok").is_none());
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn only_local_filesystems_are_trusted_to_inotify() {
+        // statfs(2) magic numbers; some are negative as a signed 32-bit
+        // f_type and arrive sign-extended.
+        for (t, local) in [
+            (0xEF53_i64, true),                     // ext4
+            (0x9123_683E_u32 as i32 as i64, true),  // btrfs, sign-extended
+            (0x794C_7630, true),                    // overlayfs
+            (0x6969, false),                        // NFS
+            (0x0BD0_0BD0, false),                   // Lustre
+            (0x4750_4653, false),                   // GPFS
+            (0x00C3_6400, false),                   // CephFS
+            (0xFF53_4D42_u32 as i32 as i64, false), // CIFS
+            (0x6573_5546, false),                   // FUSE
+            (0x0102_1997, false),                   // 9p
+            (0, false),
+        ] {
+            assert_eq!(is_local_fs_type(t), local, "{t:#x}");
+        }
     }
 
     #[test]
