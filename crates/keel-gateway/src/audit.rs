@@ -187,6 +187,8 @@ impl AuditLog {
             .map_err(werr)?;
         let mut w = BufWriter::with_capacity(64 << 10, file);
         let mut text = Vec::with_capacity(1024);
+        let mut failed: Option<std::io::Error> = None;
+        let shown = path.to_owned();
         let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Box<dyn Event>>, last| {
             for ev in batch {
                 text.clear();
@@ -201,12 +203,26 @@ impl AuditLog {
                 seq += 1;
                 let (line, hash) = chain_line(seq, &prev, ev);
                 prev = hash;
-                let _ = w.write_all(line.as_bytes());
-                let _ = w.write_all(b"\n");
+                if let Err(e) = w
+                    .write_all(line.as_bytes())
+                    .and_then(|()| w.write_all(b"\n"))
+                {
+                    failed.get_or_insert(e);
+                }
             }
-            let _ = w.flush();
+            if let Err(e) = w.flush() {
+                failed.get_or_insert(e);
+            }
             if last {
-                let _ = w.get_ref().sync_all();
+                if let Err(e) = w.get_ref().sync_all() {
+                    failed.get_or_insert(e);
+                }
+            }
+            // A write that failed (a full disk, say) is reported once per
+            // batch: the lines are lost and `audit verify` will find the
+            // chain broken there.
+            if let Some(e) = failed.take() {
+                tracing::error!(path = %shown.display(), error = %e, "audit log write failed; lines were lost");
             }
         })
         .map_err(werr)?;
@@ -223,7 +239,9 @@ impl AuditLog {
     /// Queues an event (a JSON object once serialised by the writer
     /// thread; `ts` should be in it, `seq` and `prev` must not).
     pub fn record(&self, event: impl Event) {
-        self.batcher.push(Box::new(event));
+        if self.batcher.push(Box::new(event)).is_err() {
+            tracing::error!(path = %self.path.display(), "audit log already closed; an event was not recorded");
+        }
     }
 
     /// Writes everything queued, syncs the file and stops the writer.

@@ -80,14 +80,16 @@ impl<T: Send + 'static> Batcher<T> {
         })
     }
 
-    pub fn push(&self, item: T) {
-        if !self.shared.closed.load(Ordering::Relaxed) {
-            self.shared
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(item);
+    /// Queues an item, or once the batcher is closing gives it back.
+    /// Checked under the queue's lock, so an item either reaches the last
+    /// batch or is given back here, never lost in between.
+    pub fn push(&self, item: T) -> Result<(), T> {
+        let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if self.shared.closed.load(Ordering::SeqCst) {
+            return Err(item);
         }
+        q.push(item);
+        Ok(())
     }
 
     /// Hands over what is queued, calls the sink a last time and stops.
@@ -160,17 +162,17 @@ mod tests {
         })
         .expect("spawn");
         for i in 0..1000 {
-            b.push(i);
+            b.push(i).expect("open");
         }
         b.drain(Duration::from_secs(2));
         assert_eq!(seen.lock().expect("lock").len(), 1000);
         for i in 1000..1100 {
-            b.push(i);
+            b.push(i).expect("open");
         }
         b.close();
         let v = seen.lock().expect("lock").clone();
         assert_eq!(v, (0..1100).collect::<Vec<_>>());
-        b.push(5);
+        assert_eq!(b.push(5), Err(5), "given back after close");
     }
 
     #[cfg(target_os = "linux")]
@@ -183,7 +185,7 @@ mod tests {
             *s.lock().expect("lock") = Some(rustix::process::getpriority_process(None));
         })
         .expect("spawn");
-        b.push(1);
+        b.push(1).expect("open");
         b.drain(Duration::from_secs(2));
         let nice = seen.lock().expect("lock").take().expect("the sink ran");
         assert_eq!(nice.expect("getpriority"), 19);

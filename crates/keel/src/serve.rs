@@ -137,7 +137,9 @@ impl std::io::Write for LogLine {
 impl Drop for LogLine {
     fn drop(&mut self) {
         if !self.buf.is_empty() {
-            self.q.0.push(LogItem::Line(std::mem::take(&mut self.buf)));
+            if let Err(item) = self.q.0.push(LogItem::Line(std::mem::take(&mut self.buf))) {
+                write_now(item);
+            }
         }
     }
 }
@@ -175,6 +177,21 @@ impl LogQueue {
         .context("cannot start the log writer")?;
         Ok(Self(Arc::new(b)))
     }
+}
+
+/// Writes an item straight to stderr: the log writer has stopped (the
+/// process is ending) and the line must not be lost.
+fn write_now(item: LogItem) {
+    use std::io::Write;
+    let line = match item {
+        LogItem::Line(l) => l,
+        LogItem::Access(r) => {
+            let mut line = Vec::with_capacity(512);
+            keel_gateway::server::access_line(&r, &mut line);
+            line
+        }
+    };
+    let _ = std::io::stderr().write_all(&line);
 }
 
 fn random<const N: usize>() -> anyhow::Result<[u8; N]> {
@@ -294,7 +311,11 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
             clock: Arc::new(SystemClock),
             seed,
             reload: Some(reload),
-            access_sink: Some(Arc::new(move |r| access.0.push(LogItem::Access(r)))),
+            access_sink: Some(Arc::new(move |r| {
+                if let Err(item) = access.0.push(LogItem::Access(r)) {
+                    write_now(item);
+                }
+            })),
         }).await?;
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {
