@@ -36,6 +36,12 @@ pub struct RunArgs {
     /// the GPUs' model and count, else `generic`.
     #[arg(long)]
     sku: Option<String>,
+    /// How many GPUs this node must have: overrides the profile's count
+    /// (so `generic` stops trusting what PCI shows), and when the profile
+    /// is guessed, the GPUs' model with this count picks it. A node with
+    /// a GPU gone from the bus then fails instead of passing as `generic`.
+    #[arg(long, value_name = "N")]
+    gpus: Option<String>,
     /// TOML file whose values override the profile's.
     #[arg(long, value_name = "FILE")]
     profile_file: Option<PathBuf>,
@@ -175,6 +181,9 @@ fn effective_config(r: &RunArgs) -> anyhow::Result<(CheckConfig, Option<PathBuf>
     let (mut c, path) = config::load(r.config.as_deref(), &env)?;
     if let Some(v) = &r.sku {
         c.sku = Some(v.clone());
+    }
+    if let Some(v) = &r.gpus {
+        c.gpus = Some(config::parse_gpus("--gpus", v)?);
     }
     if let Some(v) = &r.profile_file {
         c.profile_file = Some(v.clone());
@@ -346,8 +355,11 @@ pub fn check_node(
     let mut inputs = keel_check::gather(&cli.root, probe.as_ref(), &opts);
 
     let (sku, source) = choose_sku(cfg, &inputs)?;
-    let profile =
+    let mut profile =
         profile::load(&sku, cfg.profile_file.as_deref()).context("cannot load the SKU profile")?;
+    if let Some(n) = cfg.gpus {
+        profile.gpu.count = Some(n);
+    }
     opts.mounts = profile.host.disks.iter().map(|d| d.mount.clone()).collect();
     inputs.host.disk_free = keel_check::gather::disk_free(&cli.root, &opts);
 
@@ -409,9 +421,15 @@ fn choose_sku(cfg: &CheckConfig, inputs: &keel_check::Inputs) -> anyhow::Result<
         (_, Ok(m)) if !m.gpus.is_empty() => m.gpus[0].model.clone().map(|n| (n, m.gpus.len())),
         _ => None,
     };
-    if let Some((model, count)) = from_gpus {
+    if let Some((model, found)) = from_gpus {
+        // The configured count, not the count found: a node that lost a GPU
+        // is still judged by its SKU's profile.
+        let (count, note) = match cfg.gpus {
+            Some(n) => (n as usize, format!(", {found} found, check.gpus = {n}")),
+            None => (found, String::new()),
+        };
         if let Some(p) = profile::for_gpus(&model, count) {
-            return Ok((p.to_owned(), format!("gpus ({count}x {model})")));
+            return Ok((p.to_owned(), format!("gpus ({count}x {model}{note})")));
         }
     }
     Ok(("generic".into(), "generic".into()))

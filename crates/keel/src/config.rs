@@ -89,6 +89,7 @@ pub struct ModelConfig {
 #[serde(deny_unknown_fields)]
 pub struct FileCheck {
     pub sku: Option<String>,
+    pub gpus: Option<u32>,
     pub profile_file: Option<PathBuf>,
     pub gpu_snapshot: Option<PathBuf>,
     pub nvml_library: Option<PathBuf>,
@@ -106,6 +107,9 @@ pub struct FileCheck {
 pub struct CheckConfig {
     /// SKU profile name; unset: from Azure IMDS, else from the GPUs.
     pub sku: Option<String>,
+    /// How many GPUs this node must have (overrides the profile's count,
+    /// and picks the profile by model with this count when guessing).
+    pub gpus: Option<u32>,
     /// A TOML file whose values override the chosen profile's.
     pub profile_file: Option<PathBuf>,
     /// Read GPUs from a recorded snapshot instead of NVML.
@@ -128,6 +132,7 @@ impl Default for CheckConfig {
     fn default() -> Self {
         Self {
             sku: None,
+            gpus: None,
             profile_file: None,
             gpu_snapshot: None,
             nvml_library: None,
@@ -150,6 +155,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "root directory for /sys, /proc and /dev (--root)",
     ),
     ("KEEL_SKU", "check.sku"),
+    ("KEEL_GPUS", "check.gpus"),
     ("KEEL_PROFILE_FILE", "check.profile_file"),
     ("KEEL_GPU_SNAPSHOT", "check.gpu_snapshot"),
     ("KEEL_NVML_LIBRARY", "check.nvml_library"),
@@ -307,6 +313,23 @@ fn load_file(
     Ok((file, path))
 }
 
+/// The most GPUs `check.gpus` accepts.
+pub const MAX_GPUS: u32 = 1024;
+
+/// A GPU count from the environment or a flag: 0 to [`MAX_GPUS`].
+pub fn parse_gpus(what: &str, v: &str) -> anyhow::Result<u32> {
+    v.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|n| *n <= MAX_GPUS)
+        .ok_or_else(|| {
+            crate::exit::UsageError(format!(
+                "{what} = {v:?} must be a whole number of GPUs from 0 to {MAX_GPUS}"
+            ))
+            .into()
+        })
+}
+
 fn check_config(
     file: FileConfig,
     env: &dyn Fn(&str) -> Option<String>,
@@ -324,6 +347,7 @@ fn check_config(
         fail_closed
     );
     c.sku = f.sku.or(c.sku);
+    c.gpus = f.gpus.or(c.gpus);
     c.profile_file = f.profile_file.or(c.profile_file);
     c.gpu_snapshot = f.gpu_snapshot.or(c.gpu_snapshot);
     c.nvml_library = f.nvml_library.or(c.nvml_library);
@@ -332,6 +356,9 @@ fn check_config(
 
     if let Some(v) = env("KEEL_SKU") {
         c.sku = Some(v);
+    }
+    if let Some(v) = env("KEEL_GPUS") {
+        c.gpus = Some(parse_gpus("KEEL_GPUS", &v)?);
     }
     if let Some(v) = env("KEEL_PROFILE_FILE") {
         c.profile_file = Some(v.into());
@@ -378,6 +405,12 @@ fn check_config(
         ),
     ] {
         check_seconds(what, v)?;
+    }
+    if let Some(n) = c.gpus.filter(|n| *n > MAX_GPUS) {
+        return Err(crate::exit::UsageError(format!(
+            "gpus (check) = {n} must be a whole number of GPUs from 0 to {MAX_GPUS}"
+        ))
+        .into());
     }
     if !(1..=MAX_TIMEOUT_S as u64 * 1000).contains(&c.imds_timeout_ms) {
         return Err(crate::exit::UsageError(format!(
@@ -497,7 +530,7 @@ mod tests {
         // Every field of the effective config, read from the struct itself.
         let value = serde_json::to_value(CheckConfig::default()).expect("serialises");
         let keys: Vec<String> = value.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 11);
+        assert_eq!(keys.len(), 12);
         let keys: Vec<String> = keys;
         for k in keys {
             assert!(

@@ -694,3 +694,76 @@ fn a_file_that_cannot_be_written_does_not_hide_the_report() {
         "{err}"
     );
 }
+
+#[test]
+fn a_node_that_lost_a_gpu_from_the_bus_fails_once_its_gpu_count_is_configured() {
+    // One of the eight A100s is gone from PCI and from NVML: counted from
+    // what the node shows, the node looks like a healthy 7-GPU machine.
+    let mut n = Node::ndv4();
+    n.profile("[host]\ndisks = []\n");
+    n.remove("sys/bus/pci/devices/000e:00:00.0");
+    n.gpu(|v| {
+        v["gpus"]
+            .as_array_mut()
+            .expect("gpus")
+            .retain(|g| g["pci_bus_id"] != "000E:00:00.0" && g["pci_bus_id"] != "000e:00:00.0");
+    });
+    let root = n.root.display().to_string();
+    let snap = n.path("gpu.json").display().to_string();
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut a: Vec<String> = [
+            "--root",
+            &root,
+            "--json",
+            "check",
+            "--gpu-snapshot",
+            &snap,
+            "--imds-endpoint",
+            "127.0.0.1:1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        keel(&a, env)
+    };
+    let judged = |out: &(i32, String, String)| {
+        let v: Value =
+            serde_json::from_str(&out.1).unwrap_or_else(|e| panic!("{e}: {} {}", out.1, out.2));
+        let count = results(&v, "gpu.count")[0].clone();
+        (
+            v["sku"].as_str().unwrap_or_default().to_owned(),
+            v["sku_source"].as_str().unwrap_or_default().to_owned(),
+            count["status"].as_str().unwrap_or_default().to_owned(),
+            count["code"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    let snap_gpus: Value =
+        serde_json::from_str(&std::fs::read_to_string(n.path("gpu.json")).expect("read"))
+            .expect("json");
+    assert_eq!(snap_gpus["gpus"].as_array().map(Vec::len), Some(7));
+
+    let (sku, _, status, _) = judged(&run(&[], &[]));
+    assert_eq!((sku.as_str(), status.as_str()), ("generic", "pass"));
+
+    let out = run(&["--gpus", "8"], &[]);
+    let (sku, source, status, code) = judged(&out);
+    assert_eq!(sku, "nd96asr_v4", "{source}");
+    assert!(source.contains("7 found, check.gpus = 8"), "{source}");
+    assert_eq!((status.as_str(), code.as_str()), ("fail", "GPU_MISSING"));
+    assert_eq!(out.0, 2, "{}", out.2);
+
+    // The same from the environment, and with the generic profile.
+    let (_, _, status, code) = judged(&run(&["--sku", "generic"], &[("KEEL_GPUS", "8")]));
+    assert_eq!((status.as_str(), code.as_str()), ("fail", "GPU_MISSING"));
+
+    for (extra, env) in [
+        (&["--gpus", "eight"][..], &[][..]),
+        (&["--gpus=-1"][..], &[][..]),
+        (&[][..], &[("KEEL_GPUS", "100000")][..]),
+    ] {
+        let (code, out, err) = run(extra, env);
+        assert_eq!(code, 64, "{extra:?} {env:?}: {out} {err}");
+        assert!(err.contains("whole number of GPUs"), "{err}");
+    }
+}
