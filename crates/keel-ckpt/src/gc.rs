@@ -17,7 +17,8 @@ pub enum Order {
 
 /// What to keep. Checkpoints that no rule keeps are deleted; with no rule
 /// at all, every committed checkpoint is kept and only orphaned data goes.
-/// The latest checkpoint and pinned ones are always kept.
+/// The latest checkpoint, any newer one (committed and perhaps being
+/// published as latest right now) and pinned ones are always kept.
 #[derive(Debug, Clone, Default)]
 pub struct GcPolicy {
     pub keep_last: Option<usize>,
@@ -91,6 +92,11 @@ impl Ckpt {
         for (i, c) in committed.iter().zip(&refs) {
             if Some(*c) == latest {
                 keep(*c, "latest".into());
+            }
+            // Committed after latest was read, or committed and not yet
+            // published: a push is perhaps moving latest to it now.
+            if latest.is_none_or(|l| *c > l) {
+                keep(*c, "newer than latest".into());
             }
             if let Some(r) = &i.pinned {
                 keep(*c, format!("pinned: {r}"));
@@ -181,11 +187,32 @@ impl Ckpt {
             let bytes: u64 = objects.iter().map(|(_, s)| s).sum();
             if apply {
                 // The commit record first: from here on this is not a
-                // checkpoint, whatever happens to the data.
-                self.store
-                    .delete(&layout::manifest_key(c.step, c.epoch))
-                    .await?;
-                self.store.delete(&layout::pin_key(c.step, c.epoch)).await?;
+                // checkpoint, whatever happens to the data. Then gc's half
+                // of the handshake with `pin` (which writes its pin, then
+                // looks for the manifest): deleted the manifest, look for a
+                // pin. A pin made meanwhile puts the manifest back, exactly
+                // as it was, and keeps the checkpoint.
+                let mkey = layout::manifest_key(c.step, c.epoch);
+                let pkey = layout::pin_key(c.step, c.epoch);
+                let Some(manifest) = self.store.get_opt(&mkey).await? else {
+                    continue;
+                };
+                if self.store.head(&pkey).await?.is_some() {
+                    report.kept.push(Kept {
+                        checkpoint: *c,
+                        reasons: vec!["pinned during gc".into()],
+                    });
+                    continue;
+                }
+                self.store.delete(&mkey).await?;
+                if self.store.head(&pkey).await?.is_some() {
+                    self.store.create(&mkey, manifest).await?;
+                    report.kept.push(Kept {
+                        checkpoint: *c,
+                        reasons: vec!["pinned during gc".into()],
+                    });
+                    continue;
+                }
                 for (k, _) in &objects {
                     self.store.delete(k).await?;
                 }

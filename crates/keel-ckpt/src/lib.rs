@@ -121,6 +121,8 @@ pub enum CkptError {
     Contended { what: &'static str, tries: u32 },
     #[error("{checkpoint} is not pinned")]
     NotPinned { checkpoint: CkptRef },
+    #[error("{checkpoint} was deleted (by gc) while it was being pinned")]
+    DeletedWhilePinning { checkpoint: CkptRef },
 }
 
 impl CkptError {
@@ -468,9 +470,21 @@ impl Ckpt {
             host: ctx.host.clone(),
             time: ctx.now_unix,
         };
-        self.store
-            .put(&layout::pin_key(c.step, c.epoch), json(&rec).into())
-            .await?;
+        let key = layout::pin_key(c.step, c.epoch);
+        self.store.put(&key, json(&rec).into()).await?;
+        // The pin's half of the handshake with gc, which deletes the
+        // manifest and then looks for a pin: written the pin, look for the
+        // manifest. One of the two sees the other, so a checkpoint is never
+        // both pinned and deleted.
+        if self
+            .store
+            .head(&layout::manifest_key(c.step, c.epoch))
+            .await?
+            .is_none()
+        {
+            self.store.delete(&key).await?;
+            return Err(CkptError::DeletedWhilePinning { checkpoint: c });
+        }
         Ok(rec)
     }
 

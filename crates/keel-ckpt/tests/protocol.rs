@@ -462,6 +462,89 @@ async fn gc_keeps_what_it_must_and_deletes_commit_first(env: Env) {
     ));
 }
 
+async fn gc_keeps_a_checkpoint_committed_but_not_yet_published(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-u").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    for s in 1..=3u64 {
+        ck.push(&make_ckpt(local.path(), s), &req(s, "w", s), &opts())
+            .await
+            .expect("push");
+    }
+    // The state of a push that committed step 3 and has not yet moved
+    // latest to it (or died in between): latest is step 2.
+    let top = *ck.generations().await.expect("gens").last().expect("a gen");
+    ck.store()
+        .delete(&format!("latest/{top:020}.json"))
+        .await
+        .expect("delete");
+    assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(2));
+    let policy = GcPolicy {
+        keep_every: Some(1000),
+        ..GcPolicy::default()
+    };
+    let r = ck.gc(&policy, true, &ctx(10)).await.expect("gc");
+    let deleted: Vec<u64> = r.deleted.iter().map(|d| d.checkpoint.step).collect();
+    assert_eq!(deleted, [1]);
+    let three = r
+        .kept
+        .iter()
+        .find(|k| k.checkpoint.step == 3)
+        .expect("step 3 kept");
+    assert_eq!(three.reasons, ["newer than latest"]);
+    ck.verify(Selector::Step(3), &opts()).await.expect("intact");
+}
+
+async fn a_checkpoint_pinned_while_gc_runs_is_never_deleted(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-p").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    const N: u64 = 12;
+    for s in 1..=N {
+        ck.push(&make_ckpt(local.path(), s), &req(s, "w", s), &opts())
+            .await
+            .expect("push");
+    }
+    let policy = GcPolicy {
+        keep_last: Some(1),
+        ..GcPolicy::default()
+    };
+    // gc deletes steps 1..N-1 while another task pins them, newest first
+    // (the order gc does not go in), so the two meet somewhere.
+    let gc = {
+        let ck = ck.clone();
+        tokio::spawn(async move { ck.gc(&policy, true, &ctx(100)).await })
+    };
+    let mut pinned = Vec::new();
+    for s in (1..N).rev() {
+        match ck.pin(Selector::Step(s), "keep", &ctx(200 + s)).await {
+            Ok(_) => pinned.push(s),
+            Err(CkptError::DeletedWhilePinning { .. } | CkptError::NoSuchStep { .. }) => {}
+            Err(e) => panic!("pin {s}: {e}"),
+        }
+    }
+    let report = gc.await.expect("join").expect("gc");
+    // Whatever the interleaving: every pin that succeeded protects a whole
+    // checkpoint, and nothing was reported both kept and deleted.
+    for s in &pinned {
+        ck.verify(Selector::Step(*s), &opts())
+            .await
+            .unwrap_or_else(|e| panic!("pinned step {s} damaged: {e}"));
+    }
+    for d in &report.deleted {
+        assert!(!pinned.contains(&d.checkpoint.step), "{d:?} was pinned");
+    }
+    // A failed pin leaves no pin behind.
+    let pins: Vec<u64> = ck
+        .pins()
+        .await
+        .expect("pins")
+        .iter()
+        .map(|p| p.checkpoint.step)
+        .collect();
+    let mut want = pinned.clone();
+    want.sort();
+    assert_eq!(pins, want);
+}
+
 async fn watch_pushes_completed_and_survives_restart(env: Env) {
     let ck = Ckpt::new(&env.store, "run-w").expect("ckpt");
     let local = tempfile::tempdir().expect("tmp");
@@ -577,4 +660,6 @@ suite!(
     watch_pushes_completed_and_survives_restart,
     bad_input_changes_nothing,
     gc_grace_periods_at_the_limits_of_time,
+    gc_keeps_a_checkpoint_committed_but_not_yet_published,
+    a_checkpoint_pinned_while_gc_runs_is_never_deleted,
 );

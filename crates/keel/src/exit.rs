@@ -186,7 +186,9 @@ fn ckpt_code(c: &keel_ckpt::CkptError) -> Code {
         E::Fenced { .. } | E::Conflict { .. } | E::Integrity { .. } | E::AllFailed { .. } => {
             Code::Failed
         }
-        E::NoCheckpoint { .. } | E::NoSuchStep { .. } => Code::Unknown,
+        E::NoCheckpoint { .. } | E::NoSuchStep { .. } | E::DeletedWhilePinning { .. } => {
+            Code::Unknown
+        }
     }
 }
 
