@@ -463,6 +463,27 @@ impl Ckpt {
         ctx: &Context,
     ) -> Result<PinRecord, CkptError> {
         let c = self.resolve_one(sel).await?;
+        self.pin_ref(c, reason, ctx).await
+    }
+
+    /// Pins exactly this checkpoint (step and epoch).
+    pub async fn pin_ref(
+        &self,
+        c: CkptRef,
+        reason: &str,
+        ctx: &Context,
+    ) -> Result<PinRecord, CkptError> {
+        if self
+            .store
+            .head(&layout::manifest_key(c.step, c.epoch))
+            .await?
+            .is_none()
+        {
+            return Err(CkptError::NoSuchStep {
+                run: self.run.clone(),
+                step: c.step,
+            });
+        }
         let rec = PinRecord {
             version: records::VERSION,
             checkpoint: c,

@@ -488,17 +488,26 @@ fn register(
         let run = r.run.clone().unwrap_or_default();
         let step = r.step.unwrap_or_default();
         let ckpt_url = ckpt_url.trim_end_matches('/').to_owned();
-        let (art, link) = rt.block_on(from_checkpoint(&ckpt_url, &run, step, &r.name, reg))?;
+        let (art, link, c) = rt.block_on(from_checkpoint(&ckpt_url, &run, step))?;
         new.source = format!("{ckpt_url} run {run} step {step}");
         if new.lineage.run_id.is_none() {
             new.lineage.run_id = Some(run.clone());
         }
         new.lineage.checkpoint = Some(link);
-        let v = reg.register_version(actor, &new, Some(&art))?;
-        // Pin after the version exists; the reason names it, so `keel
-        // ckpt ls` shows which version holds the checkpoint.
-        rt.block_on(pin_checkpoint(&ckpt_url, &run, step, &v))?;
-        v
+        // The version is READY only once its checkpoint is pinned (so gc
+        // cannot delete what a READY version names). The pin's reason
+        // names the version, so `keel ckpt ls` shows which one holds it.
+        let pending = reg.reserve_version(actor, &new)?;
+        match rt.block_on(pin_checkpoint(&ckpt_url, &run, c, &r.name, pending.version)) {
+            Ok(()) => reg.complete_version(actor, &r.name, pending.version, &art)?,
+            Err(e) => {
+                let _ = reg.fail_version(actor, &r.name, pending.version, &format!("{e:#}"));
+                return Err(e.context(format!(
+                    "could not pin the checkpoint for {}:{}; the version is marked FAILED_REGISTRATION",
+                    r.name, pending.version
+                )));
+            }
+        }
     } else {
         return Err(UsageError(
             "register needs --path DIR, --from URL or --from-ckpt URL --run RUN --step N".into(),
@@ -549,9 +558,7 @@ async fn from_checkpoint(
     url: &str,
     run: &str,
     step: u64,
-    _model: &str,
-    _reg: &Registry,
-) -> anyhow::Result<(Artifacts, keel_registry::CheckpointLink)> {
+) -> anyhow::Result<(Artifacts, keel_registry::CheckpointLink, keel_ckpt::CkptRef)> {
     let store = open_store(url, false)?;
     let ckpt = keel_ckpt::Ckpt::new(&store, run)?;
     let refs = ckpt.resolve(keel_ckpt::Selector::Step(step)).await?;
@@ -582,10 +589,16 @@ async fn from_checkpoint(
     };
     // The data must still be there (GC may have run before the pin).
     check_present(&open_store(&art.url, false)?, art.manifest.files()).await?;
-    Ok((art, link))
+    Ok((art, link, c))
 }
 
-async fn pin_checkpoint(url: &str, run: &str, step: u64, v: &Version) -> anyhow::Result<()> {
+async fn pin_checkpoint(
+    url: &str,
+    run: &str,
+    c: keel_ckpt::CkptRef,
+    model: &str,
+    version: u64,
+) -> anyhow::Result<()> {
     let store = open_store(url, false)?;
     let ckpt = keel_ckpt::Ckpt::new(&store, run)?;
     let now = SystemTime::now()
@@ -598,18 +611,12 @@ async fn pin_checkpoint(url: &str, run: &str, step: u64, v: &Version) -> anyhow:
             .unwrap_or_else(|_| "unknown-host".into()),
         nonce: now.as_nanos() as u64 ^ u64::from(std::process::id()),
     };
-    ckpt.pin(
-        keel_ckpt::Selector::Step(step),
-        &format!("registered as model version {}:{}", v.model, v.version),
+    ckpt.pin_ref(
+        c,
+        &format!("registered as model version {model}:{version}"),
         &ctx,
     )
-    .await
-    .with_context(|| {
-        format!(
-            "registered {}:{} but could not pin the checkpoint; pin it with `keel ckpt pin`",
-            v.model, v.version
-        )
-    })?;
+    .await?;
     Ok(())
 }
 

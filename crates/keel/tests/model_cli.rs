@@ -568,4 +568,28 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
             .map(Vec::len),
         Some(1)
     );
+    // A checkpoint that cannot be pinned (here the pins/ prefix is a
+    // file, so the pin cannot be written) never becomes a READY version.
+    let pins = e.path("ckpts/pretrain/pins");
+    std::fs::rename(&pins, e.path("pins-aside")).expect("mv");
+    std::fs::write(&pins, b"in the way").expect("w");
+    let (code, err) = e.fails(&[
+        "register",
+        "llama",
+        "--from-ckpt",
+        &ckpts,
+        "--run",
+        "pretrain",
+        "--step",
+        "200",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("could not pin the checkpoint for llama:2"),
+        "{err}"
+    );
+    assert_eq!(
+        e.json(&["show", "llama:2"])["model_version"]["status"],
+        "FAILED_REGISTRATION"
+    );
 }
