@@ -143,6 +143,10 @@ struct RegisterArgs {
     /// The checkpoint's step (with --from-ckpt).
     #[arg(long, requires = "from_ckpt")]
     step: Option<u64>,
+    /// With --from or --from-ckpt: only check that every file exists with
+    /// its size, instead of reading every byte against its SHA-256.
+    #[arg(long)]
+    sizes_only: bool,
     /// Where --path uploads (default: model.artifact_store, KEEL_ARTIFACT_STORE).
     #[arg(long, value_name = "URL")]
     artifact_store: Option<String>,
@@ -479,7 +483,7 @@ fn register(
         let manifest = rt.block_on(async {
             let store = open_store(&url, false)?;
             let m = artifacts::read_manifest(&store, &url).await?;
-            check_present(&store, m.files()).await?;
+            check_files(&store, m.files(), r.sizes_only).await?;
             Ok::<_, anyhow::Error>(m)
         })?;
         new.source = url.clone();
@@ -488,7 +492,7 @@ fn register(
         let run = r.run.clone().unwrap_or_default();
         let step = r.step.unwrap_or_default();
         let ckpt_url = ckpt_url.trim_end_matches('/').to_owned();
-        let (art, link, c) = rt.block_on(from_checkpoint(&ckpt_url, &run, step))?;
+        let (art, link, c) = rt.block_on(from_checkpoint(&ckpt_url, &run, step, r.sizes_only))?;
         new.source = format!("{ckpt_url} run {run} step {step}");
         if new.lineage.run_id.is_none() {
             new.lineage.run_id = Some(run.clone());
@@ -530,6 +534,20 @@ fn register(
     Ok(Code::Ok)
 }
 
+/// Checks the files a manifest lists: every byte against its SHA-256, or
+/// with `sizes_only` that each is stored with its size.
+async fn check_files(store: &Store, files: &[FileEntry], sizes_only: bool) -> anyhow::Result<()> {
+    if sizes_only {
+        return check_present(store, files).await;
+    }
+    let bad = artifacts::check_stored(store, files, &TransferOptions::default()).await?;
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(ArtifactError::Corrupt { bad }.into())
+    }
+}
+
 /// Checks that every file a manifest lists is stored with its size (a
 /// cheap check; `verify` reads every byte).
 async fn check_present(store: &Store, files: &[FileEntry]) -> anyhow::Result<()> {
@@ -558,6 +576,7 @@ async fn from_checkpoint(
     url: &str,
     run: &str,
     step: u64,
+    sizes_only: bool,
 ) -> anyhow::Result<(Artifacts, keel_registry::CheckpointLink, keel_ckpt::CkptRef)> {
     let store = open_store(url, false)?;
     let ckpt = keel_ckpt::Ckpt::new(&store, run)?;
@@ -587,8 +606,13 @@ async fn from_checkpoint(
         url: format!("{url}/{run}/{data}"),
         manifest,
     };
-    // The data must still be there (GC may have run before the pin).
-    check_present(&open_store(&art.url, false)?, art.manifest.files()).await?;
+    // The data must still be there, intact (GC may have run before the pin).
+    check_files(
+        &open_store(&art.url, false)?,
+        art.manifest.files(),
+        sizes_only,
+    )
+    .await?;
     Ok((art, link, c))
 }
 

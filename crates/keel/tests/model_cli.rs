@@ -593,3 +593,44 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
         "FAILED_REGISTRATION"
     );
 }
+
+#[test]
+fn registering_from_storage_reads_every_byte_unless_told_sizes_only() {
+    let e = Env::new();
+    let v = e.json(&["register", "m", "--path", s(&e.path("model"))]);
+    let stored = e.path("store/m/v1");
+    // A copy of the stored version with one byte changed, size kept.
+    let copy = e.path("copy");
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(&stored)
+        .arg(&copy)
+        .status()
+        .expect("cp");
+    assert!(st.success());
+    let f = copy.join("weights.safetensors");
+    let mut b = std::fs::read(&f).expect("read");
+    b[0] ^= 0xff;
+    std::fs::write(&f, b).expect("write");
+    let url = format!("file://{}", copy.display());
+    let (code, err) = e.fails(&["register", "m", "--from", &url]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("weights.safetensors") && err.contains("SHA-256 differs"),
+        "{err}"
+    );
+    assert_eq!(
+        e.json(&["show", "m"])["versions"].as_array().map(Vec::len),
+        Some(1),
+        "no version taken"
+    );
+    // Sizes only: registered (and `verify` reads every byte and finds it).
+    let v2 = e.json(&["register", "m", "--from", &url, "--sizes-only"]);
+    assert_eq!(v2["model_version"]["version"], 2, "{v2}");
+    let (code, _) = e.fails(&["verify", "m:2"]);
+    assert_ne!(code, 0);
+    assert_eq!(
+        v2["model_version"]["manifest_digest"],
+        v["model_version"]["manifest_digest"]
+    );
+}
