@@ -1,7 +1,11 @@
 //! `watch`: beside a training job, push each checkpoint once it is
 //! complete (the rules in [`crate::detect`]). The watcher keeps no state of
-//! its own: a step counts as done once any writer committed it, so a
-//! restarted watcher skips what is already in the store.
+//! its own: a step this writer committed is done, so a restarted watcher
+//! skips what is already in the store. A step an earlier writer committed
+//! is skipped too when the local files are no newer than that commit (they
+//! are what it uploaded, left on the node); files written after it are a
+//! retrained step (a job that fell back to an older checkpoint and trained
+//! that step again) and are pushed as this writer's.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -9,14 +13,32 @@ use std::path::{Path, PathBuf};
 use keel_store::TransferOptions;
 
 use crate::detect;
-use crate::{Ckpt, CkptError, Context, PushReport, PushRequest};
+use crate::{Ckpt, CkptError, CkptRef, Context, PushReport, PushRequest};
+
+/// When the newest file of a checkpoint directory was last modified, in
+/// seconds since the Unix epoch (`None`: no file, or no time readable).
+fn newest_mtime(dir: &Path) -> Result<Option<i64>, CkptError> {
+    let mut newest = None;
+    for f in detect::list_files(dir)? {
+        let Ok(m) = std::fs::metadata(&f.path).and_then(|m| m.modified()) else {
+            return Ok(None);
+        };
+        let t = match m.duration_since(std::time::UNIX_EPOCH) {
+            Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+            Err(_) => 0,
+        };
+        newest = Some(newest.map_or(t, |n: i64| n.max(t)));
+    }
+    Ok(newest)
+}
 
 /// One thing a pass did.
 #[derive(Debug)]
 pub enum WatchEvent {
     /// Pushed and committed.
     Pushed { dir: PathBuf, report: PushReport },
-    /// Already committed by some writer: not uploaded.
+    /// Already committed, by this writer or (from these very files) by an
+    /// earlier one: not uploaded.
     Skipped { dir: PathBuf, step: u64 },
     /// The push failed; it is retried on the next pass.
     Failed {
@@ -59,11 +81,17 @@ impl Watcher {
             });
         }
         // Fenced writers stop here, before reading anything else.
-        self.ckpt.acquire(&self.writer, ctx).await?;
+        let me = self.ckpt.acquire(&self.writer, ctx).await?;
         let done = match &mut self.done {
             Some(d) => d,
             None => {
-                let steps = self.ckpt.committed().await?.into_iter().map(|c| c.step);
+                let steps = self
+                    .ckpt
+                    .committed()
+                    .await?
+                    .into_iter()
+                    .filter(|c| c.epoch == me.epoch)
+                    .map(|c| c.step);
                 self.done.insert(steps.collect())
             }
         };
@@ -72,18 +100,24 @@ impl Watcher {
             if done.contains(&c.step) {
                 continue;
             }
-            let committed_elsewhere = !self
-                .ckpt
-                .store()
-                .list_dirs(&format!("ckpt/{:020}", c.step))
-                .await?
-                .is_empty()
-                && self
-                    .ckpt
-                    .resolve(crate::Selector::Step(c.step))
-                    .await
-                    .is_ok();
-            if committed_elsewhere {
+            let mine = CkptRef {
+                step: c.step,
+                epoch: me.epoch,
+            };
+            let skip = if self.ckpt.manifest(mine).await?.is_some() {
+                // Committed by this writer from another process.
+                true
+            } else {
+                match self.ckpt.resolve(crate::Selector::Step(c.step)).await {
+                    Ok(refs) => match self.ckpt.manifest(refs[0]).await? {
+                        Some((_, meta)) => newest_mtime(&c.dir)?.is_some_and(|t| t <= meta.time),
+                        None => false,
+                    },
+                    Err(CkptError::NoSuchStep { .. }) => false,
+                    Err(e) => return Err(e),
+                }
+            };
+            if skip {
                 done.insert(c.step);
                 events.push(WatchEvent::Skipped {
                     dir: c.dir,

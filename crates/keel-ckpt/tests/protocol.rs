@@ -566,6 +566,57 @@ async fn watch_pushes_completed_and_survives_restart(env: Env) {
     assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(20));
 }
 
+async fn a_requeued_writer_skips_leftovers_and_pushes_a_retrained_step(env: Env) {
+    let ck = Ckpt::new(&env.store, "run-r").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("time")
+        .as_secs() as i64;
+    let at = |t: i64, nonce: u64| Context {
+        now_unix: t,
+        ..ctx(nonce)
+    };
+    // Step 10 written a minute ago and pushed by the first incarnation.
+    let dir = make_ckpt(local.path(), 10);
+    let old = std::time::UNIX_EPOCH + std::time::Duration::from_secs((now - 60) as u64);
+    for f in keel_ckpt::detect::list_files(&dir).expect("ls") {
+        std::fs::File::options()
+            .write(true)
+            .open(&f.path)
+            .and_then(|h| h.set_modified(old))
+            .expect("mtime");
+    }
+    let mut w = keel_ckpt::watch::Watcher::new(ck.clone(), local.path(), None, "job-r".into());
+    let ev = w.pass(&at(now - 30, 1), &opts()).await.expect("pass");
+    assert!(
+        matches!(ev[..], [keel_ckpt::watch::WatchEvent::Pushed { .. }]),
+        "{ev:?}"
+    );
+    // The job is requeued: its new writer finds the same files on the
+    // node and uploads nothing.
+    let mut w2 =
+        keel_ckpt::watch::Watcher::new(ck.clone(), local.path(), None, "job-r.requeue-1".into());
+    let ev = w2.pass(&at(now - 20, 2), &opts()).await.expect("pass");
+    assert!(
+        matches!(
+            ev[..],
+            [keel_ckpt::watch::WatchEvent::Skipped { step: 10, .. }]
+        ),
+        "{ev:?}"
+    );
+    // It fell back and trained step 10 again: new files, pushed as its own.
+    let mut w3 =
+        keel_ckpt::watch::Watcher::new(ck.clone(), local.path(), None, "job-r.requeue-1".into());
+    std::fs::write(dir.join("__0_0.distcp"), content(11, "retrained", 200_000)).expect("w");
+    let ev = w3.pass(&at(now, 3), &opts()).await.expect("pass");
+    let [keel_ckpt::watch::WatchEvent::Pushed { report, .. }] = &ev[..] else {
+        panic!("{ev:?}");
+    };
+    assert_eq!(report.checkpoint, CkptRef { step: 10, epoch: 2 });
+    assert_eq!(ck.latest().await.expect("latest"), Some(report.checkpoint));
+}
+
 async fn bad_input_changes_nothing(env: Env) {
     let ck = Ckpt::new(&env.store, "run-b").expect("ckpt");
     let local = tempfile::tempdir().expect("tmp");
@@ -662,4 +713,5 @@ suite!(
     gc_grace_periods_at_the_limits_of_time,
     gc_keeps_a_checkpoint_committed_but_not_yet_published,
     a_checkpoint_pinned_while_gc_runs_is_never_deleted,
+    a_requeued_writer_skips_leftovers_and_pushes_a_retrained_step,
 );
