@@ -163,7 +163,7 @@ impl Ckpt {
         };
         let mut live_attempts: BTreeSet<(CkptRef, String)> = BTreeSet::new();
         for c in &refs {
-            let Some((_, meta)) = self.manifest(*c).await? else {
+            let Some((manifest, _, meta)) = self.manifest_bytes(*c).await? else {
                 continue;
             };
             live_attempts.insert((*c, meta.attempt.clone()));
@@ -194,19 +194,15 @@ impl Ckpt {
                 // as it was, and keeps the checkpoint.
                 let mkey = layout::manifest_key(c.step, c.epoch);
                 let pkey = layout::pin_key(c.step, c.epoch);
-                let Some(manifest) = self.store.get_opt(&mkey).await? else {
-                    continue;
+                let pinned = self.store.head(&pkey).await?.is_some() || {
+                    self.store.delete(&mkey).await?;
+                    let pinned = self.store.head(&pkey).await?.is_some();
+                    if pinned {
+                        self.store.create(&mkey, manifest).await?;
+                    }
+                    pinned
                 };
-                if self.store.head(&pkey).await?.is_some() {
-                    report.kept.push(Kept {
-                        checkpoint: *c,
-                        reasons: vec!["pinned during gc".into()],
-                    });
-                    continue;
-                }
-                self.store.delete(&mkey).await?;
-                if self.store.head(&pkey).await?.is_some() {
-                    self.store.create(&mkey, manifest).await?;
+                if pinned {
                     report.kept.push(Kept {
                         checkpoint: *c,
                         reasons: vec!["pinned during gc".into()],

@@ -395,6 +395,14 @@ impl Ckpt {
 
     /// A checkpoint's manifest and metadata, or `None` if not committed.
     pub async fn manifest(&self, c: CkptRef) -> Result<Option<(Manifest, CkptMeta)>, CkptError> {
+        Ok(self.manifest_bytes(c).await?.map(|(_, m, meta)| (m, meta)))
+    }
+
+    /// [`Ckpt::manifest`] with the manifest's bytes as stored.
+    pub(crate) async fn manifest_bytes(
+        &self,
+        c: CkptRef,
+    ) -> Result<Option<(bytes::Bytes, Manifest, CkptMeta)>, CkptError> {
         let key = layout::manifest_key(c.step, c.epoch);
         let Some(b) = self.store.get_opt(&key).await? else {
             return Ok(None);
@@ -416,7 +424,7 @@ impl Ckpt {
                 ),
             });
         }
-        Ok(Some((m, meta)))
+        Ok(Some((b, m, meta)))
     }
 
     /// Every committed checkpoint (a manifest exists), by step then epoch.
@@ -463,7 +471,7 @@ impl Ckpt {
         ctx: &Context,
     ) -> Result<PinRecord, CkptError> {
         let c = self.resolve_one(sel).await?;
-        self.pin_ref(c, reason, ctx).await
+        self.pin_committed(c, reason, ctx).await
     }
 
     /// Pins exactly this checkpoint (step and epoch).
@@ -473,17 +481,27 @@ impl Ckpt {
         reason: &str,
         ctx: &Context,
     ) -> Result<PinRecord, CkptError> {
-        if self
-            .store
-            .head(&layout::manifest_key(c.step, c.epoch))
-            .await?
-            .is_none()
-        {
+        if !self.is_committed(c).await? {
             return Err(CkptError::NoSuchStep {
                 run: self.run.clone(),
                 step: c.step,
             });
         }
+        self.pin_committed(c, reason, ctx).await
+    }
+
+    pub(crate) async fn is_committed(&self, c: CkptRef) -> Result<bool, CkptError> {
+        let key = layout::manifest_key(c.step, c.epoch);
+        Ok(self.store.head(&key).await?.is_some())
+    }
+
+    /// Pins a checkpoint that was committed a moment ago.
+    async fn pin_committed(
+        &self,
+        c: CkptRef,
+        reason: &str,
+        ctx: &Context,
+    ) -> Result<PinRecord, CkptError> {
         let rec = PinRecord {
             version: records::VERSION,
             checkpoint: c,
@@ -497,12 +515,7 @@ impl Ckpt {
         // manifest and then looks for a pin: written the pin, look for the
         // manifest. One of the two sees the other, so a checkpoint is never
         // both pinned and deleted.
-        if self
-            .store
-            .head(&layout::manifest_key(c.step, c.epoch))
-            .await?
-            .is_none()
-        {
+        if !self.is_committed(c).await? {
             self.store.delete(&key).await?;
             return Err(CkptError::DeletedWhilePinning { checkpoint: c });
         }

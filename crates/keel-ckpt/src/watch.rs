@@ -104,7 +104,7 @@ impl Watcher {
                 step: c.step,
                 epoch: me.epoch,
             };
-            let skip = if self.ckpt.manifest(mine).await?.is_some() {
+            let skip = if self.ckpt.is_committed(mine).await? {
                 // Committed by this writer from another process.
                 true
             } else {

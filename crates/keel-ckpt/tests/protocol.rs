@@ -54,6 +54,14 @@ fn ctx(nonce: u64) -> Context {
     }
 }
 
+/// Seconds since the Unix epoch, now.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("time")
+        .as_secs() as i64
+}
+
 fn opts() -> TransferOptions {
     TransferOptions {
         part_size: 64 << 10,
@@ -422,10 +430,7 @@ async fn gc_keeps_what_it_must_and_deletes_commit_first(env: Env) {
         .await
         .expect("put");
     let now = Context {
-        now_unix: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("time")
-            .as_secs() as i64,
+        now_unix: unix_now(),
         ..ctx(70)
     };
     let g = ck
@@ -569,10 +574,7 @@ async fn watch_pushes_completed_and_survives_restart(env: Env) {
 async fn a_requeued_writer_skips_leftovers_and_pushes_a_retrained_step(env: Env) {
     let ck = Ckpt::new(&env.store, "run-r").expect("ckpt");
     let local = tempfile::tempdir().expect("tmp");
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("time")
-        .as_secs() as i64;
+    let now = unix_now();
     let at = |t: i64, nonce: u64| Context {
         now_unix: t,
         ..ctx(nonce)
@@ -649,10 +651,7 @@ async fn gc_grace_periods_at_the_limits_of_time(env: Env) {
         .await
         .expect("put");
     let now = Context {
-        now_unix: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("time")
-            .as_secs() as i64,
+        now_unix: unix_now(),
         ..ctx(80)
     };
     for (grace_secs, now_unix, in_grace) in [
