@@ -160,17 +160,8 @@ impl LogQueue {
         let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
         let mut line = Vec::with_capacity(512);
         let b = keel_gateway::batch::Batcher::spawn("keel-log", move |items: Vec<LogItem>, _| {
-            for item in items {
-                match item {
-                    LogItem::Line(l) => {
-                        let _ = w.write_all(&l);
-                    }
-                    LogItem::Access(r) => {
-                        line.clear();
-                        keel_gateway::server::access_line(&r, &mut line);
-                        let _ = w.write_all(&line);
-                    }
-                }
+            for item in &items {
+                let _ = w.write_all(item.text(&mut line));
             }
             let _ = w.flush();
         })
@@ -183,15 +174,21 @@ impl LogQueue {
 /// process is ending) and the line must not be lost.
 fn write_now(item: LogItem) {
     use std::io::Write;
-    let line = match item {
-        LogItem::Line(l) => l,
-        LogItem::Access(r) => {
-            let mut line = Vec::with_capacity(512);
-            keel_gateway::server::access_line(&r, &mut line);
-            line
+    let _ = std::io::stderr().write_all(item.text(&mut Vec::new()));
+}
+
+impl LogItem {
+    /// The line's bytes (an access record is rendered into `buf`).
+    fn text<'a>(&'a self, buf: &'a mut Vec<u8>) -> &'a [u8] {
+        match self {
+            LogItem::Line(l) => l,
+            LogItem::Access(r) => {
+                buf.clear();
+                keel_gateway::server::access_line(r, buf);
+                buf
+            }
         }
-    };
-    let _ = std::io::stderr().write_all(&line);
+    }
 }
 
 fn random<const N: usize>() -> anyhow::Result<[u8; N]> {

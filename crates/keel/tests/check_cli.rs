@@ -180,13 +180,7 @@ fn every_check_fails_on_its_fault() {
             }
         }),
         ("ib.peermem", "fail", "PEERMEM_MISSING", |n| {
-            let m = std::fs::read_to_string(n.path("proc/modules")).expect("modules");
-            let kept: String = m
-                .lines()
-                .filter(|l| !l.starts_with("nvidia_peermem "))
-                .map(|l| format!("{l}\n"))
-                .collect();
-            n.write("proc/modules", &kept);
+            n.unload("nvidia_peermem");
         }),
         ("topology", "fail", "TOPOLOGY_MISMATCH", |n| {
             n.profile(
@@ -312,13 +306,7 @@ fn checks_that_cannot_run_are_unknown_never_fail() {
     // hardware from a missing driver.
     let n = Node::ndv4();
     n.remove("sys/class/infiniband");
-    let m = std::fs::read_to_string(n.path("proc/modules")).expect("modules");
-    let kept: String = m
-        .lines()
-        .filter(|l| !l.starts_with("ib_core "))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    n.write("proc/modules", &kept);
+    let m = n.unload("ib_core");
     let (code, report, _) = n.run(&[]);
     assert_eq!(code, 3, "{report}");
     assert_fault(&report, "ib.ports", "unknown", "IB_DRIVER_MISSING");

@@ -549,17 +549,20 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
     let again = e.path("pulled-after-gc");
     e.ok(&["pull", "llama:1", "--to", s(&again)]);
     e.ok(&["verify", "llama:1"]);
+    let register_step = |step: &str| {
+        e.fails(&[
+            "register",
+            "llama",
+            "--from-ckpt",
+            &ckpts,
+            "--run",
+            "pretrain",
+            "--step",
+            step,
+        ])
+    };
     // A step that does not exist is refused, and no version is taken.
-    let (code, err) = e.fails(&[
-        "register",
-        "llama",
-        "--from-ckpt",
-        &ckpts,
-        "--run",
-        "pretrain",
-        "--step",
-        "7",
-    ]);
+    let (code, err) = register_step("7");
     assert_ne!(code, 0);
     assert!(err.contains("step 7"), "{err}");
     assert_eq!(
@@ -573,16 +576,7 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
     let pins = e.path("ckpts/pretrain/pins");
     std::fs::rename(&pins, e.path("pins-aside")).expect("mv");
     std::fs::write(&pins, b"in the way").expect("w");
-    let (code, err) = e.fails(&[
-        "register",
-        "llama",
-        "--from-ckpt",
-        &ckpts,
-        "--run",
-        "pretrain",
-        "--step",
-        "200",
-    ]);
+    let (code, err) = register_step("200");
     assert_ne!(code, 0);
     assert!(
         err.contains("could not pin the checkpoint for llama:2"),

@@ -74,6 +74,20 @@ impl Node {
         std::fs::write(self.path(rel), content).expect("write");
     }
 
+    /// Takes a kernel module out of `proc/modules`; returns the file as
+    /// it was.
+    pub fn unload(&self, module: &str) -> String {
+        let m = std::fs::read_to_string(self.path("proc/modules")).expect("modules");
+        let prefix = format!("{module} ");
+        let kept: String = m
+            .lines()
+            .filter(|l| !l.starts_with(&prefix))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        self.write("proc/modules", &kept);
+        m
+    }
+
     pub fn remove(&self, rel: &str) {
         self.own(rel);
         let path = self.path(rel);
