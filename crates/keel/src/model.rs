@@ -145,7 +145,7 @@ struct RegisterArgs {
     step: Option<u64>,
     /// With --from or --from-ckpt: only check that every file exists with
     /// its size, instead of reading every byte against its SHA-256.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "path")]
     sizes_only: bool,
     /// Where --path uploads (default: model.artifact_store, KEEL_ARTIFACT_STORE).
     #[arg(long, value_name = "URL")]
