@@ -2,10 +2,11 @@
 //! local directory with its manifest, read a manifest that is already
 //! there, check stored objects, and pull them to a directory, verified.
 //!
-//! Layout under a version's artifact URL: the files under their names, and
-//! `manifest.json` (keel-store's statement), written last and only if
-//! absent. A URL that already holds a manifest holds a version, and no
-//! upload writes there.
+//! Layout under a version's artifact URL: `.keel-claim` (who is writing
+//! there, created only if absent, before anything else), the files under
+//! their names, and `manifest.json` (keel-store's statement), written last
+//! and only if absent. A URL that already holds a claim or a manifest is
+//! another upload's, and no upload writes there.
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +17,10 @@ use keel_store::{CreateOutcome, FileEntry, Manifest, Store, StoreError, Transfer
 
 /// The manifest's key under an artifact URL.
 pub const MANIFEST_KEY: &str = "manifest.json";
+
+/// The key an upload creates (only if absent) before it writes any file:
+/// of two uploads into one URL, only the one that created it writes.
+pub const CLAIM_KEY: &str = ".keel-claim";
 
 /// What can go wrong moving artifacts.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +53,8 @@ pub enum ArtifactError {
     NoManifest { url: String },
     #[error("{url} already holds a version ({url}/{MANIFEST_KEY} exists); a version's files are never written over")]
     VersionExists { url: String },
+    #[error("another upload claimed {url} ({url}/{CLAIM_KEY} exists: {claim}); a version's files are never written over")]
+    Claimed { url: String, claim: String },
     #[error("{target} already exists and is not an empty directory")]
     TargetNotEmpty { target: PathBuf },
     #[error("cannot write {path}")]
@@ -111,6 +118,15 @@ pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
                 if child == "model.sig" {
                     continue;
                 }
+                if child == MANIFEST_KEY || child == CLAIM_KEY {
+                    return Err(ArtifactError::BadName {
+                        path: path.clone(),
+                        name: child,
+                        reason: "keel writes the version's own file under this name at the top \
+                                 level; move it into a subdirectory or rename it"
+                            .into(),
+                    });
+                }
                 keel_store::manifest::check_name(&child).map_err(|reason| {
                     ArtifactError::BadName {
                         path: path.clone(),
@@ -137,19 +153,22 @@ pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
 /// Uploads a directory's files (hashed while they go) and then its
 /// manifest, create-only. A store that already holds a manifest holds a
 /// version: it is refused before anything is written
-/// ([`ArtifactError::VersionExists`]), and so is a manifest that appears
-/// there while the files go up.
+/// ([`ArtifactError::VersionExists`]). Before any file is written the
+/// upload creates [`CLAIM_KEY`] holding `claim` (who is uploading), only
+/// if absent: of two uploads into one URL at once, the second is refused
+/// ([`ArtifactError::Claimed`]) without writing a byte. The claim stays
+/// after the upload, finished or failed, so the URL is never written
+/// twice.
 pub async fn upload_dir(
     store: &Store,
     dir: &Path,
     name: &str,
+    claim: &str,
     opts: &TransferOptions,
 ) -> Result<Manifest, ArtifactError> {
-    let exists = || ArtifactError::VersionExists {
-        url: store.url().to_string(),
-    };
+    let url = || store.url().to_string();
     if store.head(MANIFEST_KEY).await?.is_some() {
-        return Err(exists());
+        return Err(ArtifactError::VersionExists { url: url() });
     }
     let items: Vec<Upload> = list_dir(dir)?
         .into_iter()
@@ -159,19 +178,26 @@ pub async fn upload_dir(
             name,
         })
         .collect();
+    if let CreateOutcome::AlreadyExists = store
+        .create(CLAIM_KEY, Bytes::copy_from_slice(claim.as_bytes()))
+        .await?
+    {
+        let claim = match store.get_opt(CLAIM_KEY).await {
+            Ok(Some(b)) => String::from_utf8_lossy(&b).trim().to_owned(),
+            Ok(None) => "since removed".to_owned(),
+            Err(e) => format!("unreadable: {e}"),
+        };
+        return Err(ArtifactError::Claimed { url: url(), claim });
+    }
     let entries = transfer::upload_files(store, items, opts).await?;
-    let manifest = Manifest::new(name, entries, Default::default()).map_err(|source| {
-        ArtifactError::Manifest {
-            url: store.url().to_string(),
-            source,
-        }
-    })?;
+    let manifest = Manifest::new(name, entries, Default::default())
+        .map_err(|source| ArtifactError::Manifest { url: url(), source })?;
     match store
         .create(MANIFEST_KEY, Bytes::from(manifest.to_json()))
         .await?
     {
         CreateOutcome::Created => Ok(manifest),
-        CreateOutcome::AlreadyExists => Err(exists()),
+        CreateOutcome::AlreadyExists => Err(ArtifactError::VersionExists { url: url() }),
     }
 }
 
@@ -331,10 +357,19 @@ mod tests {
 
     /// Every file under `dir` with its bytes, by relative path.
     fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-        let mut out = BTreeMap::new();
-        for (name, path) in list_dir(dir).expect("list") {
-            out.insert(name, std::fs::read(path).expect("read"));
+        fn walk(root: &Path, here: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
+            for e in std::fs::read_dir(here).expect("read_dir") {
+                let p = e.expect("entry").path();
+                if p.is_dir() {
+                    walk(root, &p, out);
+                } else {
+                    let rel = p.strip_prefix(root).expect("under root");
+                    out.insert(rel.display().to_string(), std::fs::read(&p).expect("read"));
+                }
+            }
         }
+        let mut out = BTreeMap::new();
+        walk(dir, dir, &mut out);
         out
     }
 
@@ -357,7 +392,7 @@ mod tests {
             &[("weights.bin", b"first weights"), ("cfg/model.json", b"{}")],
         );
         let opts = TransferOptions::default();
-        let m1 = upload_dir(&store, &first, "m:1", &opts)
+        let m1 = upload_dir(&store, &first, "m:1", "m:1 by test", &opts)
             .await
             .expect("first upload");
         let before = snapshot(&dest);
@@ -369,7 +404,7 @@ mod tests {
             &second,
             &[("weights.bin", b"second weights"), ("extra.bin", b"new")],
         );
-        let e = upload_dir(&store, &second, "m:1", &opts)
+        let e = upload_dir(&store, &second, "m:1", "m:1 again", &opts)
             .await
             .expect_err("the prefix already holds a version");
         match &e {
@@ -382,5 +417,121 @@ mod tests {
             .await
             .expect("manifest");
         assert_eq!(m.to_json(), m1.to_json());
+    }
+
+    fn file_store(tmp: &Path) -> (Store, PathBuf) {
+        let dest = tmp.join("store/m/v1");
+        let url = StoreUrl::parse(&format!("file://{}", dest.display())).expect("url");
+        let store = Store::open(
+            &url,
+            &StoreOptions {
+                create_root: true,
+                ..Default::default()
+            },
+        )
+        .expect("open");
+        (store, dest)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_into_a_claimed_prefix_writes_nothing() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (store, dest) = file_store(tmp.path());
+        // Another upload has claimed the prefix and is still writing (no
+        // manifest yet).
+        store
+            .create(
+                CLAIM_KEY,
+                Bytes::from_static(b"m:1 by alice on node-a, pid 7"),
+            )
+            .await
+            .expect("claim");
+        let dir = tmp.path().join("second");
+        write(&dir, &[("weights.bin", b"second weights")]);
+        let e = upload_dir(
+            &store,
+            &dir,
+            "m:1",
+            "m:1 by bob",
+            &TransferOptions::default(),
+        )
+        .await
+        .expect_err("the prefix is claimed");
+        assert!(matches!(e, ArtifactError::Claimed { .. }), "{e:?}");
+        assert!(
+            e.to_string().contains("m:1 by alice on node-a, pid 7"),
+            "{e}"
+        );
+        let stored = snapshot(&dest);
+        assert_eq!(
+            stored.keys().collect::<Vec<_>>(),
+            vec![CLAIM_KEY],
+            "nothing but the first claim is stored"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn of_concurrent_uploads_into_one_prefix_one_writes_and_its_files_are_whole() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (store, _dest) = file_store(tmp.path());
+        let store = std::sync::Arc::new(store);
+        let mut tasks = Vec::new();
+        for i in 0..6u8 {
+            let dir = tmp.path().join(format!("src{i}"));
+            let big = vec![i; 3 << 20];
+            write(&dir, &[("weights.bin", &big), ("cfg.json", &[b'0' + i])]);
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                upload_dir(
+                    &store,
+                    &dir,
+                    "m:1",
+                    &format!("uploader {i}"),
+                    &TransferOptions::default(),
+                )
+                .await
+            }));
+        }
+        let mut won = Vec::new();
+        for t in tasks {
+            match t.await.expect("join") {
+                Ok(m) => won.push(m),
+                Err(ArtifactError::Claimed { .. } | ArtifactError::VersionExists { .. }) => {}
+                Err(e) => panic!("unexpected error: {e:?}"),
+            }
+        }
+        assert_eq!(won.len(), 1, "exactly one upload writes the version");
+        let stored = read_manifest(&store, &store.url().to_string())
+            .await
+            .expect("manifest");
+        assert_eq!(stored.to_json(), won[0].to_json());
+        let bad = check_stored(&store, stored.files(), &TransferOptions::default())
+            .await
+            .expect("check");
+        assert!(
+            bad.is_empty(),
+            "stored files differ from the manifest: {bad:?}"
+        );
+    }
+
+    #[test]
+    fn a_directory_with_keel_s_own_top_level_names_is_refused() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        for reserved in [MANIFEST_KEY, CLAIM_KEY] {
+            let dir = tmp.path().join(reserved.trim_start_matches('.'));
+            write(&dir, &[("weights.bin", b"w"), (reserved, b"{}")]);
+            let e = list_dir(&dir).expect_err("reserved name");
+            assert!(
+                matches!(&e, ArtifactError::BadName { name, .. } if name == reserved),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("subdirectory"), "{e}");
+            // Below the top level the name is an ordinary file.
+            let nested = tmp
+                .path()
+                .join(format!("nested-{}", reserved.trim_start_matches('.')));
+            write(&nested, &[(&format!("sub/{reserved}"), b"{}")]);
+            assert_eq!(list_dir(&nested).expect("nested").len(), 1);
+        }
     }
 }

@@ -278,7 +278,8 @@ fn open_for_writing(url: &str) -> anyhow::Result<Store> {
     Ok(Store::open(&u, &store_options(true))?)
 }
 
-fn hostname() -> String {
+/// This machine's name, for records of who wrote what.
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|s| s.trim().to_owned())

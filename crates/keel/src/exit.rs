@@ -106,6 +106,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 A::Manifest { .. } => Code::Data,
                 A::NoManifest { .. }
                 | A::VersionExists { .. }
+                | A::Claimed { .. }
                 | A::Empty { .. }
                 | A::Symlink { .. }
                 | A::BadName { .. }

@@ -446,8 +446,14 @@ fn register(
         let uploaded = rt.block_on(async {
             let store = open_store(&url, true)?;
             let name = format!("{}:{}", r.name, pending.version);
+            let claim = format!(
+                "{name} by {actor} on {}, pid {}",
+                crate::ckpt::hostname(),
+                std::process::id()
+            );
             Ok::<_, anyhow::Error>(
-                artifacts::upload_dir(&store, dir, &name, &TransferOptions::default()).await?,
+                artifacts::upload_dir(&store, dir, &name, &claim, &TransferOptions::default())
+                    .await?,
             )
         });
         match uploaded {
@@ -462,13 +468,13 @@ fn register(
                 let taken = e.chain().any(|c| {
                     matches!(
                         c.downcast_ref::<ArtifactError>(),
-                        Some(ArtifactError::VersionExists { .. })
+                        Some(ArtifactError::VersionExists { .. } | ArtifactError::Claimed { .. })
                     )
                 });
                 let why = if taken {
                     " (the artifact store holds versions this registry database does not \
                      know: another database, or this one restored from an older backup, \
-                     wrote there)"
+                     wrote or is writing there)"
                 } else {
                     ""
                 };
@@ -630,9 +636,7 @@ async fn pin_checkpoint(
         .unwrap_or_default();
     let ctx = keel_ckpt::Context {
         now_unix: now.as_secs() as i64,
-        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_else(|_| "unknown-host".into()),
+        host: crate::ckpt::hostname(),
         nonce: now.as_nanos() as u64 ^ u64::from(std::process::id()),
     };
     ckpt.pin_ref(

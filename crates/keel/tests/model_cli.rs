@@ -464,6 +464,46 @@ fn a_version_already_in_the_artifact_store_is_never_written_over() {
 }
 
 #[test]
+fn a_destination_another_upload_claimed_is_never_written_into() {
+    let e = Env::new();
+    // Another registry database is uploading its version 1 into the same
+    // store: its claim is there, its manifest not yet.
+    let v1 = e.path("store/m/v1");
+    std::fs::create_dir_all(&v1).expect("mkdir");
+    std::fs::write(v1.join(".keel-claim"), b"m:1 by alice on node-a, pid 7\n").expect("w");
+    let before = tree(&v1);
+    let (c, err) = e.fails(&["register", "m", "--path", s(&e.path("model"))]);
+    assert_eq!(c, 64, "{err}");
+    assert!(err.contains("another upload claimed"), "{err}");
+    assert!(err.contains("m:1 by alice on node-a, pid 7"), "{err}");
+    assert!(err.contains("FAILED_REGISTRATION"), "{err}");
+    assert_eq!(tree(&v1), before, "nothing was written beside the claim");
+    // The next number goes to a fresh destination, and claims it.
+    let v = e.json(&["register", "m", "--path", s(&e.path("model"))]);
+    assert_eq!(v["model_version"]["version"], 2, "{v}");
+    let claim = std::fs::read_to_string(e.path("store/m/v2/.keel-claim")).expect("claim");
+    assert!(claim.starts_with("m:2 by tester on "), "{claim}");
+    e.ok(&["verify", "m:2"]);
+    // A directory holding keel's own top-level names is refused before a
+    // number is taken.
+    for reserved in ["manifest.json", ".keel-claim"] {
+        std::fs::write(e.path("model").join(reserved), b"{}").expect("w");
+        let (c, err) = e.fails(&["register", "m", "--path", s(&e.path("model"))]);
+        assert_eq!(c, 64, "{err}");
+        assert!(
+            err.contains(reserved) && err.contains("subdirectory"),
+            "{err}"
+        );
+        std::fs::remove_file(e.path("model").join(reserved)).expect("rm");
+    }
+    let (_, err) = e.fails(&["show", "m:3"]);
+    assert!(
+        err.contains("has no version 3"),
+        "no number was taken: {err}"
+    );
+}
+
+#[test]
 fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
     let e = Env::new();
     let ckpts = format!("file://{}", e.path("ckpts").display());
