@@ -60,14 +60,14 @@ impl Slurm {
         self.ping_by(self.deadline())
     }
 
-    /// The node's state, flags and reason, from
-    /// `sinfo -h -N -n NAME -o %N|%T|%E`; a node sinfo does not list (one in
+    /// The node's state, flags, reason and Gres GPUs, from
+    /// `sinfo -h -N -n NAME -o %N|%T|%G|%E`; a node sinfo does not list (one in
     /// no partition) is looked up with `scontrol show node -o NAME`.
     pub fn node(&self, name: &str) -> Result<NodeInfo, SlurmError> {
         check_name(name)?;
         let deadline = self.deadline();
         self.ping_by(deadline)?;
-        let args = strings(&["-h", "-N", "-n", name, "-o", "%N|%T|%E"]);
+        let args = strings(&["-h", "-N", "-n", name, "-o", "%N|%T|%G|%E"]);
         let out = self.run_ok("sinfo", &args, deadline)?;
         let parse_error =
             |program: &str, args: &[String], out: &Output, reason: String| SlurmError::Parse {
@@ -332,11 +332,15 @@ mod tests {
 
     #[test]
     fn node_reads_sinfo_with_the_configured_environment() {
-        let (_dir, slurm) = fake(PING_UP, r#"echo "$KEEL_FAKE|draining@|keel: x""#);
+        let (_dir, slurm) = fake(
+            PING_UP,
+            r#"echo "$KEEL_FAKE|draining@|gpu:h100:8(S:0-1)|keel: x""#,
+        );
         let node = slurm.node("n1").expect("reads");
         assert_eq!(node.state, crate::NodeState::Draining);
         assert!(node.flags.reboot_pending);
         assert_eq!(node.reason.as_deref(), Some("keel: x"));
+        assert_eq!(node.gpus, Some(8));
     }
 
     #[test]
@@ -358,7 +362,7 @@ mod tests {
         let (_dir, slurm) = fake(PING_UP, "echo 'n1 idle none'");
         assert!(matches!(
             slurm.node("n1"),
-            Err(SlurmError::Parse { command, .. }) if command == "sinfo -h -N -n n1 -o '%N|%T|%E'"
+            Err(SlurmError::Parse { command, .. }) if command == "sinfo -h -N -n n1 -o '%N|%T|%G|%E'"
         ));
     }
 

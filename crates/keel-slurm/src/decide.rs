@@ -217,6 +217,7 @@ mod tests {
             state,
             flags,
             reason: reason.map(str::to_owned),
+            gpus: None,
         }
     }
 
@@ -622,6 +623,7 @@ mod tests {
             state: NodeState::Other("blocked".into()),
             flags: NodeFlags::default(),
             reason: None,
+            gpus: None,
         };
         assert_eq!(
             decide(&node, unhealthy(KEEL_X), &Policy::default()),

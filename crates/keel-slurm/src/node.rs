@@ -1,5 +1,5 @@
 //! A node's state and reason as Slurm reports them, and the pure parsers
-//! for `sinfo -h -N -o "%N|%T|%E"` lines and `scontrol show node -o`.
+//! for `sinfo -h -N -o "%N|%T|%G|%E"` lines and `scontrol show node -o`.
 //!
 //! Slurm writes states two ways. sinfo's `%T` gives one word with suffix
 //! characters (`drained*`, `idle~`, `allocated+`); `scontrol show node`
@@ -175,7 +175,7 @@ impl NodeFlags {
     }
 }
 
-/// One node: its state, flags and drain (or down) reason.
+/// One node: its state, flags, drain (or down) reason and configured GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeInfo {
     pub name: String,
@@ -183,6 +183,10 @@ pub struct NodeInfo {
     pub flags: NodeFlags,
     /// Why the node is drained or down; `None` when Slurm has none.
     pub reason: Option<String>,
+    /// The GPUs Slurm's `Gres` gives the node (the sum of its `gpu`
+    /// entries: `gpu:8`, `gpu:a100:4,gpu:h100:4`); `None` when it has no
+    /// `gpu` entry or one whose count cannot be read.
+    pub gpus: Option<u32>,
 }
 
 impl NodeInfo {
@@ -236,22 +240,78 @@ fn reason(text: &str) -> Option<String> {
         .then(|| text.to_owned())
 }
 
+/// The GPUs in a node's `Gres` as Slurm prints it (`%G`, `Gres=`): the
+/// sum over its `gpu` entries, `NAME[:TYPE][:COUNT][(S:SOCKETS)]` separated
+/// by commas (a missing count is one). `None` for `(null)`, no `gpu` entry,
+/// or a count that is not a whole number (Slurm's `K`, `M`, `G` suffixes
+/// are read).
+pub fn parse_gres_gpus(text: &str) -> Option<u32> {
+    let mut entries = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                entries.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    entries.push(&text[start..]);
+    let mut total: Option<u32> = None;
+    for entry in entries {
+        let entry = entry.trim();
+        let entry = entry.split_once('(').map_or(entry, |(head, _)| head);
+        let mut parts = entry.split(':');
+        if parts.next() != Some("gpu") {
+            continue;
+        }
+        let rest: Vec<&str> = parts.collect();
+        let count = match rest.last() {
+            None => 1,
+            Some(last) if last.starts_with(|c: char| c.is_ascii_digit()) => count(last)?,
+            // gpu:TYPE
+            Some(_) if rest.len() == 1 => 1,
+            Some(_) => return None,
+        };
+        total = Some(total.unwrap_or(0).checked_add(count)?);
+    }
+    total
+}
+
+/// A Gres count: digits with an optional `K`, `M` or `G` (powers of 1024).
+fn count(text: &str) -> Option<u32> {
+    let (digits, scale) = match text.as_bytes().last()? {
+        b'K' | b'k' => (&text[..text.len() - 1], 1024u64),
+        b'M' | b'm' => (&text[..text.len() - 1], 1024 * 1024),
+        b'G' | b'g' => (&text[..text.len() - 1], 1024 * 1024 * 1024),
+        _ => (text, 1),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    u32::try_from(digits.parse::<u64>().ok()?.checked_mul(scale)?).ok()
+}
+
 /// Why a line of Slurm's output could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseError(pub String);
 
-/// Reads the lines `sinfo -h -N -n NAME -o "%N|%T|%E"` printed and returns
+/// Reads the lines `sinfo -h -N -n NAME -o "%N|%T|%G|%E"` printed and returns
 /// the node called `name`: `Ok(None)` when no line is about it. A node in
 /// several partitions has one line per partition; they agree, the first is
 /// taken. The reason is the last field, so a reason containing `|` is kept
 /// whole.
 pub fn parse_sinfo(output: &str, name: &str) -> Result<Option<NodeInfo>, ParseError> {
     for line in output.lines().filter(|l| !l.trim().is_empty()) {
-        let mut fields = line.splitn(3, '|');
-        let (Some(node), Some(state), Some(why)) = (fields.next(), fields.next(), fields.next())
+        let mut fields = line.splitn(4, '|');
+        let (Some(node), Some(state), Some(gres), Some(why)) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
         else {
             return Err(ParseError(format!(
-                "expected NODE|STATE|REASON, got {line:?}"
+                "expected NODE|STATE|GRES|REASON, got {line:?}"
             )));
         };
         if node.trim() != name {
@@ -266,6 +326,7 @@ pub fn parse_sinfo(output: &str, name: &str) -> Result<Option<NodeInfo>, ParseEr
             state,
             flags,
             reason: reason(why),
+            gpus: parse_gres_gpus(gres),
         }));
     }
     Ok(None)
@@ -273,7 +334,7 @@ pub fn parse_sinfo(output: &str, name: &str) -> Result<Option<NodeInfo>, ParseEr
 
 /// Reads `scontrol show node -o NAME`: one line of `Key=Value` fields per
 /// node. Values may contain spaces (`OS=Linux 6.1 #1 SMP`), so only the
-/// fields needed are looked up: `NodeName=`, `State=` and `Reason=`, which
+/// fields needed are looked up: `NodeName=`, `State=`, `Gres=` and `Reason=`, which
 /// runs to the end of the line or to its `[user@time]` stamp.
 pub fn parse_scontrol_node(output: &str, name: &str) -> Result<Option<NodeInfo>, ParseError> {
     for line in output.lines() {
@@ -297,6 +358,10 @@ pub fn parse_scontrol_node(output: &str, name: &str) -> Result<Option<NodeInfo>,
             state,
             flags,
             reason: why.and_then(reason),
+            gpus: line
+                .split_whitespace()
+                .find_map(|t| t.strip_prefix("Gres="))
+                .and_then(parse_gres_gpus),
         }));
     }
     Ok(None)
@@ -420,7 +485,7 @@ mod tests {
 
     #[test]
     fn sinfo_lines() {
-        let out = "n1|idle|none\nn2|drained|keel: gpu: xid 79 | fell off the bus\nn3|down*|Not responding\n";
+        let out = "n1|idle|(null)|none\nn2|drained|gpu:a100:8(S:0-1)|keel: gpu: xid 79 | fell off the bus\nn3|down*|gpu:4,mps:400|Not responding\n";
         let n2 = parse_sinfo(out, "n2")
             .expect("parses")
             .expect("n2 is there");
@@ -434,19 +499,55 @@ mod tests {
             .expect("parses")
             .expect("n1 is there");
         assert_eq!(n1.reason, None);
+        assert_eq!(n1.gpus, None);
+        assert_eq!(n2.gpus, Some(8));
         assert!(!n1.is_drained());
         let n3 = parse_sinfo(out, "n3")
             .expect("parses")
             .expect("n3 is there");
         assert!(n3.flags.not_responding);
+        assert_eq!(n3.gpus, Some(4));
         assert_eq!(parse_sinfo(out, "n4"), Ok(None));
         assert_eq!(parse_sinfo("", "n1"), Ok(None));
         assert!(parse_sinfo("n1 idle none\n", "n1").is_err());
-        assert!(parse_sinfo("n1||none\n", "n1").is_err());
+        assert!(parse_sinfo("n1|idle|none\n", "n1").is_err());
+        assert!(parse_sinfo("n1||(null)|none\n", "n1").is_err());
+    }
+
+    #[test]
+    fn gres_gpus() {
+        let cases: &[(&str, Option<u32>)] = &[
+            ("(null)", None),
+            ("", None),
+            ("gpu:8", Some(8)),
+            ("gpu:a100:8", Some(8)),
+            ("gpu:h100:8(S:0-1)", Some(8)),
+            ("gpu:a100:4(S:0),gpu:h100:4(S:1)", Some(8)),
+            ("gpu:4(S:0,1),mps:400", Some(4)),
+            ("mps:400,shard:16", None),
+            ("gpu", Some(1)),
+            ("gpu:tesla", Some(1)),
+            ("gpu:0", Some(0)),
+            ("gpu:1K", Some(1024)),
+            ("gpus:8", None),
+            ("gpu:a100:x8", None),
+            ("gpu:a100:8x", None),
+            ("gpu:8,gpu:bad:", None),
+            ("gpu:4294967295,gpu:1", None),
+            ("gpu:99999999999", None),
+            (" gpu:2 , gpu:v100:2 ", Some(4)),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_gres_gpus(text), *want, "{text:?}");
+        }
     }
 
     /// Captured from Slurm 22.05.8 (`scontrol show node -o n2`).
     const SCONTROL_22_05: &str = "NodeName=n2 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=0.36 AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=localhost NodeHostName=localhost Port=17002 Version=22.05.8 OS=Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 AllocMem=0 FreeMem=22729 Sockets=2 Boards=1 State=IDLE+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=debug  BootTime=2026-11-21T05:40:04 SlurmdStartTime=2026-11-21T05:51:00 LastBusyTime=2026-11-21T05:51:00 CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s Reason=keel: gpu: x | y=z \"q\" [root@2026-11-21T05:51:02]\n";
+
+    /// Captured from Slurm 22.05.8 (`scontrol show node -o n3`, a node
+    /// with `Gres=gpu:8` in slurm.conf and eight device files in gres.conf).
+    const SCONTROL_22_05_GPU: &str = "NodeName=n3 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=0.66 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:8 NodeAddr=localhost NodeHostName=localhost Port=17003 Version=22.05.8 OS=Linux 6.18.44-fc-v769 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 AllocMem=0 FreeMem=23542 Sockets=2 Boards=1 State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=debug  BootTime=2026-11-22T06:56:38 SlurmdStartTime=2026-11-22T09:31:15 LastBusyTime=2026-11-22T09:31:15 CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s\\n";
 
     #[test]
     fn scontrol_show_node() {
@@ -455,7 +556,12 @@ mod tests {
             .expect("n2 is there");
         assert_eq!(n2.state, NodeState::Drained);
         assert_eq!(n2.reason.as_deref(), Some("keel: gpu: x | y=z \"q\""));
+        assert_eq!(n2.gpus, None);
         assert_eq!(parse_scontrol_node(SCONTROL_22_05, "n1"), Ok(None));
+        let gpu = parse_scontrol_node(SCONTROL_22_05_GPU, "n3")
+            .expect("parses")
+            .expect("n3 is there");
+        assert_eq!((gpu.state, gpu.gpus), (NodeState::Idle, Some(8)));
 
         // Newer versions put fields after the reason.
         let newer = "NodeName=gpu01 State=MIXED+DRAIN+NOT_RESPONDING Reason=keel: ecc: [a] b [slurm@2025-01-01T00:00:00] Comment=(null) Extra=(null)";
@@ -480,6 +586,7 @@ mod tests {
             let _ = parse_state(&text);
             let _ = parse_sinfo(&text, &name);
             let _ = parse_scontrol_node(&text, &name);
+            let _ = parse_gres_gpus(&text);
         }
 
         #[test]
@@ -492,7 +599,7 @@ mod tests {
 
         #[test]
         fn sinfo_reason_round_trips(why in "[ -~]{1,80}") {
-            let out = format!("n1|drained|{why}\n");
+            let out = format!("n1|drained|(null)|{why}\n");
             let node = parse_sinfo(&out, "n1").expect("parses").expect("n1 is there");
             let trimmed = why.trim();
             let want = (!trimmed.is_empty() && !trimmed.eq_ignore_ascii_case("none") && trimmed != "(null)")

@@ -244,7 +244,20 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
         }
         return Ok(Code::Ok);
     }
-    let outcome = check_node(cli, &cfg, r.expect_idle, &r.bench)?;
+    // Under --slurm the node is read first: when check.gpus is not set,
+    // its Gres GPU count is the count expected.
+    let slurm_node = r.slurm.then(|| slurm_node_name(cli, r)).flatten();
+    let before = slurm_node
+        .as_ref()
+        .map(|node| crate::slurm::read_node(node, &cfg));
+    let expected = match (cfg.gpus, &before) {
+        (Some(n), _) => Some((n, "check.gpus".to_owned())),
+        (None, Some(Ok(info))) => info
+            .gpus
+            .map(|n| (n, format!("Slurm Gres of {}", info.name))),
+        _ => None,
+    };
+    let outcome = check_node(cli, &cfg, expected, r.expect_idle, &r.bench)?;
     let report = &outcome.report;
     // Files the run writes beside its report. Their errors are reported
     // after the Slurm step and the report: a node whose disk is full fails
@@ -261,22 +274,9 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
             write_errors.push(e);
         }
     }
-    let slurm = if r.slurm {
-        let env_node = std::env::var("SLURMD_NODENAME")
-            .ok()
-            .filter(|v| !v.is_empty());
-        let node = r.node.clone().or(env_node).or_else(|| {
-            report
-                .host
-                .split('.')
-                .next()
-                .map(str::to_owned)
-                .filter(|h| h != "unknown-host")
-        });
-        Some(crate::slurm::apply(report, node, &cfg))
-    } else {
-        None
-    };
+    let slurm = r
+        .slurm
+        .then(|| crate::slurm::apply(report, slurm_node, before.as_ref(), &cfg));
     if out.json {
         #[derive(serde::Serialize)]
         struct WithSlurm<'a> {
@@ -325,10 +325,30 @@ pub fn code_of(s: Status) -> Code {
     }
 }
 
+/// The Slurm node name `--slurm` acts on: `--node`, then
+/// `SLURMD_NODENAME`, then the short host name (under `--root`).
+fn slurm_node_name(cli: &Cli, r: &RunArgs) -> Option<String> {
+    let env_node = std::env::var("SLURMD_NODENAME")
+        .ok()
+        .filter(|v| !v.is_empty());
+    r.node.clone().or(env_node).or_else(|| {
+        std::fs::read_to_string(cli.root.join("proc/sys/kernel/hostname"))
+            .ok()?
+            .trim()
+            .split('.')
+            .next()
+            .map(str::to_owned)
+            .filter(|h| !h.is_empty())
+    })
+}
+
 /// Gathers inputs, chooses the profile and runs the passive checks.
+/// `expected_gpus` is the node's GPU count and where it comes from
+/// (`check.gpus`, Slurm's Gres); it overrides the profile's.
 pub fn check_node(
     cli: &Cli,
     cfg: &CheckConfig,
+    expected_gpus: Option<(u32, String)>,
     expect_idle: bool,
     bench: &[PathBuf],
 ) -> anyhow::Result<Outcome> {
@@ -354,10 +374,10 @@ pub fn check_node(
     };
     let mut inputs = keel_check::gather(&cli.root, probe.as_ref(), &opts);
 
-    let (sku, source) = choose_sku(cfg, &inputs)?;
+    let (sku, source) = choose_sku(cfg, expected_gpus.as_ref(), &inputs)?;
     let mut profile =
         profile::load(&sku, cfg.profile_file.as_deref()).context("cannot load the SKU profile")?;
-    if let Some(n) = cfg.gpus {
+    if let Some((n, _)) = expected_gpus {
         profile.gpu.count = Some(n);
     }
     opts.mounts = profile.host.disks.iter().map(|d| d.mount.clone()).collect();
@@ -397,7 +417,11 @@ pub fn check_node(
     })
 }
 
-fn choose_sku(cfg: &CheckConfig, inputs: &keel_check::Inputs) -> anyhow::Result<(String, String)> {
+fn choose_sku(
+    cfg: &CheckConfig,
+    expected_gpus: Option<&(u32, String)>,
+    inputs: &keel_check::Inputs,
+) -> anyhow::Result<(String, String)> {
     if let Some(s) = &cfg.sku {
         if !profile::builtin_names().contains(&s.as_str()) {
             return Err(UsageError(format!(
@@ -424,8 +448,8 @@ fn choose_sku(cfg: &CheckConfig, inputs: &keel_check::Inputs) -> anyhow::Result<
     if let Some((model, found)) = from_gpus {
         // The configured count, not the count found: a node that lost a GPU
         // is still judged by its SKU's profile.
-        let (count, note) = match cfg.gpus {
-            Some(n) => (n as usize, format!(", {found} found, check.gpus = {n}")),
+        let (count, note) = match expected_gpus {
+            Some((n, from)) => (*n as usize, format!(", {found} found, {from} = {n}")),
             None => (found, String::new()),
         };
         if let Some(p) = profile::for_gpus(&model, count) {

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use keel_check::report::{describe, Report};
 use keel_check::Status;
-use keel_slurm::{decide, Action, Policy, Slurm, SlurmConfig, Verdict};
+use keel_slurm::{decide, Action, NodeInfo, Policy, Slurm, SlurmConfig, SlurmError, Verdict};
 
 use crate::config::CheckConfig;
 
@@ -58,7 +58,29 @@ pub fn verdict(report: &Report) -> Verdict {
     }
 }
 
-pub fn apply(report: &Report, node: Option<String>, cfg: &CheckConfig) -> SlurmOutcome {
+/// The client `--slurm` uses.
+fn client(cfg: &CheckConfig) -> Slurm {
+    Slurm::new(SlurmConfig {
+        timeout: Duration::from_secs_f64(cfg.slurm_timeout_s),
+        ..SlurmConfig::default()
+    })
+}
+
+/// The node as Slurm describes it before the checks run: its `Gres` GPUs
+/// are the count the checks expect when `check.gpus` is not set.
+pub fn read_node(node: &str, cfg: &CheckConfig) -> Result<NodeInfo, SlurmError> {
+    client(cfg).node(node)
+}
+
+/// Drains or resumes `node` by the report. `before` is what
+/// [`read_node`] found before the checks: when it failed, Slurm is not
+/// asked again (a hung controller holds the check once, not twice).
+pub fn apply(
+    report: &Report,
+    node: Option<String>,
+    before: Option<&Result<NodeInfo, SlurmError>>,
+    cfg: &CheckConfig,
+) -> SlurmOutcome {
     let Some(node) = node else {
         return SlurmOutcome {
             node: None,
@@ -68,24 +90,24 @@ pub fn apply(report: &Report, node: Option<String>, cfg: &CheckConfig) -> SlurmO
             error: Some("no node name".into()),
         };
     };
-    let slurm = Slurm::new(SlurmConfig {
-        timeout: Duration::from_secs_f64(cfg.slurm_timeout_s),
-        ..SlurmConfig::default()
-    });
+    let slurm = client(cfg);
     let policy = Policy {
         fail_closed: cfg.fail_closed,
         ..Policy::default()
     };
-    let failed = |what: &str, e: keel_slurm::SlurmError| SlurmOutcome {
+    let failed = |what: &str, e: &SlurmError| SlurmOutcome {
         node: Some(node.clone()),
         action: "nothing",
         reason: None,
         message: format!("{what} {node} failed, did nothing to it: {e}"),
         error: Some(e.to_string()),
     };
+    if let Some(Err(e)) = before {
+        return failed("reading node", e);
+    }
     let info = match slurm.node(&node) {
         Ok(i) => i,
-        Err(e) => return failed("reading node", e),
+        Err(e) => return failed("reading node", &e),
     };
     let action = decide(&info, verdict(report), &policy);
     if let Err(e) = slurm.apply(&node, &action) {
@@ -94,7 +116,7 @@ pub fn apply(report: &Report, node: Option<String>, cfg: &CheckConfig) -> SlurmO
             Action::Resume => "resuming",
             Action::Nothing { .. } => "reading",
         };
-        return failed(what, e);
+        return failed(what, &e);
     }
     match action {
         Action::Drain { reason } => SlurmOutcome {

@@ -74,6 +74,60 @@ fn a_faulty_node_is_drained_and_resumed_once_fixed() {
 
 #[test]
 #[ignore = "needs Slurm: scripts/test starts one"]
+fn a_node_that_lost_a_gpu_is_judged_by_its_gres_count() {
+    let cluster = SlurmCluster::get();
+    // The cluster's last node has Gres=gpu:8 in slurm.conf; the others none.
+    let node = cluster.node(2).to_owned();
+    let plain = cluster.node(0).to_owned();
+    let _restore = cluster.restore_on_drop(&node);
+    // An A100 node off Azure (no IMDS, the generic profile) with one of
+    // its eight GPUs gone from PCI and from NVML.
+    let mut n = Node::ndv4();
+    n.sku = "generic";
+    n.remove("sys/bus/pci/devices/000e:00:00.0");
+    n.gpu(|v| {
+        v["gpus"]
+            .as_array_mut()
+            .expect("gpus")
+            .retain(|g| g["pci_bus_id"] != "000E:00:00.0" && g["pci_bus_id"] != "000e:00:00.0");
+    });
+    let gpu_count = |v: &Value| {
+        let r = v["results"]
+            .as_array()
+            .and_then(|rs| rs.iter().find(|r| r["id"] == "gpu.count"))
+            .cloned()
+            .unwrap_or_else(|| panic!("no gpu.count: {v}"));
+        (
+            r["status"].as_str().unwrap_or_default().to_owned(),
+            r["code"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    // Without a count from anywhere, seven GPUs look healthy.
+    let (code, v, err) = n.run(&[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(gpu_count(&v).0, "pass", "{v}");
+    // On a node whose Gres has no GPUs, the same.
+    let (code, v, err) = check_slurm(&cluster, &n, &plain, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["slurm"]["action"], "nothing", "{v}");
+    // Slurm says the node has eight: the GPU is missing, and the node
+    // is drained for it.
+    let (code, v, err) = check_slurm(&cluster, &n, &node, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(gpu_count(&v), ("fail".into(), "GPU_MISSING".into()), "{v}");
+    assert_eq!(v["slurm"]["action"], "drain", "{v}");
+    let raw = cluster.raw_node(&node).expect("sinfo");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+    assert!(raw.reason.starts_with("keel: gpu.count: "), "{raw:?}");
+    // check.gpus, where set, is the count: the next run resumes the node.
+    let (code, v, err) = check_slurm(&cluster, &n, &node, &["--gpus", "7"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(gpu_count(&v).0, "pass", "{v}");
+    assert_eq!(v["slurm"]["action"], "resume", "{v}");
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
 fn an_administrators_drain_is_left_alone() {
     let cluster = SlurmCluster::get();
     let node = cluster.node(2).to_owned();
