@@ -154,8 +154,9 @@ pub fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, ArtifactError> {
 /// manifest, create-only. A store that already holds a manifest holds a
 /// version: it is refused before anything is written
 /// ([`ArtifactError::VersionExists`]). Before any file is written the
-/// upload creates [`CLAIM_KEY`] holding `claim` (who is uploading), only
-/// if absent: of two uploads into one URL at once, the second is refused
+/// upload creates [`CLAIM_KEY`] holding `claim` (who is uploading; make
+/// it unique to this upload, a claim already holding the same bytes is
+/// taken as this upload's own), only if absent: of two uploads into one URL at once, the second is refused
 /// ([`ArtifactError::Claimed`]) without writing a byte. The claim stays
 /// after the upload, finished or failed, so the URL is never written
 /// twice.
@@ -182,12 +183,17 @@ pub async fn upload_dir(
         .create(CLAIM_KEY, Bytes::copy_from_slice(claim.as_bytes()))
         .await?
     {
-        let claim = match store.get_opt(CLAIM_KEY).await {
-            Ok(Some(b)) => String::from_utf8_lossy(&b).trim().to_owned(),
-            Ok(None) => "since removed".to_owned(),
-            Err(e) => format!("unreadable: {e}"),
+        let stored = match store.get_opt(CLAIM_KEY).await {
+            Ok(Some(b)) => b,
+            Ok(None) => Bytes::from_static(b"(not readable yet: being written)"),
+            Err(e) => Bytes::from(format!("(unreadable: {e})")),
         };
-        return Err(ArtifactError::Claimed { url: url(), claim });
+        // The store may retry a create whose first attempt landed: a claim
+        // holding exactly these bytes is this upload's own.
+        if stored != claim.as_bytes() {
+            let claim = String::from_utf8_lossy(&stored).trim().to_owned();
+            return Err(ArtifactError::Claimed { url: url(), claim });
+        }
     }
     let entries = transfer::upload_files(store, items, opts).await?;
     let manifest = Manifest::new(name, entries, Default::default())
@@ -468,6 +474,26 @@ mod tests {
             vec![CLAIM_KEY],
             "nothing but the first claim is stored"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_with_this_upload_s_own_bytes_is_its_own() {
+        // As a store's retried create leaves it: the first attempt landed.
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (store, dest) = file_store(tmp.path());
+        let claim = "m:1 by bob on node-b, pid 9, at 1790000000000000000";
+        store
+            .create(CLAIM_KEY, Bytes::copy_from_slice(claim.as_bytes()))
+            .await
+            .expect("claim");
+        let dir = tmp.path().join("src");
+        write(&dir, &[("weights.bin", b"w")]);
+        upload_dir(&store, &dir, "m:1", claim, &TransferOptions::default())
+            .await
+            .expect("its own claim");
+        let stored = snapshot(&dest);
+        assert_eq!(stored[CLAIM_KEY], claim.as_bytes());
+        assert_eq!(stored["weights.bin"], b"w");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

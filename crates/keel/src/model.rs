@@ -447,9 +447,13 @@ fn register(
             let store = open_store(&url, true)?;
             let name = format!("{}:{}", r.name, pending.version);
             let claim = format!(
-                "{name} by {actor} on {}, pid {}",
+                "{name} by {actor} on {}, pid {}, at {}",
                 crate::ckpt::hostname(),
-                std::process::id()
+                std::process::id(),
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos()
             );
             Ok::<_, anyhow::Error>(
                 artifacts::upload_dir(&store, dir, &name, &claim, &TransferOptions::default())
