@@ -243,8 +243,9 @@ fn reason(text: &str) -> Option<String> {
 /// The GPUs in a node's `Gres` as Slurm prints it (`%G`, `Gres=`): the
 /// sum over its `gpu` entries, `NAME[:TYPE][:COUNT][(S:SOCKETS)]` separated
 /// by commas (a missing count is one). `None` for `(null)`, no `gpu` entry,
-/// or a count that is not a whole number (Slurm's `K`, `M`, `G` suffixes
-/// are read).
+/// a count that is not a whole number (Slurm's `K`, `M`, `G` suffixes are
+/// read), or MIG slices (a type such as `1g.10gb` or
+/// `nvidia_a100_3g.39gb`), which do not count physical GPUs.
 pub fn parse_gres_gpus(text: &str) -> Option<u32> {
     let mut entries = Vec::new();
     let (mut depth, mut start) = (0usize, 0usize);
@@ -269,6 +270,9 @@ pub fn parse_gres_gpus(text: &str) -> Option<u32> {
             continue;
         }
         let rest: Vec<&str> = parts.collect();
+        if rest.iter().any(|t| is_mig_type(t)) {
+            return None;
+        }
         let count = match rest.last() {
             None => 1,
             Some(last) if last.starts_with(|c: char| c.is_ascii_digit()) => count(last)?,
@@ -279,6 +283,25 @@ pub fn parse_gres_gpus(text: &str) -> Option<u32> {
         total = Some(total.unwrap_or(0).checked_add(count)?);
     }
     total
+}
+
+/// A MIG profile in a GPU type: `<digits>g.<digits>gb` anywhere in it
+/// (`1g.10gb`, `nvidia_h100_80gb_hbm3_3g.40gb`).
+fn is_mig_type(t: &str) -> bool {
+    let t = t.to_ascii_lowercase();
+    let b = t.as_bytes();
+    t.match_indices("g.").any(|(at, _)| {
+        let before = b[..at]
+            .iter()
+            .rev()
+            .take_while(|c| c.is_ascii_digit())
+            .count();
+        let after = b[at + 2..]
+            .iter()
+            .take_while(|c| c.is_ascii_digit())
+            .count();
+        before > 0 && after > 0 && t[at + 2 + after..].starts_with("gb")
+    })
 }
 
 /// A Gres count: digits with an optional `K`, `M` or `G` (powers of 1024).
@@ -536,6 +559,12 @@ mod tests {
             ("gpu:4294967295,gpu:1", None),
             ("gpu:99999999999", None),
             (" gpu:2 , gpu:v100:2 ", Some(4)),
+            // MIG slices are not GPUs.
+            ("gpu:1g.10gb:56", None),
+            ("gpu:3g.40gb:16,gpu:4g.40gb:8", None),
+            ("gpu:nvidia_a100_3g.39gb:2(S:0)", None),
+            ("gpu:a100:4,gpu:1g.5gb:7", None),
+            ("gpu:h100_80gb:8", Some(8)),
         ];
         for (text, want) in cases {
             assert_eq!(parse_gres_gpus(text), *want, "{text:?}");

@@ -245,16 +245,24 @@ fn run_checks(cli: &Cli, r: &RunArgs, out: &mut Out) -> anyhow::Result<Code> {
         return Ok(Code::Ok);
     }
     // Under --slurm the node is read first: when check.gpus is not set,
-    // its Gres GPU count is the count expected.
+    // its Gres GPU count is the count expected (unless a profile chosen
+    // by --sku or Azure's metadata gives one).
     let slurm_node = r.slurm.then(|| slurm_node_name(cli, r)).flatten();
     let before = slurm_node
         .as_ref()
         .map(|node| crate::slurm::read_node(node, &cfg));
     let expected = match (cfg.gpus, &before) {
-        (Some(n), _) => Some((n, "check.gpus".to_owned())),
-        (None, Some(Ok(info))) => info
-            .gpus
-            .map(|n| (n, format!("Slurm Gres of {}", info.name))),
+        (Some(n), _) => Some(ExpectedGpus {
+            count: n,
+            from: "check.gpus".to_owned(),
+            over_profile: true,
+        }),
+        // `gpu:0` says nothing a node's GPUs could be checked against.
+        (None, Some(Ok(info))) => info.gpus.filter(|&n| n > 0).map(|n| ExpectedGpus {
+            count: n,
+            from: format!("Slurm Gres of {}", info.name),
+            over_profile: false,
+        }),
         _ => None,
     };
     let outcome = check_node(cli, &cfg, expected, r.expect_idle, &r.bench)?;
@@ -342,13 +350,24 @@ fn slurm_node_name(cli: &Cli, r: &RunArgs) -> Option<String> {
     })
 }
 
+/// How many GPUs the node should have, and where that comes from.
+#[derive(Debug, Clone)]
+pub struct ExpectedGpus {
+    pub count: u32,
+    /// `check.gpus`, or `Slurm Gres of NODE`.
+    pub from: String,
+    /// Overrides the count of any profile (`check.gpus`); otherwise
+    /// (Slurm's Gres) only of a profile guessed from the GPUs, or fills in
+    /// one the profile lacks (`generic`): a profile chosen by `--sku` or
+    /// Azure's metadata keeps its count.
+    pub over_profile: bool,
+}
+
 /// Gathers inputs, chooses the profile and runs the passive checks.
-/// `expected_gpus` is the node's GPU count and where it comes from
-/// (`check.gpus`, Slurm's Gres); it overrides the profile's.
 pub fn check_node(
     cli: &Cli,
     cfg: &CheckConfig,
-    expected_gpus: Option<(u32, String)>,
+    expected_gpus: Option<ExpectedGpus>,
     expect_idle: bool,
     bench: &[PathBuf],
 ) -> anyhow::Result<Outcome> {
@@ -374,11 +393,13 @@ pub fn check_node(
     };
     let mut inputs = keel_check::gather(&cli.root, probe.as_ref(), &opts);
 
-    let (sku, source) = choose_sku(cfg, expected_gpus.as_ref(), &inputs)?;
+    let (sku, source, guessed) = choose_sku(cfg, expected_gpus.as_ref(), &inputs)?;
     let mut profile =
         profile::load(&sku, cfg.profile_file.as_deref()).context("cannot load the SKU profile")?;
-    if let Some((n, _)) = expected_gpus {
-        profile.gpu.count = Some(n);
+    if let Some(e) =
+        expected_gpus.filter(|e| e.over_profile || guessed || profile.gpu.count.is_none())
+    {
+        profile.gpu.count = Some(e.count);
     }
     opts.mounts = profile.host.disks.iter().map(|d| d.mount.clone()).collect();
     inputs.host.disk_free = keel_check::gather::disk_free(&cli.root, &opts);
@@ -419,9 +440,9 @@ pub fn check_node(
 
 fn choose_sku(
     cfg: &CheckConfig,
-    expected_gpus: Option<&(u32, String)>,
+    expected_gpus: Option<&ExpectedGpus>,
     inputs: &keel_check::Inputs,
-) -> anyhow::Result<(String, String)> {
+) -> anyhow::Result<(String, String, bool)> {
     if let Some(s) = &cfg.sku {
         if !profile::builtin_names().contains(&s.as_str()) {
             return Err(UsageError(format!(
@@ -430,14 +451,14 @@ fn choose_sku(
             ))
             .into());
         }
-        return Ok((s.clone(), "flag".into()));
+        return Ok((s.clone(), "flag".into(), false));
     }
     if let Some(size) = keel_check::imds::vm_size(
         &cfg.imds_endpoint,
         Duration::from_millis(cfg.imds_timeout_ms),
     ) {
         if let Some(p) = profile::for_vm_size(&size) {
-            return Ok((p.to_owned(), format!("imds ({size})")));
+            return Ok((p.to_owned(), format!("imds ({size})"), false));
         }
     }
     let from_gpus = match (&inputs.gpu, &inputs.machine) {
@@ -445,18 +466,24 @@ fn choose_sku(
         (_, Ok(m)) if !m.gpus.is_empty() => m.gpus[0].model.clone().map(|n| (n, m.gpus.len())),
         _ => None,
     };
-    if let Some((model, found)) = from_gpus {
-        // The configured count, not the count found: a node that lost a GPU
+    let found = from_gpus.as_ref().map_or(0, |(_, n)| *n);
+    let note = |e: &ExpectedGpus| format!("{found} found, {} = {}", e.from, e.count);
+    if let Some((model, _)) = &from_gpus {
+        // The expected count, not the count found: a node that lost a GPU
         // is still judged by its SKU's profile.
         let (count, note) = match expected_gpus {
-            Some((n, from)) => (*n as usize, format!(", {found} found, {from} = {n}")),
+            Some(e) => (e.count as usize, format!(", {}", note(e))),
             None => (found, String::new()),
         };
-        if let Some(p) = profile::for_gpus(&model, count) {
-            return Ok((p.to_owned(), format!("gpus ({count}x {model}{note})")));
+        if let Some(p) = profile::for_gpus(model, count) {
+            return Ok((p.to_owned(), format!("gpus ({count}x {model}{note})"), true));
         }
     }
-    Ok(("generic".into(), "generic".into()))
+    let source = match expected_gpus {
+        Some(e) => format!("generic ({})", note(e)),
+        None => "generic".into(),
+    };
+    Ok(("generic".into(), source, true))
 }
 
 fn profiles(name: Option<&str>, file: Option<&Path>, out: &mut Out) -> anyhow::Result<Code> {

@@ -73,8 +73,9 @@ pub fn read_node(node: &str, cfg: &CheckConfig) -> Result<NodeInfo, SlurmError> 
 }
 
 /// Drains or resumes `node` by the report. `before` is what
-/// [`read_node`] found before the checks: when it failed, Slurm is not
-/// asked again (a hung controller holds the check once, not twice).
+/// [`read_node`] found before the checks: when it timed out, Slurm is not
+/// asked again (a hung controller holds the check once, not twice); after
+/// any other failure it is.
 pub fn apply(
     report: &Report,
     node: Option<String>,
@@ -102,7 +103,7 @@ pub fn apply(
         message: format!("{what} {node} failed, did nothing to it: {e}"),
         error: Some(e.to_string()),
     };
-    if let Some(Err(e)) = before {
+    if let Some(Err(e @ SlurmError::Timeout { .. })) = before {
         return failed("reading node", e);
     }
     let info = match slurm.node(&node) {

@@ -201,7 +201,7 @@ fn a_hung_controller_does_not_hold_the_check() {
     ecc_fault(&n);
     let paused = cluster.pause_controller().expect("SIGSTOP slurmctld");
     let start = Instant::now();
-    let (code, v, err) = check_slurm(&cluster, &n, &node, &["--slurm-timeout", "2"]);
+    let (code, v, err) = check_slurm(&cluster, &n, &node, &["--slurm-timeout", "3"]);
     let took = start.elapsed();
     paused.resume().expect("SIGCONT slurmctld");
     assert_eq!(code, 2, "the check's own verdict stands: {err}");
@@ -213,7 +213,9 @@ fn a_hung_controller_does_not_hold_the_check() {
             .contains("did not finish"),
         "{v}"
     );
-    assert!(took < Duration::from_secs(5), "took {took:?}");
+    // One timeout: the node is read before the checks, and a read that
+    // timed out is not tried again after them.
+    assert!(took < Duration::from_millis(5500), "took {took:?}");
     assert!(err.contains("did nothing"), "{err}");
     // Nothing queued behind the stopped controller drains the node later.
     cluster
