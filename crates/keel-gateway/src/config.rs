@@ -103,6 +103,7 @@ pub struct FileRole {
 pub struct FileLimits {
     pub redis_url: Option<String>,
     pub default_max_tokens: Option<u64>,
+    pub prompt_bytes_per_token: Option<u64>,
     pub default: Option<LimitSet>,
     #[serde(default)]
     pub keys: BTreeMap<String, LimitSet>,
@@ -306,6 +307,8 @@ pub struct RoleConfig {
 pub struct LimitsConfig {
     pub redis_url: Option<String>,
     pub default_max_tokens: u64,
+    /// Bytes of prompt text counted as one token when reserving (1-16).
+    pub prompt_bytes_per_token: u64,
     pub default: LimitSet,
     pub keys: BTreeMap<String, LimitSet>,
     pub teams: BTreeMap<String, LimitSet>,
@@ -538,6 +541,7 @@ impl GatewayConfig {
         let limits = LimitsConfig {
             redis_url: f.limits.redis_url,
             default_max_tokens: f.limits.default_max_tokens.unwrap_or(256),
+            prompt_bytes_per_token: f.limits.prompt_bytes_per_token.unwrap_or(4),
             default: f.limits.default.unwrap_or_default(),
             keys: f.limits.keys,
             teams: f.limits.teams,
@@ -549,6 +553,13 @@ impl GatewayConfig {
             return bad(
                 "limits.default_max_tokens must be at least 1 (it is sent as max_tokens)".into(),
             );
+        }
+        if !(1..=16).contains(&limits.prompt_bytes_per_token) {
+            return bad(format!(
+                "limits.prompt_bytes_per_token must be from 1 to 16, not {} (4: an English \
+                 tokenizer's average; 1: never under a byte-level BPE tokenizer's count)",
+                limits.prompt_bytes_per_token
+            ));
         }
 
         let c = f.traffic.circuit;
@@ -867,6 +878,14 @@ url = "http://127.0.0.1:8002/prefix"
         check(
             &format!("{EXAMPLE}[limits]\ndefault_max_tokens = 0\n"),
             "limits.default_max_tokens must be at least 1",
+        );
+        check(
+            &format!("{EXAMPLE}[limits]\nprompt_bytes_per_token = 0\n"),
+            "limits.prompt_bytes_per_token must be from 1 to 16, not 0",
+        );
+        check(
+            &format!("{EXAMPLE}[limits]\nprompt_bytes_per_token = 17\n"),
+            "limits.prompt_bytes_per_token must be from 1 to 16, not 17",
         );
         check(
             &EXAMPLE.replace("fallback = [\"small\"]", "fallback = [\"nope\"]"),

@@ -1239,7 +1239,7 @@ impl Gateway {
         ctx.model_configured = model.is_some();
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
-        ctx.prompt_estimate = parsed.prompt_estimate;
+        ctx.prompt_estimate = parsed.prompt_tokens(gen.cfg.limits.prompt_bytes_per_token);
         if gen.cfg.audit.include_content {
             ctx.request_body = Some(bytes.clone());
         }
@@ -1258,13 +1258,12 @@ impl Gateway {
         // (or `best_of`) completions may use all of it. Saturating: these
         // are the client's numbers.
         let (tokens, inject) = match route {
-            Route::Embeddings => (parsed.prompt_estimate, None),
+            Route::Embeddings => (ctx.prompt_estimate, None),
             _ => {
                 let default = gen.cfg.limits.default_max_tokens;
                 let per_choice = parsed.max_tokens.unwrap_or(default);
                 (
-                    parsed
-                        .prompt_estimate
+                    ctx.prompt_estimate
                         .saturating_add(per_choice.saturating_mul(parsed.choices)),
                     (!body.has_limit()).then_some(default),
                 )

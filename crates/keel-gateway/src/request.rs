@@ -170,10 +170,34 @@ pub struct OpenAiRequest {
     /// Completions generated per request: the larger of `n` and `best_of`,
     /// at least 1.
     pub choices: u64,
-    /// Prompt tokens estimated as a quarter of the prompt's bytes, plus a
-    /// quarter of the bytes of `tools` and `functions` (the server renders
-    /// them into the prompt).
-    pub prompt_estimate: u64,
+    /// The prompt's size: text bytes, token ids (one token each), and the
+    /// bytes of `tools` and `functions` (the server renders them into the
+    /// prompt). [`OpenAiRequest::prompt_tokens`] turns it into tokens.
+    pub prompt: PromptSize,
+}
+
+/// A prompt's size as parsed, before any bytes-per-token rule.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptSize {
+    pub text_bytes: u64,
+    pub ids: u64,
+    pub tools_bytes: u64,
+}
+
+impl OpenAiRequest {
+    /// Prompt tokens estimated at `bytes_per_token` bytes a token (text,
+    /// and `tools` and `functions`, each rounded up), plus one per token id.
+    /// With 4, a typical English tokenizer's average; with 1, an upper
+    /// bound for byte-level BPE tokenizers, where every token is at least
+    /// one byte (chat templates add a few tokens a message beyond it).
+    pub fn prompt_tokens(&self, bytes_per_token: u64) -> u64 {
+        let b = bytes_per_token.max(1);
+        let p = &self.prompt;
+        p.text_bytes
+            .div_ceil(b)
+            .saturating_add(p.ids)
+            .saturating_add(p.tools_bytes.div_ceil(b))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -404,7 +428,7 @@ struct Seen {
     max_completion_tokens: Option<Option<u64>>,
     n: Option<Option<u64>>,
     best_of: Option<Option<u64>>,
-    prompt: Option<u64>,
+    prompt: Option<(u64, u64)>,
     /// Bytes of `tools` and `functions`.
     tools: u64,
 }
@@ -426,7 +450,7 @@ impl<'de> Visitor<'de> for Top {
                     depth: 0,
                     scalars: true,
                 })?;
-                if seen.prompt.replace(bytes.div_ceil(4) + ids).is_some() {
+                if seen.prompt.replace((bytes, ids)).is_some() {
                     failed.get_or_insert(ParseError::Duplicate(self.prompt_field));
                 }
                 continue;
@@ -581,10 +605,14 @@ pub fn parse_openai(
                 .max(seen.best_of.flatten())
                 .unwrap_or(1)
                 .max(1),
-            prompt_estimate: seen
-                .prompt
-                .unwrap_or(0)
-                .saturating_add(seen.tools.div_ceil(4)),
+            prompt: {
+                let (text_bytes, ids) = seen.prompt.unwrap_or((0, 0));
+                PromptSize {
+                    text_bytes,
+                    ids,
+                    tools_bytes: seen.tools,
+                }
+            },
         },
     ))
 }
@@ -676,7 +704,11 @@ mod tests {
                 include_usage: false,
                 max_tokens: Some(10),
                 choices: 1,
-                prompt_estimate: 2
+                prompt: PromptSize {
+                    text_bytes: 8,
+                    ids: 0,
+                    tools_bytes: 0
+                }
             }
         );
         let (_, r) = parse_openai(
@@ -686,7 +718,12 @@ mod tests {
             "prompt",
         )
         .expect("ok");
-        assert_eq!((r.prompt_estimate, r.include_usage), (3, true));
+        assert_eq!((r.prompt_tokens(4), r.include_usage), (3, true));
+        assert_eq!(
+            r.prompt_tokens(1),
+            3,
+            "token ids are one token whatever the rule"
+        );
         assert!(matches!(
             parse_openai(&Bytes::from_static(b"{"), "messages"),
             Err(ParseError::Json(_))
@@ -753,7 +790,8 @@ mod tests {
             r#"{{"model":"m","messages":[{{"role":"user","content":"1234"}}],"tools":{tools},"functions":[]}}"#
         );
         let (_, r) = parse(&src, "messages");
-        assert_eq!(r.prompt_estimate, 1 + (tools.len() as u64 + 2).div_ceil(4));
+        assert_eq!(r.prompt_tokens(4), 1 + (tools.len() as u64 + 2).div_ceil(4));
+        assert_eq!(r.prompt_tokens(1), 4 + tools.len() as u64 + 2);
 
         // Without a limit, rendering sets max_tokens: inserted when absent,
         // replacing a null, left alone when either limit is given.
@@ -908,7 +946,7 @@ mod tests {
             let body = serde_json::json!({"model": "m", field: prompt.clone()});
             let bytes = Bytes::from(serde_json::to_vec(&body).expect("json"));
             let (b, r) = parse_openai(&bytes, field).expect("parses");
-            prop_assert_eq!(r.prompt_estimate, estimate_tokens(&prompt));
+            prop_assert_eq!(r.prompt_tokens(4), estimate_tokens(&prompt));
             prop_assert_eq!(b.render("m", false, None), bytes, "the same model name gives the same bytes");
         }
 
@@ -917,7 +955,7 @@ mod tests {
             let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": mt, "stream": stream});
             let bytes = serde_json::to_vec(&body).expect("json");
             if let Ok((_, r)) = parse_openai(&Bytes::from(bytes), "messages") {
-                prop_assert_eq!(r.prompt_estimate, (content.len() as u64).div_ceil(4));
+                prop_assert_eq!(r.prompt_tokens(4), (content.len() as u64).div_ceil(4));
                 prop_assert_eq!(r.max_tokens, u64::try_from(mt).ok());
             }
         }

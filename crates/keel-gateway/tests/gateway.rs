@@ -469,6 +469,39 @@ fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
 }
 
 #[test]
+fn prompt_bytes_per_token_sets_how_much_of_a_prompt_is_reserved() {
+    // A 200-byte prompt with max_tokens 10 under 120 tokens a minute:
+    // 50 + 10 reserved at 4 bytes a token, 200 + 10 at 1.
+    let body = json!({
+        "model": "chat",
+        "messages": [{"role": "user", "content": "x".repeat(200)}],
+        "max_tokens": 10,
+    });
+    for (per_token, status) in [(4, 200), (1, 429)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let b = TestBackend::start(&["--tokens", "10"]);
+        let cfg = one_backend(
+            dir.path(),
+            &b,
+            &format!("[limits]\nprompt_bytes_per_token = {per_token}\n[limits.default]\ntokens_per_minute = 120\n"),
+        );
+        let (id, key) = add_key(dir.path(), "u", &["user"], None);
+        let g = Running::start(dir.path(), &cfg);
+        let r = g.chat(&key, body.clone());
+        assert_eq!(r.status, status, "{per_token} bytes a token: {}", r.text());
+        let charged = g.usage(&format!("key:{id}"))["tokens"].as_u64();
+        if status == 200 {
+            // Settled to what the backend reported (its own quarter rule).
+            assert_eq!(charged, Some(60), "{per_token}");
+        } else {
+            assert_eq!(charged.unwrap_or(0), 0, "a refused request is not charged");
+            assert_eq!(b.count("/v1/chat/completions"), 0, "nor forwarded");
+        }
+        g.stop();
+    }
+}
+
+#[test]
 fn a_client_that_goes_away_mid_request_is_audited_and_stays_charged() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--latency-ms", "400"]);
