@@ -382,16 +382,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_version_into_one_prefix_is_refused_and_changes_nothing() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let dest = tmp.path().join("store/m/v1");
-        let url = StoreUrl::parse(&format!("file://{}", dest.display())).expect("url");
-        let store = Store::open(
-            &url,
-            &StoreOptions {
-                create_root: true,
-                ..Default::default()
-            },
-        )
-        .expect("open");
+        let (store, dest) = file_store(tmp.path());
+        let url = store.url().clone();
         let first = tmp.path().join("first");
         write(
             &first,

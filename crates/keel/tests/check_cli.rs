@@ -689,13 +689,7 @@ fn a_node_that_lost_a_gpu_from_the_bus_fails_once_its_gpu_count_is_configured() 
     // what the node shows, the node looks like a healthy 7-GPU machine.
     let mut n = Node::ndv4();
     n.profile("[host]\ndisks = []\n");
-    n.remove("sys/bus/pci/devices/000e:00:00.0");
-    n.gpu(|v| {
-        v["gpus"]
-            .as_array_mut()
-            .expect("gpus")
-            .retain(|g| g["pci_bus_id"] != "000E:00:00.0" && g["pci_bus_id"] != "000e:00:00.0");
-    });
+    n.lose_gpu("000e:00:00.0");
     let root = n.root.display().to_string();
     let snap = n.path("gpu.json").display().to_string();
     let run = |extra: &[&str], env: &[(&str, &str)]| {

@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{keel, Node};
+use common::{keel, results, Node};
 use keel_testkit::SlurmCluster;
 use serde_json::{json, Value};
 
@@ -84,19 +84,9 @@ fn a_node_that_lost_a_gpu_is_judged_by_its_gres_count() {
     // its eight GPUs gone from PCI and from NVML.
     let mut n = Node::ndv4();
     n.sku = "generic";
-    n.remove("sys/bus/pci/devices/000e:00:00.0");
-    n.gpu(|v| {
-        v["gpus"]
-            .as_array_mut()
-            .expect("gpus")
-            .retain(|g| g["pci_bus_id"] != "000E:00:00.0" && g["pci_bus_id"] != "000e:00:00.0");
-    });
+    n.lose_gpu("000e:00:00.0");
     let gpu_count = |v: &Value| {
-        let r = v["results"]
-            .as_array()
-            .and_then(|rs| rs.iter().find(|r| r["id"] == "gpu.count"))
-            .cloned()
-            .unwrap_or_else(|| panic!("no gpu.count: {v}"));
+        let r = results(v, "gpu.count")[0];
         (
             r["status"].as_str().unwrap_or_default().to_owned(),
             r["code"].as_str().unwrap_or_default().to_owned(),

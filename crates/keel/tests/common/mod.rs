@@ -106,6 +106,19 @@ impl Node {
         std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).expect("write");
     }
 
+    /// A GPU gone from the bus: its PCI device (`0000:00:00.0` form,
+    /// lower case) removed from sysfs and from the NVML snapshot.
+    pub fn lose_gpu(&self, pci: &str) {
+        self.remove(&format!("sys/bus/pci/devices/{pci}"));
+        self.gpu(|v| {
+            v["gpus"].as_array_mut().expect("gpus").retain(|g| {
+                !g["pci_bus_id"]
+                    .as_str()
+                    .is_some_and(|id| id.eq_ignore_ascii_case(pci))
+            });
+        });
+    }
+
     pub fn uptime(&self) -> f64 {
         let s = std::fs::read_to_string(self.path("proc/uptime")).expect("uptime");
         s.split_whitespace()
