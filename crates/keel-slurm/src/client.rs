@@ -213,7 +213,7 @@ fn strings(list: &[&str]) -> Vec<String> {
 }
 
 /// A node name scontrol and sinfo read as exactly one node.
-fn check_name(name: &str) -> Result<(), SlurmError> {
+pub fn check_name(name: &str) -> Result<(), SlurmError> {
     let problem = if name.is_empty() {
         Some("empty")
     } else if name.starts_with('-') {

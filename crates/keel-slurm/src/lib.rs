@@ -20,7 +20,7 @@ mod hostlist;
 mod node;
 mod run;
 
-pub use client::{Slurm, SlurmConfig};
+pub use client::{check_name as check_node_name, Slurm, SlurmConfig};
 pub use decide::{decide, Action, Policy, Verdict};
 pub use error::SlurmError;
 pub use hostlist::{expand_hostlist, HostlistError, MAX_HOSTS};

@@ -84,7 +84,7 @@ pub struct RunArgs {
     slurm_timeout: Option<f64>,
     /// With --slurm: the Slurm node name (default: SLURMD_NODENAME, then
     /// the short hostname).
-    #[arg(long, value_name = "NAME", requires = "slurm")]
+    #[arg(long, value_name = "NAME", requires = "slurm", value_parser = slurm_node_arg)]
     node: Option<String>,
     /// Config file (default: KEEL_CONFIG, then ~/.config/keel/keel.toml).
     #[arg(long, value_name = "FILE")]
@@ -331,6 +331,13 @@ pub fn code_of(s: Status) -> Code {
         Status::Fail => Code::Failed,
         Status::Unknown => Code::Unknown,
     }
+}
+
+/// `--node`: one name Slurm reads as one node.
+fn slurm_node_arg(s: &str) -> Result<String, String> {
+    keel_slurm::check_node_name(s)
+        .map(|()| s.to_owned())
+        .map_err(|e| e.to_string())
 }
 
 /// The Slurm node name `--slurm` acts on: `--node`, then

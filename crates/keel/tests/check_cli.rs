@@ -543,6 +543,21 @@ fn sku_selection_flag_imds_gpus_generic() {
     );
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("unknown SKU \"nd96\""), "{err}");
+    // A --node Slurm would read as several nodes is refused before any check.
+    for bad in ["n[1-2]", "n1,n2", "-n1", ""] {
+        let (code, _, err) = keel(
+            &[
+                "--root".into(),
+                root.clone(),
+                "check".into(),
+                "--slurm".into(),
+                format!("--node={bad}"),
+            ],
+            &[],
+        );
+        assert_eq!(code, 64, "{bad:?}: {err}");
+        assert!(err.contains("invalid node name"), "{bad:?}: {err}");
+    }
 }
 
 #[test]
