@@ -391,12 +391,52 @@ impl TrafficConfig {
     }
 }
 
+/// A TOML error as one line that says where: `line L, column C, key
+/// K: message`. The key is the dotted path of the `key = value` line the
+/// error points into (table header plus key); the value itself is never
+/// repeated, since a config line may hold a secret such as a Redis URL's
+/// password.
+fn located(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else {
+        return e.message().to_owned();
+    };
+    let start = span.start.min(text.len());
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = text[line_start..start].chars().count() + 1;
+    let this = text[line_start..].lines().next().unwrap_or("");
+    let key = this
+        .split_once('=')
+        .map(|(k, _)| k.trim())
+        .filter(|k| !k.is_empty() && !k.starts_with('[') && !k.starts_with('#'))
+        .map(|k| {
+            let table = before[..line_start].lines().rev().find_map(|l| {
+                let l = l.trim();
+                let inner = l
+                    .strip_prefix("[[")
+                    .and_then(|r| r.split_once("]]"))
+                    .or_else(|| l.strip_prefix('[').and_then(|r| r.split_once(']')));
+                inner.map(|(t, _)| t.trim().to_owned())
+            });
+            match table {
+                Some(t) if !t.is_empty() => format!(", key {t}.{k}"),
+                _ => format!(", key {k}"),
+            }
+        })
+        .unwrap_or_default();
+    format!(
+        "line {line}, column {column}{key}: {}",
+        e.message().trim_end()
+    )
+}
+
 impl GatewayConfig {
     /// Parses and validates a config file's text; relative paths are taken
     /// from `base` (the file's directory).
     pub fn from_toml(text: &str, base: &Path) -> Result<Self, GatewayError> {
         let file: FileConfig =
-            toml::from_str(text).map_err(|e| GatewayError::Config(e.message().to_owned()))?;
+            toml::from_str(text).map_err(|e| GatewayError::Config(located(text, &e)))?;
         Self::validate(file, base)
     }
 
@@ -751,6 +791,37 @@ name = "small"
 name = "only"
 url = "http://127.0.0.1:8002/prefix"
 "#;
+
+    #[test]
+    fn a_toml_error_says_where_and_which_key_without_the_value() {
+        let err = |text: &str| match GatewayConfig::from_toml(text, Path::new("/")) {
+            Err(GatewayError::Config(m)) => m,
+            other => panic!("expected a config error, got {other:?}"),
+        };
+        let m = err(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[limits]\nprompt_bytes_per_token = \"four\"\n",
+        );
+        assert!(
+            m.starts_with(
+                "line 4, column 26, key limits.prompt_bytes_per_token: invalid type: string"
+            ),
+            "{m}"
+        );
+        assert!(m.contains("expected u64"), "{m}");
+        assert!(!m.contains('\n'), "{m}");
+        let m = err("[limits]\nredis_url = 5\n");
+        assert!(
+            m.starts_with("line 2, column 13, key limits.redis_url:"),
+            "{m}"
+        );
+        let m = err("[server]\nlisten = \"127.0.0.1:1\"\n[[models]]\nname = 7\n");
+        assert!(m.starts_with("line 4, column 8, key models.name:"), "{m}");
+        let m = err("[limits]\nredis_url = \"redis://:hunter2@localhost\"\nnope = 1\n");
+        assert!(m.contains("unknown field `nope`"), "{m}");
+        assert!(!m.contains("hunter2"), "{m}");
+        let m = err("[server\n");
+        assert!(m.starts_with("line 1, column"), "{m}");
+    }
 
     #[test]
     fn example_validates() {
