@@ -279,10 +279,19 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .with_current_span(false)
         .init();
     let access = logs.clone();
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = cfg.server.workers {
-        rt.worker_threads(n);
-    }
+    // One worker is an event loop on this thread, as nginx's one worker
+    // process is: a multi-threaded runtime of one worker still pays for
+    // waking and stealing between threads (about 1-3 µs of CPU a request
+    // under load, docs/results/2026-11-22-serve-12.md).
+    let mut rt = match cfg.server.workers {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let rt = rt
         .enable_all()
         .build()

@@ -14,9 +14,21 @@ use serve_common::*;
 
 #[test]
 fn keys_cli_revocation_is_immediate_and_audit_verify_catches_tampering() {
+    revocation_and_audit(None);
+}
+
+#[test]
+fn on_one_worker_revocation_is_immediate_and_the_audit_log_whole() {
+    revocation_and_audit(Some(1));
+}
+
+fn revocation_and_audit(workers: Option<usize>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&[]);
     let cfg = config(dir.path(), &b.url(), "");
+    if let Some(n) = workers {
+        set_workers(&cfg, n);
+    }
     let (id, secret) = create_key(&cfg, "alice", "user", Some("ml"));
     assert!(secret.starts_with("sk-keel-"));
     let keys = std::fs::read_to_string(dir.path().join("keys.json")).expect("keys");
@@ -86,9 +98,21 @@ fn keys_cli_revocation_is_immediate_and_audit_verify_catches_tampering() {
 
 #[test]
 fn graceful_shutdown_finishes_a_stream_and_stops_accepting() {
+    graceful_shutdown(None);
+}
+
+#[test]
+fn on_one_worker_graceful_shutdown_finishes_a_stream() {
+    graceful_shutdown(Some(1));
+}
+
+fn graceful_shutdown(workers: Option<usize>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--chunk-delay-ms", "100", "--tokens", "10"]);
     let cfg = config(dir.path(), &b.url(), "");
+    if let Some(n) = workers {
+        set_workers(&cfg, n);
+    }
     let (_, secret) = create_key(&cfg, "s", "user", None);
     let mut g = GatewayProcess::start(&keel(), &cfg);
     let mut body = chat_body();
@@ -141,6 +165,9 @@ fn sighup_reloads_the_config_file() {
     let blue = TestBackend::start(&["--name", "blue"]);
     let green = TestBackend::start(&["--name", "green"]);
     let cfg = config(dir.path(), &blue.url(), "");
+    // On the single-threaded runtime: the signal, the reload and the
+    // requests share one thread.
+    set_workers(&cfg, 1);
     let (_, secret) = create_key(&cfg, "h", "user", None);
     let g = GatewayProcess::start(&keel(), &cfg);
     let r = http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("r");

@@ -55,6 +55,14 @@ url = "{backend}"
     p
 }
 
+/// Sets `server.workers` in a config file [`config`] wrote (1 serves on
+/// a single-threaded runtime, more on a multi-threaded one).
+pub fn set_workers(cfg: &Path, workers: usize) {
+    let text = std::fs::read_to_string(cfg).expect("read config");
+    let text = text.replacen("[server]\n", &format!("[server]\nworkers = {workers}\n"), 1);
+    std::fs::write(cfg, text).expect("write config");
+}
+
 /// Runs `keel ARGS` and returns (exit code, stdout).
 pub fn run(args: &[&str]) -> (i32, String) {
     let out = Command::new(keel())
