@@ -485,22 +485,9 @@ fn sku_selection_flag_imds_gpus_generic() {
     let pf = n.root.with_file_name("profile.toml");
     std::fs::write(&pf, &n.profile).expect("profile");
     let root = n.root.display().to_string();
-    let snap = n.path("gpu.json").display().to_string();
+    let pf = pf.display().to_string();
     let run = |extra: &[&str]| {
-        let mut a: Vec<String> = [
-            "--root",
-            &root,
-            "--json",
-            "check",
-            "--gpu-snapshot",
-            &snap,
-            "--profile-file",
-            &pf.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        a.extend(extra.iter().map(|s| s.to_string()));
+        let a = n.bare_check_args(true, &[&["--profile-file", &pf][..], extra].concat());
         let (_, out, err) = keel(&a, &[]);
         let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {err}"));
         (
@@ -705,23 +692,11 @@ fn a_node_that_lost_a_gpu_from_the_bus_fails_once_its_gpu_count_is_configured() 
     let mut n = Node::ndv4();
     n.profile("[host]\ndisks = []\n");
     n.lose_gpu("000e:00:00.0");
-    let root = n.root.display().to_string();
-    let snap = n.path("gpu.json").display().to_string();
     let run = |extra: &[&str], env: &[(&str, &str)]| {
-        let mut a: Vec<String> = [
-            "--root",
-            &root,
-            "--json",
-            "check",
-            "--gpu-snapshot",
-            &snap,
-            "--imds-endpoint",
-            "127.0.0.1:1",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        a.extend(extra.iter().map(|s| s.to_string()));
+        let a = n.bare_check_args(
+            true,
+            &[&["--imds-endpoint", "127.0.0.1:1"][..], extra].concat(),
+        );
         keel(&a, env)
     };
     let judged = |out: &(i32, String, String)| {

@@ -518,16 +518,19 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
         "{}",
         String::from_utf8_lossy(&push.stderr)
     );
-    let v = e.json(&[
-        "register",
-        "llama",
-        "--from-ckpt",
-        &ckpts,
-        "--run",
-        "pretrain",
-        "--step",
-        "100",
-    ]);
+    let register = |step: &'static str| {
+        [
+            "register",
+            "llama",
+            "--from-ckpt",
+            ckpts.as_str(),
+            "--run",
+            "pretrain",
+            "--step",
+            step,
+        ]
+    };
+    let v = e.json(&register("100"));
     let v = &v["model_version"];
     assert_eq!(v["version"], 1);
     let link = &v["lineage"]["checkpoint"];
@@ -589,18 +592,7 @@ fn registering_a_checkpoint_reuses_its_manifest_and_pins_it() {
     let again = e.path("pulled-after-gc");
     e.ok(&["pull", "llama:1", "--to", s(&again)]);
     e.ok(&["verify", "llama:1"]);
-    let register_step = |step: &str| {
-        e.fails(&[
-            "register",
-            "llama",
-            "--from-ckpt",
-            &ckpts,
-            "--run",
-            "pretrain",
-            "--step",
-            step,
-        ])
-    };
+    let register_step = |step: &'static str| e.fails(&register(step));
     // A step that does not exist is refused, and no version is taken.
     let (code, err) = register_step("7");
     assert_ne!(code, 0);

@@ -140,25 +140,33 @@ impl Node {
         self.profile = toml.to_owned();
     }
 
+    /// `keel --root ROOT [--json] check [--gpu-snapshot ...] EXTRA...`: no
+    /// SKU, profile or IMDS chosen (for tests of how keel chooses them).
+    pub fn bare_check_args(&self, json: bool, extra: &[&str]) -> Vec<String> {
+        let mut args: Vec<String> = vec!["--root".into(), self.root.display().to_string()];
+        if json {
+            args.push("--json".into());
+        }
+        args.push("check".into());
+        if self.path("gpu.json").exists() {
+            args.push("--gpu-snapshot".into());
+            args.push(self.path("gpu.json").display().to_string());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
     /// `keel --root ROOT [--json] check --sku ... --profile-file ...
     /// [--gpu-snapshot ...] --imds-endpoint 127.0.0.1:1 EXTRA...`: the node's
     /// profile overrides written, no real IMDS asked.
     pub fn check_args(&self, json: bool, extra: &[&str]) -> Vec<String> {
         let pf = self.root.with_file_name("profile.toml");
         std::fs::write(&pf, &self.profile).expect("profile");
-        let mut args: Vec<String> = vec!["--root".into(), self.root.display().to_string()];
-        if json {
-            args.push("--json".into());
-        }
-        args.extend(["check", "--sku", self.sku, "--profile-file"].map(String::from));
-        args.push(pf.display().to_string());
-        if self.path("gpu.json").exists() {
-            args.push("--gpu-snapshot".into());
-            args.push(self.path("gpu.json").display().to_string());
-        }
-        args.extend(["--imds-endpoint", "127.0.0.1:1"].map(String::from));
-        args.extend(extra.iter().map(|s| s.to_string()));
-        args
+        let pf = pf.display().to_string();
+        let mut own = vec!["--sku", self.sku, "--profile-file", &pf];
+        own.extend(["--imds-endpoint", "127.0.0.1:1"]);
+        own.extend(extra);
+        self.bare_check_args(json, &own)
     }
 
     pub fn run(&self, extra: &[&str]) -> (i32, Value, String) {
