@@ -104,6 +104,7 @@ pub struct FileLimits {
     pub redis_url: Option<String>,
     pub default_max_tokens: Option<u64>,
     pub prompt_bytes_per_token: Option<u64>,
+    pub prompt_tokens_per_message: Option<u64>,
     pub default: Option<LimitSet>,
     #[serde(default)]
     pub keys: BTreeMap<String, LimitSet>,
@@ -309,6 +310,9 @@ pub struct LimitsConfig {
     pub default_max_tokens: u64,
     /// Bytes of prompt text counted as one token when reserving (1-16).
     pub prompt_bytes_per_token: u64,
+    /// Tokens a chat template adds a message (and once for the reply's
+    /// header), reserved on top of the text (0-1024).
+    pub prompt_tokens_per_message: u64,
     pub default: LimitSet,
     pub keys: BTreeMap<String, LimitSet>,
     pub teams: BTreeMap<String, LimitSet>,
@@ -582,6 +586,7 @@ impl GatewayConfig {
             redis_url: f.limits.redis_url,
             default_max_tokens: f.limits.default_max_tokens.unwrap_or(256),
             prompt_bytes_per_token: f.limits.prompt_bytes_per_token.unwrap_or(4),
+            prompt_tokens_per_message: f.limits.prompt_tokens_per_message.unwrap_or(0),
             default: f.limits.default.unwrap_or_default(),
             keys: f.limits.keys,
             teams: f.limits.teams,
@@ -599,6 +604,13 @@ impl GatewayConfig {
                 "limits.prompt_bytes_per_token must be from 1 to 16, not {} (4: an English \
                  tokenizer's average; 1: never under a byte-level BPE tokenizer's count)",
                 limits.prompt_bytes_per_token
+            ));
+        }
+        if limits.prompt_tokens_per_message > 1024 {
+            return bad(format!(
+                "limits.prompt_tokens_per_message must be from 0 to 1024, not {} (the tokens \
+                 your model's chat template adds a message: 5 for ChatML or Llama 3)",
+                limits.prompt_tokens_per_message
             ));
         }
 
@@ -957,6 +969,10 @@ url = "http://127.0.0.1:8002/prefix"
         check(
             &format!("{EXAMPLE}[limits]\nprompt_bytes_per_token = 17\n"),
             "limits.prompt_bytes_per_token must be from 1 to 16, not 17",
+        );
+        check(
+            &format!("{EXAMPLE}[limits]\nprompt_tokens_per_message = 1025\n"),
+            "limits.prompt_tokens_per_message must be from 0 to 1024, not 1025",
         );
         check(
             &EXAMPLE.replace("fallback = [\"small\"]", "fallback = [\"nope\"]"),

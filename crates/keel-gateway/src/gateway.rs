@@ -1239,7 +1239,10 @@ impl Gateway {
         ctx.model_configured = model.is_some();
         ctx.model = Some(parsed.model.clone());
         ctx.stream = parsed.stream;
-        ctx.prompt_estimate = parsed.prompt_tokens(gen.cfg.limits.prompt_bytes_per_token);
+        ctx.prompt_estimate = parsed.prompt_tokens(
+            gen.cfg.limits.prompt_bytes_per_token,
+            gen.cfg.limits.prompt_tokens_per_message,
+        );
         if gen.cfg.audit.include_content {
             ctx.request_body = Some(bytes.clone());
         }

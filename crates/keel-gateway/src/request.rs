@@ -170,9 +170,10 @@ pub struct OpenAiRequest {
     /// Completions generated per request: the larger of `n` and `best_of`,
     /// at least 1.
     pub choices: u64,
-    /// The prompt's size: text bytes, token ids (one token each), and the
+    /// The prompt's size: text bytes, token ids (one token each), the
     /// bytes of `tools` and `functions` (the server renders them into the
-    /// prompt). [`OpenAiRequest::prompt_tokens`] turns it into tokens.
+    /// prompt) and the number of chat messages.
+    /// [`OpenAiRequest::prompt_tokens`] turns it into tokens.
     pub prompt: PromptSize,
 }
 
@@ -182,21 +183,32 @@ pub struct PromptSize {
     pub text_bytes: u64,
     pub ids: u64,
     pub tools_bytes: u64,
+    /// Elements of a chat request's `messages` array (0 for other routes).
+    pub messages: u64,
 }
 
 impl OpenAiRequest {
     /// Prompt tokens estimated at `bytes_per_token` bytes a token (text,
-    /// and `tools` and `functions`, each rounded up), plus one per token id.
-    /// With 4, a typical English tokenizer's average; with 1, an upper
-    /// bound for byte-level BPE tokenizers, where every token is at least
-    /// one byte (chat templates add a few tokens a message beyond it).
-    pub fn prompt_tokens(&self, bytes_per_token: u64) -> u64 {
+    /// and `tools` and `functions`, each rounded up), plus one per token
+    /// id, plus `tokens_per_message` for each chat message and once more
+    /// for the header of the reply the template opens (none when there
+    /// are no messages). With 4 bytes a token, a typical English
+    /// tokenizer's average; with 1, an upper bound for byte-level BPE
+    /// tokenizers, where every token is at least one byte, once
+    /// `tokens_per_message` covers the chat template's own tokens.
+    pub fn prompt_tokens(&self, bytes_per_token: u64, tokens_per_message: u64) -> u64 {
         let b = bytes_per_token.max(1);
         let p = &self.prompt;
+        let template = if p.messages == 0 {
+            0
+        } else {
+            tokens_per_message.saturating_mul(p.messages.saturating_add(1))
+        };
         p.text_bytes
             .div_ceil(b)
             .saturating_add(p.ids)
             .saturating_add(p.tools_bytes.div_ceil(b))
+            .saturating_add(template)
     }
 }
 
@@ -339,10 +351,12 @@ impl<'de> Deserialize<'de> for Key<'de> {
 /// arrays, and under `content` and `text` keys (so a chat message's `role`
 /// does not); nesting deeper than 64 levels is not counted. The test
 /// backend reports prompt tokens by the same rule, so tests can assert
-/// exact accounting.
+/// exact accounting. `elements` counts the elements of the prompt itself
+/// when it is an array (a chat request's messages).
 struct Estimate<'a> {
     bytes: &'a mut u64,
     ids: &'a mut u64,
+    elements: &'a mut u64,
     depth: u32,
     /// Strings and numbers count here (false: only what is nested inside).
     scalars: bool,
@@ -392,11 +406,16 @@ impl<'de> Visitor<'de> for Estimate<'_> {
             .next_element_seed(Estimate {
                 bytes: &mut *self.bytes,
                 ids: &mut *self.ids,
+                elements: &mut *self.elements,
                 depth: self.depth + 1,
                 scalars: true,
             })?
             .is_some()
-        {}
+        {
+            if self.depth == 0 {
+                *self.elements += 1;
+            }
+        }
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
@@ -404,6 +423,7 @@ impl<'de> Visitor<'de> for Estimate<'_> {
             a.next_value_seed(Estimate {
                 bytes: &mut *self.bytes,
                 ids: &mut *self.ids,
+                elements: &mut *self.elements,
                 depth: self.depth + 1,
                 scalars: k == "content" || k == "text" || self.depth == 0,
             })?;
@@ -428,7 +448,8 @@ struct Seen {
     max_completion_tokens: Option<Option<u64>>,
     n: Option<Option<u64>>,
     best_of: Option<Option<u64>>,
-    prompt: Option<(u64, u64)>,
+    /// Text bytes, token ids and chat messages.
+    prompt: Option<(u64, u64, u64)>,
     /// Bytes of `tools` and `functions`.
     tools: u64,
 }
@@ -443,14 +464,20 @@ impl<'de> Visitor<'de> for Top {
         let mut failed = None;
         while let Some(Key(k)) = a.next_key::<Key<'de>>()? {
             if k == self.prompt_field {
-                let (mut bytes, mut ids) = (0, 0);
+                let (mut bytes, mut ids, mut elements) = (0, 0, 0);
                 a.next_value_seed(Estimate {
                     bytes: &mut bytes,
                     ids: &mut ids,
+                    elements: &mut elements,
                     depth: 0,
                     scalars: true,
                 })?;
-                if seen.prompt.replace((bytes, ids)).is_some() {
+                let messages = if self.prompt_field == "messages" {
+                    elements
+                } else {
+                    0
+                };
+                if seen.prompt.replace((bytes, ids, messages)).is_some() {
                     failed.get_or_insert(ParseError::Duplicate(self.prompt_field));
                 }
                 continue;
@@ -606,11 +633,12 @@ pub fn parse_openai(
                 .unwrap_or(1)
                 .max(1),
             prompt: {
-                let (text_bytes, ids) = seen.prompt.unwrap_or((0, 0));
+                let (text_bytes, ids, messages) = seen.prompt.unwrap_or((0, 0, 0));
                 PromptSize {
                     text_bytes,
                     ids,
                     tools_bytes: seen.tools,
+                    messages,
                 }
             },
         },
@@ -707,7 +735,8 @@ mod tests {
                 prompt: PromptSize {
                     text_bytes: 8,
                     ids: 0,
-                    tools_bytes: 0
+                    tools_bytes: 0,
+                    messages: 1
                 }
             }
         );
@@ -718,9 +747,9 @@ mod tests {
             "prompt",
         )
         .expect("ok");
-        assert_eq!((r.prompt_tokens(4), r.include_usage), (3, true));
+        assert_eq!((r.prompt_tokens(4, 0), r.include_usage), (3, true));
         assert_eq!(
-            r.prompt_tokens(1),
+            r.prompt_tokens(1, 0),
             3,
             "token ids are one token whatever the rule"
         );
@@ -790,8 +819,32 @@ mod tests {
             r#"{{"model":"m","messages":[{{"role":"user","content":"1234"}}],"tools":{tools},"functions":[]}}"#
         );
         let (_, r) = parse(&src, "messages");
-        assert_eq!(r.prompt_tokens(4), 1 + (tools.len() as u64 + 2).div_ceil(4));
-        assert_eq!(r.prompt_tokens(1), 4 + tools.len() as u64 + 2);
+        assert_eq!(
+            r.prompt_tokens(4, 0),
+            1 + (tools.len() as u64 + 2).div_ceil(4)
+        );
+        assert_eq!(r.prompt_tokens(1, 0), 4 + tools.len() as u64 + 2);
+
+        // The chat template's tokens: per message, and once more for the
+        // reply's header; only for chat messages, and none without any.
+        let (_, r) = parse(
+            r#"{"model":"m","messages":[{"role":"system","content":"12"},{"role":"user","content":[{"type":"text","text":"34"}]}]}"#,
+            "messages",
+        );
+        assert_eq!(r.prompt.messages, 2);
+        assert_eq!(r.prompt_tokens(1, 0), 4);
+        assert_eq!(r.prompt_tokens(1, 5), 4 + 5 * 3);
+        let (_, r) = parse(r#"{"model":"m","messages":[]}"#, "messages");
+        assert_eq!(r.prompt_tokens(1, 5), 0, "no messages, no template");
+        let (_, r) = parse(r#"{"model":"m","prompt":["ab","cd"]}"#, "prompt");
+        assert_eq!((r.prompt.messages, r.prompt_tokens(1, 5)), (0, 4));
+        let (_, r) = parse(r#"{"model":"m","input":["ab","cd"]}"#, "input");
+        assert_eq!((r.prompt.messages, r.prompt_tokens(1, 5)), (0, 4));
+        let (_, r) = parse(r#"{"model":"m","messages":"hi"}"#, "messages");
+        assert_eq!(r.prompt.messages, 0, "a string is not a list of messages");
+        let many = format!(r#"{{"model":"m","messages":[{}{{}}]}}"#, "{},".repeat(99));
+        let (_, r) = parse(&many, "messages");
+        assert_eq!(r.prompt_tokens(1, u64::MAX), u64::MAX, "saturates");
 
         // Without a limit, rendering sets max_tokens: inserted when absent,
         // replacing a null, left alone when either limit is given.
@@ -946,7 +999,7 @@ mod tests {
             let body = serde_json::json!({"model": "m", field: prompt.clone()});
             let bytes = Bytes::from(serde_json::to_vec(&body).expect("json"));
             let (b, r) = parse_openai(&bytes, field).expect("parses");
-            prop_assert_eq!(r.prompt_tokens(4), estimate_tokens(&prompt));
+            prop_assert_eq!(r.prompt_tokens(4, 0), estimate_tokens(&prompt));
             prop_assert_eq!(b.render("m", false, None), bytes, "the same model name gives the same bytes");
         }
 
@@ -955,7 +1008,7 @@ mod tests {
             let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": mt, "stream": stream});
             let bytes = serde_json::to_vec(&body).expect("json");
             if let Ok((_, r)) = parse_openai(&Bytes::from(bytes), "messages") {
-                prop_assert_eq!(r.prompt_tokens(4), (content.len() as u64).div_ceil(4));
+                prop_assert_eq!(r.prompt_tokens(4, 0), (content.len() as u64).div_ceil(4));
                 prop_assert_eq!(r.max_tokens, u64::try_from(mt).ok());
             }
         }

@@ -502,6 +502,39 @@ fn prompt_bytes_per_token_sets_how_much_of_a_prompt_is_reserved() {
 }
 
 #[test]
+fn prompt_tokens_per_message_reserves_the_chat_template() {
+    // One 200-byte message at 1 byte a token with max_tokens 10 under 215
+    // tokens a minute: 210 reserved without a template's tokens; with 4 a
+    // message (one message, and once for the reply's header) 218.
+    let body = json!({
+        "model": "chat",
+        "messages": [{"role": "user", "content": "x".repeat(200)}],
+        "max_tokens": 10,
+    });
+    for (per_message, status) in [(0, 200), (4, 429)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let b = TestBackend::start(&["--tokens", "10"]);
+        let cfg = one_backend(
+            dir.path(),
+            &b,
+            &format!("[limits]\nprompt_bytes_per_token = 1\nprompt_tokens_per_message = {per_message}\n[limits.default]\ntokens_per_minute = 215\n"),
+        );
+        let (id, key) = add_key(dir.path(), "u", &["user"], None);
+        let g = Running::start(dir.path(), &cfg);
+        let r = g.chat(&key, body.clone());
+        assert_eq!(r.status, status, "{per_message} a message: {}", r.text());
+        let charged = g.usage(&format!("key:{id}"))["tokens"].as_u64();
+        if status == 200 {
+            assert_eq!(charged, Some(60), "settled to what the backend reported");
+        } else {
+            assert_eq!(charged.unwrap_or(0), 0, "a refused request is not charged");
+            assert_eq!(b.count("/v1/chat/completions"), 0, "nor forwarded");
+        }
+        g.stop();
+    }
+}
+
+#[test]
 fn a_client_that_goes_away_mid_request_is_audited_and_stays_charged() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--latency-ms", "400"]);
