@@ -469,63 +469,37 @@ fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
 }
 
 #[test]
-fn prompt_bytes_per_token_sets_how_much_of_a_prompt_is_reserved() {
-    // A 200-byte prompt with max_tokens 10 under 120 tokens a minute:
-    // 50 + 10 reserved at 4 bytes a token, 200 + 10 at 1.
+fn the_prompt_reservation_follows_bytes_per_token_and_tokens_per_message() {
+    // One 200-byte message with max_tokens 10: 50 + 10 reserved at 4 bytes
+    // a token, 200 + 10 at 1; with 4 tokens a message (one message, and
+    // once for the reply's header) 8 more.
     let body = json!({
         "model": "chat",
         "messages": [{"role": "user", "content": "x".repeat(200)}],
         "max_tokens": 10,
     });
-    for (per_token, status) in [(4, 200), (1, 429)] {
+    let template = "prompt_bytes_per_token = 1\nprompt_tokens_per_message = 4";
+    for (limits, per_minute, status) in [
+        ("prompt_bytes_per_token = 4", 120, 200),
+        ("prompt_bytes_per_token = 1", 120, 429),
+        ("prompt_bytes_per_token = 1", 215, 200),
+        (template, 215, 429),
+    ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let b = TestBackend::start(&["--tokens", "10"]);
         let cfg = one_backend(
             dir.path(),
             &b,
-            &format!("[limits]\nprompt_bytes_per_token = {per_token}\n[limits.default]\ntokens_per_minute = 120\n"),
+            &format!("[limits]\n{limits}\n[limits.default]\ntokens_per_minute = {per_minute}\n"),
         );
         let (id, key) = add_key(dir.path(), "u", &["user"], None);
         let g = Running::start(dir.path(), &cfg);
         let r = g.chat(&key, body.clone());
-        assert_eq!(r.status, status, "{per_token} bytes a token: {}", r.text());
+        assert_eq!(r.status, status, "{limits}, {per_minute}: {}", r.text());
         let charged = g.usage(&format!("key:{id}"))["tokens"].as_u64();
         if status == 200 {
             // Settled to what the backend reported (its own quarter rule).
-            assert_eq!(charged, Some(60), "{per_token}");
-        } else {
-            assert_eq!(charged.unwrap_or(0), 0, "a refused request is not charged");
-            assert_eq!(b.count("/v1/chat/completions"), 0, "nor forwarded");
-        }
-        g.stop();
-    }
-}
-
-#[test]
-fn prompt_tokens_per_message_reserves_the_chat_template() {
-    // One 200-byte message at 1 byte a token with max_tokens 10 under 215
-    // tokens a minute: 210 reserved without a template's tokens; with 4 a
-    // message (one message, and once for the reply's header) 218.
-    let body = json!({
-        "model": "chat",
-        "messages": [{"role": "user", "content": "x".repeat(200)}],
-        "max_tokens": 10,
-    });
-    for (per_message, status) in [(0, 200), (4, 429)] {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let b = TestBackend::start(&["--tokens", "10"]);
-        let cfg = one_backend(
-            dir.path(),
-            &b,
-            &format!("[limits]\nprompt_bytes_per_token = 1\nprompt_tokens_per_message = {per_message}\n[limits.default]\ntokens_per_minute = 215\n"),
-        );
-        let (id, key) = add_key(dir.path(), "u", &["user"], None);
-        let g = Running::start(dir.path(), &cfg);
-        let r = g.chat(&key, body.clone());
-        assert_eq!(r.status, status, "{per_message} a message: {}", r.text());
-        let charged = g.usage(&format!("key:{id}"))["tokens"].as_u64();
-        if status == 200 {
-            assert_eq!(charged, Some(60), "settled to what the backend reported");
+            assert_eq!(charged, Some(60), "{limits}");
         } else {
             assert_eq!(charged.unwrap_or(0), 0, "a refused request is not charged");
             assert_eq!(b.count("/v1/chat/completions"), 0, "nor forwarded");
