@@ -11,7 +11,7 @@
 //! Prompts and completions are recorded only when configured.
 
 use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -85,6 +85,9 @@ pub fn chain_line(seq: u64, prev: &str, event: &str) -> (String, String) {
 pub struct VerifyReport {
     pub entries: u64,
     pub last_hash: String,
+    /// `recovered` events: places where the gateway, starting after a
+    /// crash, set an incomplete last line aside.
+    pub recoveries: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,35 +97,79 @@ pub struct ChainBroken {
     pub reason: String,
 }
 
-/// Checks every line's hash and its link to the line before.
-pub fn verify(r: impl BufRead) -> Result<VerifyReport, ChainBroken> {
+/// Why a log does not verify.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    /// A line was edited, removed, reordered or is not an audit line.
+    #[error(transparent)]
+    Broken(#[from] ChainBroken),
+    /// The last line has no newline: a write cut short by a crash. Every
+    /// line before it verifies (`intact` is their report); the gateway
+    /// sets such a tail aside when it next starts.
+    #[error("incomplete final line (crash): {bytes} bytes after line {}", intact.entries)]
+    IncompleteTail { intact: VerifyReport, bytes: u64 },
+}
+
+/// Checks every line's hash and its link to the line before. A blank line
+/// is not an audit line (keel never writes one), here and when the
+/// gateway opens the log.
+pub fn verify(mut r: impl BufRead) -> Result<VerifyReport, VerifyError> {
     let mut prev = GENESIS.to_owned();
     let mut n = 0u64;
-    for line in r.lines() {
+    let mut recoveries = 0u64;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let read = r.read_until(b'\n', &mut buf).map_err(|e| ChainBroken {
+            line: n + 1,
+            reason: format!("cannot read: {e}"),
+        })?;
+        if read == 0 {
+            break;
+        }
+        if buf.last() != Some(&b'\n') {
+            return Err(VerifyError::IncompleteTail {
+                intact: VerifyReport {
+                    entries: n,
+                    last_hash: prev,
+                    recoveries,
+                },
+                bytes: buf.len() as u64,
+            });
+        }
         n += 1;
         let broken = |reason: String| ChainBroken { line: n, reason };
-        let line = line.map_err(|e| broken(format!("cannot read: {e}")))?;
-        let (seq, p, hash) = check_line(&line).map_err(broken)?;
+        let line =
+            std::str::from_utf8(&buf[..buf.len() - 1]).map_err(|_| broken("not UTF-8".into()))?;
+        let (seq, p, hash) = check_line(line).map_err(broken)?;
         if seq != n {
             return Err(broken(format!(
                 "sequence number {seq}, expected {n}: lines missing or reordered"
-            )));
+            ))
+            .into());
         }
         if p != prev {
-            return Err(broken(
-                "does not follow the line before it (prev hash differs)".into(),
-            ));
+            return Err(
+                broken("does not follow the line before it (prev hash differs)".into()).into(),
+            );
+        }
+        if line.contains("\"event\":\"recovered\"") {
+            recoveries += 1;
         }
         prev = hash;
     }
     Ok(VerifyReport {
         entries: n,
         last_hash: prev,
+        recoveries,
     })
 }
 
 /// One line's own integrity: `(seq, prev, hash)`.
 fn check_line(line: &str) -> Result<(u64, String, String), String> {
+    if line.is_empty() {
+        return Err("blank line: not an audit line".into());
+    }
     if line.len() < SUFFIX_LEN + 2 || !line.is_char_boundary(line.len() - SUFFIX_LEN) {
         return Err("not an audit line".into());
     }
@@ -142,54 +189,200 @@ fn check_line(line: &str) -> Result<(u64, String, String), String> {
     Ok((seq, prev.to_owned(), hash.to_owned()))
 }
 
-impl AuditLog {
-    /// Opens (or creates) the log, continuing the chain of what is there.
-    /// A log whose last line is not a valid audit line is refused.
-    pub fn open(path: &Path) -> Result<Self, GatewayError> {
-        let (mut seq, mut prev) = (0u64, GENESIS.to_owned());
-        match std::fs::File::open(path) {
-            Ok(f) => {
-                let mut last = None;
-                for line in BufReader::new(f).lines() {
-                    let line = line.map_err(|source| GatewayError::Read {
-                        path: path.to_owned(),
-                        source,
-                    })?;
-                    if !line.is_empty() {
-                        last = Some(line);
-                    }
-                }
-                if let Some(l) = last {
-                    let (s, _, h) = check_line(&l).map_err(|reason| GatewayError::Malformed {
+/// How the log is opened.
+#[derive(Debug, Clone, Default)]
+pub struct AuditOptions {
+    /// A group that may read the log: the file is then 0640 and owned by
+    /// that group. `None`: 0600, its owner only.
+    pub group: Option<u32>,
+    /// Now, as Unix milliseconds: the time of a `recovered` event.
+    pub now_ms: u64,
+}
+
+/// The tail of a log as the writer will continue it.
+struct Tail {
+    seq: u64,
+    prev: String,
+    /// Where the last complete line ends (bytes).
+    complete: u64,
+}
+
+/// Reads backwards from the end for the last complete line: bytes after
+/// the last newline are an incomplete line (a crash mid-write).
+fn read_tail(f: &mut std::fs::File, path: &Path) -> Result<Tail, GatewayError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let rerr = |source| GatewayError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let len = f.metadata().map_err(rerr)?.len();
+    // Bytes from `pos` to the end, read in growing chunks from the back.
+    let mut pos = len;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = 64u64 << 10;
+    loop {
+        // The last newline, then the one before it.
+        let last_nl = buf.iter().rposition(|&b| b == b'\n');
+        if let Some(end) = last_nl {
+            let before = buf[..end].iter().rposition(|&b| b == b'\n');
+            if before.is_some() || pos == 0 {
+                let start = before.map_or(0, |i| i + 1);
+                let line =
+                    std::str::from_utf8(&buf[start..end]).map_err(|_| GatewayError::Malformed {
                         what: "audit log",
                         path: path.to_owned(),
-                        reason: format!("last line: {reason}"),
+                        reason: "last line: not UTF-8".into(),
                     })?;
-                    (seq, prev) = (s, h);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(GatewayError::Read {
+                let (seq, _, hash) = check_line(line).map_err(|reason| GatewayError::Malformed {
+                    what: "audit log",
                     path: path.to_owned(),
-                    source,
-                })
+                    reason: format!(
+                        "last line: {reason} (`keel serve audit verify` says where the chain breaks)"
+                    ),
+                })?;
+                return Ok(Tail {
+                    seq,
+                    prev: hash,
+                    complete: pos + end as u64 + 1,
+                });
             }
+        } else if pos == 0 {
+            // No complete line at all.
+            return Ok(Tail {
+                seq: 0,
+                prev: GENESIS.to_owned(),
+                complete: 0,
+            });
         }
+        let step = chunk.min(pos);
+        pos -= step;
+        let mut more = vec![0u8; step as usize];
+        f.seek(SeekFrom::Start(pos)).map_err(rerr)?;
+        f.read_exact(&mut more).map_err(rerr)?;
+        more.extend_from_slice(&buf);
+        buf = more;
+        chunk = chunk.saturating_mul(2);
+    }
+}
+
+/// Moves an incomplete last line (bytes `from..` of the log) to a file of
+/// its own beside the log and cuts the log after its last complete line.
+/// Returns what the `recovered` event records.
+fn set_aside_tail(
+    f: &std::fs::File,
+    path: &Path,
+    from: u64,
+    mode: u32,
+) -> Result<Map<String, Value>, GatewayError> {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::unix::fs::OpenOptionsExt;
+    let rerr = |source| GatewayError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let mut r = f;
+    let mut bytes = Vec::new();
+    r.seek(SeekFrom::Start(from)).map_err(rerr)?;
+    r.read_to_end(&mut bytes).map_err(rerr)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "audit.jsonl".into());
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let (aside, mut out) = (0u32..)
+        .find_map(|i| {
+            let p = dir.join(match i {
+                0 => format!("{name}.incomplete-{from}"),
+                _ => format!("{name}.incomplete-{from}.{i}"),
+            });
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&p)
+            {
+                Ok(f) => Some(Ok((p, f))),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => None,
+                Err(source) => Some(Err(GatewayError::Write { path: p, source })),
+            }
+        })
+        .expect("an unused name")?;
+    let werr = |p: &Path| {
+        let p = p.to_owned();
+        move |source| GatewayError::Write { path: p, source }
+    };
+    out.write_all(&bytes)
+        .and_then(|()| out.sync_all())
+        .map_err(werr(&aside))?;
+    keel_fs::sync_dir(dir).map_err(werr(dir))?;
+    f.set_len(from)
+        .and_then(|()| f.sync_all())
+        .map_err(werr(path))?;
+    let mut m = Map::new();
+    m.insert("event".into(), "recovered".into());
+    m.insert(
+        "reason".into(),
+        "incomplete last line (a crash mid-write) set aside".into(),
+    );
+    m.insert("discarded_bytes".into(), (bytes.len() as u64).into());
+    m.insert(
+        "discarded_sha256".into(),
+        hex(&Sha256::digest(&bytes)).into(),
+    );
+    m.insert("moved_to".into(), aside.display().to_string().into());
+    Ok(m)
+}
+
+impl AuditLog {
+    /// Opens (or creates) the log, continuing the chain of what is there.
+    /// A log whose last complete line is not a valid audit line is
+    /// refused. An incomplete last line (a crash mid-write) is moved to
+    /// `<log>.incomplete-<offset>` beside it and the chain continues with
+    /// a `recovered` event that records its size and SHA-256.
+    pub fn open(path: &Path, opts: &AuditOptions) -> Result<Self, GatewayError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let werr = |source| GatewayError::Write {
             path: path.to_owned(),
             source,
         };
+        let mode = if opts.group.is_some() { 0o640 } else { 0o600 };
         let file = OpenOptions::new()
+            .read(true)
             .create(true)
             .append(true)
+            .mode(mode)
             .open(path)
             .map_err(werr)?;
-        let mut w = BufWriter::with_capacity(64 << 10, file);
+        // An existing log is brought to the mode and group too.
+        if let Some(g) = opts.group {
+            rustix::fs::fchown(&file, None, Some(rustix::fs::Gid::from_raw(g)))
+                .map_err(|e| werr(e.into()))?;
+        }
+        file.set_permissions(std::fs::Permissions::from_mode(mode))
+            .map_err(werr)?;
+        let tail = read_tail(&mut file.try_clone().map_err(werr)?, path)?;
+        let len = file.metadata().map_err(werr)?.len();
+        let recovered = if tail.complete < len {
+            let mut m = set_aside_tail(&file, path, tail.complete, mode)?;
+            m.insert("ts".into(), crate::clock::rfc3339(opts.now_ms).into());
+            m.insert("after_seq".into(), tail.seq.into());
+            Some(m)
+        } else {
+            None
+        };
+        let (mut seq, mut prev) = (tail.seq, tail.prev);
+        let mut file = file;
+        let mut buf = Vec::with_capacity(64 << 10);
         let mut text = Vec::with_capacity(1024);
-        let mut failed: Option<std::io::Error> = None;
         let shown = path.to_owned();
         let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Box<dyn Event>>, last| {
+            // The whole batch is built first and written with one call, so
+            // only whole lines reach the file: a crash between two writes
+            // of a buffered writer could leave half a line.
+            buf.clear();
             for ev in batch {
                 text.clear();
                 if let Err(err) = ev.write_json(&mut text) {
@@ -203,33 +396,35 @@ impl AuditLog {
                 seq += 1;
                 let (line, hash) = chain_line(seq, &prev, ev);
                 prev = hash;
-                if let Err(e) = w
-                    .write_all(line.as_bytes())
-                    .and_then(|()| w.write_all(b"\n"))
-                {
-                    failed.get_or_insert(e);
-                }
+                buf.extend_from_slice(line.as_bytes());
+                buf.push(b'\n');
             }
-            if let Err(e) = w.flush() {
-                failed.get_or_insert(e);
-            }
+            let mut failed = file.write_all(&buf).err();
             if last {
-                if let Err(e) = w.get_ref().sync_all() {
+                if let Err(e) = file.sync_all() {
                     failed.get_or_insert(e);
                 }
             }
             // A write that failed (a full disk, say) is reported once per
             // batch: the lines are lost and `audit verify` will find the
             // chain broken there.
-            if let Some(e) = failed.take() {
+            if let Some(e) = failed {
                 tracing::error!(path = %shown.display(), error = %e, "audit log write failed; lines were lost");
+            }
+            if buf.capacity() > 4 << 20 {
+                buf = Vec::with_capacity(64 << 10);
             }
         })
         .map_err(werr)?;
-        Ok(Self {
+        let log = Self {
             batcher,
             path: path.to_owned(),
-        })
+        };
+        if let Some(m) = recovered {
+            tracing::warn!(path = %path.display(), "audit log ended in an incomplete line (a crash mid-write): set aside, chain continued with a recovered event");
+            log.record(m);
+        }
+        Ok(log)
     }
 
     pub fn path(&self) -> &Path {
@@ -273,7 +468,7 @@ mod tests {
     fn an_event_that_does_not_serialise_leaves_no_gap_in_the_chain() {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("audit.jsonl");
-        let log = AuditLog::open(&p).expect("open");
+        let log = AuditLog::open(&p, &AuditOptions::default()).expect("open");
         log.record(ev(1));
         log.record(Broken);
         log.record(ev(2));
@@ -292,7 +487,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("audit.jsonl");
         for round in 0..2 {
-            let log = AuditLog::open(&p).expect("open");
+            let log = AuditLog::open(&p, &AuditOptions::default()).expect("open");
             for i in 0..5 {
                 log.record(ev(round * 10 + i));
             }
@@ -304,20 +499,151 @@ mod tests {
 
         let lines: Vec<&str> = text.lines().collect();
         let edited = text.replacen("\"n\":3", "\"n\":4", 1);
-        assert_eq!(verify(edited.as_bytes()).expect_err("edited").line, 4);
+        let line = |e: VerifyError| match e {
+            VerifyError::Broken(b) => b.line,
+            other => panic!("not a broken chain: {other}"),
+        };
+        assert_eq!(line(verify(edited.as_bytes()).expect_err("edited")), 4);
         let dropped: String = lines
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != 2)
             .map(|(_, l)| format!("{l}\n"))
             .collect();
-        assert_eq!(verify(dropped.as_bytes()).expect_err("dropped").line, 3);
+        assert_eq!(line(verify(dropped.as_bytes()).expect_err("dropped")), 3);
         let truncated: String = lines[..9].iter().map(|l| format!("{l}\n")).collect();
         assert!(
             verify(truncated.as_bytes()).is_ok(),
             "a cut tail is only detectable against a kept last hash"
         );
         let garbage = format!("{text}not json\n");
-        assert_eq!(verify(garbage.as_bytes()).expect_err("garbage").line, 11);
+        assert_eq!(line(verify(garbage.as_bytes()).expect_err("garbage")), 11);
+    }
+
+    fn write_log(p: &Path, n: u64) -> String {
+        let log = AuditLog::open(p, &AuditOptions::default()).expect("open");
+        for i in 0..n {
+            log.record(ev(i));
+        }
+        log.close();
+        std::fs::read_to_string(p).expect("read")
+    }
+
+    #[test]
+    fn an_incomplete_last_line_is_set_aside_and_the_chain_continues() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let text = write_log(&p, 3);
+        let third = text.lines().nth(2).expect("line 3");
+        let torn = &third[..third.len() / 2];
+        std::fs::write(&p, format!("{text}{torn}")).expect("tear");
+
+        // `verify` tells a crash from tampering.
+        match verify(std::fs::read(&p).expect("read").as_slice()) {
+            Err(VerifyError::IncompleteTail { intact, bytes }) => {
+                assert_eq!(intact.entries, 3);
+                assert_eq!(bytes, torn.len() as u64);
+            }
+            other => panic!("expected an incomplete tail: {other:?}"),
+        }
+
+        let opts = AuditOptions {
+            group: None,
+            now_ms: 1_700_000_000_000,
+        };
+        let log = AuditLog::open(&p, &opts).expect("a torn tail does not stop the gateway");
+        log.record(ev(9));
+        log.close();
+        let after = std::fs::read_to_string(&p).expect("read");
+        let r = verify(after.as_bytes()).expect("the chain verifies");
+        assert_eq!((r.entries, r.recoveries), (5, 1));
+        let rec: Value = serde_json::from_str(after.lines().nth(3).expect("line 4")).expect("json");
+        assert_eq!(rec["event"], "recovered");
+        assert_eq!(rec["after_seq"], 3);
+        assert_eq!(rec["discarded_bytes"], torn.len() as u64);
+        assert_eq!(
+            rec["discarded_sha256"],
+            hex(&Sha256::digest(torn.as_bytes()))
+        );
+        let aside = dir
+            .path()
+            .join(format!("audit.jsonl.incomplete-{}", text.len()));
+        assert_eq!(rec["moved_to"], aside.display().to_string());
+        assert_eq!(std::fs::read_to_string(&aside).expect("aside"), torn);
+        assert!(after.starts_with(&text), "the intact lines are untouched");
+    }
+
+    #[test]
+    fn a_log_that_is_all_incomplete_starts_a_new_chain_after_a_recovered_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        std::fs::write(&p, "{\"seq\":1,\"pr").expect("write");
+        let log = AuditLog::open(&p, &AuditOptions::default()).expect("open");
+        log.close();
+        let r = verify(std::fs::read(&p).expect("read").as_slice()).expect("verifies");
+        assert_eq!((r.entries, r.recoveries), (1, 1));
+    }
+
+    #[test]
+    fn open_and_verify_agree_about_blank_and_edited_last_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let text = write_log(&p, 2);
+        for bad in [format!("{text}\n"), text.replacen("\"n\":1", "\"n\":7", 1)] {
+            std::fs::write(&p, &bad).expect("write");
+            assert!(matches!(
+                verify(bad.as_bytes()),
+                Err(VerifyError::Broken(ChainBroken { line: 2 | 3, .. }))
+            ));
+            let e = AuditLog::open(&p, &AuditOptions::default()).expect_err("refused");
+            assert!(e.to_string().contains("last line"), "{e}");
+        }
+        // A blank line in the middle: verify finds it (open reads the tail).
+        let mid = text.replacen('\n', "\n\n", 1);
+        assert!(matches!(
+            verify(mid.as_bytes()),
+            Err(VerifyError::Broken(ChainBroken { line: 2, .. }))
+        ));
+    }
+
+    #[test]
+    fn the_log_is_readable_by_its_owner_only_even_when_it_was_not() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        write_log(&p, 1);
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode(&p), 0o600);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        write_log(&p, 1);
+        assert_eq!(mode(&p), 0o600);
+        // With a group (this process's own, which it may always set).
+        let gid = rustix::process::getegid().as_raw();
+        let log = AuditLog::open(
+            &p,
+            &AuditOptions {
+                group: Some(gid),
+                now_ms: 0,
+            },
+        )
+        .expect("open");
+        log.close();
+        assert_eq!(mode(&p), 0o640);
+    }
+
+    #[test]
+    fn a_batch_larger_than_any_buffer_reaches_the_file_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let log = AuditLog::open(&p, &AuditOptions::default()).expect("open");
+        let big = "x".repeat(200 << 10);
+        for i in 0..4 {
+            let mut m = ev(i);
+            m.insert("body".into(), big.clone().into());
+            log.record(m);
+        }
+        log.close();
+        let text = std::fs::read(&p).expect("read");
+        assert_eq!(verify(text.as_slice()).expect("whole").entries, 4);
     }
 }

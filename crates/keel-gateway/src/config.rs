@@ -196,6 +196,7 @@ pub struct FileDeployment {
 pub struct FileAudit {
     pub path: Option<PathBuf>,
     pub include_content: Option<bool>,
+    pub group: Option<String>,
 }
 
 /// Which API a model's backends speak.
@@ -377,6 +378,26 @@ pub struct DeploymentConfig {
 pub struct AuditConfig {
     pub path: Option<PathBuf>,
     pub include_content: bool,
+    /// The group that may read the log (file mode 0640); `None`: 0600.
+    pub group: Option<u32>,
+}
+
+/// A group's id from a number or a name in `/etc/group`.
+fn group_id(name: &str, etc_group: &Path) -> Result<u32, String> {
+    if let Ok(id) = name.parse::<u32>() {
+        return Ok(id);
+    }
+    let text = std::fs::read_to_string(etc_group)
+        .map_err(|e| format!("cannot read {}: {e}", etc_group.display()))?;
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let n = f.next()?;
+            let id = f.nth(1)?.parse::<u32>().ok()?;
+            (n == name).then_some(id)
+        })
+        .next()
+        .ok_or_else(|| format!("no group named {name:?} in {}", etc_group.display()))
 }
 
 /// The operations a role may be granted.
@@ -726,9 +747,17 @@ impl GatewayConfig {
                 }
             }
         }
+        let group = match f.audit.group.as_deref() {
+            Some(g) => Some(
+                group_id(g, Path::new("/etc/group"))
+                    .map_err(|e| GatewayError::Config(format!("audit.group: {e}")))?,
+            ),
+            None => None,
+        };
         let audit = AuditConfig {
             path: f.audit.path.map(rel),
             include_content: f.audit.include_content.unwrap_or(false),
+            group,
         };
         let u = f.upstream_tls;
         let (client_cert, client_key) = pair(

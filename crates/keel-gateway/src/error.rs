@@ -40,6 +40,20 @@ pub enum GatewayError {
     Redis { url: String, reason: String },
 }
 
+impl From<keel_fs::FsError> for GatewayError {
+    fn from(e: keel_fs::FsError) -> Self {
+        use keel_fs::FsError as F;
+        match e {
+            F::Read { path, source } => Self::Read { path, source },
+            F::Write { path, source } | F::Lock { path, source } => Self::Write { path, source },
+            F::NoFileName { path } => Self::Write {
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"),
+            },
+        }
+    }
+}
+
 /// Why a request was refused or failed, as the client sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {

@@ -667,7 +667,16 @@ impl Gateway {
             }
             None => Limiter::local(opts.clock.clone()),
         };
-        let audit = cfg.audit.path.as_deref().map(AuditLog::open).transpose()?;
+        let audit_opts = crate::audit::AuditOptions {
+            group: cfg.audit.group,
+            now_ms: opts.clock.now_ms(),
+        };
+        let audit = cfg
+            .audit
+            .path
+            .as_deref()
+            .map(|p| AuditLog::open(p, &audit_opts))
+            .transpose()?;
         let upstream = Upstream::new(
             Duration::from_millis(cfg.traffic.connect_timeout_ms),
             &cfg.upstream_tls,

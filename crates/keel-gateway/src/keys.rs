@@ -12,7 +12,6 @@
 //! read the system's randomness or clock).
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -82,22 +81,18 @@ pub struct NewKey {
 impl KeyFile {
     /// Reads the file; a missing file is an empty key set.
     pub fn load(path: &Path) -> Result<Self, GatewayError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Self {
-                    version: KEY_FILE_VERSION,
-                    keys: Vec::new(),
-                })
-            }
-            Err(source) => {
-                return Err(GatewayError::Read {
-                    path: path.to_owned(),
-                    source,
-                })
-            }
+        let text = keel_fs::read_optional(path)?;
+        Self::parse(path, text.as_deref())
+    }
+
+    fn parse(path: &Path, text: Option<&[u8]>) -> Result<Self, GatewayError> {
+        let Some(text) = text else {
+            return Ok(Self {
+                version: KEY_FILE_VERSION,
+                keys: Vec::new(),
+            });
         };
-        let f: KeyFile = serde_json::from_str(&text).map_err(|e| GatewayError::Malformed {
+        let f: KeyFile = serde_json::from_slice(text).map_err(|e| GatewayError::Malformed {
             what: "key file",
             path: path.to_owned(),
             reason: e.to_string(),
@@ -112,29 +107,34 @@ impl KeyFile {
         Ok(f)
     }
 
-    /// Writes the file atomically (a sibling temporary file renamed over it),
-    /// readable by its owner only.
+    fn text(&self) -> Vec<u8> {
+        let mut text = serde_json::to_vec_pretty(self).expect("key file serialises");
+        text.push(b'\n');
+        text
+    }
+
+    /// Writes the file atomically (a unique temporary file in the same
+    /// directory, synced and renamed over it, the directory synced),
+    /// readable by its owner only. For a change to the keys that are
+    /// there, use `update`: `store` alone would overwrite another
+    /// writer's change.
     pub fn store(&self, path: &Path) -> Result<(), GatewayError> {
-        let werr = |source| GatewayError::Write {
-            path: path.to_owned(),
-            source,
-        };
-        let tmp = path.with_extension("json.tmp");
-        let mut text = serde_json::to_string_pretty(self).expect("key file serialises");
-        text.push('\n');
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(werr)?;
-            f.write_all(text.as_bytes()).map_err(werr)?;
-            f.sync_all().map_err(werr)?;
-        }
-        std::fs::rename(&tmp, path).map_err(werr)
+        Ok(keel_fs::write_atomic(path, &self.text(), 0o600)?)
+    }
+
+    /// Reads the file, applies `change` and writes the result, all under
+    /// the key file's exclusive lock, so concurrent `keys create` and
+    /// `keys revoke` never undo each other. An error from `change` leaves
+    /// the file untouched.
+    pub fn update<T>(
+        path: &Path,
+        change: impl FnOnce(&mut KeyFile) -> Result<T, GatewayError>,
+    ) -> Result<T, GatewayError> {
+        keel_fs::update(path, 0o600, |current| {
+            let mut f = Self::parse(path, current)?;
+            let out = change(&mut f)?;
+            Ok((Some(f.text()), out))
+        })
     }
 
     /// Adds a key made from 32 random bytes; returns its record and the
@@ -502,6 +502,7 @@ impl KeyRing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     #[test]
     fn create_lookup_revoke() {

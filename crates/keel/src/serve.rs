@@ -402,17 +402,18 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
     };
     match cmd {
         KeysCommand::Create { name, roles, team } => {
-            let mut f = KeyFile::load(&path)?;
-            let (rec, secret) = f.create(
-                NewKey {
-                    name: name.clone(),
-                    roles: roles.clone(),
-                    team: team.clone(),
-                },
-                random::<32>()?,
-                now,
-            );
-            f.store(&path)?;
+            let random = random::<32>()?;
+            let (rec, secret) = KeyFile::update(&path, |f| {
+                Ok(f.create(
+                    NewKey {
+                        name: name.clone(),
+                        roles: roles.clone(),
+                        team: team.clone(),
+                    },
+                    random,
+                    now,
+                ))
+            })?;
             if out.json {
                 out.json("serve keys create", &serde_json::json!({"id": rec.id, "name": rec.name, "roles": rec.roles, "team": rec.team, "secret": secret}))?;
             } else {
@@ -452,9 +453,7 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
             }
         }
         KeysCommand::Revoke { id } => {
-            let mut f = KeyFile::load(&path)?;
-            let rec = f.revoke(id, now)?.clone();
-            f.store(&path)?;
+            let rec = KeyFile::update(&path, |f| Ok(f.revoke(id, now)?.clone()))?;
             if out.json {
                 out.json("serve keys revoke", &serde_json::json!({"id": rec.id, "revoked": rec.revoked_ms.map(keel_gateway::clock::rfc3339)}))?;
             } else {
@@ -472,10 +471,16 @@ fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
     match &result {
         Ok(r) => {
             if out.json {
-                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": true, "entries": r.entries, "last_hash": r.last_hash}))?;
+                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": true, "entries": r.entries, "last_hash": r.last_hash, "recoveries": r.recoveries}))?;
             } else {
+                let recovered = match r.recoveries {
+                    0 => String::new(),
+                    n => format!(
+                        " ({n} recovered event(s): an incomplete line set aside after a crash)"
+                    ),
+                };
                 out.text(&format!(
-                    "{}: intact, {} entries, last hash {}\n",
+                    "{}: intact, {} entries, last hash {}{recovered}\n",
                     file.display(),
                     r.entries,
                     r.last_hash
@@ -483,7 +488,21 @@ fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
             }
             Ok(Code::Ok)
         }
-        Err(b) => {
+        Err(audit::VerifyError::IncompleteTail { intact, bytes }) => {
+            if out.json {
+                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": false, "incomplete_tail": true, "entries": intact.entries, "last_hash": intact.last_hash, "incomplete_bytes": bytes, "reason": "incomplete final line (crash)"}))?;
+            } else {
+                out.text(&format!(
+                    "{}: incomplete final line (crash): {bytes} bytes after line {}; the first {} lines are intact, last hash {}. keel serve sets the incomplete line aside when it next opens the log.\n",
+                    file.display(),
+                    intact.entries,
+                    intact.entries,
+                    intact.last_hash
+                ))?;
+            }
+            return Ok(Code::Warning);
+        }
+        Err(audit::VerifyError::Broken(b)) => {
             if out.json {
                 out.json("serve audit verify", &serde_json::json!({"file": file, "ok": false, "line": b.line, "reason": b.reason}))?;
             } else {

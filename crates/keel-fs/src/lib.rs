@@ -1,0 +1,264 @@
+//! Files keel rewrites in place (the gateway's key file, state files,
+//! records beside checkpoints): every rewrite is a whole new file that
+//! replaces the old one by `rename`, so a reader sees the old content or
+//! the new, never a part; and read-modify-write cycles run under an
+//! exclusive lock, so concurrent writers never undo each other.
+//!
+//! - The temporary file is `.<name>.tmp.<pid>.<n>` in the target's
+//!   directory, created with `O_CREAT | O_EXCL` (a name that exists, a
+//!   symbolic link included, is never opened or followed: the next name is
+//!   tried), with the final mode from the start.
+//! - The data is `fsync`ed before the rename and the directory after it,
+//!   so after a crash the file is the old one or the new one.
+//! - The lock is `flock(LOCK_EX)` on a sibling `.<name>.lock` (the target
+//!   itself is replaced on every write, so it cannot carry the lock). It is
+//!   advisory: every keel writer takes it; a reader needs none.
+//!
+//! What this crate does not do: locking across hosts on filesystems whose
+//! `flock` is local only (some NFS set-ups); keel's shared-storage
+//! protocols (checkpoints, the registry's claims) use the object store's
+//! create-only writes for that.
+
+#![forbid(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("cannot write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot lock {path}")]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} has no file name")]
+    NoFileName { path: PathBuf },
+}
+
+/// Counts temporary names within this process.
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+fn split(path: &Path) -> Result<(PathBuf, String), FsError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| FsError::NoFileName {
+            path: path.to_owned(),
+        })?;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_owned();
+    Ok((dir, name))
+}
+
+/// Replaces `path` with `bytes`: a new file of `mode` in the same
+/// directory, synced, renamed over the old one, and the directory synced.
+/// On any failure the old file is untouched and the temporary removed.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
+    let (dir, name) = split(path)?;
+    let werr = |p: &Path| {
+        let p = p.to_owned();
+        move |source| FsError::Write { path: p, source }
+    };
+    let (tmp, mut f) = loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(werr(&tmp)(e)),
+        }
+    };
+    let written = f
+        .write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(werr(&tmp))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(werr(path)));
+    drop(f);
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    sync_dir(&dir).map_err(werr(&dir))
+}
+
+/// `fsync` of a directory, so a rename or a create in it is durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// An exclusive lock on a file's sibling `.<name>.lock`, held until
+/// dropped.
+#[derive(Debug)]
+pub struct Lock {
+    _file: File,
+}
+
+impl Lock {
+    /// Waits for the lock of `path` (creating the lock file, mode 0600).
+    pub fn exclusive(path: &Path) -> Result<Self, FsError> {
+        let (dir, name) = split(path)?;
+        let lock = dir.join(format!(".{name}.lock"));
+        let lerr = |source| FsError::Lock {
+            path: lock.clone(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(&lock)
+            .map_err(lerr)?;
+        loop {
+            match rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive) {
+                Ok(()) => break,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(lerr(e.into())),
+            }
+        }
+        Ok(Self { _file: file })
+    }
+}
+
+/// Reads `path` (`None` when it does not exist).
+pub fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, FsError> {
+    match std::fs::read(path) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(FsError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// A read-modify-write of `path` under its lock: `change` gets the
+/// current content (`None` when there is no file) and returns the new
+/// content (or `None` to leave the file as it is) and a value to return.
+/// An error from `change` leaves the file untouched.
+pub fn update<T, E: From<FsError>>(
+    path: &Path,
+    mode: u32,
+    change: impl FnOnce(Option<&[u8]>) -> Result<(Option<Vec<u8>>, T), E>,
+) -> Result<T, E> {
+    let _lock = Lock::exclusive(path)?;
+    let current = read_optional(path)?;
+    let (new, out) = change(current.as_deref())?;
+    if let Some(new) = new {
+        write_atomic(path, &new, mode)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn replaces_with_the_mode_and_leaves_no_temporary() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = d.path().join("keys.json");
+        write_atomic(&p, b"one", 0o600).expect("write");
+        write_atomic(&p, b"two", 0o600).expect("write");
+        assert_eq!(std::fs::read(&p).expect("read"), b"two");
+        let mode = std::fs::metadata(&p).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(d.path())
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("keys.json")]);
+    }
+
+    #[test]
+    fn a_symlink_where_the_temporary_would_go_is_not_followed() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = d.path().join("keys.json");
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "keep").expect("write");
+        // Every name this process would try next.
+        let base = NEXT.load(Ordering::Relaxed);
+        for n in base..base + 64 {
+            std::os::unix::fs::symlink(
+                &victim,
+                d.path()
+                    .join(format!(".keys.json.tmp.{}.{n}", std::process::id())),
+            )
+            .expect("symlink");
+        }
+        write_atomic(&p, b"new", 0o600).expect("write");
+        assert_eq!(std::fs::read(&victim).expect("read"), b"keep");
+        assert_eq!(std::fs::read(&p).expect("read"), b"new");
+    }
+
+    #[test]
+    fn concurrent_updates_lose_nothing() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = d.path().join("counter");
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let p = p.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        update::<_, FsError>(&p, 0o600, |cur| {
+                            let n: u64 = cur
+                                .map(|b| String::from_utf8_lossy(b).trim().parse().expect("number"))
+                                .unwrap_or(0);
+                            Ok((Some(format!("{}\n", n + 1).into_bytes()), ()))
+                        })
+                        .expect("update");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("join");
+        }
+        assert_eq!(std::fs::read_to_string(&p).expect("read"), "400\n");
+    }
+
+    #[test]
+    fn a_failed_change_leaves_the_file() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = d.path().join("f");
+        std::fs::write(&p, "old").expect("write");
+        #[derive(Debug)]
+        struct No;
+        impl From<FsError> for No {
+            fn from(_: FsError) -> Self {
+                No
+            }
+        }
+        let r: Result<(), No> = update(&p, 0o600, |_| Err(No));
+        assert!(r.is_err());
+        assert_eq!(std::fs::read(&p).expect("read"), b"old");
+    }
+}
