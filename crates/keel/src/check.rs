@@ -740,33 +740,16 @@ fn render_fleet(f: &Fleet) -> String {
     s
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory
-/// and a rename, so readers never see a partial file.
+/// Writes `bytes` to `path` atomically (`keel_fs::write_atomic`: a unique
+/// temporary file beside it, synced and renamed, the directory synced), so
+/// readers (node_exporter, the next `keel check`) never see a partial
+/// file. Mode 0644: the node_exporter textfile collector reads it.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let written = (|| {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("cannot write {}", tmp.display()));
-    }
-    if let Err(e) = std::fs::rename(&tmp, path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e)
-            .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()));
-    }
+    keel_fs::write_atomic(path, bytes, 0o644)?;
     Ok(())
 }

@@ -1353,8 +1353,19 @@ fn restore(
     runtime()?.block_on(async {
         let store = open_store(&parent, false)?;
         let bytes = store.get(&name).await?;
-        std::fs::write(tmp.path(), &bytes)
-            .with_context(|| format!("cannot write {}", tmp.path().display()))?;
+        // A new file only (never through a link left at that name), its
+        // owner's only: it is a copy of the registry.
+        use std::os::unix::fs::OpenOptionsExt;
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(tmp.path())
+            .and_then(|mut f| {
+                std::io::Write::write_all(&mut f, &bytes)?;
+                f.sync_all()
+            });
+        written.with_context(|| format!("cannot write {}", tmp.path().display()))?;
         Ok::<_, anyhow::Error>(())
     })?;
     let report = reg.restore_from(actor, tmp.path(), force)?;
