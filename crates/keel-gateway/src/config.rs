@@ -452,8 +452,55 @@ fn located(text: &str, e: &toml::de::Error) -> String {
         .unwrap_or_default();
     format!(
         "line {line}, column {column}{key}: {}",
-        e.message().trim_end()
+        redact_values(e.message().trim_end())
     )
+}
+
+/// serde's messages quote the value they could not use (`invalid type:
+/// string "..."`, `integer `5``, `unknown variant `x``); a config value may
+/// be a secret, so the quoted value is dropped. Field names and the
+/// expected ones stay.
+fn redact_values(msg: &str) -> String {
+    const BEFORE_VALUE: &[&str] = &[
+        "string ",
+        "integer ",
+        "floating point ",
+        "boolean ",
+        "character ",
+        "variant ",
+    ];
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while !rest.is_empty() {
+        let hit = BEFORE_VALUE
+            .iter()
+            .filter_map(|w| rest.find(w).map(|i| (i, w.len())))
+            .filter(|&(i, n)| matches!(rest[i + n..].chars().next(), Some('"' | '`')))
+            .min();
+        let Some((i, n)) = hit else {
+            out.push_str(rest);
+            break;
+        };
+        out.push_str(rest[..i + n].trim_end());
+        let quoted = &rest[i + n..];
+        let q = quoted.chars().next().unwrap_or('"');
+        // The closing quote; a string's inner quotes are escaped.
+        let mut end = quoted.len();
+        let mut escaped = false;
+        for (j, c) in quoted.char_indices().skip(1) {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' && q == '"' {
+                escaped = true;
+            } else if c == q {
+                end = j + c.len_utf8();
+                break;
+            }
+        }
+        out.push_str(" (value not shown)");
+        rest = &quoted[end..];
+    }
+    out
 }
 
 impl GatewayConfig {
@@ -849,6 +896,13 @@ url = "http://127.0.0.1:8002/prefix"
             "{m}"
         );
         assert!(m.contains("expected u64"), "{m}");
+        assert!(!m.contains("four"), "the value is not repeated: {m}");
+        let m = err("[limits]\ndefault_max_tokens = \"hunter2 \\\" more\"\n");
+        assert!(!m.contains("hunter2") && !m.contains("more"), "{m}");
+        assert!(m.contains("string (value not shown), expected"), "{m}");
+        let m = err("[[models]]\nname = \"m\"\nprotocol = \"s3cret\"\n");
+        assert!(!m.contains("s3cret"), "{m}");
+        assert!(m.contains("unknown variant (value not shown)"), "{m}");
         assert!(!m.contains('\n'), "{m}");
         let m = err("[limits]\nredis_url = 5\n");
         assert!(

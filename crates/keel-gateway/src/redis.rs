@@ -13,10 +13,13 @@ use crate::error::GatewayError;
 const TIMEOUT: Duration = Duration::from_secs(2);
 const POOL: usize = 32;
 
-/// `redis://[:password@]host:port[/db]`.
+/// `redis://[[user]:password@]host:port[/db]` (user and password
+/// percent-decoded). With a user, keel sends `AUTH user password` (a Redis
+/// 6 ACL user); without, `AUTH password` (the `default` user).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisAddr {
     pub host_port: String,
+    pub username: Option<String>,
     pub password: Option<String>,
     pub db: Option<u32>,
 }
@@ -34,7 +37,20 @@ impl RedisAddr {
             Some((a, h)) => (Some(a), h),
             None => (None, rest),
         };
-        let password = auth.map(|a| a.split_once(':').map_or(a, |(_, p)| p).to_owned());
+        let (username, password) = match auth {
+            None => (None, None),
+            Some(a) => match a.split_once(':') {
+                Some((u, p)) => (
+                    Some(percent_decode(u).ok_or_else(|| bad("bad %-escape in the user"))?)
+                        .filter(|u| !u.is_empty()),
+                    Some(percent_decode(p).ok_or_else(|| bad("bad %-escape in the password"))?),
+                ),
+                None => (
+                    None,
+                    Some(percent_decode(a).ok_or_else(|| bad("bad %-escape in the password"))?),
+                ),
+            },
+        };
         let (host_port, db) = match hostpart.split_once('/') {
             Some((h, "")) => (h, None),
             Some((h, d)) => (
@@ -53,10 +69,31 @@ impl RedisAddr {
         };
         Ok(Self {
             host_port,
+            username,
             password,
             db,
         })
     }
+}
+
+/// `%XX` escapes of a URL's user or password; `None` for a bad escape or
+/// bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// The URL with any password replaced, for messages.
@@ -114,8 +151,12 @@ impl RedisClient {
         let s = TcpStream::connect(&self.addr.host_port).await?;
         s.set_nodelay(true)?;
         let mut c = BufReader::new(s);
-        if let Some(p) = &self.addr.password {
-            check_ok(roundtrip(&mut c, &[b"AUTH", p.as_bytes()]).await?)?;
+        match (&self.addr.username, &self.addr.password) {
+            (Some(u), Some(p)) => {
+                check_ok(roundtrip(&mut c, &[b"AUTH", u.as_bytes(), p.as_bytes()]).await?)?
+            }
+            (None, Some(p)) => check_ok(roundtrip(&mut c, &[b"AUTH", p.as_bytes()]).await?)?,
+            _ => {}
         }
         if let Some(db) = self.addr.db {
             check_ok(roundtrip(&mut c, &[b"SELECT", db.to_string().as_bytes()]).await?)?;
@@ -265,6 +306,11 @@ mod tests {
         let a = RedisAddr::parse("redis://:secret@127.0.0.1:6380/2").expect("ok");
         assert_eq!(a.host_port, "127.0.0.1:6380");
         assert_eq!(a.password.as_deref(), Some("secret"));
+        assert_eq!(a.username, None);
+        let u = RedisAddr::parse("redis://keel:p%40ss%3Aw@h:1").expect("ok");
+        assert_eq!(u.username.as_deref(), Some("keel"));
+        assert_eq!(u.password.as_deref(), Some("p@ss:w"));
+        assert!(RedisAddr::parse("redis://u:%zz@h").is_err());
         assert_eq!(a.db, Some(2));
         assert_eq!(
             RedisAddr::parse("redis://h").expect("ok").host_port,

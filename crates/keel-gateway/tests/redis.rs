@@ -145,3 +145,52 @@ async fn an_unreachable_redis_fails_closed() {
     }];
     assert!(l.reserve(&s, 1).await.is_err());
 }
+
+/// `redis://user:password@` authenticates as that ACL user (`AUTH user
+/// password`), not as the default user with the password alone.
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test starts one"]
+async fn a_url_with_a_user_authenticates_as_that_acl_user() {
+    let url = keel_testkit::serve::redis_url();
+    let admin = keel_gateway::redis::RedisClient::new(&url).expect("client");
+    let user = unique("acl").replace(':', "-");
+    let set = admin
+        .command(&[
+            b"ACL",
+            b"SETUSER",
+            user.as_bytes(),
+            b"reset",
+            b"on",
+            b">pa:ss@1",
+            b"~*",
+            b"+@all",
+        ])
+        .await
+        .expect("ACL SETUSER");
+    assert!(
+        matches!(set, keel_gateway::redis::Reply::Simple(_)),
+        "{set:?}"
+    );
+    let host = url
+        .rsplit('@')
+        .next()
+        .expect("url")
+        .trim_start_matches("redis://");
+    let good = format!("redis://{user}:pa%3Ass%401@{host}");
+    keel_gateway::redis::RedisClient::new(&good)
+        .expect("client")
+        .ping()
+        .await
+        .expect("the ACL user authenticates");
+    // The same password for the default user (which has none or another).
+    let bad = format!("redis://nobody:pa%3Ass%401@{host}");
+    assert!(keel_gateway::redis::RedisClient::new(&bad)
+        .expect("client")
+        .ping()
+        .await
+        .is_err());
+    admin
+        .command(&[b"ACL", b"DELUSER", user.as_bytes()])
+        .await
+        .expect("ACL DELUSER");
+}
