@@ -165,6 +165,71 @@ pub fn verify(mut r: impl BufRead) -> Result<VerifyReport, VerifyError> {
     })
 }
 
+/// What a keyed check found: the chain, and how much of it the
+/// checkpoints' MACs vouch for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyedReport {
+    pub chain: VerifyReport,
+    /// Checkpoints whose MAC matched.
+    pub checkpoints: u64,
+    /// Lines up to and including the last good checkpoint.
+    pub signed_through: u64,
+}
+
+/// `verify`, and every `checkpoint` line's MAC checked under `key`: a
+/// checkpoint whose MAC does not match, or whose head is not the line
+/// before it, breaks the chain there.
+pub fn verify_with_key(mut r: impl BufRead, key: &[u8]) -> Result<KeyedReport, VerifyError> {
+    let mut all = Vec::new();
+    r.read_to_end(&mut all).map_err(|e| ChainBroken {
+        line: 1,
+        reason: format!("cannot read: {e}"),
+    })?;
+    let chain = verify(all.as_slice())?;
+    let (mut checkpoints, mut signed_through) = (0, 0);
+    let mut prev = (0u64, GENESIS.to_owned());
+    for (i, line) in all.split(|&b| b == b'\n').enumerate() {
+        let n = i as u64 + 1;
+        if n > chain.entries {
+            break;
+        }
+        // Verified above: UTF-8, JSON, with seq and hash.
+        let line = std::str::from_utf8(line).unwrap_or("");
+        let (_, _, hash) = check_line(line).map_err(|reason| ChainBroken { line: n, reason })?;
+        if line.contains("\"event\":\"checkpoint\"") {
+            let body = &line[..line.len() - SUFFIX_LEN];
+            let v: Value = serde_json::from_str(&format!("{body}}}")).unwrap_or(Value::Null);
+            let broken = |reason: &str| ChainBroken {
+                line: n,
+                reason: reason.to_owned(),
+            };
+            let cs = v.get("covers_seq").and_then(Value::as_u64);
+            let ch = v.get("covers_hash").and_then(Value::as_str);
+            let mac = v.get("mac").and_then(Value::as_str);
+            let (Some(cs), Some(ch), Some(mac)) = (cs, ch, mac) else {
+                return Err(broken("checkpoint without covers_seq, covers_hash and mac").into());
+            };
+            if (cs, ch) != (prev.0, prev.1.as_str()) {
+                return Err(broken("checkpoint does not cover the line before it").into());
+            }
+            if checkpoint_mac(key, cs, ch) != mac {
+                return Err(broken(
+                    "checkpoint MAC does not match: the lines up to here were rewritten, or the key is not the log's",
+                )
+                .into());
+            }
+            checkpoints += 1;
+            signed_through = n;
+        }
+        prev = (n, hash);
+    }
+    Ok(KeyedReport {
+        chain,
+        checkpoints,
+        signed_through,
+    })
+}
+
 /// One line's own integrity: `(seq, prev, hash)`.
 fn check_line(line: &str) -> Result<(u64, String, String), String> {
     if line.is_empty() {
@@ -197,6 +262,44 @@ pub struct AuditOptions {
     pub group: Option<u32>,
     /// Now, as Unix milliseconds: the time of a `recovered` event.
     pub now_ms: u64,
+    /// Signed checkpoints of the chain's head.
+    pub checkpoints: Option<Checkpoints>,
+}
+
+/// Every `every` lines, and when the log is closed, the writer appends a
+/// `checkpoint` line holding the head's `seq` and hash and an HMAC-SHA256
+/// of them under `key`. The hash chain alone can be rebuilt by anyone who
+/// can write the file; a checkpoint cannot be made without the key, so
+/// `verify_with_key` detects a log rewritten, re-chained or emptied by
+/// someone who does not hold it.
+#[derive(Clone)]
+pub struct Checkpoints {
+    pub key: Vec<u8>,
+    pub every: u64,
+}
+
+impl std::fmt::Debug for Checkpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoints")
+            .field("key", &"<secret>")
+            .field("every", &self.every)
+            .finish()
+    }
+}
+
+/// The MAC a checkpoint carries for a head `(seq, hash)`.
+pub fn checkpoint_mac(key: &[u8], seq: u64, hash: &str) -> String {
+    use hmac::Mac;
+    let mut m = hmac::Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(format!("keel-audit-checkpoint-v1\n{seq}\n{hash}").as_bytes());
+    hex(&m.finalize().into_bytes())
+}
+
+fn checkpoint_event(key: &[u8], seq: u64, hash: &str) -> String {
+    format!(
+        "{{\"event\":\"checkpoint\",\"covers_seq\":{seq},\"covers_hash\":\"{hash}\",\"mac\":\"{}\"}}",
+        checkpoint_mac(key, seq, hash)
+    )
 }
 
 /// The tail of a log as the writer will continue it.
@@ -374,6 +477,9 @@ impl AuditLog {
             None
         };
         let (mut seq, mut prev) = (tail.seq, tail.prev);
+        let checkpoints = opts.checkpoints.clone();
+        // The last line a checkpoint covers (itself included).
+        let mut signed = seq;
         let mut file = file;
         let mut buf = Vec::with_capacity(64 << 10);
         let mut text = Vec::with_capacity(1024);
@@ -398,6 +504,17 @@ impl AuditLog {
                 prev = hash;
                 buf.extend_from_slice(line.as_bytes());
                 buf.push(b'\n');
+            }
+            if let Some(c) = &checkpoints {
+                if seq > 0 && (seq - signed >= c.every || (last && seq > signed)) {
+                    let ev = checkpoint_event(&c.key, seq, &prev);
+                    seq += 1;
+                    let (line, hash) = chain_line(seq, &prev, &ev);
+                    prev = hash;
+                    signed = seq;
+                    buf.extend_from_slice(line.as_bytes());
+                    buf.push(b'\n');
+                }
             }
             let mut failed = file.write_all(&buf).err();
             if last {
@@ -548,8 +665,8 @@ mod tests {
         }
 
         let opts = AuditOptions {
-            group: None,
             now_ms: 1_700_000_000_000,
+            ..AuditOptions::default()
         };
         let log = AuditLog::open(&p, &opts).expect("a torn tail does not stop the gateway");
         log.record(ev(9));
@@ -623,7 +740,7 @@ mod tests {
             &p,
             &AuditOptions {
                 group: Some(gid),
-                now_ms: 0,
+                ..AuditOptions::default()
             },
         )
         .expect("open");
@@ -645,5 +762,71 @@ mod tests {
         log.close();
         let text = std::fs::read(&p).expect("read");
         assert_eq!(verify(text.as_slice()).expect("whole").entries, 4);
+    }
+
+    #[test]
+    fn checkpoints_sign_the_head_and_catch_a_rechained_log() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let key = b"0123456789abcdef0123456789abcdef".to_vec();
+        let opts = AuditOptions {
+            checkpoints: Some(Checkpoints {
+                key: key.clone(),
+                every: 3,
+            }),
+            ..AuditOptions::default()
+        };
+        let log = AuditLog::open(&p, &opts).expect("open");
+        for i in 0..7 {
+            log.record(ev(i));
+            log.batcher.drain(std::time::Duration::from_secs(2));
+        }
+        log.close();
+        let text = std::fs::read_to_string(&p).expect("read");
+        let r = verify_with_key(text.as_bytes(), &key).expect("verifies");
+        // 7 events, a checkpoint after the 3rd, the 6th (with the first
+        // checkpoint counted: after line 3 and line 7) and at close.
+        assert_eq!(r.checkpoints, 3, "{text}");
+        assert_eq!(r.signed_through, r.chain.entries);
+
+        // Someone without the key edits a line and re-chains every line
+        // after it: the chain verifies, the checkpoints do not.
+        let mut prev = GENESIS.to_owned();
+        let mut forged = String::new();
+        for (i, l) in text.lines().enumerate() {
+            let mut v: Map<String, Value> = serde_json::from_str(l).expect("json");
+            for k in ["seq", "prev", "hash"] {
+                v.remove(k);
+            }
+            if v.get("n") == Some(&Value::from(1)) {
+                v.insert("n".into(), 100.into());
+            }
+            // A careful forger also points each checkpoint at the new
+            // hashes; only the MAC is then left to catch it.
+            if v.contains_key("covers_hash") {
+                v.insert("covers_hash".into(), prev.clone().into());
+            }
+            let (line, hash) = chain_line(
+                i as u64 + 1,
+                &prev,
+                &serde_json::to_string(&v).expect("json"),
+            );
+            prev = hash;
+            forged.push_str(&line);
+            forged.push('\n');
+        }
+        assert!(
+            verify(forged.as_bytes()).is_ok(),
+            "the bare chain cannot tell"
+        );
+        match verify_with_key(forged.as_bytes(), &key) {
+            Err(VerifyError::Broken(b)) => assert!(b.reason.contains("MAC"), "{b}"),
+            other => panic!("expected a MAC failure: {other:?}"),
+        }
+        // Another key.
+        assert!(verify_with_key(text.as_bytes(), b"another key").is_err());
+        // An emptied log has no checkpoint at all.
+        let r = verify_with_key(&b""[..], &key).expect("empty verifies");
+        assert_eq!(r.checkpoints, 0);
     }
 }

@@ -197,6 +197,8 @@ pub struct FileAudit {
     pub path: Option<PathBuf>,
     pub include_content: Option<bool>,
     pub group: Option<String>,
+    pub hmac_key_file: Option<PathBuf>,
+    pub checkpoint_every: Option<u64>,
 }
 
 /// Which API a model's backends speak.
@@ -380,6 +382,35 @@ pub struct AuditConfig {
     pub include_content: bool,
     /// The group that may read the log (file mode 0640); `None`: 0600.
     pub group: Option<u32>,
+    pub hmac_key_file: Option<PathBuf>,
+    pub checkpoint_every: u64,
+    /// The key of the log's signed checkpoints (read from `hmac_key_file`),
+    /// and how many lines apart.
+    #[serde(skip)]
+    pub checkpoints: Option<crate::audit::Checkpoints>,
+}
+
+/// The audit log's HMAC key: a file its owner alone may read, of at least
+/// 32 bytes (surrounding whitespace is not part of the key).
+fn read_hmac_key(path: &Path) -> Result<Vec<u8>, GatewayError> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad =
+        |m: String| GatewayError::Config(format!("audit.hmac_key_file {}: {m}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(bad(
+            "must be readable by its owner only (chmod 600): it is a secret".into(),
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let key = bytes.trim_ascii().to_vec();
+    if key.len() < 32 {
+        return Err(bad(format!(
+            "{} bytes; a key needs at least 32 (openssl rand -hex 32 > FILE)",
+            key.len()
+        )));
+    }
+    Ok(key)
 }
 
 /// A group's id from a number or a name in `/etc/group`.
@@ -801,10 +832,28 @@ impl GatewayConfig {
             ),
             None => None,
         };
+        let every = f.audit.checkpoint_every.unwrap_or(1000);
+        if every == 0 {
+            return bad("audit.checkpoint_every must be at least 1 line".into());
+        }
+        let hmac_key_file = f.audit.hmac_key_file.map(rel);
+        let checkpoints = match &hmac_key_file {
+            Some(k) => Some(crate::audit::Checkpoints {
+                key: read_hmac_key(k)?,
+                every,
+            }),
+            None if f.audit.checkpoint_every.is_some() => {
+                return bad("audit.checkpoint_every needs audit.hmac_key_file".into());
+            }
+            None => None,
+        };
         let audit = AuditConfig {
             path: f.audit.path.map(rel),
             include_content: f.audit.include_content.unwrap_or(false),
             group,
+            hmac_key_file,
+            checkpoint_every: every,
+            checkpoints,
         };
         let u = f.upstream_tls;
         let (client_cert, client_key) = pair(

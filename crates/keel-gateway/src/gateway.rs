@@ -670,6 +670,7 @@ impl Gateway {
         let audit_opts = crate::audit::AuditOptions {
             group: cfg.audit.group,
             now_ms: opts.clock.now_ms(),
+            checkpoints: cfg.audit.checkpoints.clone(),
         };
         let audit = cfg
             .audit

@@ -89,7 +89,14 @@ enum KeysCommand {
 #[derive(Debug, Subcommand)]
 enum AuditCommand {
     /// Check that the hash chain of an audit log is intact.
-    Verify { file: PathBuf },
+    Verify {
+        file: PathBuf,
+        /// The log's HMAC key file (`audit.hmac_key_file`): also check every
+        /// signed checkpoint, which detects a log rewritten or emptied by
+        /// someone without the key.
+        #[arg(long, value_name = "FILE")]
+        key: Option<PathBuf>,
+    },
 }
 
 /// The wall clock, which the gateway library does not read itself.
@@ -220,8 +227,8 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
             keys(&sc, command, out)
         }
         Some(ServeCommand::Audit {
-            command: AuditCommand::Verify { file },
-        }) => verify(file, out),
+            command: AuditCommand::Verify { file, key },
+        }) => verify(file, key.as_deref(), out),
         Some(ServeCommand::Token) => {
             let token = format!("keel-admin-{}", keel_gateway::keys::hex(&random::<24>()?));
             let sha = sha256_hex(token.as_bytes());
@@ -464,14 +471,32 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
     Ok(Code::Ok)
 }
 
-fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
+fn verify(file: &Path, key: Option<&Path>, out: &mut Out) -> anyhow::Result<Code> {
     let f = std::fs::File::open(file)
         .with_context(|| format!("cannot read the audit log {}", file.display()))?;
-    let result = audit::verify(BufReader::new(f));
+    let key = key
+        .map(|k| {
+            std::fs::read(k)
+                .map(|b| b.trim_ascii().to_vec())
+                .with_context(|| format!("cannot read the key {}", k.display()))
+        })
+        .transpose()?;
+    let result = match &key {
+        Some(k) => audit::verify_with_key(BufReader::new(f), k).map(|r| (r.chain.clone(), Some(r))),
+        None => audit::verify(BufReader::new(f)).map(|r| (r, None)),
+    };
     match &result {
-        Ok(r) => {
+        Ok((r, keyed)) => {
+            // With a key, a log must carry at least one good checkpoint:
+            // an emptied or re-chained one has none.
+            let unsigned = keyed.as_ref().filter(|k| k.checkpoints == 0).is_some();
             if out.json {
-                out.json("serve audit verify", &serde_json::json!({"file": file, "ok": true, "entries": r.entries, "last_hash": r.last_hash, "recoveries": r.recoveries}))?;
+                let mut v = serde_json::json!({"file": file, "ok": !unsigned, "entries": r.entries, "last_hash": r.last_hash, "recoveries": r.recoveries});
+                if let Some(k) = keyed {
+                    v["checkpoints"] = k.checkpoints.into();
+                    v["signed_through"] = k.signed_through.into();
+                }
+                out.json("serve audit verify", &v)?;
             } else {
                 let recovered = match r.recoveries {
                     0 => String::new(),
@@ -479,14 +504,24 @@ fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
                         " ({n} recovered event(s): an incomplete line set aside after a crash)"
                     ),
                 };
+                let signed = match keyed {
+                    Some(k) if k.checkpoints == 0 => " but NO signed checkpoint: a log rewritten or emptied without the key looks like this".to_owned(),
+                    Some(k) => format!(
+                        "; {} signed checkpoint(s), lines 1-{} vouched for by the key, {} after the last",
+                        k.checkpoints,
+                        k.signed_through,
+                        r.entries - k.signed_through
+                    ),
+                    None => String::new(),
+                };
                 out.text(&format!(
-                    "{}: intact, {} entries, last hash {}{recovered}\n",
+                    "{}: intact, {} entries, last hash {}{recovered}{signed}\n",
                     file.display(),
                     r.entries,
                     r.last_hash
                 ))?;
             }
-            Ok(Code::Ok)
+            Ok(if unsigned { Code::Failed } else { Code::Ok })
         }
         Err(audit::VerifyError::IncompleteTail { intact, bytes }) => {
             if out.json {
@@ -500,7 +535,7 @@ fn verify(file: &Path, out: &mut Out) -> anyhow::Result<Code> {
                     intact.last_hash
                 ))?;
             }
-            return Ok(Code::Warning);
+            Ok(Code::Warning)
         }
         Err(audit::VerifyError::Broken(b)) => {
             if out.json {

@@ -143,6 +143,63 @@ fn a_torn_audit_line_is_a_crash_not_tampering_and_does_not_stop_the_gateway() {
     assert_eq!(mode & 0o777, 0o600, "the audit log is its owner's only");
 }
 
+/// With `audit.hmac_key_file`, the log carries signed checkpoints: `verify
+/// --key` vouches for it, and refuses a re-chained or emptied log (which
+/// the bare chain cannot tell from a real one) and a key file others may
+/// read.
+#[test]
+fn signed_checkpoints_catch_a_rechained_or_emptied_audit_log() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let key = dir.path().join("audit.key");
+    std::fs::write(
+        &key,
+        "8f1d3c0a9b7e6d5c4b3a29180706f5e4d3c2b1a0ffeeddccbbaa998877665544\n",
+    )
+    .expect("key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let cfg = config(dir.path(), &b.url(), "");
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    std::fs::write(
+        &cfg,
+        text.replacen(
+            "path = \"audit.jsonl\"\n",
+            "path = \"audit.jsonl\"\nhmac_key_file = \"audit.key\"\ncheckpoint_every = 2\n",
+            1,
+        ),
+    )
+    .expect("config");
+    let c = cfg.to_str().expect("utf8");
+    let (code, _) = run(&["serve", "--config", c, "--print-config"]);
+    assert_eq!(code, 64, "a key others can read is refused");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+
+    let (_, secret) = create_key(&cfg, "alice", "user", None);
+    let mut g = GatewayProcess::start(&keel(), &cfg);
+    for _ in 0..3 {
+        let r =
+            http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("req");
+        assert_eq!(r.status, 200);
+    }
+    g.signal("TERM");
+    assert_eq!(g.wait(), Some(0));
+    let audit = dir.path().join("audit.jsonl");
+    let (a, k) = (audit.to_str().expect("utf8"), key.to_str().expect("utf8"));
+    let (code, out) = run(&["--json", "serve", "audit", "verify", a, "--key", k]);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert!(v["checkpoints"].as_u64().expect("checkpoints") >= 1, "{v}");
+    assert_eq!(v["signed_through"], v["entries"], "{v}");
+
+    std::fs::write(&audit, "").expect("empty");
+    let (code, out) = run(&["serve", "audit", "verify", a]);
+    assert_eq!(code, 0, "the bare chain accepts an empty log: {out}");
+    let (code, out) = run(&["serve", "audit", "verify", a, "--key", k]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("NO signed checkpoint"), "{out}");
+}
+
 /// One `keys revoke` and three `keys create` at once, ten rounds: every
 /// revocation that printed success holds, every printed key is in the
 /// file, and the file always parses.
