@@ -37,11 +37,15 @@ impl Event for Map<String, Value> {
     }
 }
 
+/// An event queued for the writer, and who waits for it to be on disk.
+type Queued = (Box<dyn Event>, Option<tokio::sync::oneshot::Sender<bool>>);
+
 /// A running audit log.
 #[derive(Debug)]
 pub struct AuditLog {
-    batcher: Batcher<Box<dyn Event>>,
+    batcher: Batcher<Queued>,
     path: PathBuf,
+    sync: bool,
 }
 
 impl std::fmt::Debug for dyn Event {
@@ -264,6 +268,9 @@ pub struct AuditOptions {
     pub now_ms: u64,
     /// Signed checkpoints of the chain's head.
     pub checkpoints: Option<Checkpoints>,
+    /// `audit.sync`: callers of `record_synced` wait until their line is
+    /// written and `fdatasync`ed.
+    pub sync: bool,
 }
 
 /// Every `every` lines, and when the log is closed, the writer appends a
@@ -484,12 +491,16 @@ impl AuditLog {
         let mut buf = Vec::with_capacity(64 << 10);
         let mut text = Vec::with_capacity(1024);
         let shown = path.to_owned();
-        let batcher = Batcher::spawn("keel-audit", move |batch: Vec<Box<dyn Event>>, last| {
+        let sync = opts.sync;
+        let mut waiters = Vec::new();
+        let batcher = Batcher::spawn_with("keel-audit", !sync, move |batch: Vec<Queued>, last| {
             // The whole batch is built first and written with one call, so
             // only whole lines reach the file: a crash between two writes
             // of a buffered writer could leave half a line.
             buf.clear();
-            for ev in batch {
+            waiters.clear();
+            for (ev, waiter) in batch {
+                waiters.extend(waiter);
                 text.clear();
                 if let Err(err) = ev.write_json(&mut text) {
                     tracing::error!(error = %err, "audit event not serialisable");
@@ -521,6 +532,13 @@ impl AuditLog {
                 if let Err(e) = file.sync_all() {
                     failed.get_or_insert(e);
                 }
+            } else if !waiters.is_empty() && failed.is_none() {
+                if let Err(e) = file.sync_data() {
+                    failed.get_or_insert(e);
+                }
+            }
+            for w in waiters.drain(..) {
+                let _ = w.send(failed.is_none());
             }
             // A write that failed (a full disk, say) is reported once per
             // batch: the lines are lost and `audit verify` will find the
@@ -536,6 +554,7 @@ impl AuditLog {
         let log = Self {
             batcher,
             path: path.to_owned(),
+            sync,
         };
         if let Some(m) = recovered {
             tracing::warn!(path = %path.display(), "audit log ended in an incomplete line (a crash mid-write): set aside, chain continued with a recovered event");
@@ -551,9 +570,28 @@ impl AuditLog {
     /// Queues an event (a JSON object once serialised by the writer
     /// thread; `ts` should be in it, `seq` and `prev` must not).
     pub fn record(&self, event: impl Event) {
-        if self.batcher.push(Box::new(event)).is_err() {
+        if self.batcher.push((Box::new(event), None)).is_err() {
             tracing::error!(path = %self.path.display(), "audit log already closed; an event was not recorded");
         }
+    }
+
+    /// Whether the log was opened with `sync`.
+    pub fn syncs(&self) -> bool {
+        self.sync
+    }
+
+    /// Queues an event and wakes the writer; the answer is `true` once
+    /// its line is written and synced to disk, `false` if that failed or
+    /// the log is closed.
+    pub fn record_synced(&self, event: impl Event) -> tokio::sync::oneshot::Receiver<bool> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if let Err((_, tx)) = self.batcher.push_now((Box::new(event), Some(tx))) {
+            tracing::error!(path = %self.path.display(), "audit log already closed; an event was not recorded");
+            if let Some(tx) = tx {
+                let _ = tx.send(false);
+            }
+        }
+        rx
     }
 
     /// Writes everything queued, syncs the file and stops the writer.
@@ -828,5 +866,29 @@ mod tests {
         // An emptied log has no checkpoint at all.
         let r = verify_with_key(&b""[..], &key).expect("empty verifies");
         assert_eq!(r.checkpoints, 0);
+    }
+
+    #[tokio::test]
+    async fn a_synced_record_is_on_disk_when_its_answer_comes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let opts = AuditOptions {
+            sync: true,
+            ..AuditOptions::default()
+        };
+        let log = AuditLog::open(&p, &opts).expect("open");
+        assert!(log.syncs());
+        for i in 0..20 {
+            // Long after the 20 ms batching would have written it.
+            log.record(ev(1000 + i));
+            assert!(log.record_synced(ev(i)).await.expect("answer"), "synced");
+            let text = std::fs::read_to_string(&p).expect("read");
+            assert!(
+                text.contains(&format!("\"n\":{i}}}")) || text.contains(&format!("\"n\":{i},")),
+                "line {i} is in the file when its answer comes"
+            );
+        }
+        log.close();
+        assert!(!log.record_synced(ev(99)).await.unwrap_or(false), "closed");
     }
 }

@@ -40,6 +40,17 @@ impl<T: Send + 'static> Batcher<T> {
     /// order, and is called once more with `last` true when closing.
     pub fn spawn(
         name: &str,
+        sink: impl FnMut(Vec<T>, bool) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        Self::spawn_with(name, true, sink)
+    }
+
+    /// `spawn`, choosing whether the thread runs at the lowest priority: a
+    /// writer whose batches callers wait for (a synced audit log) keeps
+    /// the normal one.
+    pub fn spawn_with(
+        name: &str,
+        lowest_priority: bool,
         mut sink: impl FnMut(Vec<T>, bool) + Send + 'static,
     ) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
@@ -51,7 +62,9 @@ impl<T: Send + 'static> Batcher<T> {
         let thread = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
-                lower_priority();
+                if lowest_priority {
+                    lower_priority();
+                }
                 let mut wait = BUSY;
                 loop {
                     std::thread::park_timeout(wait);
@@ -89,6 +102,21 @@ impl<T: Send + 'static> Batcher<T> {
             return Err(item);
         }
         q.push(item);
+        Ok(())
+    }
+
+    /// `push`, and wakes the thread now: for an item whose caller waits
+    /// for its batch. Items queued meanwhile join the same batch.
+    pub fn push_now(&self, item: T) -> Result<(), T> {
+        self.push(item)?;
+        if let Some(t) = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            t.thread().unpark();
+        }
         Ok(())
     }
 

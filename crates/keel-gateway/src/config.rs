@@ -199,6 +199,7 @@ pub struct FileAudit {
     pub group: Option<String>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
+    pub sync: Option<bool>,
 }
 
 /// Which API a model's backends speak.
@@ -384,6 +385,8 @@ pub struct AuditConfig {
     pub group: Option<u32>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: u64,
+    /// Sync a request's line to disk before its response is released.
+    pub sync: bool,
     /// The key of the log's signed checkpoints (read from `hmac_key_file`),
     /// and how many lines apart.
     #[serde(skip)]
@@ -853,6 +856,7 @@ impl GatewayConfig {
             group,
             hmac_key_file,
             checkpoint_every: every,
+            sync: f.audit.sync.unwrap_or(false),
             checkpoints,
         };
         let u = f.upstream_tls;

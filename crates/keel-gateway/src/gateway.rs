@@ -671,6 +671,7 @@ impl Gateway {
             group: cfg.audit.group,
             now_ms: opts.clock.now_ms(),
             checkpoints: cfg.audit.checkpoints.clone(),
+            sync: cfg.audit.sync,
         };
         let audit = cfg
             .audit
@@ -960,7 +961,19 @@ impl Gateway {
         }
         let info = access_info(&ctx, streaming);
         if !streaming {
-            self.finish(ctx, started.elapsed());
+            if let Some(synced) = self.finish(ctx, started.elapsed()) {
+                // `audit.sync`: the response waits for its line on disk,
+                // and is not released unrecorded.
+                if !synced.await.unwrap_or(false) {
+                    resp = ApiError::unavailable(
+                        "the audit log could not be written; the response was withheld",
+                        None,
+                    )
+                    .into_response();
+                    resp.headers_mut()
+                        .insert(X_REQUEST_ID, info.request_id.header_value());
+                }
+            }
         }
         resp.extensions_mut().insert(info);
         resp
@@ -969,7 +982,7 @@ impl Gateway {
     /// Metrics and audit for a finished request. The metrics are counted
     /// here; the audit event is queued as it is and serialised by the
     /// audit writer.
-    fn finish(&self, ctx: Ctx, total: Duration) {
+    fn finish(&self, ctx: Ctx, total: Duration) -> Option<tokio::sync::oneshot::Receiver<bool>> {
         let m = &self.inner.metrics;
         let model = match (&ctx.served_model, &ctx.model) {
             (Some(m), _) => m,
@@ -1000,17 +1013,21 @@ impl Gateway {
         } else if ctx.status >= 400 {
             m.error(ctx.route, "client");
         }
-        let Some(audit) = &self.inner.audit else {
-            return;
-        };
+        let audit = self.inner.audit.as_ref()?;
         if ctx.route == "/healthz" || ctx.route == "/readyz" {
-            return;
+            return None;
         }
-        audit.record(Finished {
+        let event = Finished {
             ts_ms: self.inner.clock.now_ms(),
             total,
             ctx,
-        });
+        };
+        if audit.syncs() {
+            Some(audit.record_synced(event))
+        } else {
+            audit.record(event);
+            None
+        }
     }
 
     fn authenticate(
@@ -1444,7 +1461,6 @@ impl Gateway {
                     let _ = tx.send(Bytes::from(tail)).await;
                 }
             }
-            drop(tx);
             ctx.backend_time = Some(sent_at.elapsed());
             ctx.usage = f.usage;
             match f.usage {
@@ -1470,7 +1486,14 @@ impl Gateway {
             if !ok && ctx.status < 400 {
                 ctx.error.get_or_insert_with(|| "stream ended early".into());
             }
-            gw.finish(ctx, started.elapsed());
+            // The body ends only after the request is settled and, with
+            // `audit.sync`, its line is on disk.
+            if let Some(synced) = gw.finish(ctx, started.elapsed()) {
+                if !synced.await.unwrap_or(false) {
+                    tracing::error!("the audit log could not be written for a finished stream");
+                }
+            }
+            drop(tx);
         });
         resp
     }

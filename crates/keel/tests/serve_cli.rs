@@ -200,6 +200,41 @@ fn signed_checkpoints_catch_a_rechained_or_emptied_audit_log() {
     assert!(out.contains("NO signed checkpoint"), "{out}");
 }
 
+/// `audit.sync = true`: a response is released only once its audit line
+/// is on disk, so the line is in the file when the answer arrives.
+#[test]
+fn with_audit_sync_the_line_is_on_disk_before_the_response() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = config(dir.path(), &b.url(), "");
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    std::fs::write(
+        &cfg,
+        text.replacen(
+            "path = \"audit.jsonl\"\n",
+            "path = \"audit.jsonl\"\nsync = true\n",
+            1,
+        ),
+    )
+    .expect("config");
+    let (_, secret) = create_key(&cfg, "alice", "user", None);
+    let mut g = GatewayProcess::start(&keel(), &cfg);
+    let audit = dir.path().join("audit.jsonl");
+    for _ in 0..10 {
+        let r =
+            http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("req");
+        assert_eq!(r.status, 200);
+        let id = r.header("x-request-id").expect("request id").to_owned();
+        let text = std::fs::read_to_string(&audit).expect("audit");
+        assert!(
+            text.contains(&format!("\"request_id\":\"{id}\"")),
+            "request {id} is in the audit log when its response arrives"
+        );
+    }
+    g.signal("TERM");
+    assert_eq!(g.wait(), Some(0));
+}
+
 /// One `keys revoke` and three `keys create` at once, ten rounds: every
 /// revocation that printed success holds, every printed key is in the
 /// file, and the file always parses.
