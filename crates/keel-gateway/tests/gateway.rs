@@ -884,8 +884,16 @@ fn jwt_from_a_jwks_file_with_issuer_audience_expiry_and_roles() {
     assert_eq!(bad("iss", json!("https://evil.example")), 401);
     assert_eq!(bad("aud", json!("other")), 401);
     assert_eq!(bad("roles", json!(["nobody"])), 403);
-    let forged = token(good).replace('.', ".x");
+    let forged = token(good.clone()).replace('.', ".x");
     assert_eq!(g.chat(&forged, chat_body("chat")).status, 401);
+    // The JWK says RS256: a signature by the same key with another
+    // algorithm does not verify.
+    for alg in [Algorithm::PS256, Algorithm::RS384] {
+        let mut other = Header::new(alg);
+        other.kid = Some("test-1".into());
+        let t = encode(&other, &good, &key).expect("sign");
+        assert_eq!(g.chat(&t, chat_body("chat")).status, 401, "{alg:?}");
+    }
     let audit = g.stop();
     assert!(audit
         .iter()
