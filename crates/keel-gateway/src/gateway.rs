@@ -339,7 +339,8 @@ enum Payload {
         body: request::OpenAiBody,
         /// Ask for the usage chunk of a stream.
         force_usage: bool,
-        /// `max_tokens` to set when the body gives no limit.
+        /// The completion tokens reserved a choice: every length limit
+        /// the backend may read is bound to it.
         max_tokens: Option<u64>,
     },
     Oip {
@@ -1256,19 +1257,28 @@ impl Gateway {
         }
         let model = model.ok_or_else(|| no_such_model(&parsed.model))?;
         // The reservation is an upper bound on what the backend may
-        // generate: a request without a limit is sent with
-        // `default_max_tokens` as its `max_tokens`, and each of the `n`
-        // (or `best_of`) completions may use all of it. Saturating: these
-        // are the client's numbers.
-        let (tokens, inject) = match route {
+        // generate: a choice may use the largest length limit the body
+        // gives (`default_max_tokens` when it gives none), the body is sent
+        // with `max_tokens` and any negative `n_predict` set to that, and
+        // each of the `n` (or `best_of`) completions may use all of it.
+        // Saturating: these are the client's numbers.
+        let (tokens, bound) = match route {
             Route::Embeddings => (ctx.prompt_estimate, None),
             _ => {
-                let default = gen.cfg.limits.default_max_tokens;
-                let per_choice = parsed.max_tokens.unwrap_or(default);
+                let per_choice = parsed
+                    .max_tokens
+                    .unwrap_or(gen.cfg.limits.default_max_tokens);
+                if let Some(min) = parsed.min_tokens.filter(|m| *m > per_choice) {
+                    return Err(ApiError::bad_request(format!(
+                        "min_tokens ({min}) is more than the completion's limit ({per_choice}): \
+                         give max_tokens of at least min_tokens"
+                    ))
+                    .into());
+                }
                 (
                     ctx.prompt_estimate
                         .saturating_add(per_choice.saturating_mul(parsed.choices)),
-                    (!body.has_limit()).then_some(default),
+                    Some(per_choice),
                 )
             }
         };
@@ -1279,7 +1289,7 @@ impl Gateway {
             path,
             body,
             force_usage: strip,
-            max_tokens: inject,
+            max_tokens: bound,
         };
         let pin = parts
             .headers

@@ -469,6 +469,122 @@ fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
 }
 
 #[test]
+fn every_length_field_a_backend_reads_is_bound_by_the_reservation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Unbounded, each would generate 5000 tokens: llama.cpp's server reads
+    // n_predict (-1: no limit), then max_tokens, and ignores
+    // max_completion_tokens; a TGI-style one reads max_new_tokens first.
+    let llama = TestBackend::start(&[
+        "--tokens",
+        "5000",
+        "--length-fields",
+        "n_predict,max_tokens",
+    ]);
+    let tgi = TestBackend::start(&[
+        "--tokens",
+        "5000",
+        "--length-fields",
+        "max_new_tokens,max_tokens",
+    ]);
+    let cfg = format!(
+        "{}[limits]\ndefault_max_tokens = 16\n[limits.default]\ntokens_per_minute = 1000\n{}{}",
+        head(dir.path()),
+        model("chat", "", &[("llama", llama.url(), 1)]),
+        model("small", "", &[("tgi", tgi.url(), 1)]),
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let send = |model: &str, extra: Value| {
+        let mut body =
+            json!({"model": model, "messages": [{"role": "user", "content": "12345678"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        g.chat(&key, body)
+    };
+    let completion = |r: HttpResponse| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["usage"]["completion_tokens"].as_u64()
+    };
+    // No limit for llama.cpp: keel sends the 16 it reserved instead.
+    assert_eq!(completion(send("chat", json!({"n_predict": -1}))), Some(16));
+    // A limit llama.cpp does not read: max_tokens goes with it.
+    assert_eq!(
+        completion(send("chat", json!({"max_completion_tokens": 20}))),
+        Some(20)
+    );
+    assert_eq!(
+        completion(send("small", json!({"max_new_tokens": 30}))),
+        Some(30)
+    );
+    // Whichever field asks for more than the key has left, it is reserved
+    // and refused, not generated.
+    for (model, field) in [("chat", "n_predict"), ("small", "max_new_tokens")] {
+        let r = send(model, json!({field: 2000, "max_tokens": 10}));
+        assert_eq!(r.status, 429, "{field}: {}", r.text());
+    }
+    // vLLM's min_tokens above the limit is refused.
+    let r = send("chat", json!({"max_tokens": 10, "min_tokens": 100}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("min_tokens")));
+    let r = send("small", json!({"max_new_tokens": -1}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(
+        g.usage(&format!("key:{id}"))["tokens"],
+        (2 + 16) + (2 + 20) + (2 + 30),
+        "charged what was generated, never more than reserved"
+    );
+    g.stop();
+}
+
+#[test]
+fn every_string_a_chat_template_renders_is_reserved() {
+    // 100 KB outside content and text: reserved at 1 byte a token, so a
+    // key with 50,000 tokens a minute is refused before the backend
+    // renders it.
+    let big = "x".repeat(100_000);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--tokens", "8"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits]\nprompt_bytes_per_token = 1\n[limits.default]\ntokens_per_minute = 50000\n",
+    )
+    .replace("[server]", "[server]\nmax_body_bytes = 1000000");
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    for messages in [
+        json!([{"role": "user", "content": "hi", "name": big}]),
+        json!([{"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": big}}
+        ]}]),
+        json!([{"role": "tool", "tool_call_id": big, "content": "hi"}]),
+        json!([{"role": big, "content": "hi"}]),
+    ] {
+        let r = g.chat(
+            &key,
+            json!({"model": "chat", "messages": messages, "max_tokens": 8}),
+        );
+        let shown: String = messages.to_string().chars().take(80).collect();
+        assert_eq!(r.status, 429, "{shown}: {}", r.text());
+    }
+    assert_eq!(b.count("/v1/chat/completions"), 0, "none forwarded");
+    // A small one is admitted and settled to what the backend counts by
+    // the same rule at its 4 bytes a token: (2 content + 10 name) / 4,
+    // and 8.
+    let r = g.chat(
+        &key,
+        json!({"model": "chat", "messages": [{"role": "user", "content": "hi", "name": "abcdefghij"}], "max_tokens": 8}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 3);
+    assert_eq!(g.usage(&format!("key:{id}"))["tokens"], 11);
+    g.stop();
+}
+
+#[test]
 fn the_prompt_reservation_follows_bytes_per_token_and_tokens_per_message() {
     // One 200-byte message with max_tokens 10: 50 + 10 reserved at 4 bytes
     // a token, 200 + 10 at 1; with 4 tokens a message (one message, and
