@@ -16,7 +16,7 @@ use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
 use crate::clock::{rfc3339, Clock, Stamp};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
-use crate::error::{ApiError, GatewayError};
+use crate::error::{reflect, truncated, ApiError, GatewayError, MESSAGE_BYTES};
 use crate::keys::KeyRing;
 use crate::limits::{
     reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
@@ -301,6 +301,9 @@ impl crate::audit::Event for Finished {
                 .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
         };
         let stamp = Stamp::millis(self.ts_ms);
+        // What the client sent is repeated only in part.
+        let model = ctx.model.as_deref().map(reflect);
+        let error = ctx.error.as_deref().map(|e| truncated(e, MESSAGE_BYTES));
         let e = RequestEvent {
             event: if ctx.denied.is_some() {
                 "denied"
@@ -312,7 +315,7 @@ impl crate::audit::Event for Finished {
             route: ctx.route,
             key: ctx.key.as_deref(),
             team: ctx.team.as_deref(),
-            model: ctx.model.as_deref(),
+            model: model.as_deref(),
             served_model: ctx.served_model.as_deref(),
             deployment: ctx.deployment.as_deref(),
             status: ctx.status,
@@ -324,7 +327,7 @@ impl crate::audit::Event for Finished {
             fallback: ctx.fallback,
             stream: ctx.stream,
             reason: ctx.denied,
-            error: ctx.error.as_deref(),
+            error: error.as_deref(),
             request_body: content(&ctx.request_body),
             response_body: content(&ctx.response_body),
         };
@@ -420,7 +423,7 @@ fn access_info(ctx: &Ctx, stream: bool) -> AccessInfo {
         model: ctx
             .served_model
             .clone()
-            .or_else(|| ctx.model.as_deref().map(Arc::from)),
+            .or_else(|| ctx.model.as_deref().map(|m| Arc::from(reflect(m).as_ref()))),
         deployment: ctx.deployment.clone(),
         stream,
     }
@@ -527,7 +530,7 @@ async fn read_body(
 }
 
 fn no_such_model(name: &str) -> ApiError {
-    ApiError::not_found(format!("the model {name:?} does not exist"))
+    ApiError::not_found(format!("the model {:?} does not exist", reflect(name)))
 }
 
 fn too_large(limit: usize) -> ApiError {
@@ -1062,14 +1065,17 @@ impl Gateway {
         ctx.team = ident.team.clone();
         let route = match route {
             Ok(r) => r,
-            Err(RouteError::NotFound) => return Err(ApiError::not_found("no such route").into()),
+            Err(RouteError::NotFound) => {
+                let e = ApiError::not_found("no such route");
+                return Err(self.refuse(gen, &ident, ctx, e).await);
+            }
             Err(RouteError::MethodNotAllowed) => {
-                return Err(ApiError::new(
+                let e = ApiError::new(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "invalid_request_error",
                     "method not allowed on this route",
-                )
-                .into())
+                );
+                return Err(self.refuse(gen, &ident, ctx, e).await);
             }
         };
         let op = route.operation().unwrap_or("models");
@@ -1077,9 +1083,8 @@ impl Gateway {
             Route::Models => {
                 if !gen.rbac.allows(&ident.roles, op, None) {
                     ctx.denied = Some("forbidden");
-                    return Err(
-                        ApiError::forbidden("your roles do not allow listing models").into(),
-                    );
+                    let e = ApiError::forbidden("your roles do not allow listing models");
+                    return Err(self.refuse(gen, &ident, ctx, e).await);
                 }
                 let mut names: Vec<&String> = gen
                     .traffic
@@ -1204,6 +1209,18 @@ impl Gateway {
         }
     }
 
+    /// Answers an authenticated request refused before admission (a
+    /// denial, an unknown model or route, a body that does not parse):
+    /// the refusal counts one request, no tokens, against the caller's
+    /// limits, so refusals are not free; once those are used up the
+    /// caller gets the limit's own refusal (429) instead.
+    async fn refuse(&self, gen: &Generation, ident: &Identity, ctx: &mut Ctx, e: ApiError) -> Fail {
+        match self.admit(gen, ident, 0, ctx).await {
+            Ok(_) => e.into(),
+            Err(limit) => limit.into(),
+        }
+    }
+
     async fn settle(&self, res: Option<&Reservation>, actual: u64) {
         if let Some(r) = res {
             if let Err(e) = self.inner.limiter.settle(r, actual).await {
@@ -1232,8 +1249,13 @@ impl Gateway {
             Duration::from_millis(s.body_timeout_ms),
         )
         .await?;
-        let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let (body, parsed) = match request::parse_openai(&bytes, request::prompt_field(&route)) {
+            Ok(p) => p,
+            Err(e) => {
+                let e = ApiError::bad_request(e.to_string());
+                return Err(self.refuse(gen, &ident, ctx, e).await);
+            }
+        };
         // Looked up before the roles are checked, answered after them (a
         // caller without the role learns nothing about what exists).
         let model = self.model_route(gen, &parsed.model, Protocol::Openai);
@@ -1249,13 +1271,16 @@ impl Gateway {
         }
         if !gen.rbac.allows(&ident.roles, op, Some(&parsed.model)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!(
+            let e = ApiError::forbidden(format!(
                 "your roles do not allow {op} on {:?}",
-                parsed.model
-            ))
-            .into());
+                reflect(&parsed.model)
+            ));
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
-        let model = model.ok_or_else(|| no_such_model(&parsed.model))?;
+        let Some(model) = model else {
+            let e = no_such_model(&parsed.model);
+            return Err(self.refuse(gen, &ident, ctx, e).await);
+        };
         // The reservation is an upper bound on what the backend may
         // generate: a choice may use the largest length limit the body
         // gives (`default_max_tokens` when it gives none), the body is sent
@@ -1269,11 +1294,11 @@ impl Gateway {
                     .max_tokens
                     .unwrap_or(gen.cfg.limits.default_max_tokens);
                 if let Some(min) = parsed.min_tokens.filter(|m| *m > per_choice) {
-                    return Err(ApiError::bad_request(format!(
+                    let e = ApiError::bad_request(format!(
                         "min_tokens ({min}) is more than the completion's limit ({per_choice}): \
                          give max_tokens of at least min_tokens"
-                    ))
-                    .into());
+                    ));
+                    return Err(self.refuse(gen, &ident, ctx, e).await);
                 }
                 (
                     ctx.prompt_estimate
@@ -1491,13 +1516,16 @@ impl Gateway {
         ctx.model = Some(m.name.clone());
         if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!(
+            let e = ApiError::forbidden(format!(
                 "your roles do not allow {op} on {:?}",
-                m.name
-            ))
-            .into());
+                reflect(&m.name)
+            ));
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
-        let model = model.ok_or_else(|| no_such_model(&m.name))?;
+        let Some(model) = model else {
+            let e = no_such_model(&m.name);
+            return Err(self.refuse(gen, &ident, ctx, e).await);
+        };
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
         let bytes = if action == "/infer" {
@@ -1516,9 +1544,8 @@ impl Gateway {
                 .map(|v| !v.is_object())
                 .unwrap_or(true)
         {
-            return Err(
-                ApiError::bad_request("the inference request must be a JSON object").into(),
-            );
+            let e = ApiError::bad_request("the inference request must be a JSON object");
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
         if gen.cfg.audit.include_content && !bytes.is_empty() {
             ctx.request_body = Some(bytes.clone());

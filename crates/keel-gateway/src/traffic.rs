@@ -442,11 +442,13 @@ impl Traffic {
         rng: &Rng,
     ) -> Result<Vec<Candidate>, String> {
         if let Some(p) = pin {
-            let d = model
-                .all
-                .iter()
-                .find(|d| *d.name == *p)
-                .ok_or_else(|| format!("model {:?} has no deployment {p:?}", model.name))?;
+            let d = model.all.iter().find(|d| *d.name == *p).ok_or_else(|| {
+                format!(
+                    "model {:?} has no deployment {:?}",
+                    model.name,
+                    crate::error::reflect(p)
+                )
+            })?;
             return Ok(vec![Candidate {
                 model: model.name.clone(),
                 model_header: model.name_header.clone(),

@@ -251,6 +251,71 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
 }
 
 #[test]
+fn refusals_count_against_the_request_limit_and_reflected_input_is_cut_short() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\nrequests_per_minute = 4\n",
+    )
+    .replace("[server]", "[server]\nmax_body_bytes = 5000000");
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    // A 4 MiB model name: 400, repeating 256 bytes of it and its length.
+    let huge = "m".repeat(4 << 20);
+    let r = g.chat(&user, json!({"model": huge, "messages": []}));
+    assert_eq!(r.status, 400);
+    assert!(r.body.len() < 1024, "{} bytes", r.body.len());
+    assert!(r.text().contains("… (4194304 bytes)"), "{}", r.text());
+    // A pin header naming no deployment is cut short too.
+    let pin = "d".repeat(8000);
+    let r = g.chat_with(&ops, chat_body("chat"), &[("x-keel-deployment", &pin)]);
+    assert_eq!(r.status, 400);
+    assert!(r.body.len() < 1024, "{} bytes", r.body.len());
+    // Refusals count one request each: the 400 above and two denials use
+    // three of the user's four.
+    for left in ["2", "1"] {
+        let r = g.chat(&user, chat_body("nope"));
+        assert_eq!(r.status, 403, "{}", r.text());
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), Some(left));
+    }
+    assert_eq!(g.chat(&user, chat_body("chat")).status, 200);
+    for body in [chat_body("chat"), chat_body("nope")] {
+        let r = g.chat(&user, body);
+        assert_eq!(
+            r.status,
+            429,
+            "refused once the budget is used: {}",
+            r.text()
+        );
+    }
+    // Unknown models and routes count too: the pin's 400 and three more.
+    for _ in 0..2 {
+        assert_eq!(g.chat(&ops, chat_body("nope")).status, 404);
+    }
+    assert_eq!(
+        http::get(g.public, "/v1/nope", &ops).expect("r").status,
+        404
+    );
+    assert_eq!(g.chat(&ops, chat_body("chat")).status, 429);
+    assert_eq!(b.count("/v1/chat/completions"), 1);
+    let audit = g.stop();
+    for e in &audit {
+        let line = e.to_string();
+        assert!(line.len() < 4096, "{} bytes: {:.200}", line.len(), line);
+    }
+    assert_eq!(
+        audit
+            .iter()
+            .filter(|e| e["reason"] == "rate_limited")
+            .count(),
+        3
+    );
+}
+
+#[test]
 fn chat_plain_and_streaming_with_exact_token_accounting() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--tokens", "16"]);
