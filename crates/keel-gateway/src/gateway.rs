@@ -479,6 +479,8 @@ impl Drop for Pending<'_> {
 struct Lease<'a> {
     backend: &'a Backend,
     permit: Permit,
+    /// The caller, whose failures alone may not open the circuit.
+    who: &'a Arc<str>,
     done: bool,
 }
 
@@ -486,7 +488,7 @@ impl Lease<'_> {
     fn done(mut self, ok: bool, retry_after: Option<Duration>) {
         self.done = true;
         self.backend
-            .record(Instant::now(), ok, retry_after, self.permit);
+            .record(Instant::now(), ok, retry_after, self.permit, self.who);
     }
 }
 
@@ -1322,7 +1324,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = match self
-            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, &ident, ctx)
             .await
         {
             Ok(s) => s,
@@ -1566,7 +1568,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = self
-            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, &ident, ctx)
             .await?;
         self.deliver(gen, served, reservation.as_ref(), ctx, false)
             .await
@@ -1579,6 +1581,7 @@ impl Gateway {
         model: &Arc<ModelRoute>,
         pin: Option<&str>,
         payload: &Payload,
+        ident: &Identity,
         ctx: &mut Ctx,
     ) -> Result<Served, Fail> {
         let cands = gen
@@ -1614,6 +1617,7 @@ impl Gateway {
             let lease = Lease {
                 backend: &backend,
                 permit,
+                who: &ident.id,
                 done: false,
             };
             if sent > 0 {
@@ -1646,8 +1650,13 @@ impl Gateway {
                     if resp.status().is_server_error()
                         || resp.status() == StatusCode::TOO_MANY_REQUESTS =>
                 {
+                    // Retried either way; only the configured statuses
+                    // (502, 503, 504 by default) count against the
+                    // circuit: a 500 or 429 that the input provoked says
+                    // the backend is up.
                     let ra = retry_after(resp.headers());
-                    lease.done(false, ra);
+                    let failed = backend.is_failure(resp.status().as_u16());
+                    lease.done(!failed, ra.filter(|_| failed));
                     let status = resp.status();
                     let ct = resp.headers().get(http::header::CONTENT_TYPE).cloned();
                     let body = read_limited(resp.into_body(), 64 << 10, timeout)

@@ -851,27 +851,40 @@ fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
 }
 
 #[test]
-fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
+fn circuit_opens_on_unavailable_from_two_callers_for_a_capped_retry_after_and_closes_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--mode", "error"]);
     let cfg = one_backend(dir.path(), &b, "").replace(
         "[traffic]\nretries = 2",
-        "[traffic]\nretries = 0\n[traffic.circuit]\nmin_requests = 3\nfailure_ratio = 0.5\ntrip_s = 1\nwindow_s = 10",
+        "[traffic]\nretries = 0\n[traffic.circuit]\nmin_requests = 3\nfailure_ratio = 0.5\ntrip_s = 1\nwindow_s = 10\nmax_retry_after_s = 2",
     );
-    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let (_, mallory) = add_key(dir.path(), "mallory", &["user"], None);
+    let (_, alice) = add_key(dir.path(), "alice", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
-    for _ in 0..3 {
+    // Answers of 500 (input the backend chokes on) show the backend is
+    // up: however many, they do not open the circuit for anyone.
+    for key in [&mallory, &mallory, &mallory, &mallory, &alice] {
         assert_eq!(
-            g.chat(&key, chat_body("chat")).status,
+            g.chat(key, chat_body("chat")).status,
             500,
             "the backend's own error passed on"
         );
     }
+    assert_eq!(b.count("/v1/chat/completions"), 5, "all sent");
+    // 503 with Retry-After: 120 counts; one caller's alone opens nothing.
+    b.control(json!({"mode": "unavailable"}));
+    for _ in 0..4 {
+        let r = g.chat(&mallory, chat_body("chat"));
+        assert_eq!(r.status, 503);
+        assert_eq!(r.header("retry-after"), Some("120"), "the backend's own");
+    }
+    assert_eq!(b.count("/v1/chat/completions"), 9, "still sent");
+    // A second caller's failure opens it, for 2 s (the cap), not 120.
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 503);
     let sent = b.count("/v1/chat/completions");
-    assert_eq!(sent, 3);
-    let r = g.chat(&key, chat_body("chat"));
+    let r = g.chat(&alice, chat_body("chat"));
     assert_eq!(r.status, 503, "circuit open: {}", r.text());
-    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("retry-after"), Some("2"));
     assert_eq!(
         b.count("/v1/chat/completions"),
         sent,
@@ -881,22 +894,25 @@ fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
         .metrics_text()
         .contains("keel_backend_circuit_open{backend=\"http://"));
     b.control(json!({"mode": "ok"}));
-    std::thread::sleep(Duration::from_millis(1100));
+    std::thread::sleep(Duration::from_millis(2100));
     assert_eq!(
-        g.chat(&key, chat_body("chat")).status,
+        g.chat(&mallory, chat_body("chat")).status,
         200,
         "half-open trial succeeds"
     );
     for _ in 0..5 {
-        assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "closed again");
+        assert_eq!(
+            g.chat(&alice, chat_body("chat")).status,
+            200,
+            "closed again"
+        );
     }
-    // A 429 with Retry-After: 2 opens it for 2 s at once.
+    // A 429 with Retry-After is not a failure by default either.
     b.control(json!({"mode": "ratelimit"}));
-    assert_eq!(g.chat(&key, chat_body("chat")).status, 429);
+    assert_eq!(g.chat(&mallory, chat_body("chat")).status, 429);
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 429);
     b.control(json!({"mode": "ok"}));
-    let r = g.chat(&key, chat_body("chat"));
-    assert_eq!(r.status, 503);
-    assert_eq!(r.header("retry-after"), Some("2"));
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 200);
     g.stop();
 }
 

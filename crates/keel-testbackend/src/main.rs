@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N]
-//!                  [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang]
+//!                  [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang]
 //!                  [--usage asked|always|never] [--threads N]
 //!                  [--length-fields F1,F2,...]
 //!                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
@@ -27,7 +27,8 @@
 //! fields instead, the first one present deciding, as llama.cpp's server
 //! reads `n_predict` and then `max_tokens` (`n_predict,max_tokens`): a
 //! negative value, or none of them, is no limit (`--tokens` a choice).
-//! Mode `ratelimit` answers 429 with `Retry-After: 2`, `error` 500.
+//! Mode `unavailable` answers 503 with `Retry-After: 120`, `ratelimit` 429
+//! with `Retry-After: 2`, `error` 500.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -253,6 +254,15 @@ impl State {
                     StatusCode::INTERNAL_SERVER_ERROR,
                     json!({"error": "test backend in error mode"}),
                 )
+            }
+            "unavailable" => {
+                let mut r = reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"error": "test backend unavailable"}),
+                );
+                r.headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("120"));
+                return r;
             }
             "ratelimit" => {
                 let mut r = reply(
@@ -541,7 +551,7 @@ fn main() {
             "--tls-key" => tls_key = Some(val()),
             "--tls-client-ca" => tls_client_ca = Some(val()),
             "-h" | "--help" => {
-                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
                 return;
             }
             _ => die(&format!("unknown argument {a}")),
