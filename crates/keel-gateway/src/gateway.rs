@@ -1324,7 +1324,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = match self
-            .forward(gen, &model, pin.as_deref(), &payload, &ident, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, (&ident, op), ctx)
             .await
         {
             Ok(s) => s,
@@ -1568,26 +1568,31 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = self
-            .forward(gen, &model, pin.as_deref(), &payload, &ident, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, (&ident, op), ctx)
             .await?;
         self.deliver(gen, served, reservation.as_ref(), ctx, false)
             .await
     }
 
     /// Tries the candidates in order within the retry limit and budget.
+    /// `caller` is who asks and for which operation: a fallback model its
+    /// roles do not allow is skipped.
     async fn forward(
         &self,
         gen: &Generation,
         model: &Arc<ModelRoute>,
         pin: Option<&str>,
         payload: &Payload,
-        ident: &Identity,
+        caller: (&Identity, &'static str),
         ctx: &mut Ctx,
     ) -> Result<Served, Fail> {
-        let cands = gen
+        let (ident, op) = caller;
+        let mut cands = gen
             .traffic
             .candidates(model, pin, &self.inner.rng)
             .map_err(ApiError::bad_request)?;
+        // A fallback model is served only to callers allowed to use it.
+        cands.retain(|c| !c.fallback || gen.rbac.allows(&ident.roles, op, Some(&c.model)));
         let start = Instant::now();
         self.inner.budget.record_request(start);
         if pin.is_none() {

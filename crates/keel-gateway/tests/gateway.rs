@@ -810,6 +810,39 @@ fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
 }
 
 #[test]
+fn fallback_skips_models_the_callers_roles_do_not_allow() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut primary = TestBackend::start(&["--name", "primary"]);
+    let secret = TestBackend::start(&["--name", "secret"]);
+    let cfg = format!(
+        "{}{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "fallback = [\"secret\"]",
+            &[("big", primary.url(), 1)]
+        ),
+        model("secret", "", &[("s", secret.url(), 1)])
+    );
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    primary.kill();
+    // The user role may use chat, not secret: no fallback, and no header
+    // naming it.
+    let r = g.chat(&user, chat_body("chat"));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-keel-model"), None);
+    assert!(!r.text().contains("secret"), "{}", r.text());
+    assert_eq!(secret.count("/v1/chat/completions"), 0);
+    // A caller allowed both is served by the fallback.
+    let r = g.chat(&ops, chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-keel-model"), Some("secret"));
+    g.stop();
+}
+
+#[test]
 fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut primary = TestBackend::start(&["--name", "primary"]);
