@@ -412,6 +412,7 @@ pub const OPERATIONS: &[&str] = &[
     "models",
     "infer",
     "metadata",
+    "pin",
 ];
 
 impl TrafficConfig {

@@ -1576,7 +1576,8 @@ impl Gateway {
 
     /// Tries the candidates in order within the retry limit and budget.
     /// `caller` is who asks and for which operation: a fallback model its
-    /// roles do not allow is skipped.
+    /// roles do not allow is skipped, and pinning a deployment outside the
+    /// traffic split needs the `pin` operation.
     async fn forward(
         &self,
         gen: &Generation,
@@ -1587,6 +1588,24 @@ impl Gateway {
         ctx: &mut Ctx,
     ) -> Result<Served, Fail> {
         let (ident, op) = caller;
+        if let Some(p) = pin {
+            let serving = model
+                .deployments
+                .iter()
+                .any(|d| *d.name == *p && d.weight > 0);
+            if !serving && !gen.rbac.allows(&ident.roles, "pin", Some(&model.name)) {
+                // The same answer whether or not such a deployment exists.
+                ctx.denied = Some("forbidden");
+                return Err(ApiError::forbidden(format!(
+                    "pinning {:?}: a deployment outside {:?}'s traffic split (weight 0, \
+                     the mirror, or no such name) can be pinned only with a role that \
+                     allows the `pin` operation",
+                    reflect(p),
+                    model.name
+                ))
+                .into());
+            }
+        }
         let mut cands = gen
             .traffic
             .candidates(model, pin, &self.inner.rng)

@@ -801,12 +801,80 @@ fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
         let r = g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "green")]);
         assert_eq!(r.header("x-keel-deployment"), Some("green"));
     }
+    // A name outside the split needs the pin operation: 403 for the user
+    // role, whether or not it exists.
     assert_eq!(
         g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "nope")])
             .status,
-        400
+        403
     );
     g.stop();
+}
+
+#[test]
+fn pinning_a_deployment_outside_the_split_needs_the_pin_operation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blue = TestBackend::start(&["--name", "blue"]);
+    let dark = TestBackend::start(&["--name", "dark"]);
+    let shadow = TestBackend::start(&["--name", "shadow"]);
+    let cfg = format!(
+        "{}[roles.tester]\nmodels = [\"chat\"]\noperations = [\"chat\", \"pin\"]\n{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "mirror = { deployment = \"shadow\", percent = 0 }",
+            &[
+                ("blue", blue.url(), 1),
+                ("dark", dark.url(), 0),
+                ("shadow", shadow.url(), 1)
+            ]
+        )
+    );
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, tester) = add_key(dir.path(), "t", &["tester"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let pin = |key: &str, d: &str| g.chat_with(key, chat_body("chat"), &[("x-keel-deployment", d)]);
+    // A deployment in the split: anyone who may use the model.
+    let r = pin(&user, "blue");
+    assert_eq!(
+        (r.status, r.header("x-keel-deployment")),
+        (200, Some("blue"))
+    );
+    // Weight 0, the mirror target, or no such name: 403 without `pin`, and
+    // the same answer for each, so nothing is learnt about what exists.
+    let mut messages = Vec::new();
+    for d in ["dark", "shadow", "nope"] {
+        let r = pin(&user, d);
+        assert_eq!(r.status, 403, "{d}: {}", r.text());
+        assert_eq!(r.json()["error"]["type"], "permission_error");
+        let m = r.json()["error"]["message"]
+            .as_str()
+            .expect("message")
+            .to_owned();
+        assert!(m.contains("`pin`"), "{m}");
+        messages.push(m.replace(&format!("{d:?}"), "D"));
+    }
+    assert!(messages.windows(2).all(|w| w[0] == w[1]), "{messages:?}");
+    assert_eq!(dark.count("/v1/chat/completions"), 0);
+    // With `pin` (or "*"): served there; an unknown name is then 400.
+    for key in [&tester, &ops] {
+        let r = pin(key, "dark");
+        assert_eq!(
+            (r.status, r.header("x-keel-deployment")),
+            (200, Some("dark"))
+        );
+        assert_eq!(pin(key, "nope").status, 400);
+    }
+    assert_eq!(dark.count("/v1/chat/completions"), 2);
+    let audit = g.stop();
+    assert_eq!(
+        audit
+            .iter()
+            .filter(|e| e["event"] == "denied" && e["reason"] == "forbidden")
+            .count(),
+        3
+    );
 }
 
 #[test]
