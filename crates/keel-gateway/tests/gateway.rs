@@ -371,7 +371,7 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     assert_eq!(r.status, 403, "role user may not embed");
     std::thread::sleep(Duration::from_millis(200));
     let u = g.usage(&format!("key:{id}"));
-    assert_eq!(u["requests"], 3);
+    assert_eq!(u["requests"], 4, "three served, and the refused embedding");
     assert_eq!(u["tokens"], 30, "every request settled to its usage");
     let m = g.metrics_text();
     assert!(m.contains(&format!("keel_tokens_total{{direction=\"out\",model=\"chat\",deployment=\"blue\",key=\"{id}\"}} 24")), "{m}");
