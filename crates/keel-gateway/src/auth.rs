@@ -123,6 +123,15 @@ impl JwtVerifier {
             None if keys.keys.len() == 1 => &keys.keys[0],
             None => return Err("no key id and several keys".into()),
         };
+        // A key that names its algorithm verifies that algorithm only: an
+        // RS256 key must not accept a PS256 (or any other) signature.
+        if let Some(ka) = &jwk.common.key_algorithm {
+            if format!("{ka:?}") != format!("{alg:?}") {
+                return Err(format!(
+                    "the token's alg {alg:?} is not its key's alg {ka:?}"
+                ));
+            }
+        }
         let key = DecodingKey::from_jwk(jwk).map_err(|e| e.to_string())?;
         let mut v = Validation::new(alg);
         v.validate_exp = false; // checked below with the injected clock

@@ -150,6 +150,9 @@ pub struct FileCircuit {
     pub min_requests: Option<u32>,
     pub failure_ratio: Option<f64>,
     pub trip_s: Option<f64>,
+    pub failure_statuses: Option<Vec<u16>>,
+    pub max_retry_after_s: Option<f64>,
+    pub min_identities: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -334,12 +337,34 @@ pub struct TrafficConfig {
     pub health: HealthConfig,
 }
 
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CircuitConfig {
     pub window_s: u64,
     pub min_requests: u32,
     pub failure_ratio: f64,
     pub trip_s: f64,
+    /// Backend answers that count as failures (besides connection errors
+    /// and timeouts); any other answer shows the backend is up.
+    pub failure_statuses: Vec<u16>,
+    /// The longest a backend's `Retry-After` keeps the circuit open.
+    pub max_retry_after_s: f64,
+    /// Distinct callers whose requests failed in the window before the
+    /// circuit may open: one caller's failing input cannot open it alone.
+    pub min_identities: u32,
+}
+
+impl Default for CircuitConfig {
+    fn default() -> Self {
+        Self {
+            window_s: 10,
+            min_requests: 5,
+            failure_ratio: 0.5,
+            trip_s: 5.0,
+            failure_statuses: vec![502, 503, 504],
+            max_retry_after_s: 30.0,
+            min_identities: 2,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -442,6 +467,7 @@ pub const OPERATIONS: &[&str] = &[
     "models",
     "infer",
     "metadata",
+    "pin",
 ];
 
 impl TrafficConfig {
@@ -718,6 +744,7 @@ impl GatewayConfig {
 
         let c = f.traffic.circuit;
         let h = f.traffic.health;
+        let cd = CircuitConfig::default();
         let traffic = TrafficConfig {
             connect_timeout_ms: f.traffic.connect_timeout_ms.unwrap_or(1000),
             timeout_ms: f.traffic.timeout_ms.unwrap_or(60_000),
@@ -726,10 +753,13 @@ impl GatewayConfig {
             retry_budget_ratio: f.traffic.retry_budget_ratio.unwrap_or(0.2),
             retry_budget_min: f.traffic.retry_budget_min.unwrap_or(10),
             circuit: CircuitConfig {
-                window_s: c.window_s.unwrap_or(10).max(1),
-                min_requests: c.min_requests.unwrap_or(5).max(1),
-                failure_ratio: c.failure_ratio.unwrap_or(0.5),
-                trip_s: c.trip_s.unwrap_or(5.0),
+                window_s: c.window_s.unwrap_or(cd.window_s).max(1),
+                min_requests: c.min_requests.unwrap_or(cd.min_requests).max(1),
+                failure_ratio: c.failure_ratio.unwrap_or(cd.failure_ratio),
+                trip_s: c.trip_s.unwrap_or(cd.trip_s),
+                failure_statuses: c.failure_statuses.unwrap_or(cd.failure_statuses),
+                max_retry_after_s: c.max_retry_after_s.unwrap_or(cd.max_retry_after_s),
+                min_identities: c.min_identities.unwrap_or(cd.min_identities),
             },
             health: HealthConfig {
                 enabled: h.enabled.unwrap_or(true),
@@ -744,6 +774,29 @@ impl GatewayConfig {
         }
         if !(traffic.circuit.trip_s >= 0.0 && traffic.circuit.trip_s.is_finite()) {
             return bad("traffic.circuit.trip_s must be a number of seconds".into());
+        }
+        let mr = traffic.circuit.max_retry_after_s;
+        if !(0.0..=3600.0).contains(&mr) {
+            return bad(format!(
+                "traffic.circuit.max_retry_after_s must be from 0 to 3600 seconds, not {mr}"
+            ));
+        }
+        if let Some(s) = traffic
+            .circuit
+            .failure_statuses
+            .iter()
+            .find(|s| !(400..=599).contains(*s))
+        {
+            return bad(format!(
+                "traffic.circuit.failure_statuses: {s} is not an HTTP error status (400 to 599)"
+            ));
+        }
+        if !(1..=16).contains(&traffic.circuit.min_identities) {
+            return bad(format!(
+                "traffic.circuit.min_identities must be from 1 to 16, not {} (1: any caller's \
+                 failures may open a circuit)",
+                traffic.circuit.min_identities
+            ));
         }
 
         let mut models = Vec::new();
@@ -1149,6 +1202,21 @@ url = "http://127.0.0.1:8002/prefix"
             &EXAMPLE.replace("[server]\n", "[server]\nworkers = 0\n"),
             "server.workers",
         );
+        check(
+            &format!("{EXAMPLE}[traffic.circuit]\nfailure_statuses = [200]\n"),
+            "200 is not an HTTP error status",
+        );
+        check(
+            &format!("{EXAMPLE}[traffic.circuit]\nmin_identities = 0\n"),
+            "traffic.circuit.min_identities must be from 1 to 16, not 0",
+        );
+        check(
+            &format!("{EXAMPLE}[traffic.circuit]\nmax_retry_after_s = -1\n"),
+            "traffic.circuit.max_retry_after_s must be from 0 to 3600",
+        );
+        let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/")).expect("valid");
+        assert_eq!(c.traffic.circuit, CircuitConfig::default());
+        assert_eq!(c.traffic.circuit.failure_statuses, [502, 503, 504]);
         let c = GatewayConfig::from_toml(
             &EXAMPLE.replace("[server]\n", "[server]\nworkers = 2\n"),
             Path::new("/"),

@@ -2,6 +2,7 @@
 //! request (`ApiError`, which becomes a JSON response and never carries
 //! internals to the client).
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 
 use bytes::Bytes;
@@ -54,6 +55,34 @@ impl From<keel_fs::FsError> for GatewayError {
     }
 }
 
+/// The most bytes of one value from a client (a model name, a header) that
+/// an error, a log line or the audit log repeats.
+pub const REFLECT_BYTES: usize = 256;
+
+/// The most bytes of a whole message (which may hold several reflected
+/// values) in an error body or an audit line's `error`.
+pub const MESSAGE_BYTES: usize = 1024;
+
+/// `s` as errors and logs repeat it: whole when it is at most `max` bytes,
+/// else its first bytes up to `max` (at a character boundary), `…` and
+/// its length. Every value a client sent passes through here before it is
+/// written anywhere, so a huge value costs the logs a few hundred bytes.
+pub fn truncated(s: &str, max: usize) -> Cow<'_, str> {
+    if s.len() <= max {
+        return Cow::Borrowed(s);
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &s[..end], s.len()))
+}
+
+/// One client value, [`truncated`] to [`REFLECT_BYTES`].
+pub fn reflect(s: &str) -> Cow<'_, str> {
+    truncated(s, REFLECT_BYTES)
+}
+
 /// Why a request was refused or failed, as the client sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
@@ -104,7 +133,7 @@ impl ApiError {
     /// clients parse and whose `error` key OIP clients find too.
     pub fn into_response(self) -> Response<GwBody> {
         let body = serde_json::json!({
-            "error": {"message": self.message, "type": self.kind, "code": self.status.as_u16()}
+            "error": {"message": truncated(&self.message, MESSAGE_BYTES), "type": self.kind, "code": self.status.as_u16()}
         });
         let mut r = Response::new(GwBody::full(Bytes::from(body.to_string())));
         *r.status_mut() = self.status;
@@ -117,5 +146,26 @@ impl ApiError {
                 .insert(http::header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reflected_values_are_truncated_at_a_character_boundary() {
+        assert_eq!(reflect("chat"), "chat");
+        let exact = "m".repeat(REFLECT_BYTES);
+        assert_eq!(reflect(&exact), exact.as_str());
+        let long = format!("{}é{}", "m".repeat(REFLECT_BYTES - 1), "x".repeat(4 << 20));
+        let r = reflect(&long);
+        assert_eq!(
+            r,
+            format!("{}… ({} bytes)", "m".repeat(REFLECT_BYTES - 1), long.len())
+        );
+        let e = ApiError::bad_request("y".repeat(1 << 20)).into_response();
+        let n = http_body::Body::size_hint(e.body()).exact();
+        assert!(n.is_some_and(|n| n < 2 * MESSAGE_BYTES as u64), "{n:?}");
     }
 }

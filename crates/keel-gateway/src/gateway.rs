@@ -16,7 +16,7 @@ use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
 use crate::clock::{rfc3339, Clock, Stamp};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
-use crate::error::{ApiError, GatewayError};
+use crate::error::{reflect, truncated, ApiError, GatewayError, MESSAGE_BYTES};
 use crate::keys::KeyRing;
 use crate::limits::{
     reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
@@ -301,6 +301,9 @@ impl crate::audit::Event for Finished {
                 .map(|b| String::from_utf8_lossy(&b[..b.len().min(CONTENT_CAP)]).into_owned())
         };
         let stamp = Stamp::millis(self.ts_ms);
+        // What the client sent is repeated only in part.
+        let model = ctx.model.as_deref().map(reflect);
+        let error = ctx.error.as_deref().map(|e| truncated(e, MESSAGE_BYTES));
         let e = RequestEvent {
             event: if ctx.denied.is_some() {
                 "denied"
@@ -312,7 +315,7 @@ impl crate::audit::Event for Finished {
             route: ctx.route,
             key: ctx.key.as_deref(),
             team: ctx.team.as_deref(),
-            model: ctx.model.as_deref(),
+            model: model.as_deref(),
             served_model: ctx.served_model.as_deref(),
             deployment: ctx.deployment.as_deref(),
             status: ctx.status,
@@ -324,7 +327,7 @@ impl crate::audit::Event for Finished {
             fallback: ctx.fallback,
             stream: ctx.stream,
             reason: ctx.denied,
-            error: ctx.error.as_deref(),
+            error: error.as_deref(),
             request_body: content(&ctx.request_body),
             response_body: content(&ctx.response_body),
         };
@@ -339,7 +342,8 @@ enum Payload {
         body: request::OpenAiBody,
         /// Ask for the usage chunk of a stream.
         force_usage: bool,
-        /// `max_tokens` to set when the body gives no limit.
+        /// The completion tokens reserved a choice: every length limit
+        /// the backend may read is bound to it.
         max_tokens: Option<u64>,
     },
     Oip {
@@ -419,7 +423,7 @@ fn access_info(ctx: &Ctx, stream: bool) -> AccessInfo {
         model: ctx
             .served_model
             .clone()
-            .or_else(|| ctx.model.as_deref().map(Arc::from)),
+            .or_else(|| ctx.model.as_deref().map(|m| Arc::from(reflect(m).as_ref()))),
         deployment: ctx.deployment.clone(),
         stream,
     }
@@ -475,6 +479,8 @@ impl Drop for Pending<'_> {
 struct Lease<'a> {
     backend: &'a Backend,
     permit: Permit,
+    /// The caller, whose failures alone may not open the circuit.
+    who: &'a Arc<str>,
     done: bool,
 }
 
@@ -482,7 +488,7 @@ impl Lease<'_> {
     fn done(mut self, ok: bool, retry_after: Option<Duration>) {
         self.done = true;
         self.backend
-            .record(Instant::now(), ok, retry_after, self.permit);
+            .record(Instant::now(), ok, retry_after, self.permit, self.who);
     }
 }
 
@@ -526,7 +532,7 @@ async fn read_body(
 }
 
 fn no_such_model(name: &str) -> ApiError {
-    ApiError::not_found(format!("the model {name:?} does not exist"))
+    ApiError::not_found(format!("the model {:?} does not exist", reflect(name)))
 }
 
 fn too_large(limit: usize) -> ApiError {
@@ -1088,14 +1094,17 @@ impl Gateway {
         ctx.team = ident.team.clone();
         let route = match route {
             Ok(r) => r,
-            Err(RouteError::NotFound) => return Err(ApiError::not_found("no such route").into()),
+            Err(RouteError::NotFound) => {
+                let e = ApiError::not_found("no such route");
+                return Err(self.refuse(gen, &ident, ctx, e).await);
+            }
             Err(RouteError::MethodNotAllowed) => {
-                return Err(ApiError::new(
+                let e = ApiError::new(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "invalid_request_error",
                     "method not allowed on this route",
-                )
-                .into())
+                );
+                return Err(self.refuse(gen, &ident, ctx, e).await);
             }
         };
         let op = route.operation().unwrap_or("models");
@@ -1103,9 +1112,8 @@ impl Gateway {
             Route::Models => {
                 if !gen.rbac.allows(&ident.roles, op, None) {
                     ctx.denied = Some("forbidden");
-                    return Err(
-                        ApiError::forbidden("your roles do not allow listing models").into(),
-                    );
+                    let e = ApiError::forbidden("your roles do not allow listing models");
+                    return Err(self.refuse(gen, &ident, ctx, e).await);
                 }
                 let mut names: Vec<&String> = gen
                     .traffic
@@ -1230,6 +1238,18 @@ impl Gateway {
         }
     }
 
+    /// Answers an authenticated request refused before admission (a
+    /// denial, an unknown model or route, a body that does not parse):
+    /// the refusal counts one request, no tokens, against the caller's
+    /// limits, so refusals are not free; once those are used up the
+    /// caller gets the limit's own refusal (429) instead.
+    async fn refuse(&self, gen: &Generation, ident: &Identity, ctx: &mut Ctx, e: ApiError) -> Fail {
+        match self.admit(gen, ident, 0, ctx).await {
+            Ok(_) => e.into(),
+            Err(limit) => limit.into(),
+        }
+    }
+
     async fn settle(&self, res: Option<&Reservation>, actual: u64) {
         if let Some(r) = res {
             if let Err(e) = self.inner.limiter.settle(r, actual).await {
@@ -1258,8 +1278,13 @@ impl Gateway {
             Duration::from_millis(s.body_timeout_ms),
         )
         .await?;
-        let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let (body, parsed) = match request::parse_openai(&bytes, request::prompt_field(&route)) {
+            Ok(p) => p,
+            Err(e) => {
+                let e = ApiError::bad_request(e.to_string());
+                return Err(self.refuse(gen, &ident, ctx, e).await);
+            }
+        };
         // Looked up before the roles are checked, answered after them (a
         // caller without the role learns nothing about what exists).
         let model = self.model_route(gen, &parsed.model, Protocol::Openai);
@@ -1275,27 +1300,39 @@ impl Gateway {
         }
         if !gen.rbac.allows(&ident.roles, op, Some(&parsed.model)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!(
+            let e = ApiError::forbidden(format!(
                 "your roles do not allow {op} on {:?}",
-                parsed.model
-            ))
-            .into());
+                reflect(&parsed.model)
+            ));
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
-        let model = model.ok_or_else(|| no_such_model(&parsed.model))?;
+        let Some(model) = model else {
+            let e = no_such_model(&parsed.model);
+            return Err(self.refuse(gen, &ident, ctx, e).await);
+        };
         // The reservation is an upper bound on what the backend may
-        // generate: a request without a limit is sent with
-        // `default_max_tokens` as its `max_tokens`, and each of the `n`
-        // (or `best_of`) completions may use all of it. Saturating: these
-        // are the client's numbers.
-        let (tokens, inject) = match route {
+        // generate: a choice may use the largest length limit the body
+        // gives (`default_max_tokens` when it gives none), the body is sent
+        // with `max_tokens` and any negative `n_predict` set to that, and
+        // each of the `n` (or `best_of`) completions may use all of it.
+        // Saturating: these are the client's numbers.
+        let (tokens, bound) = match route {
             Route::Embeddings => (ctx.prompt_estimate, None),
             _ => {
-                let default = gen.cfg.limits.default_max_tokens;
-                let per_choice = parsed.max_tokens.unwrap_or(default);
+                let per_choice = parsed
+                    .max_tokens
+                    .unwrap_or(gen.cfg.limits.default_max_tokens);
+                if let Some(min) = parsed.min_tokens.filter(|m| *m > per_choice) {
+                    let e = ApiError::bad_request(format!(
+                        "min_tokens ({min}) is more than the completion's limit ({per_choice}): \
+                         give max_tokens of at least min_tokens"
+                    ));
+                    return Err(self.refuse(gen, &ident, ctx, e).await);
+                }
                 (
                     ctx.prompt_estimate
                         .saturating_add(per_choice.saturating_mul(parsed.choices)),
-                    (!body.has_limit()).then_some(default),
+                    Some(per_choice),
                 )
             }
         };
@@ -1306,7 +1343,7 @@ impl Gateway {
             path,
             body,
             force_usage: strip,
-            max_tokens: inject,
+            max_tokens: bound,
         };
         let pin = parts
             .headers
@@ -1314,7 +1351,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = match self
-            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, (&ident, op), ctx)
             .await
         {
             Ok(s) => s,
@@ -1514,13 +1551,16 @@ impl Gateway {
         ctx.model = Some(m.name.clone());
         if !gen.rbac.allows(&ident.roles, op, Some(&m.name)) {
             ctx.denied = Some("forbidden");
-            return Err(ApiError::forbidden(format!(
+            let e = ApiError::forbidden(format!(
                 "your roles do not allow {op} on {:?}",
-                m.name
-            ))
-            .into());
+                reflect(&m.name)
+            ));
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
-        let model = model.ok_or_else(|| no_such_model(&m.name))?;
+        let Some(model) = model else {
+            let e = no_such_model(&m.name);
+            return Err(self.refuse(gen, &ident, ctx, e).await);
+        };
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
         let bytes = if action == "/infer" {
@@ -1539,9 +1579,8 @@ impl Gateway {
                 .map(|v| !v.is_object())
                 .unwrap_or(true)
         {
-            return Err(
-                ApiError::bad_request("the inference request must be a JSON object").into(),
-            );
+            let e = ApiError::bad_request("the inference request must be a JSON object");
+            return Err(self.refuse(gen, &ident, ctx, e).await);
         }
         if gen.cfg.audit.include_content && !bytes.is_empty() {
             ctx.request_body = Some(bytes.clone());
@@ -1562,25 +1601,50 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         let served = self
-            .forward(gen, &model, pin.as_deref(), &payload, ctx)
+            .forward(gen, &model, pin.as_deref(), &payload, (&ident, op), ctx)
             .await?;
         self.deliver(gen, served, reservation.as_ref(), ctx, false)
             .await
     }
 
     /// Tries the candidates in order within the retry limit and budget.
+    /// `caller` is who asks and for which operation: a fallback model its
+    /// roles do not allow is skipped, and pinning a deployment outside the
+    /// traffic split needs the `pin` operation.
     async fn forward(
         &self,
         gen: &Generation,
         model: &Arc<ModelRoute>,
         pin: Option<&str>,
         payload: &Payload,
+        caller: (&Identity, &'static str),
         ctx: &mut Ctx,
     ) -> Result<Served, Fail> {
-        let cands = gen
+        let (ident, op) = caller;
+        if let Some(p) = pin {
+            let serving = model
+                .deployments
+                .iter()
+                .any(|d| *d.name == *p && d.weight > 0);
+            if !serving && !gen.rbac.allows(&ident.roles, "pin", Some(&model.name)) {
+                // The same answer whether or not such a deployment exists.
+                ctx.denied = Some("forbidden");
+                return Err(ApiError::forbidden(format!(
+                    "pinning {:?}: a deployment outside {:?}'s traffic split (weight 0, \
+                     the mirror, or no such name) can be pinned only with a role that \
+                     allows the `pin` operation",
+                    reflect(p),
+                    model.name
+                ))
+                .into());
+            }
+        }
+        let mut cands = gen
             .traffic
             .candidates(model, pin, &self.inner.rng)
             .map_err(ApiError::bad_request)?;
+        // A fallback model is served only to callers allowed to use it.
+        cands.retain(|c| !c.fallback || gen.rbac.allows(&ident.roles, op, Some(&c.model)));
         let start = Instant::now();
         self.inner.budget.record_request(start);
         if pin.is_none() {
@@ -1610,6 +1674,7 @@ impl Gateway {
             let lease = Lease {
                 backend: &backend,
                 permit,
+                who: &ident.id,
                 done: false,
             };
             if sent > 0 {
@@ -1642,8 +1707,13 @@ impl Gateway {
                     if resp.status().is_server_error()
                         || resp.status() == StatusCode::TOO_MANY_REQUESTS =>
                 {
+                    // Retried either way; only the configured statuses
+                    // (502, 503, 504 by default) count against the
+                    // circuit: a 500 or 429 that the input provoked says
+                    // the backend is up.
                     let ra = retry_after(resp.headers());
-                    lease.done(false, ra);
+                    let failed = backend.is_failure(resp.status().as_u16());
+                    lease.done(!failed, ra.filter(|_| failed));
                     let status = resp.status();
                     let ct = resp.headers().get(http::header::CONTENT_TYPE).cloned();
                     let body = read_limited(resp.into_body(), 64 << 10, timeout)

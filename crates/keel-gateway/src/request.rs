@@ -164,15 +164,19 @@ pub struct OpenAiRequest {
     pub stream: bool,
     /// The client asked for the usage chunk (`stream_options.include_usage`).
     pub include_usage: bool,
-    /// The larger of `max_completion_tokens` and `max_tokens` (servers
-    /// differ in which one wins when both are given).
+    /// The largest of the length limits the body gives: `max_tokens`,
+    /// `max_completion_tokens`, `max_new_tokens` and a non-negative
+    /// `n_predict` (servers differ in which one wins when several are
+    /// given).
     pub max_tokens: Option<u64>,
+    /// vLLM's `min_tokens`: the completion's least length.
+    pub min_tokens: Option<u64>,
     /// Completions generated per request: the larger of `n` and `best_of`,
     /// at least 1.
     pub choices: u64,
     /// The prompt's size: text bytes, token ids (one token each), the
-    /// bytes of `tools` and `functions` (the server renders them into the
-    /// prompt) and the number of chat messages.
+    /// bytes of the fields a chat template renders besides the messages
+    /// ([`TEMPLATE_FIELDS`]) and the number of chat messages.
     /// [`OpenAiRequest::prompt_tokens`] turns it into tokens.
     pub prompt: PromptSize,
 }
@@ -181,7 +185,10 @@ pub struct OpenAiRequest {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PromptSize {
     pub text_bytes: u64,
+    /// Token ids, and the other scalars (numbers, booleans) a template
+    /// renders: one token each.
     pub ids: u64,
+    /// Bytes of [`TEMPLATE_FIELDS`] as sent.
     pub tools_bytes: u64,
     /// Elements of a chat request's `messages` array (0 for other routes).
     pub messages: u64,
@@ -189,8 +196,8 @@ pub struct PromptSize {
 
 impl OpenAiRequest {
     /// Prompt tokens estimated at `bytes_per_token` bytes a token (text,
-    /// and `tools` and `functions`, each rounded up), plus one per token
-    /// id, plus `tokens_per_message` for each chat message and once more
+    /// and the [`TEMPLATE_FIELDS`], each rounded up), plus one per token
+    /// id, number or boolean, plus `tokens_per_message` for each chat message and once more
     /// for the header of the reply the template opens (none when there
     /// are no messages). With 4 bytes a token, a typical English
     /// tokenizer's average; with 1, an upper bound for byte-level BPE
@@ -220,8 +227,12 @@ pub enum ParseError {
     NotObject,
     #[error("`model` must be a non-empty string")]
     Model,
+    #[error("`model` {0:?} is longer than a model name may be ({MAX_MODEL_BYTES} bytes)")]
+    ModelTooLong(String),
     #[error("`{0}` has the wrong type")]
     Field(&'static str),
+    #[error("`{0}` must be a whole number, at least 0")]
+    Count(&'static str),
     #[error("`{0}` appears more than once")]
     Duplicate(&'static str),
 }
@@ -235,10 +246,78 @@ pub fn prompt_field(r: &Route) -> &'static str {
     }
 }
 
+/// The longest `model` name a request may give.
+pub const MAX_MODEL_BYTES: usize = 256;
+
+/// Top-level fields besides the prompt that chat templates render into
+/// the prompt (tool and function definitions, vLLM's and llama.cpp's RAG
+/// `documents`, a request's own `chat_template` and its arguments): their
+/// bytes as sent count toward the prompt estimate.
+pub const TEMPLATE_FIELDS: [&str; 5] = [
+    "tools",
+    "functions",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+];
+
+/// Object keys of OpenAI's message format. They are the format's own
+/// words, covered by `prompt_tokens_per_message`; any other key in the
+/// prompt counts as text (a template that renders an object, such as
+/// tool-call arguments given as JSON, renders its keys).
+pub const FORMAT_KEYS: [&str; 24] = [
+    "role",
+    "content",
+    "name",
+    "type",
+    "text",
+    "tool_calls",
+    "tool_call_id",
+    "function_call",
+    "id",
+    "function",
+    "arguments",
+    "image_url",
+    "url",
+    "detail",
+    "input_audio",
+    "data",
+    "format",
+    "refusal",
+    "audio",
+    "file",
+    "file_id",
+    "filename",
+    "file_data",
+    "reasoning_content",
+];
+
+/// `role` values of OpenAI's message format (covered by
+/// `prompt_tokens_per_message`); any other role counts as text.
+pub const FORMAT_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
+/// `type` values of OpenAI's message format; any other counts as text.
+pub const FORMAT_TYPES: [&str; 6] = [
+    "text",
+    "image_url",
+    "input_audio",
+    "file",
+    "function",
+    "refusal",
+];
+
 /// An OpenAI-style body as the client sent it, with the byte spans of the
 /// top-level fields the gateway rewrites. Forwarding splices the backend's
-/// model name (and, for streams, `stream_options`) into the original bytes:
-/// every other field reaches the backend exactly as the client wrote it.
+/// model name (and, for streams, `stream_options`, and the length limits)
+/// into the original bytes: every other field reaches the backend exactly
+/// as the client wrote it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenAiBody {
     bytes: Bytes,
@@ -246,19 +325,20 @@ pub struct OpenAiBody {
     open: usize,
     model: Range<usize>,
     stream_options: Option<Range<usize>>,
-    /// How the body bounds the completion's length.
-    limit: Limit,
+    /// Whether and how the body gives `max_tokens`.
+    max_tokens: Slot,
+    /// A negative `n_predict` (llama.cpp: no limit) at this span.
+    unbounded_n_predict: Option<Range<usize>>,
 }
 
-/// Whether a body bounds the completion's length, and where a `null`
-/// `max_tokens` sits (it is replaced, not shadowed by a second key).
+/// Whether a body gives `max_tokens`, and where a `null` one sits (it is
+/// replaced, not shadowed by a second key).
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Limit {
-    /// `max_tokens` or `max_completion_tokens` is a number.
+enum Slot {
+    /// A number.
     Given,
-    /// Neither is a number; `max_tokens` is absent.
     Absent,
-    /// Neither is a number; `max_tokens` is `null` at this span.
+    /// `null` at this span.
     Null(Range<usize>),
 }
 
@@ -268,29 +348,29 @@ impl OpenAiBody {
         &self.bytes
     }
 
-    /// Whether the body gives a numeric `max_tokens` or
-    /// `max_completion_tokens`.
-    pub fn has_limit(&self) -> bool {
-        self.limit == Limit::Given
-    }
-
     /// The body to send: `model` set to `backend_model`; with
     /// `force_usage`, `stream_options.include_usage` set to true (added
-    /// when absent); with `max_tokens`, that limit set when the body gives
-    /// none (so the backend cannot generate more than was reserved).
-    pub fn render(&self, backend_model: &str, force_usage: bool, max_tokens: Option<u64>) -> Bytes {
+    /// when absent); with `limit` (the completion tokens reserved a
+    /// choice, at least every length limit the body gives), `max_tokens`
+    /// set to it when the body gives no number there and a negative
+    /// `n_predict` replaced by it, so that no backend, whichever field it
+    /// reads first, can generate more than was reserved.
+    pub fn render(&self, backend_model: &str, force_usage: bool, limit: Option<u64>) -> Bytes {
         let b = &self.bytes[..];
         let model = serde_json::to_string(backend_model).expect("a string serialises");
         let mut edits: Vec<(Range<usize>, Vec<u8>)> =
             vec![(self.model.clone(), model.into_bytes())];
-        if let Some(n) = max_tokens {
-            match &self.limit {
-                Limit::Given => {}
-                Limit::Null(r) => edits.push((r.clone(), n.to_string().into_bytes())),
-                Limit::Absent => edits.push((
+        if let Some(n) = limit {
+            match &self.max_tokens {
+                Slot::Given => {}
+                Slot::Null(r) => edits.push((r.clone(), n.to_string().into_bytes())),
+                Slot::Absent => edits.push((
                     self.open + 1..self.open + 1,
                     format!(r#""max_tokens":{n},"#).into_bytes(),
                 )),
+            }
+            if let Some(r) = &self.unbounded_n_predict {
+                edits.push((r.clone(), n.to_string().into_bytes()));
             }
         }
         if force_usage {
@@ -345,28 +425,41 @@ impl<'de> Deserialize<'de> for Key<'de> {
     }
 }
 
+/// What a value is the value of, for the words of the message format.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Under {
+    Role,
+    Type,
+    Other,
+}
+
 /// Counts a prompt's size as it is parsed, without building the value:
-/// tokens are a quarter of its text bytes rounded up, plus one per number
-/// (token-id prompts). Text counts in strings directly in the prompt, in
-/// arrays, and under `content` and `text` keys (so a chat message's `role`
-/// does not); nesting deeper than 64 levels is not counted. The test
-/// backend reports prompt tokens by the same rule, so tests can assert
-/// exact accounting. `elements` counts the elements of the prompt itself
-/// when it is an array (a chat request's messages).
+/// every string a chat template may render counts its bytes, every number
+/// and boolean one token (token-id prompts, values in tool-call
+/// arguments). That is every string value at any depth, a `name`,
+/// tool-call ids, names and arguments included, and every object key,
+/// except the words of OpenAI's message format: [`FORMAT_KEYS`], and a
+/// `role` or `type` value from [`FORMAT_ROLES`] or [`FORMAT_TYPES`] (those
+/// are the template's own tokens, `prompt_tokens_per_message`). A value
+/// nested deeper than 64 levels counts its bytes as sent. The test backend
+/// reports prompt tokens by the same rule, so tests can assert exact
+/// accounting. `elements` counts the elements of the prompt itself when
+/// it is an array (a chat request's messages).
 struct Estimate<'a> {
     bytes: &'a mut u64,
     ids: &'a mut u64,
     elements: &'a mut u64,
     depth: u32,
-    /// Strings and numbers count here (false: only what is nested inside).
-    scalars: bool,
+    under: Under,
 }
 
 impl<'de> DeserializeSeed<'de> for Estimate<'_> {
     type Value = ();
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         if self.depth > 64 {
-            return IgnoredAny::deserialize(d).map(|_| ());
+            let raw = <&'de RawValue>::deserialize(d)?;
+            *self.bytes = self.bytes.saturating_add(raw.get().len() as u64);
+            return Ok(());
         }
         d.deserialize_any(self)
     }
@@ -378,15 +471,18 @@ impl<'de> Visitor<'de> for Estimate<'_> {
         f.write_str("any JSON value")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        if self.scalars {
+        let format_word = match self.under {
+            Under::Role => FORMAT_ROLES.contains(&v),
+            Under::Type => FORMAT_TYPES.contains(&v),
+            Under::Other => false,
+        };
+        if !format_word {
             *self.bytes += v.len() as u64;
         }
         Ok(())
     }
     fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        if self.scalars {
-            *self.ids += 1;
-        }
+        *self.ids += 1;
         Ok(())
     }
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
@@ -396,7 +492,7 @@ impl<'de> Visitor<'de> for Estimate<'_> {
         self.visit_u64(0)
     }
     fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
+        self.visit_u64(0)
     }
     fn visit_unit<E: de::Error>(self) -> Result<(), E> {
         Ok(())
@@ -408,7 +504,7 @@ impl<'de> Visitor<'de> for Estimate<'_> {
                 ids: &mut *self.ids,
                 elements: &mut *self.elements,
                 depth: self.depth + 1,
-                scalars: true,
+                under: Under::Other,
             })?
             .is_some()
         {
@@ -420,12 +516,19 @@ impl<'de> Visitor<'de> for Estimate<'_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<(), A::Error> {
         while let Some(Key(k)) = a.next_key::<Key<'de>>()? {
+            if !FORMAT_KEYS.contains(&&*k) {
+                *self.bytes += k.len() as u64;
+            }
             a.next_value_seed(Estimate {
                 bytes: &mut *self.bytes,
                 ids: &mut *self.ids,
                 elements: &mut *self.elements,
                 depth: self.depth + 1,
-                scalars: k == "content" || k == "text" || self.depth == 0,
+                under: match &*k {
+                    "role" => Under::Role,
+                    "type" => Under::Type,
+                    _ => Under::Other,
+                },
             })?;
         }
         Ok(())
@@ -446,11 +549,15 @@ struct Seen {
     stream_options: Option<(bool, Range<usize>)>,
     max_tokens: Option<(Option<u64>, Range<usize>)>,
     max_completion_tokens: Option<Option<u64>>,
+    max_new_tokens: Option<Option<u64>>,
+    min_tokens: Option<Option<u64>>,
+    /// `Err(span)`: negative (no limit, to be replaced).
+    n_predict: Option<Option<Result<u64, Range<usize>>>>,
     n: Option<Option<u64>>,
     best_of: Option<Option<u64>>,
     /// Text bytes, token ids and chat messages.
     prompt: Option<(u64, u64, u64)>,
-    /// Bytes of `tools` and `functions`.
+    /// Bytes of the [`TEMPLATE_FIELDS`].
     tools: u64,
 }
 
@@ -470,7 +577,7 @@ impl<'de> Visitor<'de> for Top {
                     ids: &mut ids,
                     elements: &mut elements,
                     depth: 0,
-                    scalars: true,
+                    under: Under::Other,
                 })?;
                 let messages = if self.prompt_field == "messages" {
                     elements
@@ -482,7 +589,7 @@ impl<'de> Visitor<'de> for Top {
                 }
                 continue;
             }
-            if k == "tools" || k == "functions" {
+            if TEMPLATE_FIELDS.contains(&&*k) {
                 let raw: &'de RawValue = a.next_value()?;
                 seen.tools = seen.tools.saturating_add(raw.get().len() as u64);
                 continue;
@@ -499,6 +606,12 @@ impl<'de> Visitor<'de> for Top {
             let v: Value = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
             let dup = match name {
                 "model" => match v {
+                    Value::String(s) if s.len() > MAX_MODEL_BYTES => {
+                        failed.get_or_insert_with(|| {
+                            ParseError::ModelTooLong(crate::error::reflect(&s).into_owned())
+                        });
+                        false
+                    }
                     Value::String(s) if !s.is_empty() => seen.model.replace((s, span)).is_some(),
                     _ => {
                         failed.get_or_insert(ParseError::Model);
@@ -533,17 +646,43 @@ impl<'de> Visitor<'de> for Top {
                     };
                     include.is_some_and(|i| seen.stream_options.replace((i, span)).is_some())
                 }
+                // llama.cpp reads `n_predict` before `max_tokens`; a
+                // negative one (-1: no limit) is replaced when forwarding.
+                "n_predict" => {
+                    let n = match &v {
+                        Value::Null => Some(None),
+                        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                            (Some(u), _) => Some(Some(Ok(u))),
+                            (None, Some(_)) => Some(Some(Err(span))),
+                            _ => None,
+                        },
+                        _ => None,
+                    };
+                    match n {
+                        Some(n) => seen.n_predict.replace(n).is_some(),
+                        None => {
+                            failed.get_or_insert(ParseError::Field("n_predict"));
+                            false
+                        }
+                    }
+                }
                 f => {
-                    let n = match v {
+                    let n = match &v {
                         Value::Null => Some(None),
                         Value::Number(n) => n.as_u64().map(Some),
                         _ => None,
                     };
                     match (n, f) {
                         (None, _) => {
-                            failed.get_or_insert(ParseError::Field(f));
+                            failed.get_or_insert(if matches!(v, Value::Number(_)) {
+                                ParseError::Count(f)
+                            } else {
+                                ParseError::Field(f)
+                            });
                             false
                         }
+                        (Some(n), "max_new_tokens") => seen.max_new_tokens.replace(n).is_some(),
+                        (Some(n), "min_tokens") => seen.min_tokens.replace(n).is_some(),
                         (Some(n), "max_tokens") => seen.max_tokens.replace((n, span)).is_some(),
                         (Some(n), "n") => seen.n.replace(n).is_some(),
                         (Some(n), "best_of") => seen.best_of.replace(n).is_some(),
@@ -562,13 +701,19 @@ impl<'de> Visitor<'de> for Top {
     }
 }
 
-/// The top-level fields the gateway reads (besides the prompt).
-const READ_FIELDS: [&str; 7] = [
+/// The top-level fields the gateway reads (besides the prompt): the
+/// length limits of OpenAI (`max_tokens`, `max_completion_tokens`),
+/// llama.cpp (`n_predict`), TGI-style servers (`max_new_tokens`) and
+/// vLLM (`min_tokens`) among them.
+const READ_FIELDS: [&str; 10] = [
     "model",
     "stream",
     "stream_options",
     "max_tokens",
     "max_completion_tokens",
+    "max_new_tokens",
+    "min_tokens",
+    "n_predict",
     "n",
     "best_of",
 ];
@@ -607,25 +752,40 @@ pub fn parse_openai(
         None => (false, None),
     };
     let max_tokens = seen.max_tokens.as_ref().and_then(|(n, _)| *n);
-    let max_completion = seen.max_completion_tokens.flatten();
-    let limit = match (&seen.max_tokens, max_tokens.or(max_completion)) {
-        (_, Some(_)) => Limit::Given,
-        (Some((None, r)), None) => Limit::Null(r.clone()),
-        _ => Limit::Absent,
+    let slot = match &seen.max_tokens {
+        Some((Some(_), _)) => Slot::Given,
+        Some((None, r)) => Slot::Null(r.clone()),
+        None => Slot::Absent,
     };
+    let (n_predict, unbounded_n_predict) = match seen.n_predict.flatten() {
+        Some(Ok(n)) => (Some(n), None),
+        Some(Err(r)) => (None, Some(r)),
+        None => (None, None),
+    };
+    let longest = [
+        max_tokens,
+        seen.max_completion_tokens.flatten(),
+        seen.max_new_tokens.flatten(),
+        n_predict,
+    ]
+    .into_iter()
+    .flatten()
+    .max();
     Ok((
         OpenAiBody {
             bytes: body.clone(),
             open: open.unwrap_or(0),
             model: model_span,
             stream_options,
-            limit,
+            max_tokens: slot,
+            unbounded_n_predict,
         },
         OpenAiRequest {
             model,
             stream,
             include_usage,
-            max_tokens: max_tokens.max(max_completion),
+            max_tokens: longest,
+            min_tokens: seen.min_tokens.flatten(),
             choices: seen
                 .n
                 .flatten()
@@ -653,28 +813,30 @@ mod tests {
     /// The estimate rule over a built JSON value: the reference the
     /// streaming count is checked against.
     fn estimate_tokens(v: &Value) -> u64 {
-        fn walk(v: &Value, bytes: &mut u64, ids: &mut u64, depth: u32) {
+        fn walk(v: &Value, key: &str, bytes: &mut u64, ids: &mut u64, depth: u32) {
             if depth > 64 {
+                *bytes += serde_json::to_string(v).expect("json").len() as u64;
                 return;
             }
             match v {
+                Value::String(s) if key == "role" && FORMAT_ROLES.contains(&s.as_str()) => {}
+                Value::String(s) if key == "type" && FORMAT_TYPES.contains(&s.as_str()) => {}
                 Value::String(s) => *bytes += s.len() as u64,
-                Value::Number(_) => *ids += 1,
-                Value::Array(a) => a.iter().for_each(|x| walk(x, bytes, ids, depth + 1)),
+                Value::Number(_) | Value::Bool(_) => *ids += 1,
+                Value::Array(a) => a.iter().for_each(|x| walk(x, "", bytes, ids, depth + 1)),
                 Value::Object(o) => {
                     for (k, x) in o {
-                        if k == "content" || k == "text" || depth == 0 {
-                            walk(x, bytes, ids, depth + 1);
-                        } else if let Value::Array(_) | Value::Object(_) = x {
-                            walk(x, bytes, ids, depth + 1);
+                        if !FORMAT_KEYS.contains(&k.as_str()) {
+                            *bytes += k.len() as u64;
                         }
+                        walk(x, k, bytes, ids, depth + 1);
                     }
                 }
-                _ => {}
+                Value::Null => {}
             }
         }
         let (mut bytes, mut ids) = (0, 0);
-        walk(v, &mut bytes, &mut ids, 0);
+        walk(v, "", &mut bytes, &mut ids, 0);
         bytes.div_ceil(4) + ids
     }
 
@@ -731,6 +893,7 @@ mod tests {
                 stream: true,
                 include_usage: false,
                 max_tokens: Some(10),
+                min_tokens: None,
                 choices: 1,
                 prompt: PromptSize {
                     text_bytes: 8,
@@ -777,8 +940,20 @@ mod tests {
                 &Bytes::from_static(br#"{"model":"m","max_tokens":-1}"#),
                 "messages"
             ),
-            Err(ParseError::Field("max_tokens"))
+            Err(ParseError::Count("max_tokens"))
         );
+        // A model name is at most 256 bytes; the error does not repeat it.
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_BYTES + 1));
+        let e = parse_openai(&body(&long), "messages").expect_err("too long");
+        assert!(
+            matches!(&e, ParseError::ModelTooLong(s) if s.ends_with("… (257 bytes)")),
+            "{e}"
+        );
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(1 << 20));
+        let e = parse_openai(&body(&long), "messages").expect_err("too long");
+        assert!(e.to_string().len() < 2 * MAX_MODEL_BYTES, "{e}");
+        let ok = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_BYTES));
+        assert!(parse_openai(&body(&ok), "messages").is_ok());
     }
 
     fn body(s: &str) -> Bytes {
@@ -793,8 +968,8 @@ mod tests {
             r#"{"model":"m","max_tokens":5,"max_completion_tokens":9}"#,
             r#"{"model":"m","max_completion_tokens":9,"max_tokens":5}"#,
         ] {
-            let (b, r) = parse(src, "messages");
-            assert_eq!((r.max_tokens, r.choices, b.has_limit()), (Some(9), 1, true));
+            let (_, r) = parse(src, "messages");
+            assert_eq!((r.max_tokens, r.choices), (Some(9), 1));
         }
         // n and best_of multiply; 0 and null count as one.
         for (src, want) in [
@@ -813,7 +988,8 @@ mod tests {
             parse_openai(&body(r#"{"model":"m","n":1,"n":9}"#), "messages"),
             Err(ParseError::Duplicate("n"))
         );
-        // Tools and functions count by a quarter of their bytes as sent.
+        // The fields a template renders count by a quarter of their bytes
+        // as sent.
         let tools = r#"[{"type":"function","function":{"name":"get_weather"}}]"#;
         let src = format!(
             r#"{{"model":"m","messages":[{{"role":"user","content":"1234"}}],"tools":{tools},"functions":[]}}"#
@@ -846,10 +1022,61 @@ mod tests {
         let (_, r) = parse(&many, "messages");
         assert_eq!(r.prompt_tokens(1, u64::MAX), u64::MAX, "saturates");
 
-        // Without a limit, rendering sets max_tokens: inserted when absent,
-        // replacing a null, left alone when either limit is given.
+        // Every string a template renders counts: a message's name,
+        // tool-call ids, names and arguments, a role of its own, keys
+        // outside the format's words; the format's words do not.
+        let big = "x".repeat(1000);
+        for (message, counted) in [
+            (
+                serde_json::json!({"role": "user", "content": "ab", "name": big}),
+                1002,
+            ),
+            (
+                serde_json::json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": big, "type": "function", "function": {"name": "f", "arguments": big}}
+                ]}),
+                2001,
+            ),
+            (
+                serde_json::json!({"role": "tool", "tool_call_id": big, "content": "ab"}),
+                1002,
+            ),
+            (serde_json::json!({"role": big, "content": "ab"}), 1002),
+            (serde_json::json!({"role": "user", "type": big}), 1000),
+            // Arguments as an object: its keys, strings and numbers.
+            (
+                serde_json::json!({"role": "assistant", "tool_calls": [{"function": {"arguments": {big.clone(): 1, "b": true}}}]}),
+                1001 + 2,
+            ),
+            (
+                serde_json::json!({"role": "user", "content": "ab", big.clone(): "cd"}),
+                1004,
+            ),
+        ] {
+            let src = serde_json::json!({"model": "m", "messages": [message]}).to_string();
+            let (_, r) = parse(&src, "messages");
+            let ids = r.prompt.ids;
+            assert_eq!(r.prompt.text_bytes + ids, counted, "{src}");
+            assert_eq!(r.prompt_tokens(1, 0), counted, "{src}");
+        }
+        // Nesting deeper than 64 levels counts the bytes as sent.
+        let deep = format!("{}\"{big}\"{}", "[".repeat(70), "]".repeat(70));
+        let src = format!(r#"{{"model":"m","messages":{deep}}}"#);
+        let (_, r) = parse(&src, "messages");
+        assert!(r.prompt.text_bytes >= 1000, "{:?}", r.prompt);
+        // The other fields a template renders count as sent.
+        let src = format!(
+            r#"{{"model":"m","documents":[{{"text":"{big}"}}],"chat_template":"{big}","chat_template_kwargs":{{"k":"{big}"}}}}"#
+        );
+        let (_, r) = parse(&src, "messages");
+        assert!(r.prompt.tools_bytes > 3000, "{:?}", r.prompt);
+
+        // Rendering with the limit reserved a choice sets max_tokens when
+        // it is not a number: inserted when absent, replacing a null (a
+        // server that reads only max_tokens, as llama.cpp does besides
+        // n_predict, is bound too), left alone when given.
         let (b, r) = parse(r#"{"model":"m","messages":[]}"#, "messages");
-        assert_eq!((r.max_tokens, b.has_limit()), (None, false));
+        assert_eq!(r.max_tokens, None);
         let v: Value = serde_json::from_slice(&b.render("b", false, Some(7))).expect("json");
         assert_eq!(
             v,
@@ -864,15 +1091,84 @@ mod tests {
             std::str::from_utf8(&out).expect("utf8"),
             r#"{"stream_options":{"include_usage":true},"model":"b","max_tokens":7,"max_completion_tokens":null}"#
         );
-        for src in [
-            r#"{"model":"m","max_tokens":3}"#,
-            r#"{"model":"m","max_tokens":null,"max_completion_tokens":3}"#,
+        for (src, limit, want) in [
+            (
+                r#"{"model":"m","max_tokens":3}"#,
+                3,
+                r#"{"model":"b","max_tokens":3}"#,
+            ),
+            (
+                r#"{"model":"m","max_tokens":null,"max_completion_tokens":3}"#,
+                3,
+                r#"{"model":"b","max_tokens":3,"max_completion_tokens":3}"#,
+            ),
+            (
+                r#"{"model":"m","max_completion_tokens":3}"#,
+                3,
+                r#"{"max_tokens":3,"model":"b","max_completion_tokens":3}"#,
+            ),
+            // llama.cpp's n_predict: -1 (no limit) becomes the limit; a
+            // number counts like max_tokens.
+            (
+                r#"{"model":"m","n_predict":-1}"#,
+                7,
+                r#"{"max_tokens":7,"model":"b","n_predict":7}"#,
+            ),
+            (
+                r#"{"model":"m","n_predict":-2,"max_tokens":4}"#,
+                4,
+                r#"{"model":"b","n_predict":4,"max_tokens":4}"#,
+            ),
+            (
+                r#"{"model":"m","n_predict":40,"max_tokens":4}"#,
+                40,
+                r#"{"model":"b","n_predict":40,"max_tokens":4}"#,
+            ),
+            (
+                r#"{"model":"m","max_new_tokens":40}"#,
+                40,
+                r#"{"max_tokens":40,"model":"b","max_new_tokens":40}"#,
+            ),
         ] {
-            let (b, _) = parse(src, "messages");
-            let v: Value = serde_json::from_slice(&b.render("b", false, Some(7))).expect("json");
-            let mut want: Value = serde_json::from_str(src).expect("json");
-            want["model"] = "b".into();
-            assert_eq!(v, want, "{src}");
+            let (b, r) = parse(src, "messages");
+            assert_eq!(r.max_tokens.unwrap_or(limit), limit, "{src}");
+            let out = b.render("b", false, Some(limit));
+            assert_eq!(std::str::from_utf8(&out).expect("utf8"), want, "{src}");
+        }
+        // The largest length limit is the one reserved, whichever a
+        // server reads; min_tokens is read for the gateway to check.
+        let (_, r) = parse(
+            r#"{"model":"m","max_tokens":5,"n_predict":11,"max_new_tokens":9,"min_tokens":2}"#,
+            "messages",
+        );
+        assert_eq!((r.max_tokens, r.min_tokens), (Some(11), Some(2)));
+        for (src, e) in [
+            (
+                r#"{"model":"m","max_new_tokens":-1}"#,
+                ParseError::Count("max_new_tokens"),
+            ),
+            (
+                r#"{"model":"m","min_tokens":1.5}"#,
+                ParseError::Count("min_tokens"),
+            ),
+            (
+                r#"{"model":"m","n_predict":"all"}"#,
+                ParseError::Field("n_predict"),
+            ),
+            (
+                r#"{"model":"m","n_predict":1.5}"#,
+                ParseError::Field("n_predict"),
+            ),
+            (
+                r#"{"model":"m","n_predict":1,"n_predict":-1}"#,
+                ParseError::Duplicate("n_predict"),
+            ),
+            (
+                r#"{"model":"m","max_new_tokens":1,"max_new_tokens":9}"#,
+                ParseError::Duplicate("max_new_tokens"),
+            ),
+        ] {
+            assert_eq!(parse_openai(&body(src), "messages"), Err(e), "{src}");
         }
         assert_eq!(
             parse_openai(
@@ -965,6 +1261,8 @@ mod tests {
                 .prop_filter("finite", |f| f.is_finite())
                 .prop_map(Value::from),
             "\\PC{0,12}".prop_map(Value::from),
+            prop_oneof![Just("user"), Just("tool"), Just("text"), Just("function")]
+                .prop_map(Value::from),
         ];
         leaf.prop_recursive(6, 48, 6, |inner| {
             prop_oneof![
@@ -975,6 +1273,9 @@ mod tests {
                             Just("content".to_owned()),
                             Just("text".to_owned()),
                             Just("role".to_owned()),
+                            Just("type".to_owned()),
+                            Just("name".to_owned()),
+                            Just("arguments".to_owned()),
                             "[a-z]{1,6}"
                         ],
                         inner

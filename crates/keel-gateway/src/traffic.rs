@@ -28,14 +28,14 @@ pub struct Backend {
 }
 
 impl Backend {
-    pub fn new(url: BackendUrl, cfg: CircuitConfig) -> Self {
+    pub fn new(url: BackendUrl, cfg: &CircuitConfig) -> Self {
         Self {
             url,
             healthy: AtomicBool::new(true),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
             probing: AtomicBool::new(false),
-            circuit: Mutex::new(Circuit::new(cfg)),
+            circuit: Mutex::new(Circuit::new(cfg.clone())),
         }
     }
 
@@ -52,8 +52,21 @@ impl Backend {
         self.circuit().allow(now)
     }
 
-    pub fn record(&self, now: Instant, ok: bool, retry_after: Option<Duration>, permit: Permit) {
-        self.circuit().record(now, ok, retry_after, permit);
+    /// Counts one attempt's result for `who` (the caller's identity).
+    pub fn record(
+        &self,
+        now: Instant,
+        ok: bool,
+        retry_after: Option<Duration>,
+        permit: Permit,
+        who: &Arc<str>,
+    ) {
+        self.circuit().record(now, ok, retry_after, permit, who);
+    }
+
+    /// Whether an answer with this status counts against the circuit.
+    pub fn is_failure(&self, status: u16) -> bool {
+        self.circuit().is_failure(status)
     }
 
     /// When an open circuit lets a trial through again.
@@ -102,16 +115,27 @@ enum CState {
     HalfOpen { trial_out: bool },
 }
 
-/// A circuit breaker: failures over a sliding window of one-second
-/// buckets; open for `trip_s` (or longer if the backend said Retry-After)
-/// once at least `min_requests` were seen and the failure ratio reached
-/// `failure_ratio`; then one trial request decides between closed and open.
+/// A circuit breaker: failures (connection errors, timeouts and the
+/// statuses in `failure_statuses`) over a sliding window of one-second
+/// buckets; open for `trip_s` once at least `min_requests` were seen and
+/// the failure ratio reached `failure_ratio`, or at once for as long as a
+/// failure's `Retry-After` says (up to `max_retry_after_s`); in either
+/// case only when the failures in the window came from at least
+/// `min_identities` callers, so that one caller's input cannot open it for
+/// everyone. Then one trial request decides between closed and open.
 #[derive(Debug)]
 pub struct Circuit {
     cfg: CircuitConfig,
     state: CState,
     buckets: VecDeque<(Instant, u32, u32)>,
+    /// Callers whose requests failed, with their last failure, newest
+    /// last; at most `MAX_FAILING` of them.
+    failing: VecDeque<(Arc<str>, Instant)>,
 }
+
+/// How many failing callers a circuit remembers (at least the most
+/// `min_identities` allows).
+const MAX_FAILING: usize = 16;
 
 /// What let a request through a circuit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +152,28 @@ impl Circuit {
             cfg,
             state: CState::Closed,
             buckets: VecDeque::new(),
+            failing: VecDeque::new(),
         }
+    }
+
+    /// Whether an answer with this status counts as a failure.
+    pub fn is_failure(&self, status: u16) -> bool {
+        self.cfg.failure_statuses.contains(&status)
+    }
+
+    /// Notes `who` failed now; returns how many callers failed within the
+    /// window.
+    fn failed_by(&mut self, now: Instant, who: &Arc<str>, window: Duration) -> usize {
+        if let Some(i) = self.failing.iter().position(|(w, _)| w == who) {
+            self.failing.remove(i);
+        }
+        self.failing.push_back((who.clone(), now));
+        while self.failing.len() > MAX_FAILING {
+            self.failing.pop_front();
+        }
+        self.failing
+            .retain(|(_, t)| now.saturating_duration_since(*t) < window);
+        self.failing.len()
     }
 
     pub fn allow(&mut self, now: Instant) -> Option<Permit> {
@@ -156,10 +201,11 @@ impl Circuit {
         ok: bool,
         retry_after: Option<Duration>,
         permit: Permit,
+        who: &Arc<str>,
     ) {
         let trip = Duration::from_secs_f64(self.cfg.trip_s);
-        let open_for =
-            |ra: Option<Duration>| trip.max(ra.unwrap_or_default().min(Duration::from_secs(300)));
+        let most = Duration::from_secs_f64(self.cfg.max_retry_after_s);
+        let open_for = |ra: Option<Duration>| trip.max(ra.unwrap_or_default().min(most));
         match self.state {
             CState::HalfOpen { .. } if permit == Permit::Closed => return,
             CState::HalfOpen { .. } => {
@@ -195,6 +241,10 @@ impl Circuit {
             _ => self.buckets.push_back((now, ok as u32, (!ok) as u32)),
         }
         if ok {
+            return;
+        }
+        let callers = self.failed_by(now, who, window);
+        if callers < self.cfg.min_identities as usize {
             return;
         }
         // A backend that says when to come back is believed at once.
@@ -385,7 +435,7 @@ impl Traffic {
                             .unwrap_or_else(|| {
                                 Arc::new(Backend::new(
                                     BackendUrl::parse(&d.url).expect("validated"),
-                                    cfg.traffic.circuit,
+                                    &cfg.traffic.circuit,
                                 ))
                             })
                     })
@@ -442,11 +492,13 @@ impl Traffic {
         rng: &Rng,
     ) -> Result<Vec<Candidate>, String> {
         if let Some(p) = pin {
-            let d = model
-                .all
-                .iter()
-                .find(|d| *d.name == *p)
-                .ok_or_else(|| format!("model {:?} has no deployment {p:?}", model.name))?;
+            let d = model.all.iter().find(|d| *d.name == *p).ok_or_else(|| {
+                format!(
+                    "model {:?} has no deployment {:?}",
+                    model.name,
+                    crate::error::reflect(p)
+                )
+            })?;
             return Ok(vec![Candidate {
                 model: model.name.clone(),
                 model_header: model.name_header.clone(),
@@ -512,7 +564,13 @@ mod tests {
             min_requests: 4,
             failure_ratio: 0.5,
             trip_s: 5.0,
+            min_identities: 1,
+            ..CircuitConfig::default()
         }
+    }
+
+    fn who(name: &str) -> Arc<str> {
+        Arc::from(name)
     }
 
     use Permit::{Closed, Trial};
@@ -523,24 +581,24 @@ mod tests {
         let mut c = Circuit::new(cfg());
         for i in 0..3 {
             assert_eq!(c.allow(t0), Some(Closed));
-            c.record(t0, i == 0, None, Closed);
+            c.record(t0, i == 0, None, Closed, &who("a"));
         }
         assert_eq!(
             c.state_name(t0),
             "closed",
             "3 requests are below min_requests"
         );
-        c.record(t0, false, None, Closed);
+        c.record(t0, false, None, Closed, &who("a"));
         assert_eq!(c.state_name(t0), "open");
         assert_eq!(c.allow(t0 + Duration::from_secs(4)), None);
         let t5 = t0 + Duration::from_secs(5);
         assert_eq!(c.allow(t5), Some(Trial), "one trial after the trip");
         assert_eq!(c.allow(t5), None, "only one");
-        c.record(t5, false, None, Trial);
+        c.record(t5, false, None, Trial, &who("a"));
         assert_eq!(c.allow(t5 + Duration::from_secs(1)), None);
         let t10 = t5 + Duration::from_secs(5);
         assert_eq!(c.allow(t10), Some(Trial));
-        c.record(t10, true, None, Trial);
+        c.record(t10, true, None, Trial, &who("a"));
         assert_eq!(c.state_name(t10), "closed");
         assert_eq!(c.allow(t10), Some(Closed));
     }
@@ -549,26 +607,75 @@ mod tests {
     fn only_the_trial_decides_or_frees_a_half_open_circuit() {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
-        c.record(t0, false, Some(Duration::from_secs(5)), Closed);
+        c.record(t0, false, Some(Duration::from_secs(5)), Closed, &who("a"));
         let t5 = t0 + Duration::from_secs(5);
         assert_eq!(c.allow(t5), Some(Trial));
         // A request let through before the trip ends while the trial is out:
         // neither its success nor its failure decides.
-        c.record(t5, true, None, Closed);
-        c.record(t5, false, None, Closed);
+        c.record(t5, true, None, Closed, &who("a"));
+        c.record(t5, false, None, Closed, &who("a"));
         assert_eq!(c.state_name(t5), "half-open");
         assert_eq!(c.allow(t5), None, "the trial is still out");
-        c.record(t5, true, None, Trial);
+        c.record(t5, true, None, Trial, &who("a"));
         assert_eq!(c.state_name(t5), "closed");
     }
 
     #[test]
-    fn retry_after_is_honoured() {
+    fn retry_after_is_honoured_up_to_its_cap() {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
-        c.record(t0, false, Some(Duration::from_secs(30)), Closed);
+        c.record(t0, false, Some(Duration::from_secs(20)), Closed, &who("a"));
+        assert_eq!(c.allow(t0 + Duration::from_secs(19)), None);
+        assert_eq!(c.allow(t0 + Duration::from_secs(20)), Some(Trial));
+        // 300 s asked for, 30 s (max_retry_after_s) kept.
+        let mut c = Circuit::new(cfg());
+        c.record(t0, false, Some(Duration::from_secs(300)), Closed, &who("a"));
         assert_eq!(c.allow(t0 + Duration::from_secs(29)), None);
         assert_eq!(c.allow(t0 + Duration::from_secs(30)), Some(Trial));
+    }
+
+    #[test]
+    fn one_callers_failures_do_not_open_the_circuit_alone() {
+        let t0 = Instant::now();
+        let cfg = CircuitConfig {
+            min_identities: 2,
+            ..cfg()
+        };
+        let mut c = Circuit::new(cfg.clone());
+        for _ in 0..20 {
+            c.record(t0, false, None, Closed, &who("mallory"));
+        }
+        c.record(
+            t0,
+            false,
+            Some(Duration::from_secs(10)),
+            Closed,
+            &who("mallory"),
+        );
+        assert_eq!(c.state_name(t0), "closed", "one caller, however often");
+        c.record(t0, false, None, Closed, &who("alice"));
+        assert_eq!(c.state_name(t0), "open", "two callers failed");
+        // A second caller's failure that has left the window does not count.
+        let mut c = Circuit::new(cfg.clone());
+        c.record(t0, false, None, Closed, &who("alice"));
+        let later = t0 + Duration::from_secs(10);
+        for _ in 0..5 {
+            c.record(later, false, None, Closed, &who("mallory"));
+        }
+        assert_eq!(c.state_name(later), "closed");
+        // Which answers count is configured; 500 and 429 are not by default.
+        assert!(c.is_failure(503) && c.is_failure(502) && c.is_failure(504));
+        assert!(!c.is_failure(500) && !c.is_failure(429));
+        let mut c = Circuit::new(CircuitConfig {
+            min_identities: 16,
+            ..cfg
+        });
+        for i in 0..15 {
+            c.record(t0, false, None, Closed, &who(&format!("caller-{i}")));
+        }
+        assert_eq!(c.state_name(t0), "closed");
+        c.record(t0, false, None, Closed, &who("caller-15"));
+        assert_eq!(c.state_name(t0), "open", "16 callers");
     }
 
     #[test]
@@ -576,10 +683,10 @@ mod tests {
         let t0 = Instant::now();
         let mut c = Circuit::new(cfg());
         for _ in 0..3 {
-            c.record(t0, false, None, Closed);
+            c.record(t0, false, None, Closed, &who("a"));
         }
         let later = t0 + Duration::from_secs(11);
-        c.record(later, false, None, Closed);
+        c.record(later, false, None, Closed, &who("a"));
         assert_eq!(c.state_name(later), "closed");
     }
 

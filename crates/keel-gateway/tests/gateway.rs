@@ -251,6 +251,71 @@ fn bad_requests_are_4xx_slow_clients_time_out_and_the_gateway_stays_up() {
 }
 
 #[test]
+fn refusals_count_against_the_request_limit_and_reflected_input_is_cut_short() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits.default]\nrequests_per_minute = 4\n",
+    )
+    .replace("[server]", "[server]\nmax_body_bytes = 5000000");
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    // A 4 MiB model name: 400, repeating 256 bytes of it and its length.
+    let huge = "m".repeat(4 << 20);
+    let r = g.chat(&user, json!({"model": huge, "messages": []}));
+    assert_eq!(r.status, 400);
+    assert!(r.body.len() < 1024, "{} bytes", r.body.len());
+    assert!(r.text().contains("… (4194304 bytes)"), "{}", r.text());
+    // A pin header naming no deployment is cut short too.
+    let pin = "d".repeat(8000);
+    let r = g.chat_with(&ops, chat_body("chat"), &[("x-keel-deployment", &pin)]);
+    assert_eq!(r.status, 400);
+    assert!(r.body.len() < 1024, "{} bytes", r.body.len());
+    // Refusals count one request each: the 400 above and two denials use
+    // three of the user's four.
+    for left in ["2", "1"] {
+        let r = g.chat(&user, chat_body("nope"));
+        assert_eq!(r.status, 403, "{}", r.text());
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), Some(left));
+    }
+    assert_eq!(g.chat(&user, chat_body("chat")).status, 200);
+    for body in [chat_body("chat"), chat_body("nope")] {
+        let r = g.chat(&user, body);
+        assert_eq!(
+            r.status,
+            429,
+            "refused once the budget is used: {}",
+            r.text()
+        );
+    }
+    // Unknown models and routes count too: the pin's 400 and three more.
+    for _ in 0..2 {
+        assert_eq!(g.chat(&ops, chat_body("nope")).status, 404);
+    }
+    assert_eq!(
+        http::get(g.public, "/v1/nope", &ops).expect("r").status,
+        404
+    );
+    assert_eq!(g.chat(&ops, chat_body("chat")).status, 429);
+    assert_eq!(b.count("/v1/chat/completions"), 1);
+    let audit = g.stop();
+    for e in &audit {
+        let line = e.to_string();
+        assert!(line.len() < 4096, "{} bytes: {:.200}", line.len(), line);
+    }
+    assert_eq!(
+        audit
+            .iter()
+            .filter(|e| e["reason"] == "rate_limited")
+            .count(),
+        3
+    );
+}
+
+#[test]
 fn chat_plain_and_streaming_with_exact_token_accounting() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--tokens", "16"]);
@@ -306,7 +371,7 @@ fn chat_plain_and_streaming_with_exact_token_accounting() {
     assert_eq!(r.status, 403, "role user may not embed");
     std::thread::sleep(Duration::from_millis(200));
     let u = g.usage(&format!("key:{id}"));
-    assert_eq!(u["requests"], 3);
+    assert_eq!(u["requests"], 4, "three served, and the refused embedding");
     assert_eq!(u["tokens"], 30, "every request settled to its usage");
     let m = g.metrics_text();
     assert!(m.contains(&format!("keel_tokens_total{{direction=\"out\",model=\"chat\",deployment=\"blue\",key=\"{id}\"}} 24")), "{m}");
@@ -469,6 +534,122 @@ fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
 }
 
 #[test]
+fn every_length_field_a_backend_reads_is_bound_by_the_reservation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Unbounded, each would generate 5000 tokens: llama.cpp's server reads
+    // n_predict (-1: no limit), then max_tokens, and ignores
+    // max_completion_tokens; a TGI-style one reads max_new_tokens first.
+    let llama = TestBackend::start(&[
+        "--tokens",
+        "5000",
+        "--length-fields",
+        "n_predict,max_tokens",
+    ]);
+    let tgi = TestBackend::start(&[
+        "--tokens",
+        "5000",
+        "--length-fields",
+        "max_new_tokens,max_tokens",
+    ]);
+    let cfg = format!(
+        "{}[limits]\ndefault_max_tokens = 16\n[limits.default]\ntokens_per_minute = 1000\n{}{}",
+        head(dir.path()),
+        model("chat", "", &[("llama", llama.url(), 1)]),
+        model("small", "", &[("tgi", tgi.url(), 1)]),
+    );
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let send = |model: &str, extra: Value| {
+        let mut body =
+            json!({"model": model, "messages": [{"role": "user", "content": "12345678"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        g.chat(&key, body)
+    };
+    let completion = |r: HttpResponse| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["usage"]["completion_tokens"].as_u64()
+    };
+    // No limit for llama.cpp: keel sends the 16 it reserved instead.
+    assert_eq!(completion(send("chat", json!({"n_predict": -1}))), Some(16));
+    // A limit llama.cpp does not read: max_tokens goes with it.
+    assert_eq!(
+        completion(send("chat", json!({"max_completion_tokens": 20}))),
+        Some(20)
+    );
+    assert_eq!(
+        completion(send("small", json!({"max_new_tokens": 30}))),
+        Some(30)
+    );
+    // Whichever field asks for more than the key has left, it is reserved
+    // and refused, not generated.
+    for (model, field) in [("chat", "n_predict"), ("small", "max_new_tokens")] {
+        let r = send(model, json!({field: 2000, "max_tokens": 10}));
+        assert_eq!(r.status, 429, "{field}: {}", r.text());
+    }
+    // vLLM's min_tokens above the limit is refused.
+    let r = send("chat", json!({"max_tokens": 10, "min_tokens": 100}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("min_tokens")));
+    let r = send("small", json!({"max_new_tokens": -1}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(
+        g.usage(&format!("key:{id}"))["tokens"],
+        (2 + 16) + (2 + 20) + (2 + 30),
+        "charged what was generated, never more than reserved"
+    );
+    g.stop();
+}
+
+#[test]
+fn every_string_a_chat_template_renders_is_reserved() {
+    // 100 KB outside content and text: reserved at 1 byte a token, so a
+    // key with 50,000 tokens a minute is refused before the backend
+    // renders it.
+    let big = "x".repeat(100_000);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--tokens", "8"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "[limits]\nprompt_bytes_per_token = 1\n[limits.default]\ntokens_per_minute = 50000\n",
+    )
+    .replace("[server]", "[server]\nmax_body_bytes = 1000000");
+    let (id, key) = add_key(dir.path(), "u", &["user"], None);
+    let g = Running::start(dir.path(), &cfg);
+    for messages in [
+        json!([{"role": "user", "content": "hi", "name": big}]),
+        json!([{"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": big}}
+        ]}]),
+        json!([{"role": "tool", "tool_call_id": big, "content": "hi"}]),
+        json!([{"role": big, "content": "hi"}]),
+    ] {
+        let r = g.chat(
+            &key,
+            json!({"model": "chat", "messages": messages, "max_tokens": 8}),
+        );
+        let shown: String = messages.to_string().chars().take(80).collect();
+        assert_eq!(r.status, 429, "{shown}: {}", r.text());
+    }
+    assert_eq!(b.count("/v1/chat/completions"), 0, "none forwarded");
+    // A small one is admitted and settled to what the backend counts by
+    // the same rule at its 4 bytes a token: (2 content + 10 name) / 4,
+    // and 8.
+    let r = g.chat(
+        &key,
+        json!({"model": "chat", "messages": [{"role": "user", "content": "hi", "name": "abcdefghij"}], "max_tokens": 8}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 3);
+    assert_eq!(g.usage(&format!("key:{id}"))["tokens"], 11);
+    g.stop();
+}
+
+#[test]
 fn the_prompt_reservation_follows_bytes_per_token_and_tokens_per_message() {
     // One 200-byte message with max_tokens 10: 50 + 10 reserved at 4 bytes
     // a token, 200 + 10 at 1; with 4 tokens a message (one message, and
@@ -620,11 +801,112 @@ fn weights_hold_within_tolerance_and_the_pin_header_is_honoured() {
         let r = g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "green")]);
         assert_eq!(r.header("x-keel-deployment"), Some("green"));
     }
+    // A name outside the split needs the pin operation: 403 for the user
+    // role, whether or not it exists.
     assert_eq!(
         g.chat_with(&key, chat_body("chat"), &[("x-keel-deployment", "nope")])
             .status,
-        400
+        403
     );
+    g.stop();
+}
+
+#[test]
+fn pinning_a_deployment_outside_the_split_needs_the_pin_operation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blue = TestBackend::start(&["--name", "blue"]);
+    let dark = TestBackend::start(&["--name", "dark"]);
+    let shadow = TestBackend::start(&["--name", "shadow"]);
+    let cfg = format!(
+        "{}[roles.tester]\nmodels = [\"chat\"]\noperations = [\"chat\", \"pin\"]\n{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "mirror = { deployment = \"shadow\", percent = 0 }",
+            &[
+                ("blue", blue.url(), 1),
+                ("dark", dark.url(), 0),
+                ("shadow", shadow.url(), 1)
+            ]
+        )
+    );
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, tester) = add_key(dir.path(), "t", &["tester"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    let pin = |key: &str, d: &str| g.chat_with(key, chat_body("chat"), &[("x-keel-deployment", d)]);
+    // A deployment in the split: anyone who may use the model.
+    let r = pin(&user, "blue");
+    assert_eq!(
+        (r.status, r.header("x-keel-deployment")),
+        (200, Some("blue"))
+    );
+    // Weight 0, the mirror target, or no such name: 403 without `pin`, and
+    // the same answer for each, so nothing is learnt about what exists.
+    let mut messages = Vec::new();
+    for d in ["dark", "shadow", "nope"] {
+        let r = pin(&user, d);
+        assert_eq!(r.status, 403, "{d}: {}", r.text());
+        assert_eq!(r.json()["error"]["type"], "permission_error");
+        let m = r.json()["error"]["message"]
+            .as_str()
+            .expect("message")
+            .to_owned();
+        assert!(m.contains("`pin`"), "{m}");
+        messages.push(m.replace(&format!("{d:?}"), "D"));
+    }
+    assert!(messages.windows(2).all(|w| w[0] == w[1]), "{messages:?}");
+    assert_eq!(dark.count("/v1/chat/completions"), 0);
+    // With `pin` (or "*"): served there; an unknown name is then 400.
+    for key in [&tester, &ops] {
+        let r = pin(key, "dark");
+        assert_eq!(
+            (r.status, r.header("x-keel-deployment")),
+            (200, Some("dark"))
+        );
+        assert_eq!(pin(key, "nope").status, 400);
+    }
+    assert_eq!(dark.count("/v1/chat/completions"), 2);
+    let audit = g.stop();
+    assert_eq!(
+        audit
+            .iter()
+            .filter(|e| e["event"] == "denied" && e["reason"] == "forbidden")
+            .count(),
+        3
+    );
+}
+
+#[test]
+fn fallback_skips_models_the_callers_roles_do_not_allow() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut primary = TestBackend::start(&["--name", "primary"]);
+    let secret = TestBackend::start(&["--name", "secret"]);
+    let cfg = format!(
+        "{}{}{}",
+        head(dir.path()),
+        model(
+            "chat",
+            "fallback = [\"secret\"]",
+            &[("big", primary.url(), 1)]
+        ),
+        model("secret", "", &[("s", secret.url(), 1)])
+    );
+    let (_, user) = add_key(dir.path(), "u", &["user"], None);
+    let (_, ops) = add_key(dir.path(), "o", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    primary.kill();
+    // The user role may use chat, not secret: no fallback, and no header
+    // naming it.
+    let r = g.chat(&user, chat_body("chat"));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-keel-model"), None);
+    assert!(!r.text().contains("secret"), "{}", r.text());
+    assert_eq!(secret.count("/v1/chat/completions"), 0);
+    // A caller allowed both is served by the fallback.
+    let r = g.chat(&ops, chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-keel-model"), Some("secret"));
     g.stop();
 }
 
@@ -670,27 +952,40 @@ fn fallback_serves_when_the_primary_is_killed_and_503_when_nothing_can() {
 }
 
 #[test]
-fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
+fn circuit_opens_on_unavailable_from_two_callers_for_a_capped_retry_after_and_closes_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let b = TestBackend::start(&["--mode", "error"]);
     let cfg = one_backend(dir.path(), &b, "").replace(
         "[traffic]\nretries = 2",
-        "[traffic]\nretries = 0\n[traffic.circuit]\nmin_requests = 3\nfailure_ratio = 0.5\ntrip_s = 1\nwindow_s = 10",
+        "[traffic]\nretries = 0\n[traffic.circuit]\nmin_requests = 3\nfailure_ratio = 0.5\ntrip_s = 1\nwindow_s = 10\nmax_retry_after_s = 2",
     );
-    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let (_, mallory) = add_key(dir.path(), "mallory", &["user"], None);
+    let (_, alice) = add_key(dir.path(), "alice", &["user"], None);
     let g = Running::start(dir.path(), &cfg);
-    for _ in 0..3 {
+    // Answers of 500 (input the backend chokes on) show the backend is
+    // up: however many, they do not open the circuit for anyone.
+    for key in [&mallory, &mallory, &mallory, &mallory, &alice] {
         assert_eq!(
-            g.chat(&key, chat_body("chat")).status,
+            g.chat(key, chat_body("chat")).status,
             500,
             "the backend's own error passed on"
         );
     }
+    assert_eq!(b.count("/v1/chat/completions"), 5, "all sent");
+    // 503 with Retry-After: 120 counts; one caller's alone opens nothing.
+    b.control(json!({"mode": "unavailable"}));
+    for _ in 0..4 {
+        let r = g.chat(&mallory, chat_body("chat"));
+        assert_eq!(r.status, 503);
+        assert_eq!(r.header("retry-after"), Some("120"), "the backend's own");
+    }
+    assert_eq!(b.count("/v1/chat/completions"), 9, "still sent");
+    // A second caller's failure opens it, for 2 s (the cap), not 120.
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 503);
     let sent = b.count("/v1/chat/completions");
-    assert_eq!(sent, 3);
-    let r = g.chat(&key, chat_body("chat"));
+    let r = g.chat(&alice, chat_body("chat"));
     assert_eq!(r.status, 503, "circuit open: {}", r.text());
-    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("retry-after"), Some("2"));
     assert_eq!(
         b.count("/v1/chat/completions"),
         sent,
@@ -700,22 +995,25 @@ fn circuit_opens_on_failures_honours_retry_after_and_closes_again() {
         .metrics_text()
         .contains("keel_backend_circuit_open{backend=\"http://"));
     b.control(json!({"mode": "ok"}));
-    std::thread::sleep(Duration::from_millis(1100));
+    std::thread::sleep(Duration::from_millis(2100));
     assert_eq!(
-        g.chat(&key, chat_body("chat")).status,
+        g.chat(&mallory, chat_body("chat")).status,
         200,
         "half-open trial succeeds"
     );
     for _ in 0..5 {
-        assert_eq!(g.chat(&key, chat_body("chat")).status, 200, "closed again");
+        assert_eq!(
+            g.chat(&alice, chat_body("chat")).status,
+            200,
+            "closed again"
+        );
     }
-    // A 429 with Retry-After: 2 opens it for 2 s at once.
+    // A 429 with Retry-After is not a failure by default either.
     b.control(json!({"mode": "ratelimit"}));
-    assert_eq!(g.chat(&key, chat_body("chat")).status, 429);
+    assert_eq!(g.chat(&mallory, chat_body("chat")).status, 429);
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 429);
     b.control(json!({"mode": "ok"}));
-    let r = g.chat(&key, chat_body("chat"));
-    assert_eq!(r.status, 503);
-    assert_eq!(r.header("retry-after"), Some("2"));
+    assert_eq!(g.chat(&alice, chat_body("chat")).status, 200);
     g.stop();
 }
 
@@ -884,8 +1182,16 @@ fn jwt_from_a_jwks_file_with_issuer_audience_expiry_and_roles() {
     assert_eq!(bad("iss", json!("https://evil.example")), 401);
     assert_eq!(bad("aud", json!("other")), 401);
     assert_eq!(bad("roles", json!(["nobody"])), 403);
-    let forged = token(good).replace('.', ".x");
+    let forged = token(good.clone()).replace('.', ".x");
     assert_eq!(g.chat(&forged, chat_body("chat")).status, 401);
+    // The JWK says RS256: a signature by the same key with another
+    // algorithm does not verify.
+    for alg in [Algorithm::PS256, Algorithm::RS384] {
+        let mut other = Header::new(alg);
+        other.kid = Some("test-1".into());
+        let t = encode(&other, &good, &key).expect("sign");
+        assert_eq!(g.chat(&t, chat_body("chat")).status, 401, "{alg:?}");
+    }
     let audit = g.stop();
     assert!(audit
         .iter()

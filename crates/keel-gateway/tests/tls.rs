@@ -18,6 +18,8 @@ use serde_json::{json, Value};
 
 /// The common head with health probes off and a circuit that opens after
 /// `min_requests` failures and tries again after 200 ms.
+/// No retries or probes, and a circuit that one caller's failures open
+/// (`min_identities = 1`: these tests send from one key).
 fn head_with_circuit(dir: &Path, min_requests: u32) -> String {
     let h = head(dir);
     let traffic = "[traffic]\nretries = 2\n[traffic.health]\ninterval_ms = 100\n";
@@ -25,7 +27,7 @@ fn head_with_circuit(dir: &Path, min_requests: u32) -> String {
     h.replace(
         traffic,
         &format!(
-            "[traffic]\nretries = 0\n[traffic.health]\nenabled = false\n[traffic.circuit]\nmin_requests = {min_requests}\nfailure_ratio = 0.5\ntrip_s = 0.2\nwindow_s = 10\n"
+            "[traffic]\nretries = 0\n[traffic.health]\nenabled = false\n[traffic.circuit]\nmin_requests = {min_requests}\nfailure_ratio = 0.5\ntrip_s = 0.2\nwindow_s = 10\nmin_identities = 1\n"
         ),
     )
 }

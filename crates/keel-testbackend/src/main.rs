@@ -6,8 +6,9 @@
 //!
 //! ```text
 //! keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N]
-//!                  [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang]
+//!                  [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang]
 //!                  [--usage asked|always|never] [--threads N]
+//!                  [--length-fields F1,F2,...]
 //!                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 //! ```
 //!
@@ -16,10 +17,18 @@
 //! certificate issued by that CA. It prints `listening on ADDR` once bound. At run time `POST /_control`
 //! with `{"mode": ..., "latency_ms": ..., "healthy": ..., "tokens": ...}`
 //! changes its behaviour and `GET /_stats` counts what it was sent. Prompt
-//! tokens are a quarter of the prompt's text bytes, rounded up (the same
-//! rule keel uses to estimate) plus a quarter of the bytes of `tools` and
-//! `functions`; completion tokens are `min(max_tokens, --tokens)` for each
-//! of the `n` (or `best_of`) choices.
+//! tokens are a quarter of the prompt's text bytes, rounded up, plus one
+//! per number or boolean (the same rule keel uses to estimate) plus a
+//! quarter of the bytes of the fields a chat template renders (`tools`,
+//! `functions`, `documents`, `chat_template`, `chat_template_kwargs`);
+//! completion tokens are `min(max_tokens, --tokens)` for each of the `n`
+//! (or `best_of`) choices, `max_tokens` being the larger of `max_tokens`
+//! and `max_completion_tokens`. With `--length-fields` it reads those
+//! fields instead, the first one present deciding, as llama.cpp's server
+//! reads `n_predict` and then `max_tokens` (`n_predict,max_tokens`): a
+//! negative value, or none of them, is no limit (`--tokens` a choice).
+//! Mode `unavailable` answers 503 with `Retry-After: 120`, `ratelimit` 429
+//! with `Retry-After: 2`, `error` 500.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -50,6 +59,8 @@ struct State {
     latency_ms: AtomicU64,
     chunk_delay_ms: AtomicU64,
     tokens: AtomicU64,
+    /// The length fields read, in order (empty: OpenAI's two).
+    length_fields: Vec<String>,
     healthy: AtomicBool,
     counter: AtomicU64,
     stats: Mutex<BTreeMap<String, u64>>,
@@ -85,43 +96,97 @@ fn reply(status: StatusCode, v: Value) -> Response<TBody> {
     r
 }
 
-/// The bytes of the top-level `tools` and `functions` values as sent.
+/// The bytes of the top-level fields a chat template renders, as sent.
 fn tools_bytes(body: &[u8]) -> u64 {
     use serde_json::value::RawValue;
     serde_json::from_slice::<BTreeMap<String, &RawValue>>(body).map_or(0, |m| {
-        ["tools", "functions"]
-            .iter()
-            .filter_map(|k| m.get(*k))
-            .map(|r| r.get().len() as u64)
-            .sum()
+        [
+            "tools",
+            "functions",
+            "documents",
+            "chat_template",
+            "chat_template_kwargs",
+        ]
+        .iter()
+        .filter_map(|k| m.get(*k))
+        .map(|r| r.get().len() as u64)
+        .sum()
     })
 }
 
-/// A quarter of the prompt's text bytes, rounded up; token-id arrays one
-/// per id (keel's estimate, kept the same on purpose).
+/// The words of OpenAI's message format, which keel's estimate does not
+/// count (its `FORMAT_KEYS`, `FORMAT_ROLES` and `FORMAT_TYPES`).
+const FORMAT_KEYS: [&str; 24] = [
+    "role",
+    "content",
+    "name",
+    "type",
+    "text",
+    "tool_calls",
+    "tool_call_id",
+    "function_call",
+    "id",
+    "function",
+    "arguments",
+    "image_url",
+    "url",
+    "detail",
+    "input_audio",
+    "data",
+    "format",
+    "refusal",
+    "audio",
+    "file",
+    "file_id",
+    "filename",
+    "file_data",
+    "reasoning_content",
+];
+const FORMAT_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+const FORMAT_TYPES: [&str; 6] = [
+    "text",
+    "image_url",
+    "input_audio",
+    "file",
+    "function",
+    "refusal",
+];
+
+/// A quarter of the prompt's text bytes (every string and object key but
+/// the message format's words), rounded up; one per number or boolean
+/// (keel's estimate, kept the same on purpose).
 fn estimate_tokens(v: &Value) -> u64 {
-    fn walk(v: &Value, bytes: &mut u64, ids: &mut u64, depth: u32) {
+    fn walk(v: &Value, key: &str, bytes: &mut u64, ids: &mut u64, depth: u32) {
         if depth > 64 {
+            *bytes += v.to_string().len() as u64;
             return;
         }
         match v {
+            Value::String(s) if key == "role" && FORMAT_ROLES.contains(&s.as_str()) => {}
+            Value::String(s) if key == "type" && FORMAT_TYPES.contains(&s.as_str()) => {}
             Value::String(s) => *bytes += s.len() as u64,
-            Value::Number(_) => *ids += 1,
-            Value::Array(a) => a.iter().for_each(|x| walk(x, bytes, ids, depth + 1)),
+            Value::Number(_) | Value::Bool(_) => *ids += 1,
+            Value::Array(a) => a.iter().for_each(|x| walk(x, "", bytes, ids, depth + 1)),
             Value::Object(o) => {
                 for (k, x) in o {
-                    if k == "content" || k == "text" || depth == 0 {
-                        walk(x, bytes, ids, depth + 1);
-                    } else if let Value::Array(_) | Value::Object(_) = x {
-                        walk(x, bytes, ids, depth + 1);
+                    if !FORMAT_KEYS.contains(&k.as_str()) {
+                        *bytes += k.len() as u64;
                     }
+                    walk(x, k, bytes, ids, depth + 1);
                 }
             }
-            _ => {}
+            Value::Null => {}
         }
     }
     let (mut bytes, mut ids) = (0, 0);
-    walk(v, &mut bytes, &mut ids, 0);
+    walk(v, "", &mut bytes, &mut ids, 0);
     bytes.div_ceil(4) + ids
 }
 
@@ -190,6 +255,15 @@ impl State {
                     json!({"error": "test backend in error mode"}),
                 )
             }
+            "unavailable" => {
+                let mut r = reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"error": "test backend unavailable"}),
+                );
+                r.headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("120"));
+                return r;
+            }
             "ratelimit" => {
                 let mut r = reply(
                     StatusCode::TOO_MANY_REQUESTS,
@@ -213,10 +287,17 @@ impl State {
         if let Some(m) = v.get("model").and_then(Value::as_str) {
             self.count(&format!("model:{m}"));
         }
-        let max = ["max_completion_tokens", "max_tokens"]
-            .iter()
-            .filter_map(|k| v.get(*k).and_then(Value::as_u64))
-            .max();
+        let max = if self.length_fields.is_empty() {
+            ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .filter_map(|k| v.get(*k).and_then(Value::as_u64))
+                .max()
+        } else {
+            self.length_fields
+                .iter()
+                .find_map(|k| v.get(k).filter(|x| !x.is_null()))
+                .and_then(Value::as_u64)
+        };
         let per_choice = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
             m.min(self.tokens.load(Ordering::Relaxed))
         });
@@ -440,6 +521,7 @@ fn main() {
         latency_ms: AtomicU64::new(0),
         chunk_delay_ms: AtomicU64::new(0),
         tokens: AtomicU64::new(16),
+        length_fields: Vec::new(),
         healthy: AtomicBool::new(true),
         counter: AtomicU64::new(0),
         stats: Mutex::new(BTreeMap::new()),
@@ -463,12 +545,13 @@ fn main() {
             "--tokens" => st.tokens = AtomicU64::new(num(val())),
             "--mode" => st.mode = Mutex::new(val()),
             "--usage" => st.usage = val(),
+            "--length-fields" => st.length_fields = val().split(',').map(str::to_owned).collect(),
             "--threads" => threads = num(val()) as usize,
             "--tls-cert" => tls_cert = Some(val()),
             "--tls-key" => tls_key = Some(val()),
             "--tls-client-ca" => tls_client_ca = Some(val()),
             "-h" | "--help" => {
-                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|ratelimit|hang] [--usage asked|always|never] [--threads N] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
                 return;
             }
             _ => die(&format!("unknown argument {a}")),
