@@ -147,7 +147,9 @@ struct RegisterArgs {
     /// its size, instead of reading every byte against its SHA-256.
     #[arg(long, conflicts_with = "path")]
     sizes_only: bool,
-    /// Where --path uploads (default: model.artifact_store, KEEL_ARTIFACT_STORE).
+    /// Where --path uploads (default: model.artifact_store,
+    /// KEEL_ARTIFACT_STORE, else the directory `<db stem>-artifacts` beside
+    /// the registry database).
     #[arg(long, value_name = "URL")]
     artifact_store: Option<String>,
     #[arg(long, default_value = "")]
@@ -277,10 +279,7 @@ fn parse_ref(s: &str) -> anyhow::Result<VersionRef> {
 
 fn effective(args: &ModelArgs) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let (mut c, path) = config::load_model(args.config.as_deref(), &env)?;
-    if let Some(db) = &args.db {
-        c.db = db.clone();
-    }
+    let (mut c, path) = config::load_model(args.config.as_deref(), &env, args.db.as_deref())?;
     if let Some(a) = &args.actor {
         c.actor = a.clone();
     }
@@ -297,7 +296,13 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
                     &json!({"config_file": cfg_path, "model": cfg}),
                 )?;
             } else {
-                let text = toml::to_string(&json!({ "model": cfg })).unwrap_or_default();
+                // A struct, not JSON: TOML has no null, and unset keys are
+                // left out.
+                #[derive(serde::Serialize)]
+                struct File<'a> {
+                    model: &'a ModelConfig,
+                }
+                let text = toml::to_string(&File { model: &cfg }).unwrap_or_default();
                 let from = cfg_path
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "none".into());
@@ -421,12 +426,7 @@ fn register(
         let store_url = r
             .artifact_store
             .clone()
-            .or_else(|| cfg.artifact_store.clone())
-            .ok_or_else(|| {
-                UsageError(
-                    "register --path needs an artifact store: --artifact-store URL, model.artifact_store or KEEL_ARTIFACT_STORE".into(),
-                )
-            })?;
+            .unwrap_or_else(|| cfg.artifact_store.clone());
         if !dir.is_dir() {
             return Err(UsageError(format!("{} is not a directory", dir.display())).into());
         }
