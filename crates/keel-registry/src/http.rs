@@ -47,12 +47,33 @@ pub struct ServeOptions {
     pub token_sha256: Option<String>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// The Azure storage account `az://` artifact URLs live in: MLflow's
+    /// client reads them as `wasbs://CONTAINER@ACCOUNT.blob.core.windows.net/PATH`.
+    pub azure_account: Option<String>,
 }
 
 #[derive(Clone)]
 struct AppState {
     reg: Arc<Mutex<Registry>>,
     token_sha256: Option<String>,
+    azure_account: Option<Arc<str>>,
+}
+
+/// A keel storage URL as MLflow's artifact repositories name it:
+/// `file://` and `s3://` as they are, `az://C/P` as `wasbs://` in
+/// `account` (`None` without an account, or for `memory://`).
+pub fn mlflow_artifact_uri(url: &str, azure_account: Option<&str>) -> Option<String> {
+    if url.starts_with("file://") || url.starts_with("s3://") {
+        return Some(url.to_owned());
+    }
+    let rest = url
+        .strip_prefix("az://")
+        .or_else(|| url.strip_prefix("azure://"))?;
+    let account = azure_account.filter(|a| !a.is_empty())?;
+    let (container, path) = rest.split_once('/').unwrap_or((rest, ""));
+    Some(format!(
+        "wasbs://{container}@{account}.blob.core.windows.net/{path}"
+    ))
 }
 
 /// Who is calling: the audit log's actor.
@@ -159,6 +180,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
     let st = AppState {
         reg: Arc::new(Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
+        azure_account: opts.azure_account.map(Arc::from),
     };
     let max_body = if opts.max_body_bytes == 0 {
         1 << 20
@@ -190,6 +212,14 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .route(
             &format!("{m}/registered-models/set-tag"),
             post(mlf_set_model_tag),
+        )
+        .route(
+            &format!("{m}/registered-models/get-latest-versions"),
+            get(mlf_latest_versions_query).post(mlf_latest_versions_body),
+        )
+        .route(
+            &format!("{m}/model-versions/get-download-uri"),
+            get(mlf_download_uri),
         )
         .route(
             &format!("{m}/registered-models/delete-tag"),
@@ -295,7 +325,9 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
         )
         .into_response();
     };
-    let writes = !matches!(*req.method(), Method::GET | Method::HEAD);
+    // MLflow's client asks for the latest versions with a POST: a read.
+    let writes = !matches!(*req.method(), Method::GET | Method::HEAD)
+        && !req.uri().path().ends_with("/get-latest-versions");
     if writes && role != Role::Write {
         return ApiError::new(
             StatusCode::FORBIDDEN,
@@ -387,7 +419,17 @@ fn mlf_tags(tags: &[Tag]) -> Value {
         .collect()
 }
 
-fn mlf_version(v: &Version) -> Value {
+/// Where a version's files are, as MLflow's client reads them: the
+/// artifact-store URL of its files (in MLflow's scheme), or for a version
+/// registered through MLflow's API, the source it was given.
+fn mlf_source(v: &Version, azure_account: Option<&str>) -> String {
+    match &v.artifact_url {
+        Some(url) => mlflow_artifact_uri(url, azure_account).unwrap_or_else(|| url.clone()),
+        None => v.source.clone(),
+    }
+}
+
+fn mlf_version(v: &Version, azure_account: Option<&str>) -> Value {
     let mut o = json!({
         "name": v.model,
         "version": v.version.to_string(),
@@ -396,7 +438,7 @@ fn mlf_version(v: &Version) -> Value {
         "user_id": v.created_by,
         "current_stage": "None",
         "description": v.description,
-        "source": v.source,
+        "source": mlf_source(v, azure_account),
         "status": v.status.as_str(),
         "status_message": v.status_message,
         "tags": mlf_tags(&v.tags),
@@ -405,29 +447,36 @@ fn mlf_version(v: &Version) -> Value {
     if let Some(run) = &v.lineage.run_id {
         o["run_id"] = run.clone().into();
     }
+    if let Some(id) = &v.lineage.mlflow_model_id {
+        o["model_id"] = id.clone().into();
+    }
     o
 }
 
-fn mlf_model(m: &Model, latest: Option<&Version>) -> Value {
+fn mlf_model(m: &Model, latest: Option<&Version>, azure_account: Option<&str>) -> Value {
     json!({
         "name": m.name,
         "creation_timestamp": m.created_ms,
         "last_updated_timestamp": m.updated_ms,
         "user_id": m.created_by,
         "description": m.description,
-        "latest_versions": latest.map(|v| vec![mlf_version(v)]).unwrap_or_default(),
+        "latest_versions": latest.map(|v| vec![mlf_version(v, azure_account)]).unwrap_or_default(),
         "tags": mlf_tags(&m.tags),
         "aliases": m.aliases.iter().map(|a| json!({"alias": a.alias, "version": a.version.to_string()})).collect::<Vec<_>>(),
     })
 }
 
-fn model_with_latest(r: &Registry, name: &str) -> Result<Value, RegistryError> {
+fn model_with_latest(
+    r: &Registry,
+    name: &str,
+    azure_account: Option<&str>,
+) -> Result<Value, RegistryError> {
     let m = r.model(name)?;
     let latest = match m.latest_version {
         Some(n) => Some(r.version(name, n)?),
         None => None,
     };
-    Ok(mlf_model(&m, latest.as_ref()))
+    Ok(mlf_model(&m, latest.as_ref(), azure_account))
 }
 
 #[derive(Deserialize)]
@@ -470,6 +519,7 @@ async fn mlf_create_model(
             value: t.value,
         })
         .collect();
+    let acct = st.azure_account.clone();
     let v = db(&st, move |r| {
         r.create_model(
             &id.actor,
@@ -477,14 +527,15 @@ async fn mlf_create_model(
             b.description.as_deref().unwrap_or(""),
             &tags,
         )?;
-        model_with_latest(r, &b.name)
+        model_with_latest(r, &b.name, acct.as_deref())
     })
     .await?;
     Ok(Json(json!({ "registered_model": v })))
 }
 
 async fn mlf_get_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let v = db(&st, move |r| model_with_latest(r, &q.name)).await?;
+    let acct = st.azure_account.clone();
+    let v = db(&st, move |r| model_with_latest(r, &q.name, acct.as_deref())).await?;
     Ok(Json(json!({ "registered_model": v })))
 }
 
@@ -684,6 +735,7 @@ async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQue
             c.key
         )));
     }
+    let acct = st.azure_account.clone();
     let models = db(&st, move |r| {
         let mut out = Vec::new();
         for m in r.models()? {
@@ -695,7 +747,7 @@ async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQue
                 }
             });
             if ok {
-                out.push(model_with_latest(r, &m.name)?);
+                out.push(model_with_latest(r, &m.name, acct.as_deref())?);
             }
         }
         Ok(out)
@@ -803,7 +855,9 @@ async fn mlf_set_alias(
 
 async fn mlf_get_alias(State(st): State<AppState>, Query(b): Query<AliasBody>) -> ApiResult {
     let v = db(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias))).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 async fn mlf_delete_alias(
@@ -836,6 +890,9 @@ struct CreateVersion {
     tags: Vec<MlfTag>,
     #[serde(default)]
     description: Option<String>,
+    /// MLflow 3's logged model (`models:/m-...` sources).
+    #[serde(default)]
+    model_id: Option<String>,
 }
 
 async fn mlf_create_version(
@@ -851,6 +908,7 @@ async fn mlf_create_version(
         description: b.description.unwrap_or_default(),
         lineage: crate::Lineage {
             run_id: b.run_id.filter(|r| !r.is_empty()),
+            mlflow_model_id: b.model_id.filter(|m| !m.is_empty()),
             ..Default::default()
         },
         tags: b
@@ -864,13 +922,17 @@ async fn mlf_create_version(
         create_model: false,
     };
     let v = db(&st, move |r| r.register_version(&id.actor, &new, None)).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let n = parse_version(q.version.as_deref().unwrap_or(""))?;
     let v = db(&st, move |r| r.version(&q.name, n)).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 async fn mlf_search_versions(
@@ -882,6 +944,7 @@ async fn mlf_search_versions(
         .iter()
         .find(|c| c.key == "name" && c.op == "=")
         .map(|c| c.value.clone());
+    let acct = st.azure_account.clone();
     let versions = db(&st, move |r| {
         let all = match exact_name {
             Some(n) => match r.versions(&n) {
@@ -907,7 +970,7 @@ async fn mlf_search_versions(
                     matches(c, &field)
                 })
             })
-            .map(|v| mlf_version(&v))
+            .map(|v| mlf_version(&v, acct.as_deref()))
             .collect::<Vec<_>>())
     })
     .await?;
@@ -946,6 +1009,104 @@ async fn mlf_delete_version_tag(
     })
     .await?;
     Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct LatestVersions {
+    name: String,
+    #[serde(default)]
+    stages: Vec<String>,
+}
+
+/// MLflow's stages: keel has none, so every version is in `None`.
+async fn latest_versions(st: AppState, b: LatestVersions) -> ApiResult {
+    required("name", &b.name)?;
+    let mut none_stage = b.stages.is_empty();
+    for s in &b.stages {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => none_stage = true,
+            "staging" | "production" | "archived" => {}
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid Model Version stage: {}. Value must be one of None, Staging, Production, Archived",
+                    head(s, 64)
+                )))
+            }
+        }
+    }
+    let acct = st.azure_account.clone();
+    let versions = db(&st, move |r| {
+        r.model(&b.name)?;
+        if !none_stage {
+            return Ok(Vec::new());
+        }
+        Ok(match r.resolve(&VersionRef::Latest(b.name.clone())) {
+            Ok(v) => vec![mlf_version(&v, acct.as_deref())],
+            Err(RegistryError::Invalid { .. }) => Vec::new(),
+            Err(e) => return Err(e),
+        })
+    })
+    .await?;
+    Ok(Json(json!({ "model_versions": versions })))
+}
+
+/// `get_latest_versions` (POST with a JSON body; also GET): the highest
+/// READY version, as the one version in stage `None`.
+async fn mlf_latest_versions_body(State(st): State<AppState>, body: Bytes) -> ApiResult {
+    let b: LatestVersions = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))?;
+    latest_versions(st, b).await
+}
+
+async fn mlf_latest_versions_query(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let pairs = query_pairs(&uri)?;
+    let mut b = LatestVersions {
+        name: String::new(),
+        stages: Vec::new(),
+    };
+    for (k, v) in pairs {
+        match k.as_str() {
+            "name" => b.name = v,
+            "stages" => b.stages.push(v),
+            _ => {}
+        }
+    }
+    latest_versions(st, b).await
+}
+
+/// The query string's `key=value` pairs, keys repeated for lists.
+fn query_pairs(uri: &Uri) -> Result<Vec<(String, String)>, ApiError> {
+    serde_urlencoded::from_str(uri.query().unwrap_or(""))
+        .map_err(|e| ApiError::invalid(format!("bad query string: {e}")))
+}
+
+/// The longest start of `s` of at most `max` bytes (reflected input).
+fn head(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `get_model_version_download_uri`: where MLflow's client reads the
+/// version's files with its own credentials (see [`mlf_source`]).
+async fn mlf_download_uri(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let n = parse_version(q.version.as_deref().unwrap_or(""))?;
+    let v = db(&st, move |r| r.version(&q.name, n)).await?;
+    if v.status != crate::Status::Ready {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "INVALID_STATE",
+            format!(
+                "model {} version {} is {}: only READY versions can be downloaded",
+                v.model, v.version, v.status
+            ),
+        ));
+    }
+    Ok(Json(
+        json!({ "artifact_uri": mlf_source(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 #[cfg(test)]
@@ -1076,6 +1237,25 @@ mod tests {
             Some(true)
         );
         assert_eq!(like_within_seconds("_".repeat(200_001), text), Some(false));
+    }
+
+    #[test]
+    fn artifact_urls_in_mlflow_schemes() {
+        let acct = Some("acct");
+        assert_eq!(
+            mlflow_artifact_uri("file:///srv/a/m/v1", acct).as_deref(),
+            Some("file:///srv/a/m/v1")
+        );
+        assert_eq!(
+            mlflow_artifact_uri("s3://b/p/m/v1", None).as_deref(),
+            Some("s3://b/p/m/v1")
+        );
+        assert_eq!(
+            mlflow_artifact_uri("az://models/p/m/v1", acct).as_deref(),
+            Some("wasbs://models@acct.blob.core.windows.net/p/m/v1")
+        );
+        assert_eq!(mlflow_artifact_uri("az://models/p", None), None);
+        assert_eq!(mlflow_artifact_uri("memory://x", acct), None);
     }
 
     fn query(max_results: Option<usize>, page_token: Option<&str>) -> SearchQuery {

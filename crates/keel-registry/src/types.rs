@@ -71,6 +71,10 @@ pub struct Lineage {
     /// The version of the same model this one derives from (fine-tuning).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_version: Option<u64>,
+    /// MLflow 3's logged model (`m-...`) a version registered through
+    /// MLflow's API was made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlflow_model_id: Option<String>,
 }
 
 /// A checkpoint in a keel checkpoint store.

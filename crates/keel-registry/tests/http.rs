@@ -70,6 +70,21 @@ const ROUTES: &[(&str, &str, &str)] = &[
         "",
     ),
     (
+        "GET",
+        "/api/2.0/mlflow/model-versions/get-download-uri?name=m&version=1",
+        "",
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/registered-models/get-latest-versions",
+        r#"{"name":"m"}"#,
+    ),
+    (
+        "GET",
+        "/api/2.0/mlflow/registered-models/get-latest-versions?name=m&stages=None",
+        "",
+    ),
+    (
         "POST",
         "/api/2.0/mlflow/model-versions/set-tag",
         r#"{"name":"m","version":"1","key":"k","value":"v"}"#,
@@ -138,6 +153,7 @@ async fn every_route_is_authenticated_and_roles_hold() {
         ServeOptions {
             token_sha256: Some(keel_registry::auth::secret_hash(token)),
             max_body_bytes: 4096,
+            ..Default::default()
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -171,7 +187,8 @@ async fn every_route_is_authenticated_and_roles_hold() {
             Some(&format!("api-key: {reader}")),
         )
         .await;
-        if *method == "GET" {
+        // get-latest-versions reads, whatever its method.
+        if *method == "GET" || path.ends_with("get-latest-versions") {
             assert!(
                 status == 200 || status == 404,
                 "{method} {path} read: {status} {text}"

@@ -416,6 +416,7 @@ fn register(
             datasets,
             code_commit: r.code_commit.clone(),
             parent_version: r.parent,
+            mlflow_model_id: None,
         },
         tags,
         create_model: true,
@@ -432,10 +433,9 @@ fn register(
         }
         // Fail before a number is taken when the directory is unusable.
         artifacts::list_dir(dir)?;
-        new.source = std::fs::canonicalize(dir)
-            .unwrap_or_else(|_| dir.clone())
-            .display()
-            .to_string();
+        // The uploader's local directory is not recorded: the source is
+        // the store the files go to (the version's artifact URL is under it).
+        new.source = store_url.trim_end_matches('/').to_owned();
         let pending = reg.reserve_version(actor, &new)?;
         let url = format!(
             "{}/{}/v{}",
@@ -1437,6 +1437,10 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
             keel_registry::http::ServeOptions {
                 token_sha256: cfg.serve_token_sha256.clone(),
                 max_body_bytes: 1 << 20,
+                // The account keel-store reads az:// URLs from.
+                azure_account: std::env::var("AZURE_STORAGE_ACCOUNT_NAME")
+                    .ok()
+                    .filter(|a| !a.is_empty()),
             },
         );
         // The address goes to stdout first (tests bind port 0 and read it).
