@@ -539,14 +539,149 @@ async fn mlf_get_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -
     Ok(Json(json!({ "registered_model": v })))
 }
 
-#[derive(Deserialize)]
+/// A search's query string (`order_by` may repeat).
+#[derive(Debug, Default)]
 struct SearchQuery {
-    #[serde(default)]
     filter: Option<String>,
-    #[serde(default)]
     max_results: Option<usize>,
-    #[serde(default)]
     page_token: Option<String>,
+    order_by: Vec<String>,
+}
+
+/// MLflow's bounds on `max_results`: its default and the most a page may
+/// ask for.
+#[derive(Clone, Copy)]
+struct PageBounds {
+    default: usize,
+    most: usize,
+}
+
+/// `search_registered_models`: 100 by default, at most 1,000.
+const MODEL_PAGES: PageBounds = PageBounds {
+    default: 100,
+    most: 1_000,
+};
+/// `search_model_versions`: 10,000 by default, at most 200,000.
+const VERSION_PAGES: PageBounds = PageBounds {
+    default: 10_000,
+    most: 200_000,
+};
+
+impl SearchQuery {
+    fn parse(uri: &Uri, bounds: PageBounds) -> Result<Self, ApiError> {
+        let mut q = SearchQuery::default();
+        for (k, v) in query_pairs(uri)? {
+            match k.as_str() {
+                "filter" => q.filter = Some(v),
+                "page_token" => q.page_token = Some(v),
+                "order_by" => q.order_by.push(v),
+                "max_results" => {
+                    let n: i64 = v.trim().parse().map_err(|_| {
+                        ApiError::invalid(format!(
+                            "Invalid value {:?} for parameter 'max_results' supplied: expected a whole number",
+                            head(&v, 40)
+                        ))
+                    })?;
+                    if n < 1 || n as u64 > bounds.most as u64 {
+                        return Err(ApiError::invalid(format!(
+                            "Invalid value for request parameter max_results. It must be at least 1 and at most {}, but got value {n}",
+                            bounds.most
+                        )));
+                    }
+                    q.max_results = Some(n as usize);
+                }
+                _ => {}
+            }
+        }
+        q.max_results.get_or_insert(bounds.default);
+        Ok(q)
+    }
+}
+
+/// One `KEY [ASC|DESC]` of an `order_by`, checked against the keys a
+/// search allows (MLflow's rules: backquotes allowed, a key at most once).
+fn parse_order_by(
+    order_by: &[String],
+    allowed: &[&'static str],
+) -> Result<Vec<(&'static str, bool)>, ApiError> {
+    let mut out: Vec<(&'static str, bool)> = Vec::new();
+    for o in order_by {
+        let shown = head(o, 100);
+        let words: Vec<&str> = o.split_whitespace().collect();
+        let (key, asc) = match words.as_slice() {
+            [k] => (*k, true),
+            [k, dir] if dir.eq_ignore_ascii_case("asc") => (*k, true),
+            [k, dir] if dir.eq_ignore_ascii_case("desc") => (*k, false),
+            [_, _] => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid ordering key in order_by clause '{shown}': use ASC or DESC"
+                )))
+            }
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid order_by clause '{shown}'. Could not be parsed."
+                )))
+            }
+        };
+        let key = key.trim_matches('`');
+        let Some(&k) = allowed.iter().find(|a| **a == key) else {
+            return Err(ApiError::invalid(format!(
+                "Invalid order by key '{}' specified. Valid keys are {}",
+                head(key, 100),
+                allowed.join(", ")
+            )));
+        };
+        if out.iter().any(|(seen, _)| *seen == k) {
+            return Err(ApiError::invalid(format!(
+                "`order_by` contains duplicate fields: {k}"
+            )));
+        }
+        out.push((k, asc));
+    }
+    Ok(out)
+}
+
+const MODEL_ORDER_KEYS: &[&str] = &["name", "creation_timestamp", "last_updated_timestamp"];
+const VERSION_ORDER_KEYS: &[&str] = &[
+    "name",
+    "version_number",
+    "creation_timestamp",
+    "last_updated_timestamp",
+];
+
+/// Sorts by `order` (key, ascending), then by MLflow's tie-breakers.
+fn sort_rows<T>(
+    rows: &mut [T],
+    mut order: Vec<(&'static str, bool)>,
+    tie_breakers: &[(&'static str, bool)],
+    key: impl for<'a> Fn(&'a T, &str) -> SortKey<'a>,
+) {
+    for (k, asc) in tie_breakers {
+        if !order.iter().any(|(o, _)| o == k) {
+            order.push((k, *asc));
+        }
+    }
+    rows.sort_by(|a, b| {
+        order
+            .iter()
+            .map(|(k, asc)| {
+                let o = key(a, k).cmp(&key(b, k));
+                if *asc {
+                    o
+                } else {
+                    o.reverse()
+                }
+            })
+            .find(|o| o.is_ne())
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+}
+
+/// A value to sort by: text or a number.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum SortKey<'a> {
+    Num(i64),
+    Text(&'a str),
 }
 
 /// One `key op 'value'` clause of an MLflow filter.
@@ -702,29 +837,47 @@ fn matches(c: &Clause, v: &str) -> bool {
 }
 
 /// Applies `max_results` and an offset `page_token`.
+#[cfg(test)]
 fn page<T>(
     items: Vec<T>,
     q: &SearchQuery,
     default_max: usize,
 ) -> Result<(Vec<T>, Option<String>), ApiError> {
-    let start: usize = match &q.page_token {
+    Ok(page_of(items, page_start(q)?, q, default_max))
+}
+
+/// Where a page starts: its `page_token`.
+fn page_start(q: &SearchQuery) -> Result<usize, ApiError> {
+    match &q.page_token {
         Some(t) if !t.is_empty() => t.parse().map_err(|_| {
             ApiError::invalid(format!(
-                "bad page_token {t:?}: expected the next_page_token of an earlier page"
+                "bad page_token {:?}: expected the next_page_token of an earlier page",
+                head(t, 40)
             ))
-        })?,
-        _ => 0,
-    };
+        }),
+        _ => Ok(0),
+    }
+}
+
+/// The page from `start`, and the next page's token.
+fn page_of<T>(
+    items: Vec<T>,
+    start: usize,
+    q: &SearchQuery,
+    default_max: usize,
+) -> (Vec<T>, Option<String>) {
     let max = q.max_results.unwrap_or(default_max).max(1);
     let total = items.len();
     let page: Vec<T> = items.into_iter().skip(start).take(max).collect();
     // Past the last item when the sum does not fit: no next page.
     let end = start.saturating_add(max);
     let next = (end < total).then(|| end.to_string());
-    Ok((page, next))
+    (page, next)
 }
 
-async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQuery>) -> ApiResult {
+async fn mlf_search_models(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let q = SearchQuery::parse(&uri, MODEL_PAGES)?;
+    let order = parse_order_by(&q.order_by, MODEL_ORDER_KEYS)?;
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
     if let Some(c) = clauses
         .iter()
@@ -735,25 +888,34 @@ async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQue
             c.key
         )));
     }
+    let start = page_start(&q)?;
     let acct = st.azure_account.clone();
-    let models = db(&st, move |r| {
-        let mut out = Vec::new();
-        for m in r.models()? {
-            let ok = clauses.iter().all(|c| {
+    let (models, next) = db(&st, move |r| {
+        let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
+        let mut rows = r.model_rows(with_tags)?;
+        rows.retain(|m| {
+            clauses.iter().all(|c| {
                 if c.key == "name" {
                     matches(c, &m.name)
                 } else {
                     matches_tag(c, &m.tags)
                 }
-            });
-            if ok {
-                out.push(model_with_latest(r, &m.name, acct.as_deref())?);
-            }
-        }
-        Ok(out)
+            })
+        });
+        sort_rows(&mut rows, order, &[("name", true)], |m, k| match k {
+            "creation_timestamp" => SortKey::Num(m.created_ms),
+            "last_updated_timestamp" => SortKey::Num(m.updated_ms),
+            _ => SortKey::Text(&m.name),
+        });
+        // Only this page's models are loaded.
+        let (rows, next) = page_of(rows, start, &q, MODEL_PAGES.default);
+        let models = rows
+            .iter()
+            .map(|m| model_with_latest(r, &m.name, acct.as_deref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((models, next))
     })
     .await?;
-    let (models, next) = page(models, &q, 100)?;
     let mut body = json!({ "registered_models": models });
     if let Some(n) = next {
         body["next_page_token"] = n.into();
@@ -935,51 +1097,71 @@ async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>)
     ))
 }
 
-async fn mlf_search_versions(
-    State(st): State<AppState>,
-    Query(q): Query<SearchQuery>,
-) -> ApiResult {
+async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let q = SearchQuery::parse(&uri, VERSION_PAGES)?;
+    let order = parse_order_by(&q.order_by, VERSION_ORDER_KEYS)?;
+    // MLflow's default: most recently updated first.
+    let order = if order.is_empty() {
+        vec![("last_updated_timestamp", false)]
+    } else {
+        order
+    };
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
     let exact_name = clauses
         .iter()
         .find(|c| c.key == "name" && c.op == "=")
         .map(|c| c.value.clone());
+    let start = page_start(&q)?;
     let acct = st.azure_account.clone();
-    let versions = db(&st, move |r| {
-        let all = match exact_name {
-            Some(n) => match r.versions(&n) {
-                Ok(v) => v,
-                Err(RegistryError::UnknownModel { .. }) => Vec::new(),
-                Err(e) => return Err(e),
-            },
-            None => r.search_versions(None, None)?,
-        };
-        Ok(all
-            .into_iter()
-            .filter(|v| {
-                clauses.iter().all(|c| {
-                    if c.key.starts_with("tag.") {
-                        return matches_tag(c, &v.tags);
-                    }
-                    let field = match c.key.as_str() {
-                        "name" => v.model.clone(),
-                        "run_id" => v.lineage.run_id.clone().unwrap_or_default(),
-                        "source_path" => v.source.clone(),
-                        _ => v.version.to_string(),
-                    };
-                    matches(c, &field)
-                })
+    let (versions, next) = db(&st, move |r| {
+        let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
+        let mut rows = r.version_rows(exact_name.as_deref(), with_tags)?;
+        rows.retain(|v| {
+            clauses.iter().all(|c| {
+                if c.key.starts_with("tag.") {
+                    return matches_tag(c, &v.tags);
+                }
+                match c.key.as_str() {
+                    "name" => matches(c, &v.model),
+                    "run_id" => matches(c, v.run_id.as_deref().unwrap_or_default()),
+                    "source_path" => matches(c, &row_source(v, acct.as_deref())),
+                    _ => matches(c, &v.version.to_string()),
+                }
             })
-            .map(|v| mlf_version(&v, acct.as_deref()))
-            .collect::<Vec<_>>())
+        });
+        sort_rows(
+            &mut rows,
+            order,
+            &[("name", true), ("version_number", false)],
+            |v, k| match k {
+                "version_number" => SortKey::Num(v.version as i64),
+                "creation_timestamp" => SortKey::Num(v.created_ms),
+                "last_updated_timestamp" => SortKey::Num(v.updated_ms),
+                _ => SortKey::Text(&v.model),
+            },
+        );
+        // Only this page's versions are loaded.
+        let (rows, next) = page_of(rows, start, &q, VERSION_PAGES.default);
+        let versions = rows
+            .iter()
+            .map(|row| Ok(mlf_version(&r.version_of_row(row)?, acct.as_deref())))
+            .collect::<Result<Vec<_>, RegistryError>>()?;
+        Ok((versions, next))
     })
     .await?;
-    let (versions, next) = page(versions, &q, 200_000)?;
     let mut body = json!({ "model_versions": versions });
     if let Some(n) = next {
         body["next_page_token"] = n.into();
     }
     Ok(Json(body))
+}
+
+/// [`mlf_source`] of a search row.
+fn row_source(v: &crate::VersionRow, azure_account: Option<&str>) -> String {
+    match &v.artifact_url {
+        Some(url) => mlflow_artifact_uri(url, azure_account).unwrap_or_else(|| url.clone()),
+        None => v.source.clone(),
+    }
 }
 
 async fn mlf_set_version_tag(
@@ -1263,6 +1445,7 @@ mod tests {
             filter: None,
             max_results,
             page_token: page_token.map(str::to_owned),
+            order_by: Vec::new(),
         }
     }
 

@@ -45,6 +45,33 @@ pub struct Artifacts {
     pub manifest: Manifest,
 }
 
+/// A version's searchable fields, without its files.
+#[derive(Debug, Clone)]
+pub struct VersionRow {
+    id: i64,
+    pub model: String,
+    pub version: u64,
+    pub run_id: Option<String>,
+    /// The source as stored.
+    pub source: String,
+    pub artifact_url: Option<String>,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    /// Empty unless asked for.
+    pub tags: Vec<Tag>,
+}
+
+/// A model's searchable fields.
+#[derive(Debug, Clone)]
+pub struct ModelRow {
+    id: i64,
+    pub name: String,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    /// Empty unless asked for.
+    pub tags: Vec<Tag>,
+}
+
 /// The model registry on one SQLite database.
 #[derive(Debug)]
 pub struct Registry {
@@ -501,6 +528,85 @@ impl Registry {
             .into_iter()
             .map(|vid| load_version(&self.conn, vid))
             .collect()
+    }
+
+    /// Every version's searchable fields (one query, no files, tags only
+    /// when asked for), optionally of one model: what a search filters and
+    /// sorts before it loads the versions of one page.
+    pub fn version_rows(&self, model: Option<&str>, with_tags: bool) -> Result<Vec<VersionRow>> {
+        let mut st = self
+            .conn
+            .prepare(
+                "SELECT v.id, m.name, v.number, v.run_id, v.source, v.artifact_url, v.created_ms, v.updated_ms
+                 FROM versions v JOIN models m ON m.id = v.model_id
+                 WHERE ?1 IS NULL OR m.name = ?1",
+            )
+            .map_err(RegistryError::db("listing versions"))?;
+        let rows = st
+            .query_map([model], |r| {
+                Ok(VersionRow {
+                    id: r.get(0)?,
+                    model: r.get(1)?,
+                    version: r.get::<_, i64>(2)? as u64,
+                    run_id: r.get(3)?,
+                    source: r.get(4)?,
+                    artifact_url: r.get(5)?,
+                    created_ms: r.get(6)?,
+                    updated_ms: r.get(7)?,
+                    tags: Vec::new(),
+                })
+            })
+            .map_err(RegistryError::db("listing versions"))?;
+        let mut out = rows
+            .collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("listing versions"))?;
+        if with_tags {
+            for row in &mut out {
+                row.tags = read_tags(
+                    &self.conn,
+                    "SELECT key, value FROM version_tags WHERE version_id = ?1 ORDER BY key",
+                    row.id,
+                )?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The version a [`VersionRow`] describes.
+    pub fn version_of_row(&self, row: &VersionRow) -> Result<Version> {
+        load_version(&self.conn, row.id)
+    }
+
+    /// Every model's searchable fields (tags only when asked for).
+    pub fn model_rows(&self, with_tags: bool) -> Result<Vec<ModelRow>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id, name, created_ms, updated_ms FROM models")
+            .map_err(RegistryError::db("listing models"))?;
+        let rows = st
+            .query_map([], |r| {
+                Ok(ModelRow {
+                    id: r.get(0)?,
+                    name: r.get(1)?,
+                    created_ms: r.get(2)?,
+                    updated_ms: r.get(3)?,
+                    tags: Vec::new(),
+                })
+            })
+            .map_err(RegistryError::db("listing models"))?;
+        let mut out = rows
+            .collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("listing models"))?;
+        if with_tags {
+            for row in &mut out {
+                row.tags = read_tags(
+                    &self.conn,
+                    "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key",
+                    row.id,
+                )?;
+            }
+        }
+        Ok(out)
     }
 
     fn version_ids(&self, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<i64>> {

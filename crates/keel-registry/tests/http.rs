@@ -269,3 +269,123 @@ async fn every_route_is_authenticated_and_roles_hold() {
     let _ = tx.send(());
     server.await.expect("join").expect("serve");
 }
+
+/// Serves `reg` on a free port: its address and a sender that stops it.
+async fn start(reg: Registry) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let app = router(reg, ServeOptions::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+    (addr, tx)
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn versions_of(v: &serde_json::Value) -> Vec<String> {
+    v["model_versions"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|v| {
+                    format!(
+                        "{}:{}",
+                        v["name"].as_str().unwrap_or(""),
+                        v["version"].as_str().unwrap_or("")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn searches_order_and_page_as_mlflow() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    for (model, n) in [("b", 12), ("a", 3)] {
+        for _ in 0..n {
+            let new = NewVersion {
+                model: model.into(),
+                source: "s3://b/m".into(),
+                create_model: true,
+                ..Default::default()
+            };
+            reg.register_version("ci", &new, None).expect("v");
+        }
+    }
+    let (addr, stop) = start(reg).await;
+    let auth = format!("api-key: {key}");
+    let get = |path: String| {
+        let auth = auth.clone();
+        async move { call(addr, "GET", &path, "", Some(&auth)).await }
+    };
+    let m = "/api/2.0/mlflow";
+    // The common idiom: the newest version of a model.
+    let (s, t) = get(format!(
+        "{m}/model-versions/search?filter=name%3D%27b%27&order_by=version_number+DESC&max_results=1"
+    ))
+    .await;
+    assert_eq!(s, 200, "{t}");
+    assert_eq!(versions_of(&json(&t)), ["b:12"]);
+    // MLflow's default (one clock tick here): name ascending, newest first.
+    let (_, t) = get(format!("{m}/model-versions/search?max_results=4")).await;
+    assert_eq!(versions_of(&json(&t)), ["a:3", "a:2", "a:1", "b:12"]);
+    // Two keys, backquoted; pages follow the order.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let (_, t) = get(format!(
+            "{m}/model-versions/search?order_by=%60name%60+DESC&order_by=version_number+ASC&max_results=5&page_token={token}"
+        ))
+        .await;
+        let v = json(&t);
+        seen.extend(versions_of(&v));
+        match v["next_page_token"].as_str() {
+            Some(n) => token = n.to_owned(),
+            None => break,
+        }
+    }
+    let want: Vec<String> = (1..=12)
+        .map(|n| format!("b:{n}"))
+        .chain((1..=3).map(|n| format!("a:{n}")))
+        .collect();
+    assert_eq!(seen, want);
+    let (_, t) = get(format!("{m}/registered-models/search?order_by=name+DESC")).await;
+    let v = json(&t);
+    let names: Vec<&str> = v["registered_models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(names, ["b", "a"]);
+    // Unknown keys, directions, duplicates and out-of-bounds pages are
+    // refused in MLflow's shape.
+    for q in [
+        "model-versions/search?order_by=size",
+        "model-versions/search?order_by=name+UP",
+        "model-versions/search?order_by=name&order_by=name+DESC",
+        "model-versions/search?max_results=0",
+        "model-versions/search?max_results=-3",
+        "model-versions/search?max_results=200001",
+        "model-versions/search?max_results=many",
+        "registered-models/search?max_results=1001",
+        "registered-models/search?order_by=version_number",
+    ] {
+        let (s, t) = get(format!("{m}/{q}")).await;
+        assert_eq!(s, 400, "{q}: {t}");
+        assert_eq!(json(&t)["error_code"], "INVALID_PARAMETER_VALUE", "{q}");
+    }
+    let (s, _) = get(format!("{m}/model-versions/search?max_results=200000")).await;
+    assert_eq!(s, 200);
+    let _ = stop.send(());
+}

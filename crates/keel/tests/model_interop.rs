@@ -516,6 +516,20 @@ fn mlflow_client_works_against_keel_serve() {
     assert_eq!(seen["v1_tags"]["k"], "v");
     assert_eq!(seen["alias_deleted"], true);
     assert_eq!(seen["duplicate"], "RESOURCE_ALREADY_EXISTS");
+    assert_eq!(seen["newest"], serde_json::json!(["2"]));
+    assert_eq!(seen["ascending"], serde_json::json!(["1", "2"]));
+    assert_eq!(seen["default_order"], serde_json::json!(["2", "1"]));
+    assert_eq!(
+        seen["models_desc"],
+        serde_json::json!(["mlf-other", "mlf-model"])
+    );
+    assert_eq!(
+        seen["models_by_time"],
+        serde_json::json!(["mlf-other", "mlf-model"])
+    );
+    for (k, code) in seen["order_errors"].as_object().expect("errors") {
+        assert_eq!(code, "INVALID_PARAMETER_VALUE", "{k}");
+    }
     // Without the token the client is refused.
     let o = Command::new(python())
         .arg(&script)

@@ -32,9 +32,35 @@ aliases = dict(got.aliases)
 
 found = c.search_model_versions("name='mlf-model'")
 by_run = c.search_model_versions("run_id='r1'")
-models = c.search_registered_models(filter_string="name LIKE 'mlf-%'")
+models = c.search_registered_models(filter_string="name LIKE 'mlf-m%'")
 
 one = c.get_model_version("mlf-model", "1")
+
+# order_by, MLflow's default order (newest first) and max_results bounds.
+c.create_registered_model("mlf-other")
+newest = c.search_model_versions("name='mlf-model'", order_by=["version_number DESC"], max_results=1)
+ascending = c.search_model_versions("name='mlf-model'", order_by=["`version_number` ASC"])
+default_order = c.search_model_versions("name='mlf-model'")
+models_desc = c.search_registered_models(order_by=["name DESC"])
+models_by_time = c.search_registered_models(order_by=["creation_timestamp DESC", "name ASC"])
+
+
+def refused(f):
+    try:
+        f()
+        return "accepted"
+    except MlflowException as e:
+        return e.error_code
+
+
+order_errors = {
+    "unknown": refused(lambda: c.search_model_versions("name='mlf-model'", order_by=["size DESC"])),
+    "direction": refused(lambda: c.search_model_versions("", order_by=["name SIDEWAYS"])),
+    "duplicate": refused(lambda: c.search_registered_models(order_by=["name", "name DESC"])),
+    "models_unknown": refused(lambda: c.search_registered_models(order_by=["version_number"])),
+    "too_many": refused(lambda: c.search_model_versions("", max_results=200_001)),
+    "too_many_models": refused(lambda: c.search_registered_models(max_results=1001)),
+}
 
 c.delete_registered_model_alias("mlf-model", "champion")
 try:
@@ -58,4 +84,10 @@ print(json.dumps({
     "v1_run": one.run_id,
     "alias_deleted": deleted,
     "duplicate": dup,
+    "newest": [str(v.version) for v in newest],
+    "ascending": [str(v.version) for v in ascending],
+    "default_order": [str(v.version) for v in default_order],
+    "models_desc": [m.name for m in models_desc],
+    "models_by_time": [m.name for m in models_by_time],
+    "order_errors": order_errors,
 }))
