@@ -133,8 +133,9 @@ impl From<RegistryError> for ApiError {
             e,
             RegistryError::ModelExists { .. } | RegistryError::KeyExists { .. }
         ) {
+            // MLflow's status for RESOURCE_ALREADY_EXISTS.
             Self::new(
-                StatusCode::CONFLICT,
+                StatusCode::BAD_REQUEST,
                 "RESOURCE_ALREADY_EXISTS",
                 e.to_string(),
             )
@@ -159,6 +160,14 @@ async fn db<T: Send + 'static>(
     st: &AppState,
     f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, ApiError> {
+    db_raw(st, f).await?.map_err(ApiError::from)
+}
+
+/// [`db`], with the registry's error as it is.
+async fn db_raw<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<Result<T, RegistryError>, ApiError> {
     let reg = st.reg.clone();
     tokio::task::spawn_blocking(move || {
         let mut r = reg.lock().unwrap_or_else(|p| p.into_inner());
@@ -171,8 +180,7 @@ async fn db<T: Send + 'static>(
             "INTERNAL_ERROR",
             "internal error",
         )
-    })?
-    .map_err(ApiError::from)
+    })
 }
 
 /// The application: every route, behind authentication.
@@ -251,6 +259,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .fallback(not_found)
         .layer(
             tower::ServiceBuilder::new()
+                .layer(axum::middleware::map_response(json_errors))
                 .layer(axum::extract::DefaultBodyLimit::max(max_body))
                 .layer(axum::middleware::from_fn_with_state(
                     st.clone(),
@@ -273,6 +282,47 @@ pub async fn serve(
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Every error in MLflow's JSON shape: the extractors' own rejections
+/// (a body too large, 413; not JSON, 415; JSON of the wrong shape, 422; a
+/// bad query string, 400) come as plain text and are rewritten as
+/// `{"error_code", "message"}`, 415 and 422 as MLflow's 400
+/// `INVALID_PARAMETER_VALUE`.
+async fn json_errors(r: Response) -> Response {
+    let status = r.status();
+    let is_json = r
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return r;
+    }
+    let text = axum::body::to_bytes(r.into_body(), 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let (status, code) = match status {
+        StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::UNPROCESSABLE_ENTITY => {
+            (StatusCode::BAD_REQUEST, "INVALID_PARAMETER_VALUE")
+        }
+        StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => (status, "ENDPOINT_NOT_FOUND"),
+        s if s.is_server_error() => (s, "INTERNAL_ERROR"),
+        s => (s, "INVALID_PARAMETER_VALUE"),
+    };
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        // Rejections can quote the request: a short start of it.
+        let cut = head(&text, 300);
+        if cut.len() < text.len() {
+            format!("{cut}...")
+        } else {
+            text
+        }
+    };
+    ApiError::new(status, code, message).into_response()
 }
 
 async fn not_found() -> ApiError {
@@ -1015,8 +1065,21 @@ async fn mlf_set_alias(
     Ok(Json(json!({})))
 }
 
+/// MLflow answers a missing alias with 400 `INVALID_PARAMETER_VALUE`
+/// (keel's own API: 404).
+fn mlf_alias_error(e: RegistryError) -> ApiError {
+    match e {
+        RegistryError::UnknownAlias { name, alias } => ApiError::invalid(format!(
+            "Registered model alias {alias} not found on model {name}"
+        )),
+        e => e.into(),
+    }
+}
+
 async fn mlf_get_alias(State(st): State<AppState>, Query(b): Query<AliasBody>) -> ApiResult {
-    let v = db(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias))).await?;
+    let v = db_raw(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias)))
+        .await?
+        .map_err(mlf_alias_error)?;
     Ok(Json(
         json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
     ))
@@ -1029,7 +1092,9 @@ async fn mlf_delete_alias(
     body: Bytes,
 ) -> ApiResult {
     let b: AliasBody = body_or_query(&uri, &body)?;
-    db(&st, move |r| {
+    // Deleting an alias that is not set succeeds, as in MLflow (and
+    // records nothing).
+    match db_raw(&st, move |r| {
         r.delete_alias(
             &id.actor,
             &b.name,
@@ -1037,8 +1102,11 @@ async fn mlf_delete_alias(
             "deleted through the MLflow API",
         )
     })
-    .await?;
-    Ok(Json(json!({})))
+    .await?
+    {
+        Ok(_) | Err(RegistryError::UnknownAlias { .. }) => Ok(Json(json!({}))),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[derive(Deserialize)]

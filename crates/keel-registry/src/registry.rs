@@ -299,7 +299,7 @@ impl Registry {
         new: &NewVersion,
         complete: Option<Option<&Artifacts>>,
     ) -> Result<Version> {
-        check_model_name(&new.model)?;
+        crate::types::check_stored_model_name(&new.model)?;
         new.tags.iter().try_for_each(check_tag)?;
         if new.source.is_empty() {
             return Err(RegistryError::Invalid {
@@ -313,7 +313,10 @@ impl Registry {
         let tx = self.begin()?;
         let id = match model_id(&tx, &new.model)? {
             Some(id) => id,
-            None if new.create_model => insert_model(&tx, now, actor, &new.model, "", &[])?,
+            None if new.create_model => {
+                check_model_name(&new.model)?;
+                insert_model(&tx, now, actor, &new.model, "", &[])?
+            }
             None => {
                 return Err(RegistryError::UnknownModel {
                     name: new.model.clone(),

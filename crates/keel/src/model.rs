@@ -390,7 +390,11 @@ fn register(
     r: &RegisterArgs,
     out: &mut Out,
 ) -> anyhow::Result<Code> {
-    keel_registry::check_model_name(&r.name)?;
+    // A new model's name is checked before anything is uploaded (a model
+    // that already exists keeps the name it has).
+    if reg.model(&r.name).is_err() {
+        keel_registry::check_model_name(&r.name)?;
+    }
     let mut tags = Vec::new();
     for t in &r.tags {
         let (k, v) = t

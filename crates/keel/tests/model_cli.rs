@@ -413,6 +413,11 @@ fn bad_input_gets_clear_errors_and_exit_codes() {
             "invalid model name",
         ),
         (
+            &["register", "team/m", "--path", "/tmp"],
+            64,
+            "may not contain `/` or `:`",
+        ),
+        (
             &["register", "m", "--path", "/nonexistent-keel-dir/x"],
             64,
             "not a directory",

@@ -527,6 +527,16 @@ fn mlflow_client_works_against_keel_serve() {
         seen["models_by_time"],
         serde_json::json!(["mlf-other", "mlf-model"])
     );
+    assert_eq!(
+        seen["client_errors"],
+        serde_json::json!({
+            "slash_name": "INVALID_PARAMETER_VALUE",
+            "colon_name": "INVALID_PARAMETER_VALUE",
+            "too_large": "INVALID_PARAMETER_VALUE",
+            "missing_version": "RESOURCE_DOES_NOT_EXIST",
+            "missing_model": "RESOURCE_DOES_NOT_EXIST",
+        })
+    );
     for (k, code) in seen["order_errors"].as_object().expect("errors") {
         assert_eq!(code, "INVALID_PARAMETER_VALUE", "{k}");
     }

@@ -53,6 +53,14 @@ def refused(f):
         return e.error_code
 
 
+client_errors = {
+    "slash_name": refused(lambda: c.create_registered_model("team/model")),
+    "colon_name": refused(lambda: c.create_registered_model("a:b")),
+    "too_large": refused(lambda: c.create_registered_model("big", description="x" * (2 << 20))),
+    "missing_version": refused(lambda: c.get_model_version("mlf-model", "99")),
+    "missing_model": refused(lambda: c.get_registered_model("nope")),
+}
+
 order_errors = {
     "unknown": refused(lambda: c.search_model_versions("name='mlf-model'", order_by=["size DESC"])),
     "direction": refused(lambda: c.search_model_versions("", order_by=["name SIDEWAYS"])),
@@ -67,7 +75,10 @@ try:
     c.get_model_version_by_alias("mlf-model", "champion")
     deleted = False
 except MlflowException as e:
-    deleted = e.error_code == "RESOURCE_DOES_NOT_EXIST"
+    # MLflow's code for a missing alias.
+    deleted = e.error_code == "INVALID_PARAMETER_VALUE"
+# Deleting it again succeeds, as in MLflow.
+c.delete_registered_model_alias("mlf-model", "champion")
 
 try:
     c.create_registered_model("mlf-model")
@@ -90,4 +101,5 @@ print(json.dumps({
     "models_desc": [m.name for m in models_desc],
     "models_by_time": [m.name for m in models_by_time],
     "order_errors": order_errors,
+    "client_errors": client_errors,
 }))
