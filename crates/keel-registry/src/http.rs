@@ -17,6 +17,9 @@
 //!   JSON shapes and error codes, so `MlflowClient(registry_uri=...)`
 //!   works unchanged.
 //!
+//! Reads run on read-only connections of their own (a snapshot each), so
+//! a long search holds up no other request; writes share one connection.
+//!
 //! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
 //! database failures are logged by nobody here and shown as a plain
 //! "internal error", never with internals.
@@ -54,10 +57,23 @@ pub struct ServeOptions {
 
 #[derive(Clone)]
 struct AppState {
+    /// The writer: every change goes through it, one at a time.
     reg: Arc<Mutex<Registry>>,
+    readers: Arc<Readers>,
     token_sha256: Option<String>,
     azure_account: Option<Arc<str>>,
 }
+
+/// Read-only connections to the database file, so that no read (a long
+/// search) holds up another request or waits for a write. An in-memory
+/// registry has only its writer's connection: reads take its lock.
+struct Readers {
+    source: Option<(std::path::PathBuf, Arc<dyn crate::Clock>)>,
+    idle: Mutex<Vec<Registry>>,
+}
+
+/// Idle read connections kept for the next requests.
+const IDLE_READERS: usize = 8;
 
 /// A keel storage URL as MLflow's artifact repositories name it:
 /// `file://` and `s3://` as they are, `az://C/P` as `wasbs://` in
@@ -155,6 +171,50 @@ impl From<RegistryError> for ApiError {
 
 type ApiResult = Result<Json<Value>, ApiError>;
 
+/// Runs a read on the blocking pool, on a read connection of its own (in
+/// one snapshot): it waits for no write and no other read.
+async fn read<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, ApiError> {
+    read_raw(st, f).await?.map_err(ApiError::from)
+}
+
+/// [`read`], with the registry's error as it is.
+async fn read_raw<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<Result<T, RegistryError>, ApiError> {
+    let Some((path, clock)) = st.readers.source.clone() else {
+        return db_raw(st, move |r| r.snapshot(f)).await;
+    };
+    let readers = st.readers.clone();
+    tokio::task::spawn_blocking(move || {
+        let idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let r = match idle {
+            Some(r) => r,
+            None => match Registry::open_reader(&path, clock) {
+                Ok(r) => r,
+                Err(e) => return Err(e),
+            },
+        };
+        let out = r.snapshot(f);
+        let mut idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < IDLE_READERS {
+            idle.push(r);
+        }
+        out
+    })
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL_ERROR",
+            "internal error",
+        )
+    })
+}
+
 /// Runs a registry call on the blocking pool.
 async fn db<T: Send + 'static>(
     st: &AppState,
@@ -185,7 +245,13 @@ async fn db_raw<T: Send + 'static>(
 
 /// The application: every route, behind authentication.
 pub fn router(reg: Registry, opts: ServeOptions) -> Router {
+    let memory = reg.path() == std::path::Path::new(":memory:");
+    let readers = Readers {
+        source: (!memory).then(|| (reg.path().to_owned(), reg.clock())),
+        idle: Mutex::new(Vec::new()),
+    };
     let st = AppState {
+        readers: Arc::new(readers),
         reg: Arc::new(Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
         azure_account: opts.azure_account.map(Arc::from),
@@ -362,7 +428,7 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     let found = if st.token_sha256.as_deref() == Some(hash.as_str()) {
         Some(("token".to_owned(), Role::Write))
     } else {
-        match db(&st, move |r| r.authenticate(&secret)).await {
+        match read(&st, move |r| r.authenticate(&secret)).await {
             Ok(k) => k.map(|k| (format!("key:{}", k.name), k.role)),
             Err(e) => return e.into_response(),
         }
@@ -409,17 +475,17 @@ fn with_version(v: Value) -> Json<Value> {
 }
 
 async fn v1_models(State(st): State<AppState>) -> ApiResult {
-    let models = db(&st, |r| r.models()).await?;
+    let models = read(&st, |r| r.models()).await?;
     Ok(with_version(json!({ "models": models })))
 }
 
 async fn v1_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let model = db(&st, move |r| r.model(&q.name)).await?;
+    let model = read(&st, move |r| r.model(&q.name)).await?;
     Ok(with_version(json!({ "model": model })))
 }
 
 async fn v1_versions(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let versions = db(&st, move |r| r.versions(&q.name)).await?;
+    let versions = read(&st, move |r| r.versions(&q.name)).await?;
     Ok(with_version(json!({ "versions": versions })))
 }
 
@@ -432,7 +498,7 @@ async fn v1_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
         (None, None) => VersionRef::Latest(q.name.clone()),
         (Some(_), Some(_)) => return Err(ApiError::invalid("give alias or version, not both")),
     };
-    let (v, sig) = db(&st, move |reg| {
+    let (v, sig) = read(&st, move |reg| {
         let v = reg.resolve(&r)?;
         let sig = reg.signature(&v.model, v.version)?;
         Ok((v, sig))
@@ -445,19 +511,19 @@ async fn v1_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
 }
 
 async fn v1_aliases(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let m = db(&st, move |r| r.model(&q.name)).await?;
+    let m = read(&st, move |r| r.model(&q.name)).await?;
     Ok(with_version(
         json!({ "name": m.name, "aliases": m.aliases }),
     ))
 }
 
 async fn v1_history(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let events = db(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
+    let events = read(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
     Ok(with_version(json!({ "events": events })))
 }
 
 async fn v1_audit_verify(State(st): State<AppState>) -> ApiResult {
-    let report = db(&st, |r| r.verify_chains()).await?;
+    let report = read(&st, |r| r.verify_chains()).await?;
     Ok(with_version(json!({ "ok": report.ok(), "report": report })))
 }
 
@@ -585,7 +651,7 @@ async fn mlf_create_model(
 
 async fn mlf_get_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let acct = st.azure_account.clone();
-    let v = db(&st, move |r| model_with_latest(r, &q.name, acct.as_deref())).await?;
+    let v = read(&st, move |r| model_with_latest(r, &q.name, acct.as_deref())).await?;
     Ok(Json(json!({ "registered_model": v })))
 }
 
@@ -734,6 +800,12 @@ enum SortKey<'a> {
     Text(&'a str),
 }
 
+/// The longest search filter, in bytes.
+const MAX_FILTER_BYTES: usize = 8192;
+/// The longest `LIKE` / `ILIKE` pattern, in characters: matching costs up
+/// to the pattern's length times the text's, for every row searched.
+const MAX_PATTERN_CHARS: usize = 256;
+
 /// One `key op 'value'` clause of an MLflow filter.
 #[derive(Debug)]
 struct Clause {
@@ -746,6 +818,12 @@ struct Clause {
 /// `source_path`, `version_number` with `=`, `!=`, `LIKE`, `ILIKE`,
 /// joined by `AND`; values in single or double quotes (or bare numbers).
 fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
+    if f.len() > MAX_FILTER_BYTES {
+        return Err(ApiError::invalid(format!(
+            "filter too long: at most {MAX_FILTER_BYTES} bytes, got {}",
+            f.len()
+        )));
+    }
     let mut out = Vec::new();
     let mut rest = f.trim();
     while !rest.is_empty() {
@@ -803,6 +881,12 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         {
             return Err(ApiError::invalid(format!(
                 "unsupported filter key {key:?}: use name, run_id, source_path, version_number or tag.KEY"
+            )));
+        }
+        if matches!(op.as_str(), "LIKE" | "ILIKE") && value.chars().count() > MAX_PATTERN_CHARS {
+            return Err(ApiError::invalid(format!(
+                "{op} pattern too long: at most {MAX_PATTERN_CHARS} characters, got {}",
+                value.chars().count()
             )));
         }
         out.push(Clause { key, op, value });
@@ -940,7 +1024,7 @@ async fn mlf_search_models(State(st): State<AppState>, uri: Uri) -> ApiResult {
     }
     let start = page_start(&q)?;
     let acct = st.azure_account.clone();
-    let (models, next) = db(&st, move |r| {
+    let (models, next) = read(&st, move |r| {
         let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
         let mut rows = r.model_rows(with_tags)?;
         rows.retain(|m| {
@@ -1077,7 +1161,7 @@ fn mlf_alias_error(e: RegistryError) -> ApiError {
 }
 
 async fn mlf_get_alias(State(st): State<AppState>, Query(b): Query<AliasBody>) -> ApiResult {
-    let v = db_raw(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias)))
+    let v = read_raw(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias)))
         .await?
         .map_err(mlf_alias_error)?;
     Ok(Json(
@@ -1159,7 +1243,7 @@ async fn mlf_create_version(
 
 async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let n = parse_version(q.version.as_deref().unwrap_or(""))?;
-    let v = db(&st, move |r| r.version(&q.name, n)).await?;
+    let v = read(&st, move |r| r.version(&q.name, n)).await?;
     Ok(Json(
         json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
     ))
@@ -1181,7 +1265,7 @@ async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult 
         .map(|c| c.value.clone());
     let start = page_start(&q)?;
     let acct = st.azure_account.clone();
-    let (versions, next) = db(&st, move |r| {
+    let (versions, next) = read(&st, move |r| {
         let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
         let mut rows = r.version_rows(exact_name.as_deref(), with_tags)?;
         rows.retain(|v| {
@@ -1285,7 +1369,7 @@ async fn latest_versions(st: AppState, b: LatestVersions) -> ApiResult {
         }
     }
     let acct = st.azure_account.clone();
-    let versions = db(&st, move |r| {
+    let versions = read(&st, move |r| {
         r.model(&b.name)?;
         if !none_stage {
             return Ok(Vec::new());
@@ -1343,7 +1427,7 @@ fn head(s: &str, max: usize) -> &str {
 /// version's files with its own credentials (see [`mlf_source`]).
 async fn mlf_download_uri(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let n = parse_version(q.version.as_deref().unwrap_or(""))?;
-    let v = db(&st, move |r| r.version(&q.name, n)).await?;
+    let v = read(&st, move |r| r.version(&q.name, n)).await?;
     if v.status != crate::Status::Ready {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,

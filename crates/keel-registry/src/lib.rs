@@ -39,7 +39,9 @@ mod types;
 pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;
-pub use registry::{version_manifest, Artifacts, ModelRow, NewVersion, Registry, VersionRow};
+pub use registry::{
+    limits, version_manifest, Artifacts, ModelRow, NewVersion, Registry, VersionRow,
+};
 pub use time::{rfc3339, Clock, FixedClock};
 pub use types::{
     check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,

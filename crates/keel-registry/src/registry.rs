@@ -99,6 +99,81 @@ fn head(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// The longest strings the registry stores, in bytes (documented in
+/// docs/model.md): no request can make every later read or search slow.
+pub mod limits {
+    /// A version's source.
+    pub const SOURCE: usize = 4096;
+    /// A model's or version's description.
+    pub const DESCRIPTION: usize = 5000;
+    /// A run id, a code commit, a data set's digest, an MLflow model id.
+    pub const ID: usize = 256;
+    /// A URI in the lineage (data set, checkpoint store).
+    pub const URI: usize = 4096;
+    /// Data sets in one version's lineage.
+    pub const DATASETS: usize = 64;
+    /// Tags given with one model or version.
+    pub const TAGS: usize = 100;
+    /// The reason given for an alias change.
+    pub const REASON: usize = 1000;
+    /// A failed version's status message (longer ones are cut).
+    pub const STATUS_MESSAGE: usize = 2000;
+}
+
+/// Refuses a string over `max` bytes, quoting only its start.
+fn check_len(what: &'static str, value: &str, max: usize) -> Result<()> {
+    if value.len() <= max {
+        return Ok(());
+    }
+    Err(RegistryError::Invalid {
+        what,
+        value: format!("{}...", head(value, 40)),
+        reason: format!("at most {max} bytes, got {}", value.len()),
+    })
+}
+
+fn check_lineage(l: &Lineage) -> Result<()> {
+    for (what, v) in [
+        ("run id", &l.run_id),
+        ("code commit", &l.code_commit),
+        ("MLflow model id", &l.mlflow_model_id),
+    ] {
+        if let Some(v) = v {
+            check_len(what, v, limits::ID)?;
+        }
+    }
+    if l.datasets.len() > limits::DATASETS {
+        return Err(RegistryError::Invalid {
+            what: "lineage",
+            value: format!("{} data sets", l.datasets.len()),
+            reason: format!("at most {} data sets", limits::DATASETS),
+        });
+    }
+    for d in &l.datasets {
+        check_len("data set URI", &d.uri, limits::URI)?;
+        if let Some(x) = &d.digest {
+            check_len("data set digest", x, limits::ID)?;
+        }
+    }
+    if let Some(c) = &l.checkpoint {
+        check_len("checkpoint URL", &c.url, limits::URI)?;
+        check_len("checkpoint run", &c.run, limits::ID)?;
+        check_len("checkpoint digest", &c.manifest_digest, limits::ID)?;
+    }
+    Ok(())
+}
+
+fn check_tags(tags: &[Tag]) -> Result<()> {
+    if tags.len() > limits::TAGS {
+        return Err(RegistryError::Invalid {
+            what: "tags",
+            value: format!("{} tags", tags.len()),
+            reason: format!("at most {} tags at once", limits::TAGS),
+        });
+    }
+    tags.iter().try_for_each(check_tag)
+}
+
 fn check_tag(t: &Tag) -> Result<()> {
     if t.key.is_empty() || t.key.len() > 250 {
         return Err(RegistryError::Invalid {
@@ -140,6 +215,49 @@ impl Registry {
         &self.path
     }
 
+    /// The clock this registry stamps changes with.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
+    /// A read-only registry on its own connection to the database file at
+    /// `path` (already created and migrated by [`Registry::open`]): reads
+    /// on it neither wait for writers nor hold them up (WAL).
+    pub fn open_reader(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
+        let open_err = |source| RegistryError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE
+                | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX
+                | rusqlite::OpenFlags::SQLITE_OPEN_URI,
+        )
+        .map_err(open_err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(30))
+            .map_err(open_err)?;
+        conn.pragma_update(None, "query_only", true)
+            .map_err(open_err)?;
+        Ok(Self {
+            conn,
+            clock,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Runs `f` in one read transaction: every query it makes sees the
+    /// same committed state.
+    pub fn snapshot<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        self.conn
+            .execute_batch("BEGIN DEFERRED")
+            .map_err(RegistryError::db("starting a read"))?;
+        let out = f(self);
+        // A read has nothing to keep: ending it can only release locks.
+        let _ = self.conn.execute_batch("COMMIT");
+        out
+    }
+
     fn begin(&mut self) -> Result<Transaction<'_>> {
         self.conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -157,7 +275,8 @@ impl Registry {
         tags: &[Tag],
     ) -> Result<Model> {
         check_model_name(name)?;
-        tags.iter().try_for_each(check_tag)?;
+        check_len("description", description, limits::DESCRIPTION)?;
+        check_tags(tags)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         if model_id(&tx, name)?.is_some() {
@@ -300,7 +419,10 @@ impl Registry {
         complete: Option<Option<&Artifacts>>,
     ) -> Result<Version> {
         crate::types::check_stored_model_name(&new.model)?;
-        new.tags.iter().try_for_each(check_tag)?;
+        check_tags(&new.tags)?;
+        check_len("source", &new.source, limits::SOURCE)?;
+        check_len("description", &new.description, limits::DESCRIPTION)?;
+        check_lineage(&new.lineage)?;
         if new.source.is_empty() {
             return Err(RegistryError::Invalid {
                 what: "source",
@@ -416,6 +538,7 @@ impl Registry {
         number: u64,
         message: &str,
     ) -> Result<Version> {
+        let message = head(message, limits::STATUS_MESSAGE);
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -679,6 +802,7 @@ impl Registry {
         reason: &str,
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -721,6 +845,7 @@ impl Registry {
         alias: &str,
         reason: &str,
     ) -> Result<AliasEvent> {
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -755,6 +880,7 @@ impl Registry {
         reason: &str,
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -1885,6 +2011,64 @@ pub fn version_manifest(v: &Version) -> std::result::Result<Manifest, RegistryEr
 mod tests {
     use super::*;
     use crate::FixedClock;
+
+    #[test]
+    fn every_stored_string_has_a_length_limit() {
+        let mut reg = Registry::open_in_memory(Arc::new(FixedClock(0))).expect("open");
+        let base = NewVersion {
+            model: "m".into(),
+            source: "s3://b/m".into(),
+            create_model: true,
+            ..Default::default()
+        };
+        let long = |n: usize| "x".repeat(n + 1);
+        let mut cases: Vec<(NewVersion, &str)> = Vec::new();
+        let mut v = base.clone();
+        v.source = long(limits::SOURCE);
+        cases.push((v, "source"));
+        let mut v = base.clone();
+        v.description = long(limits::DESCRIPTION);
+        cases.push((v, "description"));
+        let mut v = base.clone();
+        v.lineage.run_id = Some(long(limits::ID));
+        cases.push((v, "run id"));
+        let mut v = base.clone();
+        v.lineage.code_commit = Some(long(limits::ID));
+        cases.push((v, "code commit"));
+        let mut v = base.clone();
+        v.lineage.datasets = vec![crate::Dataset {
+            uri: long(limits::URI),
+            digest: None,
+        }];
+        cases.push((v, "data set URI"));
+        let mut v = base.clone();
+        v.tags = (0..=limits::TAGS)
+            .map(|i| Tag {
+                key: format!("k{i}"),
+                value: String::new(),
+            })
+            .collect();
+        cases.push((v, "tags"));
+        for (v, what) in cases {
+            let e = reg.register_version("a", &v, None).expect_err(what);
+            assert!(e.to_string().starts_with(&format!("invalid {what}")), "{e}");
+            // Quoted input is cut short.
+            assert!(e.to_string().len() < 200, "{e}");
+        }
+        assert!(
+            reg.models().expect("models").is_empty(),
+            "nothing half-written"
+        );
+        let e = reg
+            .create_model("a", "m", &long(limits::DESCRIPTION), &[])
+            .expect_err("description");
+        assert!(e.to_string().contains("at most 5000 bytes"), "{e}");
+        reg.register_version("a", &base, None).expect("fits");
+        let e = reg
+            .set_alias("a", "m", "prod", 1, &long(limits::REASON))
+            .expect_err("reason");
+        assert!(e.to_string().starts_with("invalid reason"), "{e}");
+    }
 
     #[test]
     fn long_tag_values_are_refused_whatever_their_characters() {

@@ -594,3 +594,81 @@ async fn every_error_has_mlflows_shape_and_code() {
     assert_eq!(s, 404);
     let _ = tx.send(());
 }
+
+/// A search with the longest LIKE pattern over the longest sources runs on
+/// its own read connection: a `get` meanwhile answers within 100 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_search_does_not_hold_up_other_requests() {
+    let t = tempfile::tempdir().expect("tmp");
+    let mut reg = Registry::open(
+        &t.path().join("reg.db"),
+        Arc::new(FixedClock(1_700_000_000_000)),
+    )
+    .expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    let source = format!("s3://b/{}", "a".repeat(keel_registry::limits::SOURCE - 7));
+    for _ in 0..150 {
+        let new = NewVersion {
+            model: "m".into(),
+            source: source.clone(),
+            create_model: true,
+            ..Default::default()
+        };
+        reg.register_version("ci", &new, None).expect("v");
+    }
+    let (addr, stop) = start(reg).await;
+    let auth = format!("api-key: {key}");
+    // `%` then 255 characters that match everywhere but at the end: each
+    // row costs about the pattern's length times the source's.
+    let pattern = format!("%25{}b", "a".repeat(254));
+    let path =
+        format!("/api/2.0/mlflow/model-versions/search?filter=source_path+LIKE+%27{pattern}%27");
+    let search = {
+        let auth = auth.clone();
+        tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let (s, body) = call(addr, "GET", &path, "", Some(&auth)).await;
+            (s, body, t0.elapsed())
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let mut slowest = std::time::Duration::ZERO;
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        let (s, body) = call(
+            addr,
+            "GET",
+            "/api/2.0/mlflow/model-versions/get?name=m&version=7",
+            "",
+            Some(&auth),
+        )
+        .await;
+        assert_eq!(s, 200, "{body}");
+        slowest = slowest.max(t0.elapsed());
+    }
+    let during = !search.is_finished();
+    let (s, body, took) = search.await.expect("search");
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(json(&body)["model_versions"], serde_json::json!([]));
+    // The gets ran while the search did (else this test shows nothing).
+    assert!(during, "the search took only {took:?}");
+    assert!(
+        slowest < std::time::Duration::from_millis(100),
+        "a get took {slowest:?} during a search of {took:?}"
+    );
+    // A longer pattern is refused before any row is read.
+    let long = format!("%25{}b", "a".repeat(256));
+    let (s, body) = call(
+        addr,
+        "GET",
+        &format!("/api/2.0/mlflow/model-versions/search?filter=source_path+LIKE+%27{long}%27"),
+        "",
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("at most 256 characters"), "{body}");
+    let _ = stop.send(());
+}
