@@ -296,6 +296,26 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
             get(mlf_download_uri),
         )
         .route(
+            &format!("{m}/registered-models/update"),
+            axum::routing::patch(mlf_update_model),
+        )
+        .route(
+            &format!("{m}/registered-models/rename"),
+            post(mlf_rename_model),
+        )
+        .route(
+            &format!("{m}/model-versions/update"),
+            axum::routing::patch(mlf_update_version),
+        )
+        .route(
+            &format!("{m}/model-versions/delete"),
+            axum::routing::delete(mlf_delete_version),
+        )
+        .route(
+            &format!("{m}/model-versions/transition-stage"),
+            post(mlf_transition_stage),
+        )
+        .route(
             &format!("{m}/registered-models/delete-tag"),
             axum::routing::delete(mlf_delete_model_tag),
         )
@@ -557,7 +577,7 @@ fn mlf_version(v: &Version, azure_account: Option<&str>) -> Value {
         "source": mlf_source(v, azure_account),
         "status": v.status.as_str(),
         "status_message": v.status_message,
-        "tags": mlf_tags(&v.tags),
+        "tags": mlf_version_tags(v),
         "aliases": v.aliases,
     });
     if let Some(run) = &v.lineage.run_id {
@@ -566,7 +586,63 @@ fn mlf_version(v: &Version, azure_account: Option<&str>) -> Value {
     if let Some(id) = &v.lineage.mlflow_model_id {
         o["model_id"] = id.clone().into();
     }
+    if let Some(link) = run_link(v) {
+        o["run_link"] = link.into();
+    }
     o
+}
+
+/// The run link MLflow shows: the one given, else the checkpoint run the
+/// version was registered from.
+fn run_link(v: &Version) -> Option<String> {
+    v.lineage.run_link.clone().or_else(|| {
+        v.lineage
+            .checkpoint
+            .as_ref()
+            .map(|c| format!("{}/{}", c.url, c.run))
+    })
+}
+
+/// The prefix of the tags that show keel's lineage to MLflow clients.
+const LINEAGE_TAG_PREFIX: &str = "keel.";
+
+/// A version's tags as MLflow shows them: its own, then its lineage and
+/// integrity as `keel.*` tags (read-only).
+fn mlf_version_tags(v: &Version) -> Value {
+    let mut tags: Vec<Value> = v
+        .tags
+        .iter()
+        .map(|t| json!({"key": t.key, "value": t.value}))
+        .collect();
+    let mut add = |k: &str, val: String| {
+        tags.push(json!({"key": format!("{LINEAGE_TAG_PREFIX}{k}"), "value": val}));
+    };
+    let l = &v.lineage;
+    if let Some(c) = &l.checkpoint {
+        add("checkpoint.url", c.url.clone());
+        add("checkpoint.run", c.run.clone());
+        add("checkpoint.step", c.step.to_string());
+        add("checkpoint.manifest_digest", c.manifest_digest.clone());
+    }
+    for (i, d) in l.datasets.iter().enumerate() {
+        add(&format!("dataset.{i}"), d.uri.clone());
+        if let Some(x) = &d.digest {
+            add(&format!("dataset.{i}.digest"), x.clone());
+        }
+    }
+    if let Some(c) = &l.code_commit {
+        add("code_commit", c.clone());
+    }
+    if let Some(p) = l.parent_version {
+        add("parent_version", p.to_string());
+    }
+    if let Some(d) = &v.manifest_digest {
+        add("manifest_digest", d.clone());
+    }
+    if v.signed {
+        add("signed", "true".into());
+    }
+    Value::Array(tags)
 }
 
 fn mlf_model(m: &Model, latest: Option<&Version>, azure_account: Option<&str>) -> Value {
@@ -1207,6 +1283,8 @@ struct CreateVersion {
     /// MLflow 3's logged model (`models:/m-...` sources).
     #[serde(default)]
     model_id: Option<String>,
+    #[serde(default)]
+    run_link: Option<String>,
 }
 
 async fn mlf_create_version(
@@ -1223,6 +1301,7 @@ async fn mlf_create_version(
         lineage: crate::Lineage {
             run_id: b.run_id.filter(|r| !r.is_empty()),
             mlflow_model_id: b.model_id.filter(|m| !m.is_empty()),
+            run_link: b.run_link.filter(|l| !l.is_empty()),
             ..Default::default()
         },
         tags: b
@@ -1322,6 +1401,12 @@ async fn mlf_set_version_tag(
     Json(b): Json<TagBody>,
 ) -> ApiResult {
     let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    if b.key.starts_with(LINEAGE_TAG_PREFIX) {
+        return Err(ApiError::invalid(format!(
+            "tags under {LINEAGE_TAG_PREFIX} show the version's lineage and cannot be set: choose another key than {:?}",
+            head(&b.key, 100)
+        )));
+    }
     let value = b.value.unwrap_or_default();
     db(&st, move |r| {
         r.set_version_tag(&id.actor, &b.name, n, &b.key, Some(&value))
@@ -1441,6 +1526,100 @@ async fn mlf_download_uri(State(st): State<AppState>, Query(q): Query<NameQuery>
     Ok(Json(
         json!({ "artifact_uri": mlf_source(&v, st.azure_account.as_deref()) }),
     ))
+}
+
+#[derive(Deserialize)]
+struct UpdateBody {
+    name: String,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    description: Option<String>,
+}
+
+/// `update_registered_model`: the description.
+async fn mlf_update_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<UpdateBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    let acct = st.azure_account.clone();
+    let m = db(&st, move |r| {
+        r.update_model(&id.actor, &b.name, b.description.as_deref().unwrap_or(""))?;
+        model_with_latest(r, &b.name, acct.as_deref())
+    })
+    .await?;
+    Ok(Json(json!({ "registered_model": m })))
+}
+
+#[derive(Deserialize)]
+struct RenameBody {
+    name: String,
+    #[serde(default)]
+    new_name: String,
+}
+
+/// `rename_registered_model`: only a model with no versions and no alias
+/// history (see [`Registry::rename_model`]).
+async fn mlf_rename_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<RenameBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    required("new_name", &b.new_name)?;
+    let acct = st.azure_account.clone();
+    let m = db(&st, move |r| {
+        r.rename_model(&id.actor, &b.name, &b.new_name)?;
+        model_with_latest(r, &b.new_name, acct.as_deref())
+    })
+    .await?;
+    Ok(Json(json!({ "registered_model": m })))
+}
+
+/// `update_model_version`: the description, the one field of a version
+/// that may change after READY.
+async fn mlf_update_version(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<UpdateBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    let v = db(&st, move |r| {
+        r.update_version(
+            &id.actor,
+            &b.name,
+            n,
+            b.description.as_deref().unwrap_or(""),
+        )
+    })
+    .await?;
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
+}
+
+/// `delete_model_version`: refused, versions are kept (409 INVALID_STATE,
+/// naming the version).
+async fn mlf_delete_version(State(st): State<AppState>, uri: Uri, body: Bytes) -> ApiResult {
+    let b: UpdateBody = body_or_query(&uri, &body)?;
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    read(&st, move |r| r.delete_version(&b.name, n)).await?;
+    Ok(Json(json!({})))
+}
+
+/// `transition_model_version_stage`: stages are deprecated in MLflow and
+/// keel has aliases instead.
+async fn mlf_transition_stage() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "NOT_IMPLEMENTED",
+        "model version stages are not supported (MLflow deprecated them): use aliases, \
+         e.g. MlflowClient().set_registered_model_alias(name, \"production\", version), \
+         and load models:/NAME@production",
+    )
 }
 
 #[cfg(test)]

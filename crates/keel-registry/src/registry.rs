@@ -142,6 +142,9 @@ fn check_lineage(l: &Lineage) -> Result<()> {
             check_len(what, v, limits::ID)?;
         }
     }
+    if let Some(link) = &l.run_link {
+        check_len("run link", link, limits::URI)?;
+    }
     if l.datasets.len() > limits::DATASETS {
         return Err(RegistryError::Invalid {
             what: "lineage",
@@ -344,6 +347,75 @@ impl Registry {
         }
         audit(&tx, now, actor, "model.delete", name, json!({}))?;
         tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    /// Changes a model's description (metadata: audited).
+    pub fn update_model(&mut self, actor: &str, name: &str, description: &str) -> Result<Model> {
+        check_len("description", description, limits::DESCRIPTION)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        tx.execute(
+            "UPDATE models SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![id, description, now],
+        )
+        .map_err(RegistryError::db("updating a model"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "model.update",
+            name,
+            json!({"description": description}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.model(name)
+    }
+
+    /// Renames a model that has no versions and no alias history: the
+    /// alias history and audit log name models by name and cannot be
+    /// rewritten, and versions' artifact URLs hold the name.
+    pub fn rename_model(&mut self, actor: &str, name: &str, new_name: &str) -> Result<Model> {
+        check_model_name(new_name)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        if model_id(&tx, new_name)?.is_some() {
+            return Err(RegistryError::ModelExists {
+                name: new_name.to_owned(),
+            });
+        }
+        let (versions, aliases): (i64, i64) = tx
+            .query_row(
+                "SELECT (SELECT COUNT(*) FROM versions WHERE model_id = ?1),
+                        (SELECT COUNT(*) FROM alias_events WHERE model = ?2)",
+                params![id, name],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .map_err(RegistryError::db("reading a model"))?;
+        if versions > 0 || aliases > 0 {
+            return Err(RegistryError::NoRename {
+                name: name.to_owned(),
+                reason: format!(
+                    "it has {versions} version(s) and {aliases} alias event(s), which the append-only alias history, the audit log and the artifact URLs record under this name; register the versions under a new model instead (keel model register NEW --from ARTIFACT_URL)"
+                ),
+            });
+        }
+        tx.execute(
+            "UPDATE models SET name = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![id, new_name, now],
+        )
+        .map_err(RegistryError::db("renaming a model"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "model.rename",
+            name,
+            json!({"new_name": new_name}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.model(new_name)
     }
 
     /// Sets (or with `value: None` deletes) a model tag.
@@ -607,6 +679,47 @@ impl Registry {
             json!({"key": key, "value": value}),
         )?;
         tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    /// Changes a version's description: metadata, the one field of a
+    /// version that may change after READY (audited).
+    pub fn update_version(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        description: &str,
+    ) -> Result<Version> {
+        check_len("description", description, limits::DESCRIPTION)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = version_row_id(&tx, id, model, number)?;
+        tx.execute(
+            "UPDATE versions SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![vid, description, now],
+        )
+        .map_err(RegistryError::db("updating a version"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "version.update",
+            &format!("{model}:{number}"),
+            json!({"version": number, "description": description}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.version(model, number)
+    }
+
+    /// Versions are never deleted: this names the version and says so (an
+    /// unknown version is reported as unknown).
+    pub fn delete_version(&self, model: &str, number: u64) -> Result<()> {
+        self.version(model, number)?;
+        Err(RegistryError::VersionsAreKept {
+            name: model.to_owned(),
+            version: number,
+        })
     }
 
     /// One version.
@@ -2068,6 +2181,68 @@ mod tests {
             .set_alias("a", "m", "prod", 1, &long(limits::REASON))
             .expect_err("reason");
         assert!(e.to_string().starts_with("invalid reason"), "{e}");
+    }
+
+    #[test]
+    fn after_ready_only_metadata_changes() {
+        let mut reg = Registry::open_in_memory(Arc::new(FixedClock(5))).expect("open");
+        let new = NewVersion {
+            model: "m".into(),
+            source: "s3://b/m".into(),
+            create_model: true,
+            ..Default::default()
+        };
+        reg.register_version("a", &new, None).expect("v1");
+        let v = reg.update_version("a", "m", 1, "notes").expect("update");
+        assert_eq!(v.description, "notes");
+        let m = reg.update_model("a", "m", "about m").expect("update");
+        assert_eq!(m.description, "about m");
+        // Everything else of a READY version stays as it was.
+        let e = reg
+            .conn
+            .execute("UPDATE versions SET source = 'x' WHERE number = 1", [])
+            .expect_err("source");
+        assert!(
+            e.to_string().contains("only its description may change"),
+            "{e}"
+        );
+        match reg.delete_version("m", 1) {
+            Err(e @ RegistryError::VersionsAreKept { .. }) => {
+                assert!(e.to_string().contains("never deleted"), "{e}")
+            }
+            other => panic!("expected VersionsAreKept, got {other:?}"),
+        }
+        assert!(matches!(
+            reg.delete_version("m", 9),
+            Err(RegistryError::UnknownVersion { .. })
+        ));
+        // A model with versions keeps its name; an empty one may change it.
+        match reg.rename_model("a", "m", "m2") {
+            Err(e @ RegistryError::NoRename { .. }) => {
+                assert!(e.to_string().contains("1 version(s)"), "{e}")
+            }
+            other => panic!("expected NoRename, got {other:?}"),
+        }
+        reg.create_model("a", "empty", "", &[]).expect("empty");
+        assert!(matches!(
+            reg.rename_model("a", "empty", "m"),
+            Err(RegistryError::ModelExists { .. })
+        ));
+        assert!(reg.rename_model("a", "empty", "team/x").is_err());
+        assert_eq!(
+            reg.rename_model("a", "empty", "full").expect("rename").name,
+            "full"
+        );
+        let actions: Vec<String> = reg
+            .audit_log()
+            .expect("log")
+            .into_iter()
+            .map(|e| e.action)
+            .collect();
+        for a in ["version.update", "model.update", "model.rename"] {
+            assert!(actions.iter().any(|x| x == a), "{a}: {actions:?}");
+        }
+        assert!(reg.verify_chains().expect("verify").ok());
     }
 
     #[test]

@@ -71,6 +71,9 @@ pub struct Lineage {
     /// The version of the same model this one derives from (fine-tuning).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_version: Option<u64>,
+    /// A link to the training run (MLflow's `run_link`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_link: Option<String>,
     /// MLflow 3's logged model (`m-...`) a version registered through
     /// MLflow's API was made from.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -75,6 +75,16 @@ const ROUTES: &[(&str, &str, &str)] = &[
         "",
     ),
     (
+        "PATCH",
+        "/api/2.0/mlflow/registered-models/update",
+        r#"{"name":"m","description":"d"}"#,
+    ),
+    (
+        "PATCH",
+        "/api/2.0/mlflow/model-versions/update",
+        r#"{"name":"m","version":"1","description":"d"}"#,
+    ),
+    (
         "POST",
         "/api/2.0/mlflow/registered-models/get-latest-versions",
         r#"{"name":"m"}"#,

@@ -420,6 +420,7 @@ fn register(
             datasets,
             code_commit: r.code_commit.clone(),
             parent_version: r.parent,
+            run_link: None,
             mlflow_model_id: None,
         },
         tags,

@@ -390,7 +390,21 @@ fn mlflow_client_loads_models_registered_in_keel() {
         .output()
         .expect("python"));
     // No artifact store configured: the default store beside the database.
-    ok(keel(&db, &["register", "adder", "--path", s(&model)]));
+    ok(keel(
+        &db,
+        &[
+            "register",
+            "adder",
+            "--path",
+            s(&model),
+            "--run-id",
+            "train-7",
+            "--dataset",
+            "s3://data/train#sha256:ab12",
+            "--code-commit",
+            "0123abc",
+        ],
+    ));
     ok(keel(
         &db,
         &[
@@ -451,6 +465,18 @@ fn mlflow_client_loads_models_registered_in_keel() {
     assert_eq!(seen["v1_source"], store.as_str(), "{seen}");
     assert_eq!(seen["download_uri"], store.as_str(), "{seen}");
     assert_eq!(seen["latest_versions"], serde_json::json!(["1"]));
+    // keel's lineage, as MLflow shows it.
+    assert_eq!(seen["v1_run_id"], "train-7");
+    let tags = &seen["v1_tags"];
+    assert_eq!(tags["keel.dataset.0"], "s3://data/train");
+    assert_eq!(tags["keel.dataset.0.digest"], "sha256:ab12");
+    assert_eq!(tags["keel.code_commit"], "0123abc");
+    assert!(
+        tags["keel.manifest_digest"]
+            .as_str()
+            .is_some_and(|d| d.len() == 64),
+        "{tags}"
+    );
     assert_eq!(seen["download_same"], true);
     assert_eq!(seen["client_version"], "2");
     assert_eq!(seen["client_run_id"], "run-from-client");
@@ -537,6 +563,27 @@ fn mlflow_client_works_against_keel_serve() {
             "missing_model": "RESOURCE_DOES_NOT_EXIST",
         })
     );
+    let ch = &seen["changes"];
+    assert_eq!(ch["model_description"], "updated");
+    assert_eq!(ch["v1_description"], "v1 notes");
+    assert_eq!(ch["v1_updated_description"], "v1 notes");
+    assert_eq!(ch["renamed"], "mlf-other2");
+    for (k, code, text) in [
+        ("rename_with_versions", "INVALID_STATE", "alias history"),
+        ("delete_version", "INVALID_STATE", "never deleted"),
+        (
+            "transition",
+            "NOT_IMPLEMENTED",
+            "set_registered_model_alias",
+        ),
+        ("lineage_tag", "INVALID_PARAMETER_VALUE", "lineage"),
+    ] {
+        assert_eq!(ch[k][0], code, "{k}: {ch}");
+        assert!(
+            ch[k][1].as_str().is_some_and(|m| m.contains(text)),
+            "{k}: {ch}"
+        );
+    }
     for (k, code) in seen["order_errors"].as_object().expect("errors") {
         assert_eq!(code, "INVALID_PARAMETER_VALUE", "{k}");
     }

@@ -53,6 +53,32 @@ def refused(f):
         return e.error_code
 
 
+# What may change, and what may not, after READY.
+c.update_registered_model("mlf-model", description="updated")
+updated_v1 = c.update_model_version("mlf-model", "1", description="v1 notes")
+c.rename_registered_model("mlf-other", "mlf-other2")
+renamed = c.get_registered_model("mlf-other2")
+
+
+def refusal(f):
+    try:
+        f()
+        return ["accepted", ""]
+    except MlflowException as e:
+        return [e.error_code, e.message]
+
+
+changes = {
+    "model_description": c.get_registered_model("mlf-model").description,
+    "v1_description": c.get_model_version("mlf-model", "1").description,
+    "v1_updated_description": updated_v1.description,
+    "renamed": renamed.name,
+    "rename_with_versions": refusal(lambda: c.rename_registered_model("mlf-model", "mlf-x")),
+    "delete_version": refusal(lambda: c.delete_model_version("mlf-model", "1")),
+    "transition": refusal(lambda: c.transition_model_version_stage("mlf-model", "1", "Production")),
+    "lineage_tag": refusal(lambda: c.set_model_version_tag("mlf-model", "1", "keel.code_commit", "x")),
+}
+
 client_errors = {
     "slash_name": refused(lambda: c.create_registered_model("team/model")),
     "colon_name": refused(lambda: c.create_registered_model("a:b")),
@@ -102,4 +128,5 @@ print(json.dumps({
     "models_by_time": [m.name for m in models_by_time],
     "order_errors": order_errors,
     "client_errors": client_errors,
+    "changes": changes,
 }))

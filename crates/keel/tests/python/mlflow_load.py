@@ -63,6 +63,8 @@ def load(model_dir, name, stored):
     out["latest"] = predict(f"models:/{name}/latest")
     v1 = c.get_model_version(name, "1")
     out["v1_source"] = v1.source
+    out["v1_run_id"] = v1.run_id
+    out["v1_tags"] = dict(v1.tags)
     out["download_uri"] = c.get_model_version_download_uri(name, "1")
     out["latest_versions"] = [v.version for v in c.get_latest_versions(name)]
     with tempfile.TemporaryDirectory() as d:
