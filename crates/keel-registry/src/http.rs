@@ -10,12 +10,15 @@
 //! - keel's read API (`/api/v1/...`, JSON with a `version` field):
 //!   models, versions (with files, lineage and signature), aliases, alias
 //!   history, and the chain check; what the gateway reads.
-//! - The MLflow model-registry subset (`/api/2.0/mlflow/...`):
-//!   `registered-models/create|get|search|delete|set-tag|delete-tag`,
-//!   `registered-models/alias` (POST set, GET get, DELETE delete),
-//!   `model-versions/create|get|search|set-tag|delete-tag`, with MLflow's
-//!   JSON shapes and error codes, so `MlflowClient(registry_uri=...)`
-//!   works unchanged.
+//! - MLflow's model-registry API (`/api/2.0/mlflow/...`):
+//!   `registered-models/create|get|search|update|rename|delete|set-tag|
+//!   delete-tag|get-latest-versions`, `registered-models/alias` (POST set,
+//!   GET get, DELETE delete), `model-versions/create|get|search|update|
+//!   delete|set-tag|delete-tag|get-download-uri|transition-stage`, with
+//!   MLflow's JSON shapes and error codes, so the MLflow client registers,
+//!   finds, aliases and loads (`models:/...`) models unchanged. Deleting a
+//!   version and stage transitions are refused (versions are kept; keel
+//!   has aliases); a version's `source` is its artifact-store URL.
 //!
 //! Reads run on read-only connections of their own (a snapshot each), so
 //! a long search holds up no other request; writes share one connection.
