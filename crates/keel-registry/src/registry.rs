@@ -256,8 +256,11 @@ impl Registry {
             .execute_batch("BEGIN DEFERRED")
             .map_err(RegistryError::db("starting a read"))?;
         let out = f(self);
-        // A read has nothing to keep: ending it can only release locks.
-        let _ = self.conn.execute_batch("COMMIT");
+        // A read has nothing to keep: ending it only releases its snapshot
+        // (and a connection must never be left inside a transaction).
+        if self.conn.execute_batch("COMMIT").is_err() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
         out
     }
 
@@ -1443,7 +1446,7 @@ impl Registry {
             let v: i64 = conn
                 .query_row("PRAGMA user_version", [], |r| r.get(0))
                 .map_err(|e| bad(e.to_string()))?;
-            if v < 1 || v > crate::db::SCHEMA_VERSION {
+            if !(1..=crate::db::SCHEMA_VERSION).contains(&v) {
                 return Err(bad(format!(
                     "schema version {v}, this keel reads 1 to {}",
                     crate::db::SCHEMA_VERSION

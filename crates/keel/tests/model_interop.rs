@@ -479,6 +479,8 @@ fn mlflow_client_loads_models_registered_in_keel() {
     );
     assert_eq!(seen["download_same"], true);
     assert_eq!(seen["client_version"], "2");
+    assert_eq!(seen["fluent_version"], "3");
+    assert_eq!(seen["fluent"], serde_json::json!([2, 42]));
     assert_eq!(seen["client_run_id"], "run-from-client");
     let az = &seen["stored"]["adder-az:1"];
     assert!(

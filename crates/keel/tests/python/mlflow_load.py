@@ -77,6 +77,10 @@ def load(model_dir, name, stored):
     out["client_version"] = str(v.version)
     out["client_alias"] = predict(f"models:/{name}@champion")
     out["client_run_id"] = c.get_model_version(name, v.version).run_id
+    # The fluent API, as an MLflow user registers a model directory.
+    fluent = mlflow.register_model(f"file://{model_dir}", name)
+    out["fluent_version"] = str(fluent.version)
+    out["fluent"] = predict(f"models:/{name}/{fluent.version}")
 
     out["stored"] = {}
     for ref in stored:
