@@ -879,6 +879,20 @@ enum SortKey<'a> {
     Text(&'a str),
 }
 
+/// A filter as error messages quote it: its first 200 bytes.
+struct Shown<'a>(&'a str);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let h = head(self.0, 200);
+        if h.len() < self.0.len() {
+            write!(f, "{:?}...", h)
+        } else {
+            write!(f, "{:?}", h)
+        }
+    }
+}
+
 /// The longest search filter, in bytes.
 const MAX_FILTER_BYTES: usize = 8192;
 /// The longest `LIKE` / `ILIKE` pattern, in characters: matching costs up
@@ -905,6 +919,8 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
     }
     let mut out = Vec::new();
     let mut rest = f.trim();
+    // What error messages quote of the filter and its parts.
+    let shown = Shown(f);
     while !rest.is_empty() {
         // A key: `name`, or `tag.KEY` / `tags.KEY` with KEY in backquotes
         // or bare.
@@ -913,15 +929,15 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
                 if matches!(&rest[..dot], "tag" | "tags") && rest[dot + 1..].starts_with('`') =>
             {
                 let body = &rest[dot + 2..];
-                let close = body
-                    .find('`')
-                    .ok_or_else(|| ApiError::invalid(format!("unterminated ` in filter {f:?}")))?;
+                let close = body.find('`').ok_or_else(|| {
+                    ApiError::invalid(format!("unterminated ` in filter {shown}"))
+                })?;
                 (format!("tag.{}", &body[..close]), &body[close + 1..])
             }
             _ => {
                 let end = rest
                     .find(|c: char| c.is_whitespace() || c == '=' || c == '!')
-                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {shown}")))?;
                 let k = rest[..end].trim_matches('`');
                 let k = match k.split_once('.') {
                     Some(("tag" | "tags", t)) => format!("tag.{t}"),
@@ -933,13 +949,13 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         rest = after_key.trim_start();
         let op_end = rest
             .find(|c: char| c == '\'' || c == '"' || c.is_ascii_digit())
-            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {shown}")))?;
         let op = rest[..op_end].trim().to_ascii_uppercase();
         rest = &rest[op_end..];
         let (value, after) = match rest.chars().next() {
             Some(q @ ('\'' | '"')) => {
                 let close = rest[1..].find(q).ok_or_else(|| {
-                    ApiError::invalid(format!("unterminated string in filter {f:?}"))
+                    ApiError::invalid(format!("unterminated string in filter {shown}"))
                 })?;
                 (rest[1..1 + close].to_owned(), &rest[close + 2..])
             }
@@ -950,7 +966,8 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         };
         if !matches!(op.as_str(), "=" | "!=" | "LIKE" | "ILIKE") {
             return Err(ApiError::invalid(format!(
-                "unsupported operator {op:?} in filter {f:?}"
+                "unsupported operator {:?} in filter {shown}",
+                head(&op, 20)
             )));
         }
         if !matches!(
@@ -959,7 +976,8 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         ) && !key.starts_with("tag.")
         {
             return Err(ApiError::invalid(format!(
-                "unsupported filter key {key:?}: use name, run_id, source_path, version_number or tag.KEY"
+                "unsupported filter key {:?}: use name, run_id, source_path, version_number or tag.KEY",
+                head(&key, 100)
             )));
         }
         if matches!(op.as_str(), "LIKE" | "ILIKE") && value.chars().count() > MAX_PATTERN_CHARS {
@@ -978,7 +996,7 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
             .or_else(|| rest.strip_prefix("and "))
         else {
             return Err(ApiError::invalid(format!(
-                "only AND joins filter clauses: {f:?}"
+                "only AND joins filter clauses: {shown}"
             )));
         };
         rest = r.trim_start();

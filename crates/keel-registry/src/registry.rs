@@ -181,7 +181,7 @@ fn check_tag(t: &Tag) -> Result<()> {
     if t.key.is_empty() || t.key.len() > 250 {
         return Err(RegistryError::Invalid {
             what: "tag key",
-            value: t.key.clone(),
+            value: head(&t.key, 100).to_owned(),
             reason: "tag keys are 1-250 characters".into(),
         });
     }

@@ -366,7 +366,7 @@ pub fn parse_version(v: &str) -> Result<u64, RegistryError> {
         Ok(n) if n >= 1 && n <= i64::MAX as u64 => Ok(n),
         _ => Err(RegistryError::Invalid {
             what: "version",
-            value: v.to_owned(),
+            value: v.chars().take(40).collect(),
             reason: "versions are whole numbers from 1".into(),
         }),
     }
@@ -423,7 +423,7 @@ pub(crate) fn check_stored_model_name(name: &str) -> Result<(), RegistryError> {
 pub fn check_alias(alias: &str) -> Result<(), RegistryError> {
     let bad = |reason: &str| RegistryError::Invalid {
         what: "alias",
-        value: alias.to_owned(),
+        value: alias.chars().take(80).collect(),
         reason: reason.to_owned(),
     };
     if alias.is_empty()

@@ -540,6 +540,48 @@ async fn every_error_has_mlflows_shape_and_code() {
             400,
             "INVALID_PARAMETER_VALUE",
         ),
+        // Long bad input is quoted only in part.
+        (
+            "GET",
+            format!("{m}/model-versions/search?filter={}", "x".repeat(5000)),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!(
+                "{m}/model-versions/search?filter=name+IN+%28%27{}%27%29",
+                "y".repeat(5000)
+            ),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/model-versions/get?name=m&version={}", "9".repeat(3000)),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/set-tag"),
+            format!(r#"{{"name":"m","key":"{}","value":"v"}}"#, "k".repeat(3000)),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/alias"),
+            format!(
+                r#"{{"name":"m","alias":"{}","version":"1"}}"#,
+                "a".repeat(3000)
+            ),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
         // Unknown routes and methods.
         (
             "GET",
