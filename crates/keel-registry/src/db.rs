@@ -3,7 +3,8 @@
 //! numbered by `PRAGMA user_version`.
 //!
 //! Immutability is enforced by the database itself: triggers refuse any
-//! change to a version once it has left `PENDING_REGISTRATION`, any change
+//! change to a version once it has left `PENDING_REGISTRATION` but to its
+//! description (metadata; schema 2), any change
 //! to its files, and any update or delete of an alias or audit event. The
 //! hash chains catch what gets past them (someone dropping the triggers).
 
@@ -15,7 +16,8 @@ use rusqlite::Connection;
 use crate::RegistryError;
 
 /// Each entry moves the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -135,7 +137,20 @@ CREATE TRIGGER audit_events_no_delete BEFORE DELETE ON audit_events
 BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
 CREATE TRIGGER signatures_no_update BEFORE UPDATE ON signatures
 BEGIN SELECT RAISE(ABORT, 'signatures are append-only'); END;
-"#];
+"#,
+    r#"
+DROP TRIGGER versions_immutable;
+CREATE TRIGGER versions_immutable BEFORE UPDATE ON versions
+WHEN OLD.status <> 'PENDING_REGISTRATION' AND (
+    NEW.id IS NOT OLD.id OR NEW.model_id IS NOT OLD.model_id OR NEW.number IS NOT OLD.number
+    OR NEW.status IS NOT OLD.status OR NEW.status_message IS NOT OLD.status_message
+    OR NEW.source IS NOT OLD.source OR NEW.artifact_url IS NOT OLD.artifact_url
+    OR NEW.manifest_digest IS NOT OLD.manifest_digest OR NEW.run_id IS NOT OLD.run_id
+    OR NEW.lineage IS NOT OLD.lineage OR NEW.created_ms IS NOT OLD.created_ms
+    OR NEW.created_by IS NOT OLD.created_by)
+BEGIN SELECT RAISE(ABORT, 'model version is immutable once registered: only its description may change'); END;
+"#,
+];
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;

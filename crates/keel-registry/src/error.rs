@@ -49,6 +49,10 @@ pub enum RegistryError {
     NothingToRollBack { name: String, alias: String },
     #[error("model {name:?} has {versions} version(s); versions are immutable and a model that has any cannot be deleted")]
     ModelHasVersions { name: String, versions: u64 },
+    #[error("model {name:?} version {version} is never deleted: versions are immutable and kept (move its aliases elsewhere, or mark it with a tag)")]
+    VersionsAreKept { name: String, version: u64 },
+    #[error("model {name:?} cannot be renamed: {reason}")]
+    NoRename { name: String, reason: String },
     #[error("an API key named {name:?} already exists")]
     KeyExists { name: String },
     #[error("no API key named {name:?}")]
@@ -92,6 +96,8 @@ impl RegistryError {
                 | Self::WrongStatus { .. }
                 | Self::NothingToRollBack { .. }
                 | Self::ModelHasVersions { .. }
+                | Self::VersionsAreKept { .. }
+                | Self::NoRename { .. }
                 | Self::NotEmpty { .. }
         )
     }

@@ -10,12 +10,18 @@
 //! - keel's read API (`/api/v1/...`, JSON with a `version` field):
 //!   models, versions (with files, lineage and signature), aliases, alias
 //!   history, and the chain check; what the gateway reads.
-//! - The MLflow model-registry subset (`/api/2.0/mlflow/...`):
-//!   `registered-models/create|get|search|delete|set-tag|delete-tag`,
-//!   `registered-models/alias` (POST set, GET get, DELETE delete),
-//!   `model-versions/create|get|search|set-tag|delete-tag`, with MLflow's
-//!   JSON shapes and error codes, so `MlflowClient(registry_uri=...)`
-//!   works unchanged.
+//! - MLflow's model-registry API (`/api/2.0/mlflow/...`):
+//!   `registered-models/create|get|search|update|rename|delete|set-tag|
+//!   delete-tag|get-latest-versions`, `registered-models/alias` (POST set,
+//!   GET get, DELETE delete), `model-versions/create|get|search|update|
+//!   delete|set-tag|delete-tag|get-download-uri|transition-stage`, with
+//!   MLflow's JSON shapes and error codes, so the MLflow client registers,
+//!   finds, aliases and loads (`models:/...`) models unchanged. Deleting a
+//!   version and stage transitions are refused (versions are kept; keel
+//!   has aliases); a version's `source` is its artifact-store URL.
+//!
+//! Reads run on read-only connections of their own (a snapshot each), so
+//! a long search holds up no other request; writes share one connection.
 //!
 //! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
 //! database failures are logged by nobody here and shown as a plain
@@ -47,12 +53,46 @@ pub struct ServeOptions {
     pub token_sha256: Option<String>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// The Azure storage account `az://` artifact URLs live in: MLflow's
+    /// client reads them as `wasbs://CONTAINER@ACCOUNT.blob.core.windows.net/PATH`.
+    pub azure_account: Option<String>,
 }
 
 #[derive(Clone)]
 struct AppState {
+    /// The writer: every change goes through it, one at a time.
     reg: Arc<Mutex<Registry>>,
+    readers: Arc<Readers>,
     token_sha256: Option<String>,
+    azure_account: Option<Arc<str>>,
+}
+
+/// Read-only connections to the database file, so that no read (a long
+/// search) holds up another request or waits for a write. An in-memory
+/// registry has only its writer's connection: reads take its lock.
+struct Readers {
+    source: Option<(std::path::PathBuf, Arc<dyn crate::Clock>)>,
+    idle: Mutex<Vec<Registry>>,
+}
+
+/// Idle read connections kept for the next requests.
+const IDLE_READERS: usize = 8;
+
+/// A keel storage URL as MLflow's artifact repositories name it:
+/// `file://` and `s3://` as they are, `az://C/P` as `wasbs://` in
+/// `account` (`None` without an account, or for `memory://`).
+pub fn mlflow_artifact_uri(url: &str, azure_account: Option<&str>) -> Option<String> {
+    if url.starts_with("file://") || url.starts_with("s3://") {
+        return Some(url.to_owned());
+    }
+    let rest = url
+        .strip_prefix("az://")
+        .or_else(|| url.strip_prefix("azure://"))?;
+    let account = azure_account.filter(|a| !a.is_empty())?;
+    let (container, path) = rest.split_once('/').unwrap_or((rest, ""));
+    Some(format!(
+        "wasbs://{container}@{account}.blob.core.windows.net/{path}"
+    ))
 }
 
 /// Who is calling: the audit log's actor.
@@ -112,8 +152,9 @@ impl From<RegistryError> for ApiError {
             e,
             RegistryError::ModelExists { .. } | RegistryError::KeyExists { .. }
         ) {
+            // MLflow's status for RESOURCE_ALREADY_EXISTS.
             Self::new(
-                StatusCode::CONFLICT,
+                StatusCode::BAD_REQUEST,
                 "RESOURCE_ALREADY_EXISTS",
                 e.to_string(),
             )
@@ -133,11 +174,63 @@ impl From<RegistryError> for ApiError {
 
 type ApiResult = Result<Json<Value>, ApiError>;
 
+/// Runs a read on the blocking pool, on a read connection of its own (in
+/// one snapshot): it waits for no write and no other read.
+async fn read<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, ApiError> {
+    read_raw(st, f).await?.map_err(ApiError::from)
+}
+
+/// [`read`], with the registry's error as it is.
+async fn read_raw<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<Result<T, RegistryError>, ApiError> {
+    let Some((path, clock)) = st.readers.source.clone() else {
+        return db_raw(st, move |r| r.snapshot(f)).await;
+    };
+    let readers = st.readers.clone();
+    tokio::task::spawn_blocking(move || {
+        let idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let r = match idle {
+            Some(r) => r,
+            None => match Registry::open_reader(&path, clock) {
+                Ok(r) => r,
+                Err(e) => return Err(e),
+            },
+        };
+        let out = r.snapshot(f);
+        let mut idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < IDLE_READERS {
+            idle.push(r);
+        }
+        out
+    })
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL_ERROR",
+            "internal error",
+        )
+    })
+}
+
 /// Runs a registry call on the blocking pool.
 async fn db<T: Send + 'static>(
     st: &AppState,
     f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, ApiError> {
+    db_raw(st, f).await?.map_err(ApiError::from)
+}
+
+/// [`db`], with the registry's error as it is.
+async fn db_raw<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<Result<T, RegistryError>, ApiError> {
     let reg = st.reg.clone();
     tokio::task::spawn_blocking(move || {
         let mut r = reg.lock().unwrap_or_else(|p| p.into_inner());
@@ -150,15 +243,21 @@ async fn db<T: Send + 'static>(
             "INTERNAL_ERROR",
             "internal error",
         )
-    })?
-    .map_err(ApiError::from)
+    })
 }
 
 /// The application: every route, behind authentication.
 pub fn router(reg: Registry, opts: ServeOptions) -> Router {
+    let memory = reg.path() == std::path::Path::new(":memory:");
+    let readers = Readers {
+        source: (!memory).then(|| (reg.path().to_owned(), reg.clock())),
+        idle: Mutex::new(Vec::new()),
+    };
     let st = AppState {
+        readers: Arc::new(readers),
         reg: Arc::new(Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
+        azure_account: opts.azure_account.map(Arc::from),
     };
     let max_body = if opts.max_body_bytes == 0 {
         1 << 20
@@ -192,6 +291,34 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
             post(mlf_set_model_tag),
         )
         .route(
+            &format!("{m}/registered-models/get-latest-versions"),
+            get(mlf_latest_versions_query).post(mlf_latest_versions_body),
+        )
+        .route(
+            &format!("{m}/model-versions/get-download-uri"),
+            get(mlf_download_uri),
+        )
+        .route(
+            &format!("{m}/registered-models/update"),
+            axum::routing::patch(mlf_update_model),
+        )
+        .route(
+            &format!("{m}/registered-models/rename"),
+            post(mlf_rename_model),
+        )
+        .route(
+            &format!("{m}/model-versions/update"),
+            axum::routing::patch(mlf_update_version),
+        )
+        .route(
+            &format!("{m}/model-versions/delete"),
+            axum::routing::delete(mlf_delete_version),
+        )
+        .route(
+            &format!("{m}/model-versions/transition-stage"),
+            post(mlf_transition_stage),
+        )
+        .route(
             &format!("{m}/registered-models/delete-tag"),
             axum::routing::delete(mlf_delete_model_tag),
         )
@@ -221,6 +348,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .fallback(not_found)
         .layer(
             tower::ServiceBuilder::new()
+                .layer(axum::middleware::map_response(json_errors))
                 .layer(axum::extract::DefaultBodyLimit::max(max_body))
                 .layer(axum::middleware::from_fn_with_state(
                     st.clone(),
@@ -243,6 +371,47 @@ pub async fn serve(
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Every error in MLflow's JSON shape: the extractors' own rejections
+/// (a body too large, 413; not JSON, 415; JSON of the wrong shape, 422; a
+/// bad query string, 400) come as plain text and are rewritten as
+/// `{"error_code", "message"}`, 415 and 422 as MLflow's 400
+/// `INVALID_PARAMETER_VALUE`.
+async fn json_errors(r: Response) -> Response {
+    let status = r.status();
+    let is_json = r
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return r;
+    }
+    let text = axum::body::to_bytes(r.into_body(), 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let (status, code) = match status {
+        StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::UNPROCESSABLE_ENTITY => {
+            (StatusCode::BAD_REQUEST, "INVALID_PARAMETER_VALUE")
+        }
+        StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => (status, "ENDPOINT_NOT_FOUND"),
+        s if s.is_server_error() => (s, "INTERNAL_ERROR"),
+        s => (s, "INVALID_PARAMETER_VALUE"),
+    };
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        // Rejections can quote the request: a short start of it.
+        let cut = head(&text, 300);
+        if cut.len() < text.len() {
+            format!("{cut}...")
+        } else {
+            text
+        }
+    };
+    ApiError::new(status, code, message).into_response()
 }
 
 async fn not_found() -> ApiError {
@@ -282,7 +451,7 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     let found = if st.token_sha256.as_deref() == Some(hash.as_str()) {
         Some(("token".to_owned(), Role::Write))
     } else {
-        match db(&st, move |r| r.authenticate(&secret)).await {
+        match read(&st, move |r| r.authenticate(&secret)).await {
             Ok(k) => k.map(|k| (format!("key:{}", k.name), k.role)),
             Err(e) => return e.into_response(),
         }
@@ -295,7 +464,9 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
         )
         .into_response();
     };
-    let writes = !matches!(*req.method(), Method::GET | Method::HEAD);
+    // MLflow's client asks for the latest versions with a POST: a read.
+    let writes = !matches!(*req.method(), Method::GET | Method::HEAD)
+        && !req.uri().path().ends_with("/get-latest-versions");
     if writes && role != Role::Write {
         return ApiError::new(
             StatusCode::FORBIDDEN,
@@ -327,17 +498,17 @@ fn with_version(v: Value) -> Json<Value> {
 }
 
 async fn v1_models(State(st): State<AppState>) -> ApiResult {
-    let models = db(&st, |r| r.models()).await?;
+    let models = read(&st, |r| r.models()).await?;
     Ok(with_version(json!({ "models": models })))
 }
 
 async fn v1_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let model = db(&st, move |r| r.model(&q.name)).await?;
+    let model = read(&st, move |r| r.model(&q.name)).await?;
     Ok(with_version(json!({ "model": model })))
 }
 
 async fn v1_versions(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let versions = db(&st, move |r| r.versions(&q.name)).await?;
+    let versions = read(&st, move |r| r.versions(&q.name)).await?;
     Ok(with_version(json!({ "versions": versions })))
 }
 
@@ -350,7 +521,7 @@ async fn v1_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
         (None, None) => VersionRef::Latest(q.name.clone()),
         (Some(_), Some(_)) => return Err(ApiError::invalid("give alias or version, not both")),
     };
-    let (v, sig) = db(&st, move |reg| {
+    let (v, sig) = read(&st, move |reg| {
         let v = reg.resolve(&r)?;
         let sig = reg.signature(&v.model, v.version)?;
         Ok((v, sig))
@@ -363,19 +534,19 @@ async fn v1_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
 }
 
 async fn v1_aliases(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let m = db(&st, move |r| r.model(&q.name)).await?;
+    let m = read(&st, move |r| r.model(&q.name)).await?;
     Ok(with_version(
         json!({ "name": m.name, "aliases": m.aliases }),
     ))
 }
 
 async fn v1_history(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let events = db(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
+    let events = read(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
     Ok(with_version(json!({ "events": events })))
 }
 
 async fn v1_audit_verify(State(st): State<AppState>) -> ApiResult {
-    let report = db(&st, |r| r.verify_chains()).await?;
+    let report = read(&st, |r| r.verify_chains()).await?;
     Ok(with_version(json!({ "ok": report.ok(), "report": report })))
 }
 
@@ -387,7 +558,17 @@ fn mlf_tags(tags: &[Tag]) -> Value {
         .collect()
 }
 
-fn mlf_version(v: &Version) -> Value {
+/// Where a version's files are, as MLflow's client reads them: the
+/// artifact-store URL of its files (in MLflow's scheme), or for a version
+/// registered through MLflow's API, the source it was given.
+fn mlf_source(v: &Version, azure_account: Option<&str>) -> String {
+    match &v.artifact_url {
+        Some(url) => mlflow_artifact_uri(url, azure_account).unwrap_or_else(|| url.clone()),
+        None => v.source.clone(),
+    }
+}
+
+fn mlf_version(v: &Version, azure_account: Option<&str>) -> Value {
     let mut o = json!({
         "name": v.model,
         "version": v.version.to_string(),
@@ -396,38 +577,101 @@ fn mlf_version(v: &Version) -> Value {
         "user_id": v.created_by,
         "current_stage": "None",
         "description": v.description,
-        "source": v.source,
+        "source": mlf_source(v, azure_account),
         "status": v.status.as_str(),
         "status_message": v.status_message,
-        "tags": mlf_tags(&v.tags),
+        "tags": mlf_version_tags(v),
         "aliases": v.aliases,
     });
     if let Some(run) = &v.lineage.run_id {
         o["run_id"] = run.clone().into();
     }
+    if let Some(id) = &v.lineage.mlflow_model_id {
+        o["model_id"] = id.clone().into();
+    }
+    if let Some(link) = run_link(v) {
+        o["run_link"] = link.into();
+    }
     o
 }
 
-fn mlf_model(m: &Model, latest: Option<&Version>) -> Value {
+/// The run link MLflow shows: the one given, else the checkpoint run the
+/// version was registered from.
+fn run_link(v: &Version) -> Option<String> {
+    v.lineage.run_link.clone().or_else(|| {
+        v.lineage
+            .checkpoint
+            .as_ref()
+            .map(|c| format!("{}/{}", c.url, c.run))
+    })
+}
+
+/// The prefix of the tags that show keel's lineage to MLflow clients.
+const LINEAGE_TAG_PREFIX: &str = "keel.";
+
+/// A version's tags as MLflow shows them: its own, then its lineage and
+/// integrity as `keel.*` tags (read-only).
+fn mlf_version_tags(v: &Version) -> Value {
+    let mut tags: Vec<Value> = v
+        .tags
+        .iter()
+        .map(|t| json!({"key": t.key, "value": t.value}))
+        .collect();
+    let mut add = |k: &str, val: String| {
+        tags.push(json!({"key": format!("{LINEAGE_TAG_PREFIX}{k}"), "value": val}));
+    };
+    let l = &v.lineage;
+    if let Some(c) = &l.checkpoint {
+        add("checkpoint.url", c.url.clone());
+        add("checkpoint.run", c.run.clone());
+        add("checkpoint.step", c.step.to_string());
+        add("checkpoint.manifest_digest", c.manifest_digest.clone());
+    }
+    for (i, d) in l.datasets.iter().enumerate() {
+        add(&format!("dataset.{i}"), d.uri.clone());
+        if let Some(x) = &d.digest {
+            add(&format!("dataset.{i}.digest"), x.clone());
+        }
+    }
+    if let Some(c) = &l.code_commit {
+        add("code_commit", c.clone());
+    }
+    if let Some(p) = l.parent_version {
+        add("parent_version", p.to_string());
+    }
+    if let Some(d) = &v.manifest_digest {
+        add("manifest_digest", d.clone());
+    }
+    if v.signed {
+        add("signed", "true".into());
+    }
+    Value::Array(tags)
+}
+
+fn mlf_model(m: &Model, latest: Option<&Version>, azure_account: Option<&str>) -> Value {
     json!({
         "name": m.name,
         "creation_timestamp": m.created_ms,
         "last_updated_timestamp": m.updated_ms,
         "user_id": m.created_by,
         "description": m.description,
-        "latest_versions": latest.map(|v| vec![mlf_version(v)]).unwrap_or_default(),
+        "latest_versions": latest.map(|v| vec![mlf_version(v, azure_account)]).unwrap_or_default(),
         "tags": mlf_tags(&m.tags),
         "aliases": m.aliases.iter().map(|a| json!({"alias": a.alias, "version": a.version.to_string()})).collect::<Vec<_>>(),
     })
 }
 
-fn model_with_latest(r: &Registry, name: &str) -> Result<Value, RegistryError> {
+fn model_with_latest(
+    r: &Registry,
+    name: &str,
+    azure_account: Option<&str>,
+) -> Result<Value, RegistryError> {
     let m = r.model(name)?;
     let latest = match m.latest_version {
         Some(n) => Some(r.version(name, n)?),
         None => None,
     };
-    Ok(mlf_model(&m, latest.as_ref()))
+    Ok(mlf_model(&m, latest.as_ref(), azure_account))
 }
 
 #[derive(Deserialize)]
@@ -470,6 +714,7 @@ async fn mlf_create_model(
             value: t.value,
         })
         .collect();
+    let acct = st.azure_account.clone();
     let v = db(&st, move |r| {
         r.create_model(
             &id.actor,
@@ -477,26 +722,182 @@ async fn mlf_create_model(
             b.description.as_deref().unwrap_or(""),
             &tags,
         )?;
-        model_with_latest(r, &b.name)
+        model_with_latest(r, &b.name, acct.as_deref())
     })
     .await?;
     Ok(Json(json!({ "registered_model": v })))
 }
 
 async fn mlf_get_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let v = db(&st, move |r| model_with_latest(r, &q.name)).await?;
+    let acct = st.azure_account.clone();
+    let v = read(&st, move |r| model_with_latest(r, &q.name, acct.as_deref())).await?;
     Ok(Json(json!({ "registered_model": v })))
 }
 
-#[derive(Deserialize)]
+/// A search's query string (`order_by` may repeat).
+#[derive(Debug, Default)]
 struct SearchQuery {
-    #[serde(default)]
     filter: Option<String>,
-    #[serde(default)]
     max_results: Option<usize>,
-    #[serde(default)]
     page_token: Option<String>,
+    order_by: Vec<String>,
 }
+
+/// MLflow's bounds on `max_results`: its default and the most a page may
+/// ask for.
+#[derive(Clone, Copy)]
+struct PageBounds {
+    default: usize,
+    most: usize,
+}
+
+/// `search_registered_models`: 100 by default, at most 1,000.
+const MODEL_PAGES: PageBounds = PageBounds {
+    default: 100,
+    most: 1_000,
+};
+/// `search_model_versions`: 10,000 by default, at most 200,000.
+const VERSION_PAGES: PageBounds = PageBounds {
+    default: 10_000,
+    most: 200_000,
+};
+
+impl SearchQuery {
+    fn parse(uri: &Uri, bounds: PageBounds) -> Result<Self, ApiError> {
+        let mut q = SearchQuery::default();
+        for (k, v) in query_pairs(uri)? {
+            match k.as_str() {
+                "filter" => q.filter = Some(v),
+                "page_token" => q.page_token = Some(v),
+                "order_by" => q.order_by.push(v),
+                "max_results" => {
+                    let n: i64 = v.trim().parse().map_err(|_| {
+                        ApiError::invalid(format!(
+                            "Invalid value {:?} for parameter 'max_results' supplied: expected a whole number",
+                            head(&v, 40)
+                        ))
+                    })?;
+                    if n < 1 || n as u64 > bounds.most as u64 {
+                        return Err(ApiError::invalid(format!(
+                            "Invalid value for request parameter max_results. It must be at least 1 and at most {}, but got value {n}",
+                            bounds.most
+                        )));
+                    }
+                    q.max_results = Some(n as usize);
+                }
+                _ => {}
+            }
+        }
+        q.max_results.get_or_insert(bounds.default);
+        Ok(q)
+    }
+}
+
+/// One `KEY [ASC|DESC]` of an `order_by`, checked against the keys a
+/// search allows (MLflow's rules: backquotes allowed, a key at most once).
+fn parse_order_by(
+    order_by: &[String],
+    allowed: &[&'static str],
+) -> Result<Vec<(&'static str, bool)>, ApiError> {
+    let mut out: Vec<(&'static str, bool)> = Vec::new();
+    for o in order_by {
+        let shown = head(o, 100);
+        let words: Vec<&str> = o.split_whitespace().collect();
+        let (key, asc) = match words.as_slice() {
+            [k] => (*k, true),
+            [k, dir] if dir.eq_ignore_ascii_case("asc") => (*k, true),
+            [k, dir] if dir.eq_ignore_ascii_case("desc") => (*k, false),
+            [_, _] => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid ordering key in order_by clause '{shown}': use ASC or DESC"
+                )))
+            }
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid order_by clause '{shown}'. Could not be parsed."
+                )))
+            }
+        };
+        let key = key.trim_matches('`');
+        let Some(&k) = allowed.iter().find(|a| **a == key) else {
+            return Err(ApiError::invalid(format!(
+                "Invalid order by key '{}' specified. Valid keys are {}",
+                head(key, 100),
+                allowed.join(", ")
+            )));
+        };
+        if out.iter().any(|(seen, _)| *seen == k) {
+            return Err(ApiError::invalid(format!(
+                "`order_by` contains duplicate fields: {k}"
+            )));
+        }
+        out.push((k, asc));
+    }
+    Ok(out)
+}
+
+const MODEL_ORDER_KEYS: &[&str] = &["name", "creation_timestamp", "last_updated_timestamp"];
+const VERSION_ORDER_KEYS: &[&str] = &[
+    "name",
+    "version_number",
+    "creation_timestamp",
+    "last_updated_timestamp",
+];
+
+/// Sorts by `order` (key, ascending), then by MLflow's tie-breakers.
+fn sort_rows<T>(
+    rows: &mut [T],
+    mut order: Vec<(&'static str, bool)>,
+    tie_breakers: &[(&'static str, bool)],
+    key: impl for<'a> Fn(&'a T, &str) -> SortKey<'a>,
+) {
+    for (k, asc) in tie_breakers {
+        if !order.iter().any(|(o, _)| o == k) {
+            order.push((k, *asc));
+        }
+    }
+    rows.sort_by(|a, b| {
+        order
+            .iter()
+            .map(|(k, asc)| {
+                let o = key(a, k).cmp(&key(b, k));
+                if *asc {
+                    o
+                } else {
+                    o.reverse()
+                }
+            })
+            .find(|o| o.is_ne())
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+}
+
+/// A value to sort by: text or a number.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum SortKey<'a> {
+    Num(i64),
+    Text(&'a str),
+}
+
+/// A filter as error messages quote it: its first 200 bytes.
+struct Shown<'a>(&'a str);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let h = head(self.0, 200);
+        if h.len() < self.0.len() {
+            write!(f, "{:?}...", h)
+        } else {
+            write!(f, "{:?}", h)
+        }
+    }
+}
+
+/// The longest search filter, in bytes.
+const MAX_FILTER_BYTES: usize = 8192;
+/// The longest `LIKE` / `ILIKE` pattern, in characters: matching costs up
+/// to the pattern's length times the text's, for every row searched.
+const MAX_PATTERN_CHARS: usize = 256;
 
 /// One `key op 'value'` clause of an MLflow filter.
 #[derive(Debug)]
@@ -510,8 +911,16 @@ struct Clause {
 /// `source_path`, `version_number` with `=`, `!=`, `LIKE`, `ILIKE`,
 /// joined by `AND`; values in single or double quotes (or bare numbers).
 fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
+    if f.len() > MAX_FILTER_BYTES {
+        return Err(ApiError::invalid(format!(
+            "filter too long: at most {MAX_FILTER_BYTES} bytes, got {}",
+            f.len()
+        )));
+    }
     let mut out = Vec::new();
     let mut rest = f.trim();
+    // What error messages quote of the filter and its parts.
+    let shown = Shown(f);
     while !rest.is_empty() {
         // A key: `name`, or `tag.KEY` / `tags.KEY` with KEY in backquotes
         // or bare.
@@ -520,15 +929,15 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
                 if matches!(&rest[..dot], "tag" | "tags") && rest[dot + 1..].starts_with('`') =>
             {
                 let body = &rest[dot + 2..];
-                let close = body
-                    .find('`')
-                    .ok_or_else(|| ApiError::invalid(format!("unterminated ` in filter {f:?}")))?;
+                let close = body.find('`').ok_or_else(|| {
+                    ApiError::invalid(format!("unterminated ` in filter {shown}"))
+                })?;
                 (format!("tag.{}", &body[..close]), &body[close + 1..])
             }
             _ => {
                 let end = rest
                     .find(|c: char| c.is_whitespace() || c == '=' || c == '!')
-                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+                    .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {shown}")))?;
                 let k = rest[..end].trim_matches('`');
                 let k = match k.split_once('.') {
                     Some(("tag" | "tags", t)) => format!("tag.{t}"),
@@ -540,13 +949,13 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         rest = after_key.trim_start();
         let op_end = rest
             .find(|c: char| c == '\'' || c == '"' || c.is_ascii_digit())
-            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {f:?}")))?;
+            .ok_or_else(|| ApiError::invalid(format!("cannot parse filter {shown}")))?;
         let op = rest[..op_end].trim().to_ascii_uppercase();
         rest = &rest[op_end..];
         let (value, after) = match rest.chars().next() {
             Some(q @ ('\'' | '"')) => {
                 let close = rest[1..].find(q).ok_or_else(|| {
-                    ApiError::invalid(format!("unterminated string in filter {f:?}"))
+                    ApiError::invalid(format!("unterminated string in filter {shown}"))
                 })?;
                 (rest[1..1 + close].to_owned(), &rest[close + 2..])
             }
@@ -557,7 +966,8 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         };
         if !matches!(op.as_str(), "=" | "!=" | "LIKE" | "ILIKE") {
             return Err(ApiError::invalid(format!(
-                "unsupported operator {op:?} in filter {f:?}"
+                "unsupported operator {:?} in filter {shown}",
+                head(&op, 20)
             )));
         }
         if !matches!(
@@ -566,7 +976,14 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
         ) && !key.starts_with("tag.")
         {
             return Err(ApiError::invalid(format!(
-                "unsupported filter key {key:?}: use name, run_id, source_path, version_number or tag.KEY"
+                "unsupported filter key {:?}: use name, run_id, source_path, version_number or tag.KEY",
+                head(&key, 100)
+            )));
+        }
+        if matches!(op.as_str(), "LIKE" | "ILIKE") && value.chars().count() > MAX_PATTERN_CHARS {
+            return Err(ApiError::invalid(format!(
+                "{op} pattern too long: at most {MAX_PATTERN_CHARS} characters, got {}",
+                value.chars().count()
             )));
         }
         out.push(Clause { key, op, value });
@@ -579,7 +996,7 @@ fn parse_filter(f: &str) -> Result<Vec<Clause>, ApiError> {
             .or_else(|| rest.strip_prefix("and "))
         else {
             return Err(ApiError::invalid(format!(
-                "only AND joins filter clauses: {f:?}"
+                "only AND joins filter clauses: {shown}"
             )));
         };
         rest = r.trim_start();
@@ -651,29 +1068,47 @@ fn matches(c: &Clause, v: &str) -> bool {
 }
 
 /// Applies `max_results` and an offset `page_token`.
+#[cfg(test)]
 fn page<T>(
     items: Vec<T>,
     q: &SearchQuery,
     default_max: usize,
 ) -> Result<(Vec<T>, Option<String>), ApiError> {
-    let start: usize = match &q.page_token {
+    Ok(page_of(items, page_start(q)?, q, default_max))
+}
+
+/// Where a page starts: its `page_token`.
+fn page_start(q: &SearchQuery) -> Result<usize, ApiError> {
+    match &q.page_token {
         Some(t) if !t.is_empty() => t.parse().map_err(|_| {
             ApiError::invalid(format!(
-                "bad page_token {t:?}: expected the next_page_token of an earlier page"
+                "bad page_token {:?}: expected the next_page_token of an earlier page",
+                head(t, 40)
             ))
-        })?,
-        _ => 0,
-    };
+        }),
+        _ => Ok(0),
+    }
+}
+
+/// The page from `start`, and the next page's token.
+fn page_of<T>(
+    items: Vec<T>,
+    start: usize,
+    q: &SearchQuery,
+    default_max: usize,
+) -> (Vec<T>, Option<String>) {
     let max = q.max_results.unwrap_or(default_max).max(1);
     let total = items.len();
     let page: Vec<T> = items.into_iter().skip(start).take(max).collect();
     // Past the last item when the sum does not fit: no next page.
     let end = start.saturating_add(max);
     let next = (end < total).then(|| end.to_string());
-    Ok((page, next))
+    (page, next)
 }
 
-async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQuery>) -> ApiResult {
+async fn mlf_search_models(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let q = SearchQuery::parse(&uri, MODEL_PAGES)?;
+    let order = parse_order_by(&q.order_by, MODEL_ORDER_KEYS)?;
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
     if let Some(c) = clauses
         .iter()
@@ -684,24 +1119,34 @@ async fn mlf_search_models(State(st): State<AppState>, Query(q): Query<SearchQue
             c.key
         )));
     }
-    let models = db(&st, move |r| {
-        let mut out = Vec::new();
-        for m in r.models()? {
-            let ok = clauses.iter().all(|c| {
+    let start = page_start(&q)?;
+    let acct = st.azure_account.clone();
+    let (models, next) = read(&st, move |r| {
+        let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
+        let mut rows = r.model_rows(with_tags)?;
+        rows.retain(|m| {
+            clauses.iter().all(|c| {
                 if c.key == "name" {
                     matches(c, &m.name)
                 } else {
                     matches_tag(c, &m.tags)
                 }
-            });
-            if ok {
-                out.push(model_with_latest(r, &m.name)?);
-            }
-        }
-        Ok(out)
+            })
+        });
+        sort_rows(&mut rows, order, &[("name", true)], |m, k| match k {
+            "creation_timestamp" => SortKey::Num(m.created_ms),
+            "last_updated_timestamp" => SortKey::Num(m.updated_ms),
+            _ => SortKey::Text(&m.name),
+        });
+        // Only this page's models are loaded.
+        let (rows, next) = page_of(rows, start, &q, MODEL_PAGES.default);
+        let models = rows
+            .iter()
+            .map(|m| model_with_latest(r, &m.name, acct.as_deref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((models, next))
     })
     .await?;
-    let (models, next) = page(models, &q, 100)?;
     let mut body = json!({ "registered_models": models });
     if let Some(n) = next {
         body["next_page_token"] = n.into();
@@ -801,9 +1246,24 @@ async fn mlf_set_alias(
     Ok(Json(json!({})))
 }
 
+/// MLflow answers a missing alias with 400 `INVALID_PARAMETER_VALUE`
+/// (keel's own API: 404).
+fn mlf_alias_error(e: RegistryError) -> ApiError {
+    match e {
+        RegistryError::UnknownAlias { name, alias } => ApiError::invalid(format!(
+            "Registered model alias {alias} not found on model {name}"
+        )),
+        e => e.into(),
+    }
+}
+
 async fn mlf_get_alias(State(st): State<AppState>, Query(b): Query<AliasBody>) -> ApiResult {
-    let v = db(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias))).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    let v = read_raw(&st, move |r| r.resolve(&VersionRef::Alias(b.name, b.alias)))
+        .await?
+        .map_err(mlf_alias_error)?;
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 async fn mlf_delete_alias(
@@ -813,7 +1273,9 @@ async fn mlf_delete_alias(
     body: Bytes,
 ) -> ApiResult {
     let b: AliasBody = body_or_query(&uri, &body)?;
-    db(&st, move |r| {
+    // Deleting an alias that is not set succeeds, as in MLflow (and
+    // records nothing).
+    match db_raw(&st, move |r| {
         r.delete_alias(
             &id.actor,
             &b.name,
@@ -821,8 +1283,11 @@ async fn mlf_delete_alias(
             "deleted through the MLflow API",
         )
     })
-    .await?;
-    Ok(Json(json!({})))
+    .await?
+    {
+        Ok(_) | Err(RegistryError::UnknownAlias { .. }) => Ok(Json(json!({}))),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[derive(Deserialize)]
@@ -836,6 +1301,11 @@ struct CreateVersion {
     tags: Vec<MlfTag>,
     #[serde(default)]
     description: Option<String>,
+    /// MLflow 3's logged model (`models:/m-...` sources).
+    #[serde(default)]
+    model_id: Option<String>,
+    #[serde(default)]
+    run_link: Option<String>,
 }
 
 async fn mlf_create_version(
@@ -851,6 +1321,8 @@ async fn mlf_create_version(
         description: b.description.unwrap_or_default(),
         lineage: crate::Lineage {
             run_id: b.run_id.filter(|r| !r.is_empty()),
+            mlflow_model_id: b.model_id.filter(|m| !m.is_empty()),
+            run_link: b.run_link.filter(|l| !l.is_empty()),
             ..Default::default()
         },
         tags: b
@@ -864,59 +1336,84 @@ async fn mlf_create_version(
         create_model: false,
     };
     let v = db(&st, move |r| r.register_version(&id.actor, &new, None)).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
 async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let n = parse_version(q.version.as_deref().unwrap_or(""))?;
-    let v = db(&st, move |r| r.version(&q.name, n)).await?;
-    Ok(Json(json!({ "model_version": mlf_version(&v) })))
+    let v = read(&st, move |r| r.version(&q.name, n)).await?;
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
 }
 
-async fn mlf_search_versions(
-    State(st): State<AppState>,
-    Query(q): Query<SearchQuery>,
-) -> ApiResult {
+async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let q = SearchQuery::parse(&uri, VERSION_PAGES)?;
+    let order = parse_order_by(&q.order_by, VERSION_ORDER_KEYS)?;
+    // MLflow's default: most recently updated first.
+    let order = if order.is_empty() {
+        vec![("last_updated_timestamp", false)]
+    } else {
+        order
+    };
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
     let exact_name = clauses
         .iter()
         .find(|c| c.key == "name" && c.op == "=")
         .map(|c| c.value.clone());
-    let versions = db(&st, move |r| {
-        let all = match exact_name {
-            Some(n) => match r.versions(&n) {
-                Ok(v) => v,
-                Err(RegistryError::UnknownModel { .. }) => Vec::new(),
-                Err(e) => return Err(e),
-            },
-            None => r.search_versions(None, None)?,
-        };
-        Ok(all
-            .into_iter()
-            .filter(|v| {
-                clauses.iter().all(|c| {
-                    if c.key.starts_with("tag.") {
-                        return matches_tag(c, &v.tags);
-                    }
-                    let field = match c.key.as_str() {
-                        "name" => v.model.clone(),
-                        "run_id" => v.lineage.run_id.clone().unwrap_or_default(),
-                        "source_path" => v.source.clone(),
-                        _ => v.version.to_string(),
-                    };
-                    matches(c, &field)
-                })
+    let start = page_start(&q)?;
+    let acct = st.azure_account.clone();
+    let (versions, next) = read(&st, move |r| {
+        let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
+        let mut rows = r.version_rows(exact_name.as_deref(), with_tags)?;
+        rows.retain(|v| {
+            clauses.iter().all(|c| {
+                if c.key.starts_with("tag.") {
+                    return matches_tag(c, &v.tags);
+                }
+                match c.key.as_str() {
+                    "name" => matches(c, &v.model),
+                    "run_id" => matches(c, v.run_id.as_deref().unwrap_or_default()),
+                    "source_path" => matches(c, &row_source(v, acct.as_deref())),
+                    _ => matches(c, &v.version.to_string()),
+                }
             })
-            .map(|v| mlf_version(&v))
-            .collect::<Vec<_>>())
+        });
+        sort_rows(
+            &mut rows,
+            order,
+            &[("name", true), ("version_number", false)],
+            |v, k| match k {
+                "version_number" => SortKey::Num(v.version as i64),
+                "creation_timestamp" => SortKey::Num(v.created_ms),
+                "last_updated_timestamp" => SortKey::Num(v.updated_ms),
+                _ => SortKey::Text(&v.model),
+            },
+        );
+        // Only this page's versions are loaded.
+        let (rows, next) = page_of(rows, start, &q, VERSION_PAGES.default);
+        let versions = rows
+            .iter()
+            .map(|row| Ok(mlf_version(&r.version_of_row(row)?, acct.as_deref())))
+            .collect::<Result<Vec<_>, RegistryError>>()?;
+        Ok((versions, next))
     })
     .await?;
-    let (versions, next) = page(versions, &q, 200_000)?;
     let mut body = json!({ "model_versions": versions });
     if let Some(n) = next {
         body["next_page_token"] = n.into();
     }
     Ok(Json(body))
+}
+
+/// [`mlf_source`] of a search row.
+fn row_source(v: &crate::VersionRow, azure_account: Option<&str>) -> String {
+    match &v.artifact_url {
+        Some(url) => mlflow_artifact_uri(url, azure_account).unwrap_or_else(|| url.clone()),
+        None => v.source.clone(),
+    }
 }
 
 async fn mlf_set_version_tag(
@@ -925,6 +1422,12 @@ async fn mlf_set_version_tag(
     Json(b): Json<TagBody>,
 ) -> ApiResult {
     let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    if b.key.starts_with(LINEAGE_TAG_PREFIX) {
+        return Err(ApiError::invalid(format!(
+            "tags under {LINEAGE_TAG_PREFIX} show the version's lineage and cannot be set: choose another key than {:?}",
+            head(&b.key, 100)
+        )));
+    }
     let value = b.value.unwrap_or_default();
     db(&st, move |r| {
         r.set_version_tag(&id.actor, &b.name, n, &b.key, Some(&value))
@@ -946,6 +1449,198 @@ async fn mlf_delete_version_tag(
     })
     .await?;
     Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct LatestVersions {
+    name: String,
+    #[serde(default)]
+    stages: Vec<String>,
+}
+
+/// MLflow's stages: keel has none, so every version is in `None`.
+async fn latest_versions(st: AppState, b: LatestVersions) -> ApiResult {
+    required("name", &b.name)?;
+    let mut none_stage = b.stages.is_empty();
+    for s in &b.stages {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => none_stage = true,
+            "staging" | "production" | "archived" => {}
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "Invalid Model Version stage: {}. Value must be one of None, Staging, Production, Archived",
+                    head(s, 64)
+                )))
+            }
+        }
+    }
+    let acct = st.azure_account.clone();
+    let versions = read(&st, move |r| {
+        r.model(&b.name)?;
+        if !none_stage {
+            return Ok(Vec::new());
+        }
+        Ok(match r.resolve(&VersionRef::Latest(b.name.clone())) {
+            Ok(v) => vec![mlf_version(&v, acct.as_deref())],
+            Err(RegistryError::Invalid { .. }) => Vec::new(),
+            Err(e) => return Err(e),
+        })
+    })
+    .await?;
+    Ok(Json(json!({ "model_versions": versions })))
+}
+
+/// `get_latest_versions` (POST with a JSON body; also GET): the highest
+/// READY version, as the one version in stage `None`.
+async fn mlf_latest_versions_body(State(st): State<AppState>, body: Bytes) -> ApiResult {
+    let b: LatestVersions = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))?;
+    latest_versions(st, b).await
+}
+
+async fn mlf_latest_versions_query(State(st): State<AppState>, uri: Uri) -> ApiResult {
+    let pairs = query_pairs(&uri)?;
+    let mut b = LatestVersions {
+        name: String::new(),
+        stages: Vec::new(),
+    };
+    for (k, v) in pairs {
+        match k.as_str() {
+            "name" => b.name = v,
+            "stages" => b.stages.push(v),
+            _ => {}
+        }
+    }
+    latest_versions(st, b).await
+}
+
+/// The query string's `key=value` pairs, keys repeated for lists.
+fn query_pairs(uri: &Uri) -> Result<Vec<(String, String)>, ApiError> {
+    serde_urlencoded::from_str(uri.query().unwrap_or(""))
+        .map_err(|e| ApiError::invalid(format!("bad query string: {e}")))
+}
+
+/// The longest start of `s` of at most `max` bytes (reflected input).
+fn head(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `get_model_version_download_uri`: where MLflow's client reads the
+/// version's files with its own credentials (see [`mlf_source`]).
+async fn mlf_download_uri(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
+    let n = parse_version(q.version.as_deref().unwrap_or(""))?;
+    let v = read(&st, move |r| r.version(&q.name, n)).await?;
+    if v.status != crate::Status::Ready {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "INVALID_STATE",
+            format!(
+                "model {} version {} is {}: only READY versions can be downloaded",
+                v.model, v.version, v.status
+            ),
+        ));
+    }
+    Ok(Json(
+        json!({ "artifact_uri": mlf_source(&v, st.azure_account.as_deref()) }),
+    ))
+}
+
+#[derive(Deserialize)]
+struct UpdateBody {
+    name: String,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    description: Option<String>,
+}
+
+/// `update_registered_model`: the description.
+async fn mlf_update_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<UpdateBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    let acct = st.azure_account.clone();
+    let m = db(&st, move |r| {
+        r.update_model(&id.actor, &b.name, b.description.as_deref().unwrap_or(""))?;
+        model_with_latest(r, &b.name, acct.as_deref())
+    })
+    .await?;
+    Ok(Json(json!({ "registered_model": m })))
+}
+
+#[derive(Deserialize)]
+struct RenameBody {
+    name: String,
+    #[serde(default)]
+    new_name: String,
+}
+
+/// `rename_registered_model`: only a model with no versions and no alias
+/// history (see [`Registry::rename_model`]).
+async fn mlf_rename_model(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<RenameBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    required("new_name", &b.new_name)?;
+    let acct = st.azure_account.clone();
+    let m = db(&st, move |r| {
+        r.rename_model(&id.actor, &b.name, &b.new_name)?;
+        model_with_latest(r, &b.new_name, acct.as_deref())
+    })
+    .await?;
+    Ok(Json(json!({ "registered_model": m })))
+}
+
+/// `update_model_version`: the description, the one field of a version
+/// that may change after READY.
+async fn mlf_update_version(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<UpdateBody>,
+) -> ApiResult {
+    required("name", &b.name)?;
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    let v = db(&st, move |r| {
+        r.update_version(
+            &id.actor,
+            &b.name,
+            n,
+            b.description.as_deref().unwrap_or(""),
+        )
+    })
+    .await?;
+    Ok(Json(
+        json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
+    ))
+}
+
+/// `delete_model_version`: refused, versions are kept (409 INVALID_STATE,
+/// naming the version).
+async fn mlf_delete_version(State(st): State<AppState>, uri: Uri, body: Bytes) -> ApiResult {
+    let b: UpdateBody = body_or_query(&uri, &body)?;
+    let n = parse_version(b.version.as_deref().unwrap_or(""))?;
+    read(&st, move |r| r.delete_version(&b.name, n)).await?;
+    Ok(Json(json!({})))
+}
+
+/// `transition_model_version_stage`: stages are deprecated in MLflow and
+/// keel has aliases instead.
+async fn mlf_transition_stage() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "NOT_IMPLEMENTED",
+        "model version stages are not supported (MLflow deprecated them): use aliases, \
+         e.g. MlflowClient().set_registered_model_alias(name, \"production\", version), \
+         and load models:/NAME@production",
+    )
 }
 
 #[cfg(test)]
@@ -1078,11 +1773,31 @@ mod tests {
         assert_eq!(like_within_seconds("_".repeat(200_001), text), Some(false));
     }
 
+    #[test]
+    fn artifact_urls_in_mlflow_schemes() {
+        let acct = Some("acct");
+        assert_eq!(
+            mlflow_artifact_uri("file:///srv/a/m/v1", acct).as_deref(),
+            Some("file:///srv/a/m/v1")
+        );
+        assert_eq!(
+            mlflow_artifact_uri("s3://b/p/m/v1", None).as_deref(),
+            Some("s3://b/p/m/v1")
+        );
+        assert_eq!(
+            mlflow_artifact_uri("az://models/p/m/v1", acct).as_deref(),
+            Some("wasbs://models@acct.blob.core.windows.net/p/m/v1")
+        );
+        assert_eq!(mlflow_artifact_uri("az://models/p", None), None);
+        assert_eq!(mlflow_artifact_uri("memory://x", acct), None);
+    }
+
     fn query(max_results: Option<usize>, page_token: Option<&str>) -> SearchQuery {
         SearchQuery {
             filter: None,
             max_results,
             page_token: page_token.map(str::to_owned),
+            order_by: Vec::new(),
         }
     }
 

@@ -4,7 +4,7 @@
 //!   `BEGIN IMMEDIATE` for every write so concurrent registrations from
 //!   several processes get gapless, unique numbers). Models; versions
 //!   numbered 1, 2, 3 per model, immutable once READY (triggers refuse
-//!   changes); files with size and SHA-256; lineage; tags; aliases with a
+//!   every change but to the description); files with size and SHA-256; lineage; tags; aliases with a
 //!   hash-chained history; a hash-chained audit log of every change;
 //!   signatures; API keys stored as SHA-256 hashes; online backup and
 //!   restore.
@@ -14,8 +14,9 @@
 //! - [`artifacts`]: a version's files in any keel-store URL: upload with a
 //!   manifest, verified pull.
 //! - [`http`]: the HTTP API: read endpoints for versions, aliases and
-//!   history, and an MLflow-compatible subset of the model-registry REST
-//!   API, authenticated on every route.
+//!   history, and MLflow's model-registry REST API (enough for the MLflow
+//!   client to register, find, alias and load models), authenticated on
+//!   every route, reads on connections of their own.
 //!
 //! It never prints, exits, reads environment variables or the wall clock:
 //! time comes from a [`Clock`], the acting user is passed in. It knows
@@ -39,7 +40,9 @@ mod types;
 pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;
-pub use registry::{version_manifest, Artifacts, NewVersion, Registry};
+pub use registry::{
+    limits, version_manifest, Artifacts, ModelRow, NewVersion, Registry, VersionRow,
+};
 pub use time::{rfc3339, Clock, FixedClock};
 pub use types::{
     check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,

@@ -45,6 +45,33 @@ pub struct Artifacts {
     pub manifest: Manifest,
 }
 
+/// A version's searchable fields, without its files.
+#[derive(Debug, Clone)]
+pub struct VersionRow {
+    id: i64,
+    pub model: String,
+    pub version: u64,
+    pub run_id: Option<String>,
+    /// The source as stored.
+    pub source: String,
+    pub artifact_url: Option<String>,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    /// Empty unless asked for.
+    pub tags: Vec<Tag>,
+}
+
+/// A model's searchable fields.
+#[derive(Debug, Clone)]
+pub struct ModelRow {
+    id: i64,
+    pub name: String,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    /// Empty unless asked for.
+    pub tags: Vec<Tag>,
+}
+
 /// The model registry on one SQLite database.
 #[derive(Debug)]
 pub struct Registry {
@@ -72,11 +99,89 @@ fn head(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// The longest strings the registry stores, in bytes (documented in
+/// docs/model.md): no request can make every later read or search slow.
+pub mod limits {
+    /// A version's source.
+    pub const SOURCE: usize = 4096;
+    /// A model's or version's description.
+    pub const DESCRIPTION: usize = 5000;
+    /// A run id, a code commit, a data set's digest, an MLflow model id.
+    pub const ID: usize = 256;
+    /// A URI in the lineage (data set, checkpoint store).
+    pub const URI: usize = 4096;
+    /// Data sets in one version's lineage.
+    pub const DATASETS: usize = 64;
+    /// Tags given with one model or version.
+    pub const TAGS: usize = 100;
+    /// The reason given for an alias change.
+    pub const REASON: usize = 1000;
+    /// A failed version's status message (longer ones are cut).
+    pub const STATUS_MESSAGE: usize = 2000;
+}
+
+/// Refuses a string over `max` bytes, quoting only its start.
+fn check_len(what: &'static str, value: &str, max: usize) -> Result<()> {
+    if value.len() <= max {
+        return Ok(());
+    }
+    Err(RegistryError::Invalid {
+        what,
+        value: format!("{}...", head(value, 40)),
+        reason: format!("at most {max} bytes, got {}", value.len()),
+    })
+}
+
+fn check_lineage(l: &Lineage) -> Result<()> {
+    for (what, v) in [
+        ("run id", &l.run_id),
+        ("code commit", &l.code_commit),
+        ("MLflow model id", &l.mlflow_model_id),
+    ] {
+        if let Some(v) = v {
+            check_len(what, v, limits::ID)?;
+        }
+    }
+    if let Some(link) = &l.run_link {
+        check_len("run link", link, limits::URI)?;
+    }
+    if l.datasets.len() > limits::DATASETS {
+        return Err(RegistryError::Invalid {
+            what: "lineage",
+            value: format!("{} data sets", l.datasets.len()),
+            reason: format!("at most {} data sets", limits::DATASETS),
+        });
+    }
+    for d in &l.datasets {
+        check_len("data set URI", &d.uri, limits::URI)?;
+        if let Some(x) = &d.digest {
+            check_len("data set digest", x, limits::ID)?;
+        }
+    }
+    if let Some(c) = &l.checkpoint {
+        check_len("checkpoint URL", &c.url, limits::URI)?;
+        check_len("checkpoint run", &c.run, limits::ID)?;
+        check_len("checkpoint digest", &c.manifest_digest, limits::ID)?;
+    }
+    Ok(())
+}
+
+fn check_tags(tags: &[Tag]) -> Result<()> {
+    if tags.len() > limits::TAGS {
+        return Err(RegistryError::Invalid {
+            what: "tags",
+            value: format!("{} tags", tags.len()),
+            reason: format!("at most {} tags at once", limits::TAGS),
+        });
+    }
+    tags.iter().try_for_each(check_tag)
+}
+
 fn check_tag(t: &Tag) -> Result<()> {
     if t.key.is_empty() || t.key.len() > 250 {
         return Err(RegistryError::Invalid {
             what: "tag key",
-            value: t.key.clone(),
+            value: head(&t.key, 100).to_owned(),
             reason: "tag keys are 1-250 characters".into(),
         });
     }
@@ -113,6 +218,52 @@ impl Registry {
         &self.path
     }
 
+    /// The clock this registry stamps changes with.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
+    /// A read-only registry on its own connection to the database file at
+    /// `path` (already created and migrated by [`Registry::open`]): reads
+    /// on it neither wait for writers nor hold them up (WAL).
+    pub fn open_reader(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
+        let open_err = |source| RegistryError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE
+                | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX
+                | rusqlite::OpenFlags::SQLITE_OPEN_URI,
+        )
+        .map_err(open_err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(30))
+            .map_err(open_err)?;
+        conn.pragma_update(None, "query_only", true)
+            .map_err(open_err)?;
+        Ok(Self {
+            conn,
+            clock,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Runs `f` in one read transaction: every query it makes sees the
+    /// same committed state.
+    pub fn snapshot<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        self.conn
+            .execute_batch("BEGIN DEFERRED")
+            .map_err(RegistryError::db("starting a read"))?;
+        let out = f(self);
+        // A read has nothing to keep: ending it only releases its snapshot
+        // (and a connection must never be left inside a transaction).
+        if self.conn.execute_batch("COMMIT").is_err() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        out
+    }
+
     fn begin(&mut self) -> Result<Transaction<'_>> {
         self.conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -130,7 +281,8 @@ impl Registry {
         tags: &[Tag],
     ) -> Result<Model> {
         check_model_name(name)?;
-        tags.iter().try_for_each(check_tag)?;
+        check_len("description", description, limits::DESCRIPTION)?;
+        check_tags(tags)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         if model_id(&tx, name)?.is_some() {
@@ -198,6 +350,75 @@ impl Registry {
         }
         audit(&tx, now, actor, "model.delete", name, json!({}))?;
         tx.commit().map_err(RegistryError::db("committing"))
+    }
+
+    /// Changes a model's description (metadata: audited).
+    pub fn update_model(&mut self, actor: &str, name: &str, description: &str) -> Result<Model> {
+        check_len("description", description, limits::DESCRIPTION)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        tx.execute(
+            "UPDATE models SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![id, description, now],
+        )
+        .map_err(RegistryError::db("updating a model"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "model.update",
+            name,
+            json!({"description": description}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.model(name)
+    }
+
+    /// Renames a model that has no versions and no alias history: the
+    /// alias history and audit log name models by name and cannot be
+    /// rewritten, and versions' artifact URLs hold the name.
+    pub fn rename_model(&mut self, actor: &str, name: &str, new_name: &str) -> Result<Model> {
+        check_model_name(new_name)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, name)?;
+        if model_id(&tx, new_name)?.is_some() {
+            return Err(RegistryError::ModelExists {
+                name: new_name.to_owned(),
+            });
+        }
+        let (versions, aliases): (i64, i64) = tx
+            .query_row(
+                "SELECT (SELECT COUNT(*) FROM versions WHERE model_id = ?1),
+                        (SELECT COUNT(*) FROM alias_events WHERE model = ?2)",
+                params![id, name],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .map_err(RegistryError::db("reading a model"))?;
+        if versions > 0 || aliases > 0 {
+            return Err(RegistryError::NoRename {
+                name: name.to_owned(),
+                reason: format!(
+                    "it has {versions} version(s) and {aliases} alias event(s), which the append-only alias history, the audit log and the artifact URLs record under this name; register the versions under a new model instead (keel model register NEW --from ARTIFACT_URL)"
+                ),
+            });
+        }
+        tx.execute(
+            "UPDATE models SET name = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![id, new_name, now],
+        )
+        .map_err(RegistryError::db("renaming a model"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "model.rename",
+            name,
+            json!({"new_name": new_name}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.model(new_name)
     }
 
     /// Sets (or with `value: None` deletes) a model tag.
@@ -272,8 +493,11 @@ impl Registry {
         new: &NewVersion,
         complete: Option<Option<&Artifacts>>,
     ) -> Result<Version> {
-        check_model_name(&new.model)?;
-        new.tags.iter().try_for_each(check_tag)?;
+        crate::types::check_stored_model_name(&new.model)?;
+        check_tags(&new.tags)?;
+        check_len("source", &new.source, limits::SOURCE)?;
+        check_len("description", &new.description, limits::DESCRIPTION)?;
+        check_lineage(&new.lineage)?;
         if new.source.is_empty() {
             return Err(RegistryError::Invalid {
                 what: "source",
@@ -286,7 +510,10 @@ impl Registry {
         let tx = self.begin()?;
         let id = match model_id(&tx, &new.model)? {
             Some(id) => id,
-            None if new.create_model => insert_model(&tx, now, actor, &new.model, "", &[])?,
+            None if new.create_model => {
+                check_model_name(&new.model)?;
+                insert_model(&tx, now, actor, &new.model, "", &[])?
+            }
             None => {
                 return Err(RegistryError::UnknownModel {
                     name: new.model.clone(),
@@ -386,6 +613,7 @@ impl Registry {
         number: u64,
         message: &str,
     ) -> Result<Version> {
+        let message = head(message, limits::STATUS_MESSAGE);
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -456,6 +684,47 @@ impl Registry {
         tx.commit().map_err(RegistryError::db("committing"))
     }
 
+    /// Changes a version's description: metadata, the one field of a
+    /// version that may change after READY (audited).
+    pub fn update_version(
+        &mut self,
+        actor: &str,
+        model: &str,
+        number: u64,
+        description: &str,
+    ) -> Result<Version> {
+        check_len("description", description, limits::DESCRIPTION)?;
+        let now = self.clock.now_ms();
+        let tx = self.begin()?;
+        let id = require_model(&tx, model)?;
+        let vid = version_row_id(&tx, id, model, number)?;
+        tx.execute(
+            "UPDATE versions SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            params![vid, description, now],
+        )
+        .map_err(RegistryError::db("updating a version"))?;
+        audit(
+            &tx,
+            now,
+            actor,
+            "version.update",
+            &format!("{model}:{number}"),
+            json!({"version": number, "description": description}),
+        )?;
+        tx.commit().map_err(RegistryError::db("committing"))?;
+        self.version(model, number)
+    }
+
+    /// Versions are never deleted: this names the version and says so (an
+    /// unknown version is reported as unknown).
+    pub fn delete_version(&self, model: &str, number: u64) -> Result<()> {
+        self.version(model, number)?;
+        Err(RegistryError::VersionsAreKept {
+            name: model.to_owned(),
+            version: number,
+        })
+    }
+
     /// One version.
     pub fn version(&self, model: &str, number: u64) -> Result<Version> {
         let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
@@ -501,6 +770,85 @@ impl Registry {
             .into_iter()
             .map(|vid| load_version(&self.conn, vid))
             .collect()
+    }
+
+    /// Every version's searchable fields (one query, no files, tags only
+    /// when asked for), optionally of one model: what a search filters and
+    /// sorts before it loads the versions of one page.
+    pub fn version_rows(&self, model: Option<&str>, with_tags: bool) -> Result<Vec<VersionRow>> {
+        let mut st = self
+            .conn
+            .prepare(
+                "SELECT v.id, m.name, v.number, v.run_id, v.source, v.artifact_url, v.created_ms, v.updated_ms
+                 FROM versions v JOIN models m ON m.id = v.model_id
+                 WHERE ?1 IS NULL OR m.name = ?1",
+            )
+            .map_err(RegistryError::db("listing versions"))?;
+        let rows = st
+            .query_map([model], |r| {
+                Ok(VersionRow {
+                    id: r.get(0)?,
+                    model: r.get(1)?,
+                    version: r.get::<_, i64>(2)? as u64,
+                    run_id: r.get(3)?,
+                    source: r.get(4)?,
+                    artifact_url: r.get(5)?,
+                    created_ms: r.get(6)?,
+                    updated_ms: r.get(7)?,
+                    tags: Vec::new(),
+                })
+            })
+            .map_err(RegistryError::db("listing versions"))?;
+        let mut out = rows
+            .collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("listing versions"))?;
+        if with_tags {
+            for row in &mut out {
+                row.tags = read_tags(
+                    &self.conn,
+                    "SELECT key, value FROM version_tags WHERE version_id = ?1 ORDER BY key",
+                    row.id,
+                )?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The version a [`VersionRow`] describes.
+    pub fn version_of_row(&self, row: &VersionRow) -> Result<Version> {
+        load_version(&self.conn, row.id)
+    }
+
+    /// Every model's searchable fields (tags only when asked for).
+    pub fn model_rows(&self, with_tags: bool) -> Result<Vec<ModelRow>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id, name, created_ms, updated_ms FROM models")
+            .map_err(RegistryError::db("listing models"))?;
+        let rows = st
+            .query_map([], |r| {
+                Ok(ModelRow {
+                    id: r.get(0)?,
+                    name: r.get(1)?,
+                    created_ms: r.get(2)?,
+                    updated_ms: r.get(3)?,
+                    tags: Vec::new(),
+                })
+            })
+            .map_err(RegistryError::db("listing models"))?;
+        let mut out = rows
+            .collect::<rusqlite::Result<Vec<_>>>()
+            .map_err(RegistryError::db("listing models"))?;
+        if with_tags {
+            for row in &mut out {
+                row.tags = read_tags(
+                    &self.conn,
+                    "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key",
+                    row.id,
+                )?;
+            }
+        }
+        Ok(out)
     }
 
     fn version_ids(&self, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<i64>> {
@@ -570,6 +918,7 @@ impl Registry {
         reason: &str,
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -612,6 +961,7 @@ impl Registry {
         alias: &str,
         reason: &str,
     ) -> Result<AliasEvent> {
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -646,6 +996,7 @@ impl Registry {
         reason: &str,
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
+        check_len("reason", reason, limits::REASON)?;
         let now = self.clock.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
@@ -1095,7 +1446,7 @@ impl Registry {
             let v: i64 = conn
                 .query_row("PRAGMA user_version", [], |r| r.get(0))
                 .map_err(|e| bad(e.to_string()))?;
-            if v < 1 || v > crate::db::SCHEMA_VERSION {
+            if !(1..=crate::db::SCHEMA_VERSION).contains(&v) {
                 return Err(bad(format!(
                     "schema version {v}, this keel reads 1 to {}",
                     crate::db::SCHEMA_VERSION
@@ -1776,6 +2127,126 @@ pub fn version_manifest(v: &Version) -> std::result::Result<Manifest, RegistryEr
 mod tests {
     use super::*;
     use crate::FixedClock;
+
+    #[test]
+    fn every_stored_string_has_a_length_limit() {
+        let mut reg = Registry::open_in_memory(Arc::new(FixedClock(0))).expect("open");
+        let base = NewVersion {
+            model: "m".into(),
+            source: "s3://b/m".into(),
+            create_model: true,
+            ..Default::default()
+        };
+        let long = |n: usize| "x".repeat(n + 1);
+        let mut cases: Vec<(NewVersion, &str)> = Vec::new();
+        let mut v = base.clone();
+        v.source = long(limits::SOURCE);
+        cases.push((v, "source"));
+        let mut v = base.clone();
+        v.description = long(limits::DESCRIPTION);
+        cases.push((v, "description"));
+        let mut v = base.clone();
+        v.lineage.run_id = Some(long(limits::ID));
+        cases.push((v, "run id"));
+        let mut v = base.clone();
+        v.lineage.code_commit = Some(long(limits::ID));
+        cases.push((v, "code commit"));
+        let mut v = base.clone();
+        v.lineage.datasets = vec![crate::Dataset {
+            uri: long(limits::URI),
+            digest: None,
+        }];
+        cases.push((v, "data set URI"));
+        let mut v = base.clone();
+        v.tags = (0..=limits::TAGS)
+            .map(|i| Tag {
+                key: format!("k{i}"),
+                value: String::new(),
+            })
+            .collect();
+        cases.push((v, "tags"));
+        for (v, what) in cases {
+            let e = reg.register_version("a", &v, None).expect_err(what);
+            assert!(e.to_string().starts_with(&format!("invalid {what}")), "{e}");
+            // Quoted input is cut short.
+            assert!(e.to_string().len() < 200, "{e}");
+        }
+        assert!(
+            reg.models().expect("models").is_empty(),
+            "nothing half-written"
+        );
+        let e = reg
+            .create_model("a", "m", &long(limits::DESCRIPTION), &[])
+            .expect_err("description");
+        assert!(e.to_string().contains("at most 5000 bytes"), "{e}");
+        reg.register_version("a", &base, None).expect("fits");
+        let e = reg
+            .set_alias("a", "m", "prod", 1, &long(limits::REASON))
+            .expect_err("reason");
+        assert!(e.to_string().starts_with("invalid reason"), "{e}");
+    }
+
+    #[test]
+    fn after_ready_only_metadata_changes() {
+        let mut reg = Registry::open_in_memory(Arc::new(FixedClock(5))).expect("open");
+        let new = NewVersion {
+            model: "m".into(),
+            source: "s3://b/m".into(),
+            create_model: true,
+            ..Default::default()
+        };
+        reg.register_version("a", &new, None).expect("v1");
+        let v = reg.update_version("a", "m", 1, "notes").expect("update");
+        assert_eq!(v.description, "notes");
+        let m = reg.update_model("a", "m", "about m").expect("update");
+        assert_eq!(m.description, "about m");
+        // Everything else of a READY version stays as it was.
+        let e = reg
+            .conn
+            .execute("UPDATE versions SET source = 'x' WHERE number = 1", [])
+            .expect_err("source");
+        assert!(
+            e.to_string().contains("only its description may change"),
+            "{e}"
+        );
+        match reg.delete_version("m", 1) {
+            Err(e @ RegistryError::VersionsAreKept { .. }) => {
+                assert!(e.to_string().contains("never deleted"), "{e}")
+            }
+            other => panic!("expected VersionsAreKept, got {other:?}"),
+        }
+        assert!(matches!(
+            reg.delete_version("m", 9),
+            Err(RegistryError::UnknownVersion { .. })
+        ));
+        // A model with versions keeps its name; an empty one may change it.
+        match reg.rename_model("a", "m", "m2") {
+            Err(e @ RegistryError::NoRename { .. }) => {
+                assert!(e.to_string().contains("1 version(s)"), "{e}")
+            }
+            other => panic!("expected NoRename, got {other:?}"),
+        }
+        reg.create_model("a", "empty", "", &[]).expect("empty");
+        assert!(matches!(
+            reg.rename_model("a", "empty", "m"),
+            Err(RegistryError::ModelExists { .. })
+        ));
+        assert!(reg.rename_model("a", "empty", "team/x").is_err());
+        assert_eq!(
+            reg.rename_model("a", "empty", "full").expect("rename").name,
+            "full"
+        );
+        let actions: Vec<String> = reg
+            .audit_log()
+            .expect("log")
+            .into_iter()
+            .map(|e| e.action)
+            .collect();
+        for a in ["version.update", "model.update", "model.rename"] {
+            assert!(actions.iter().any(|x| x == a), "{a}: {actions:?}");
+        }
+        assert!(reg.verify_chains().expect("verify").ok());
+    }
 
     #[test]
     fn long_tag_values_are_refused_whatever_their_characters() {

@@ -71,6 +71,13 @@ pub struct Lineage {
     /// The version of the same model this one derives from (fine-tuning).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_version: Option<u64>,
+    /// A link to the training run (MLflow's `run_link`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_link: Option<String>,
+    /// MLflow 3's logged model (`m-...`) a version registered through
+    /// MLflow's API was made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlflow_model_id: Option<String>,
 }
 
 /// A checkpoint in a keel checkpoint store.
@@ -339,15 +346,15 @@ impl FromStr for VersionRef {
     type Err = RegistryError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if let Some((m, a)) = s.split_once('@') {
-            check_model_name(m)?;
+            check_stored_model_name(m)?;
             check_alias(a)?;
             return Ok(Self::Alias(m.to_owned(), a.to_owned()));
         }
         if let Some((m, v)) = s.split_once(':') {
-            check_model_name(m)?;
+            check_stored_model_name(m)?;
             return Ok(Self::Number(m.to_owned(), parse_version(v)?));
         }
-        check_model_name(s)?;
+        check_stored_model_name(s)?;
         Ok(Self::Latest(s.to_owned()))
     }
 }
@@ -359,16 +366,37 @@ pub fn parse_version(v: &str) -> Result<u64, RegistryError> {
         Ok(n) if n >= 1 && n <= i64::MAX as u64 => Ok(n),
         _ => Err(RegistryError::Invalid {
             what: "version",
-            value: v.to_owned(),
+            value: v.chars().take(40).collect(),
             reason: "versions are whole numbers from 1".into(),
         }),
     }
 }
 
-/// Model names: 1-128 letters, digits, `.`, `_`, `-` and `/`, starting with
-/// a letter or digit, no `..` or `//`. (`@` and `:` would clash with
-/// `NAME@ALIAS` and `NAME:VERSION`; the name is also a storage prefix.)
+/// Model names: 1-128 letters, digits, `.`, `_` and `-`, starting with a
+/// letter or digit, no `..`. `/` and `:` are refused as MLflow refuses
+/// them: its client cannot address such a model in `models:/` URIs and
+/// alias calls (and `@`, `:` would clash with `NAME@ALIAS` and
+/// `NAME:VERSION`; the name is also a storage prefix).
 pub fn check_model_name(name: &str) -> Result<(), RegistryError> {
+    let bad = |reason: &str| RegistryError::Invalid {
+        what: "model name",
+        value: name.chars().take(140).collect(),
+        reason: reason.into(),
+    };
+    if name.contains('/') || name.contains(':') {
+        return Err(bad(
+            "model names may not contain `/` or `:` (MLflow's models:/ URIs cannot name them); use 1-128 letters, digits, `.`, `_` and `-`",
+        ));
+    }
+    check_stored_model_name(name).map_err(|_| {
+        bad("use 1-128 letters, digits, `.`, `_` and `-`, starting with a letter or digit")
+    })
+}
+
+/// The names a registry may already hold: [`check_model_name`]'s rule
+/// before it refused `/` (`team/model`), so that such models stay
+/// readable.
+pub(crate) fn check_stored_model_name(name: &str) -> Result<(), RegistryError> {
     let ok = !name.is_empty()
         && name.len() <= 128
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
@@ -383,10 +411,9 @@ pub fn check_model_name(name: &str) -> Result<(), RegistryError> {
     } else {
         Err(RegistryError::Invalid {
             what: "model name",
-            value: name.to_owned(),
-            reason:
-                "use 1-128 letters, digits, `.`, `_`, `-` and `/`, starting with a letter or digit"
-                    .into(),
+            value: name.chars().take(140).collect(),
+            reason: "use 1-128 letters, digits, `.`, `_` and `-`, starting with a letter or digit"
+                .into(),
         })
     }
 }
@@ -396,7 +423,7 @@ pub fn check_model_name(name: &str) -> Result<(), RegistryError> {
 pub fn check_alias(alias: &str) -> Result<(), RegistryError> {
     let bad = |reason: &str| RegistryError::Invalid {
         what: "alias",
-        value: alias.to_owned(),
+        value: alias.chars().take(80).collect(),
         reason: reason.to_owned(),
     };
     if alias.is_empty()
@@ -441,6 +468,12 @@ mod tests {
         ] {
             assert!(bad.parse::<VersionRef>().is_err(), "{bad}");
         }
+        // New names may not hold `/` or `:`; stored ones stay addressable.
+        for bad in ["team/m", "a:b", "m/"] {
+            let e = check_model_name(bad).expect_err(bad);
+            assert!(e.to_string().contains("`/` or `:`"), "{e}");
+        }
+        assert!(check_model_name("team.m_1-x").is_ok());
     }
 
     #[test]

@@ -70,6 +70,31 @@ const ROUTES: &[(&str, &str, &str)] = &[
         "",
     ),
     (
+        "GET",
+        "/api/2.0/mlflow/model-versions/get-download-uri?name=m&version=1",
+        "",
+    ),
+    (
+        "PATCH",
+        "/api/2.0/mlflow/registered-models/update",
+        r#"{"name":"m","description":"d"}"#,
+    ),
+    (
+        "PATCH",
+        "/api/2.0/mlflow/model-versions/update",
+        r#"{"name":"m","version":"1","description":"d"}"#,
+    ),
+    (
+        "POST",
+        "/api/2.0/mlflow/registered-models/get-latest-versions",
+        r#"{"name":"m"}"#,
+    ),
+    (
+        "GET",
+        "/api/2.0/mlflow/registered-models/get-latest-versions?name=m&stages=None",
+        "",
+    ),
+    (
         "POST",
         "/api/2.0/mlflow/model-versions/set-tag",
         r#"{"name":"m","version":"1","key":"k","value":"v"}"#,
@@ -138,6 +163,7 @@ async fn every_route_is_authenticated_and_roles_hold() {
         ServeOptions {
             token_sha256: Some(keel_registry::auth::secret_hash(token)),
             max_body_bytes: 4096,
+            ..Default::default()
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -171,9 +197,11 @@ async fn every_route_is_authenticated_and_roles_hold() {
             Some(&format!("api-key: {reader}")),
         )
         .await;
-        if *method == "GET" {
+        // get-latest-versions reads, whatever its method.
+        if *method == "GET" || path.ends_with("get-latest-versions") {
+            // Allowed: found, or not there yet (a missing alias is 400).
             assert!(
-                status == 200 || status == 404,
+                status == 200 || status == 404 || (status == 400 && text.contains("alias")),
                 "{method} {path} read: {status} {text}"
             );
         } else {
@@ -210,7 +238,7 @@ async fn every_route_is_authenticated_and_roles_hold() {
         Some(&auth),
     )
     .await;
-    assert_eq!(s, 409);
+    assert_eq!(s, 400);
     assert!(t.contains("RESOURCE_ALREADY_EXISTS"), "{t}");
     let (s, _) = call(
         addr,
@@ -251,4 +279,448 @@ async fn every_route_is_authenticated_and_roles_hold() {
     assert!(t.contains("\"ok\":true"), "{t}");
     let _ = tx.send(());
     server.await.expect("join").expect("serve");
+}
+
+/// Serves `reg` on a free port: its address and a sender that stops it.
+async fn start(reg: Registry) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let app = router(reg, ServeOptions::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+    (addr, tx)
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn versions_of(v: &serde_json::Value) -> Vec<String> {
+    v["model_versions"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|v| {
+                    format!(
+                        "{}:{}",
+                        v["name"].as_str().unwrap_or(""),
+                        v["version"].as_str().unwrap_or("")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn searches_order_and_page_as_mlflow() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    for (model, n) in [("b", 12), ("a", 3)] {
+        for _ in 0..n {
+            let new = NewVersion {
+                model: model.into(),
+                source: "s3://b/m".into(),
+                create_model: true,
+                ..Default::default()
+            };
+            reg.register_version("ci", &new, None).expect("v");
+        }
+    }
+    let (addr, stop) = start(reg).await;
+    let auth = format!("api-key: {key}");
+    let get = |path: String| {
+        let auth = auth.clone();
+        async move { call(addr, "GET", &path, "", Some(&auth)).await }
+    };
+    let m = "/api/2.0/mlflow";
+    // The common idiom: the newest version of a model.
+    let (s, t) = get(format!(
+        "{m}/model-versions/search?filter=name%3D%27b%27&order_by=version_number+DESC&max_results=1"
+    ))
+    .await;
+    assert_eq!(s, 200, "{t}");
+    assert_eq!(versions_of(&json(&t)), ["b:12"]);
+    // MLflow's default (one clock tick here): name ascending, newest first.
+    let (_, t) = get(format!("{m}/model-versions/search?max_results=4")).await;
+    assert_eq!(versions_of(&json(&t)), ["a:3", "a:2", "a:1", "b:12"]);
+    // Two keys, backquoted; pages follow the order.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let (_, t) = get(format!(
+            "{m}/model-versions/search?order_by=%60name%60+DESC&order_by=version_number+ASC&max_results=5&page_token={token}"
+        ))
+        .await;
+        let v = json(&t);
+        seen.extend(versions_of(&v));
+        match v["next_page_token"].as_str() {
+            Some(n) => token = n.to_owned(),
+            None => break,
+        }
+    }
+    let want: Vec<String> = (1..=12)
+        .map(|n| format!("b:{n}"))
+        .chain((1..=3).map(|n| format!("a:{n}")))
+        .collect();
+    assert_eq!(seen, want);
+    let (_, t) = get(format!("{m}/registered-models/search?order_by=name+DESC")).await;
+    let v = json(&t);
+    let names: Vec<&str> = v["registered_models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(names, ["b", "a"]);
+    // Unknown keys, directions, duplicates and out-of-bounds pages are
+    // refused in MLflow's shape.
+    for q in [
+        "model-versions/search?order_by=size",
+        "model-versions/search?order_by=name+UP",
+        "model-versions/search?order_by=name&order_by=name+DESC",
+        "model-versions/search?max_results=0",
+        "model-versions/search?max_results=-3",
+        "model-versions/search?max_results=200001",
+        "model-versions/search?max_results=many",
+        "registered-models/search?max_results=1001",
+        "registered-models/search?order_by=version_number",
+    ] {
+        let (s, t) = get(format!("{m}/{q}")).await;
+        assert_eq!(s, 400, "{q}: {t}");
+        assert_eq!(json(&t)["error_code"], "INVALID_PARAMETER_VALUE", "{q}");
+    }
+    let (s, _) = get(format!("{m}/model-versions/search?max_results=200000")).await;
+    assert_eq!(s, 200);
+    let _ = stop.send(());
+}
+
+/// Every error the MLflow client can see is `{"error_code", "message"}`
+/// with MLflow's code and status, the extractors' own rejections included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_has_mlflows_shape_and_code() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Write, &key)
+        .expect("k");
+    let new = NewVersion {
+        model: "m".into(),
+        source: "s3://b/m".into(),
+        create_model: true,
+        ..Default::default()
+    };
+    reg.register_version("ci", &new, None).expect("v1");
+    let app = router(
+        reg,
+        ServeOptions {
+            max_body_bytes: 4096,
+            ..Default::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+    let auth = format!("api-key: {key}");
+    let m = "/api/2.0/mlflow";
+    let big = format!(r#"{{"name":"{}"}}"#, "x".repeat(10_000));
+    let cases: Vec<(&str, String, String, u16, &str)> = vec![
+        // 413: a body over the limit.
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            big,
+            413,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // 400: not JSON.
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            "{not json".into(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // 422 -> 400: JSON of the wrong shape.
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            r#"{"name": 7}"#.into(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            "{}".into(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // Query strings: a missing or malformed parameter.
+        (
+            "GET",
+            format!("{m}/registered-models/get"),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/model-versions/get?name=m"),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/model-versions/get?name=m&version=%FF%FE"),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/registered-models/alias?name=m"),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // MLflow's codes: a missing alias is a bad parameter, a missing
+        // version or model does not exist, a duplicate model exists.
+        (
+            "GET",
+            format!("{m}/registered-models/alias?name=m&alias=prod"),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/model-versions/get?name=m&version=9"),
+            String::new(),
+            404,
+            "RESOURCE_DOES_NOT_EXIST",
+        ),
+        (
+            "GET",
+            format!("{m}/registered-models/get?name=nope"),
+            String::new(),
+            404,
+            "RESOURCE_DOES_NOT_EXIST",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            r#"{"name":"m"}"#.into(),
+            400,
+            "RESOURCE_ALREADY_EXISTS",
+        ),
+        // Names MLflow's client cannot address.
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            r#"{"name":"team/m"}"#.into(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/create"),
+            r#"{"name":"a:b"}"#.into(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // Long bad input is quoted only in part.
+        (
+            "GET",
+            format!("{m}/model-versions/search?filter={}", "x".repeat(5000)),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!(
+                "{m}/model-versions/search?filter=name+IN+%28%27{}%27%29",
+                "y".repeat(5000)
+            ),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "GET",
+            format!("{m}/model-versions/get?name=m&version={}", "9".repeat(3000)),
+            String::new(),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/set-tag"),
+            format!(r#"{{"name":"m","key":"{}","value":"v"}}"#, "k".repeat(3000)),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        (
+            "POST",
+            format!("{m}/registered-models/alias"),
+            format!(
+                r#"{{"name":"m","alias":"{}","version":"1"}}"#,
+                "a".repeat(3000)
+            ),
+            400,
+            "INVALID_PARAMETER_VALUE",
+        ),
+        // Unknown routes and methods.
+        (
+            "GET",
+            format!("{m}/experiments/list"),
+            String::new(),
+            404,
+            "ENDPOINT_NOT_FOUND",
+        ),
+        (
+            "PUT",
+            format!("{m}/registered-models/get"),
+            String::new(),
+            405,
+            "ENDPOINT_NOT_FOUND",
+        ),
+    ];
+    for (method, path, body, status, code) in &cases {
+        let (s, t) = call(addr, method, path, body, Some(&auth)).await;
+        assert_eq!(s, *status, "{method} {path}: {t}");
+        let v = json(&t);
+        assert_eq!(v["error_code"], *code, "{method} {path}: {t}");
+        assert!(
+            v["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty() && m.len() < 400),
+            "{t}"
+        );
+    }
+    // A body without a JSON content type: 415 from the extractor, 400 here.
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let body = r#"{"name":"plain"}"#;
+    let req = format!(
+        "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.expect("read");
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(
+        resp.contains("\"error_code\":\"INVALID_PARAMETER_VALUE\""),
+        "{resp}"
+    );
+    // Deleting an alias that is not set succeeds, as in MLflow.
+    let (s, t) = call(
+        addr,
+        "DELETE",
+        &format!("{m}/registered-models/alias"),
+        r#"{"name":"m","alias":"never"}"#,
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 200, "{t}");
+    let (s, _) = call(
+        addr,
+        "DELETE",
+        &format!("{m}/registered-models/alias"),
+        r#"{"name":"nope","alias":"never"}"#,
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 404);
+    let _ = tx.send(());
+}
+
+/// A search with the longest LIKE pattern over the longest sources runs on
+/// its own read connection: a `get` meanwhile answers within 100 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_search_does_not_hold_up_other_requests() {
+    let t = tempfile::tempdir().expect("tmp");
+    let mut reg = Registry::open(
+        &t.path().join("reg.db"),
+        Arc::new(FixedClock(1_700_000_000_000)),
+    )
+    .expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    let source = format!("s3://b/{}", "a".repeat(keel_registry::limits::SOURCE - 7));
+    for _ in 0..150 {
+        let new = NewVersion {
+            model: "m".into(),
+            source: source.clone(),
+            create_model: true,
+            ..Default::default()
+        };
+        reg.register_version("ci", &new, None).expect("v");
+    }
+    let (addr, stop) = start(reg).await;
+    let auth = format!("api-key: {key}");
+    // `%` then 255 characters that match everywhere but at the end: each
+    // row costs about the pattern's length times the source's.
+    let pattern = format!("%25{}b", "a".repeat(254));
+    let path =
+        format!("/api/2.0/mlflow/model-versions/search?filter=source_path+LIKE+%27{pattern}%27");
+    let search = {
+        let auth = auth.clone();
+        tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let (s, body) = call(addr, "GET", &path, "", Some(&auth)).await;
+            (s, body, t0.elapsed())
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let mut slowest = std::time::Duration::ZERO;
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        let (s, body) = call(
+            addr,
+            "GET",
+            "/api/2.0/mlflow/model-versions/get?name=m&version=7",
+            "",
+            Some(&auth),
+        )
+        .await;
+        assert_eq!(s, 200, "{body}");
+        slowest = slowest.max(t0.elapsed());
+    }
+    let during = !search.is_finished();
+    let (s, body, took) = search.await.expect("search");
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(json(&body)["model_versions"], serde_json::json!([]));
+    // The gets ran while the search did (else this test shows nothing).
+    assert!(during, "the search took only {took:?}");
+    assert!(
+        slowest < std::time::Duration::from_millis(100),
+        "a get took {slowest:?} during a search of {took:?}"
+    );
+    // A longer pattern is refused before any row is read.
+    let long = format!("%25{}b", "a".repeat(256));
+    let (s, body) = call(
+        addr,
+        "GET",
+        &format!("/api/2.0/mlflow/model-versions/search?filter=source_path+LIKE+%27{long}%27"),
+        "",
+        Some(&auth),
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("at most 256 characters"), "{body}");
+    let _ = stop.send(());
 }

@@ -72,8 +72,9 @@ pub struct FileModel {
 pub struct ModelConfig {
     /// The registry database (SQLite).
     pub db: PathBuf,
-    /// Where `register --path` uploads files (a storage URL).
-    pub artifact_store: Option<String>,
+    /// Where `register --path` uploads files (a storage URL); default: the
+    /// directory `<db stem>-artifacts` beside the database.
+    pub artifact_store: String,
     /// Who the audit log names for changes made from this machine.
     pub actor: String,
     /// The trusted public key `verify` checks signatures with.
@@ -242,17 +243,37 @@ fn default_db(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
     }
 }
 
-/// Loads the `[model]` settings: defaults < file < environment. Flags are
-/// applied by the caller.
+/// The artifact store used when none is configured: the directory
+/// `<db stem>-artifacts` beside the database (`registry.db` ->
+/// `registry-artifacts`), as a `file://` URL of its absolute path.
+pub fn default_artifact_store(db: &Path) -> String {
+    let db = std::path::absolute(db).unwrap_or_else(|_| db.to_owned());
+    let stem = db
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "registry".into());
+    let dir = db
+        .parent()
+        .unwrap_or_else(|| Path::new("/"))
+        .join(format!("{stem}-artifacts"));
+    format!("file://{}", dir.display())
+}
+
+/// Loads the `[model]` settings: defaults < file < environment < the
+/// `--db` flag (`db_flag`, which also moves the default artifact store).
+/// Other flags are applied by the caller.
 pub fn load_model(
     explicit: Option<&Path>,
     env: &dyn Fn(&str) -> Option<String>,
+    db_flag: Option<&Path>,
 ) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
     let (file, path) = load_file(explicit, env)?;
     let f = file.model;
+    let mut artifact_store = f.artifact_store;
     let mut c = ModelConfig {
         db: f.db.unwrap_or_else(|| default_db(env)),
-        artifact_store: f.artifact_store,
+        artifact_store: String::new(),
         actor: f
             .actor
             .or_else(|| env("USER"))
@@ -266,8 +287,12 @@ pub fn load_model(
         c.db = v.into();
     }
     if let Some(v) = env("KEEL_ARTIFACT_STORE") {
-        c.artifact_store = Some(v);
+        artifact_store = Some(v);
     }
+    if let Some(db) = db_flag {
+        c.db = db.to_owned();
+    }
+    c.artifact_store = artifact_store.unwrap_or_else(|| default_artifact_store(&c.db));
     if let Some(v) = env("KEEL_ACTOR") {
         c.actor = v;
     }
@@ -513,15 +538,19 @@ mod tests {
             "KEEL_ACTOR" => Some("alice".to_owned()),
             _ => None,
         };
-        let (c, _) = load_model(Some(&f), &env).expect("config");
+        let (c, _) = load_model(Some(&f), &env, None).expect("config");
         assert_eq!(c.db, PathBuf::from("/home/u/.local/share/keel/registry.db"));
-        assert_eq!(c.artifact_store.as_deref(), Some("file:///a"));
+        assert_eq!(c.artifact_store, "file:///a");
         assert_eq!(c.actor, "alice");
         let env = |k: &str| (k == "XDG_DATA_HOME").then(|| "/data".to_owned());
-        let (c, _) = load_model(None, &env).expect("config");
+        let (c, _) = load_model(None, &env, None).expect("config");
         assert_eq!(c.db, PathBuf::from("/data/keel/registry.db"));
+        assert_eq!(c.artifact_store, "file:///data/keel/registry-artifacts");
+        // --db moves the default store with the database.
+        let (c, _) = load_model(None, &env, Some(Path::new("/srv/m.db"))).expect("config");
+        assert_eq!(c.artifact_store, "file:///srv/m-artifacts");
         let env = |k: &str| (k == "KEEL_MODEL_TOKEN_SHA256").then(|| "xyz".to_owned());
-        assert!(load_model(None, &env).is_err());
+        assert!(load_model(None, &env, None).is_err());
     }
 
     #[test]
@@ -549,7 +578,7 @@ mod tests {
             );
         }
         let model = serde_json::to_value(
-            load_model(None, &|k| (k == "HOME").then(|| "/h".to_owned()))
+            load_model(None, &|k| (k == "HOME").then(|| "/h".to_owned()), None)
                 .expect("model config")
                 .0,
         )

@@ -206,6 +206,8 @@ fn registry_code(r: &keel_registry::RegistryError) -> Code {
         | E::WrongStatus { .. }
         | E::NothingToRollBack { .. }
         | E::ModelHasVersions { .. }
+        | E::VersionsAreKept { .. }
+        | E::NoRename { .. }
         | E::KeyExists { .. }
         | E::UnknownKey { .. }
         | E::NotEmpty { .. } => Code::Usage,

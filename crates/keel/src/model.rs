@@ -147,7 +147,9 @@ struct RegisterArgs {
     /// its size, instead of reading every byte against its SHA-256.
     #[arg(long, conflicts_with = "path")]
     sizes_only: bool,
-    /// Where --path uploads (default: model.artifact_store, KEEL_ARTIFACT_STORE).
+    /// Where --path uploads (default: model.artifact_store,
+    /// KEEL_ARTIFACT_STORE, else the directory `<db stem>-artifacts` beside
+    /// the registry database).
     #[arg(long, value_name = "URL")]
     artifact_store: Option<String>,
     #[arg(long, default_value = "")]
@@ -277,10 +279,7 @@ fn parse_ref(s: &str) -> anyhow::Result<VersionRef> {
 
 fn effective(args: &ModelArgs) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let (mut c, path) = config::load_model(args.config.as_deref(), &env)?;
-    if let Some(db) = &args.db {
-        c.db = db.clone();
-    }
+    let (mut c, path) = config::load_model(args.config.as_deref(), &env, args.db.as_deref())?;
     if let Some(a) = &args.actor {
         c.actor = a.clone();
     }
@@ -297,7 +296,13 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
                     &json!({"config_file": cfg_path, "model": cfg}),
                 )?;
             } else {
-                let text = toml::to_string(&json!({ "model": cfg })).unwrap_or_default();
+                // A struct, not JSON: TOML has no null, and unset keys are
+                // left out.
+                #[derive(serde::Serialize)]
+                struct File<'a> {
+                    model: &'a ModelConfig,
+                }
+                let text = toml::to_string(&File { model: &cfg }).unwrap_or_default();
                 let from = cfg_path
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "none".into());
@@ -385,7 +390,11 @@ fn register(
     r: &RegisterArgs,
     out: &mut Out,
 ) -> anyhow::Result<Code> {
-    keel_registry::check_model_name(&r.name)?;
+    // A new model's name is checked before anything is uploaded (a model
+    // that already exists keeps the name it has).
+    if reg.model(&r.name).is_err() {
+        keel_registry::check_model_name(&r.name)?;
+    }
     let mut tags = Vec::new();
     for t in &r.tags {
         let (k, v) = t
@@ -411,6 +420,8 @@ fn register(
             datasets,
             code_commit: r.code_commit.clone(),
             parent_version: r.parent,
+            run_link: None,
+            mlflow_model_id: None,
         },
         tags,
         create_model: true,
@@ -421,21 +432,15 @@ fn register(
         let store_url = r
             .artifact_store
             .clone()
-            .or_else(|| cfg.artifact_store.clone())
-            .ok_or_else(|| {
-                UsageError(
-                    "register --path needs an artifact store: --artifact-store URL, model.artifact_store or KEEL_ARTIFACT_STORE".into(),
-                )
-            })?;
+            .unwrap_or_else(|| cfg.artifact_store.clone());
         if !dir.is_dir() {
             return Err(UsageError(format!("{} is not a directory", dir.display())).into());
         }
         // Fail before a number is taken when the directory is unusable.
         artifacts::list_dir(dir)?;
-        new.source = std::fs::canonicalize(dir)
-            .unwrap_or_else(|_| dir.clone())
-            .display()
-            .to_string();
+        // The uploader's local directory is not recorded: the source is
+        // the store the files go to (the version's artifact URL is under it).
+        new.source = store_url.trim_end_matches('/').to_owned();
         let pending = reg.reserve_version(actor, &new)?;
         let url = format!(
             "{}/{}/v{}",
@@ -1448,6 +1453,10 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
             keel_registry::http::ServeOptions {
                 token_sha256: cfg.serve_token_sha256.clone(),
                 max_body_bytes: 1 << 20,
+                // The account keel-store reads az:// URLs from.
+                azure_account: std::env::var("AZURE_STORAGE_ACCOUNT_NAME")
+                    .ok()
+                    .filter(|a| !a.is_empty()),
             },
         );
         // The address goes to stdout first (tests bind port 0 and read it).

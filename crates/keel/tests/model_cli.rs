@@ -75,6 +75,68 @@ fn s(p: &Path) -> &str {
     p.to_str().expect("utf8")
 }
 
+/// A fresh machine: no config file, no KEEL_ARTIFACT_STORE. `register
+/// --path` uploads to the directory beside the database and `pull` reads it
+/// back.
+#[test]
+fn register_and_pull_work_with_no_configuration() {
+    let e = Env::new();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .arg("model")
+            .args(args)
+            .env_remove("KEEL_ARTIFACT_STORE")
+            .env_remove("KEEL_MODEL_DB")
+            .env_remove("KEEL_CONFIG")
+            .env_remove("XDG_DATA_HOME")
+            .env("HOME", e.path("home"))
+            .env("KEEL_ACTOR", "tester")
+            .output()
+            .expect("run keel")
+    };
+    let ok = |args: &[&str]| {
+        let o = run(args);
+        assert!(
+            o.status.success(),
+            "keel model {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = ok(&["--json", "register", "m", "--path", s(&e.path("model"))]);
+    let v: Value = serde_json::from_str(&out).expect("json");
+    let data = e.path("home/.local/share/keel");
+    assert_eq!(
+        v["model_version"]["artifact_url"],
+        format!("file://{}/registry-artifacts/m/v1", data.display())
+    );
+    assert!(data.join("registry-artifacts/m/v1/config.json").is_file());
+    ok(&["pull", "m:1", "--to", s(&e.path("out"))]);
+    assert_eq!(
+        std::fs::read(e.path("out/weights.safetensors")).expect("pulled"),
+        vec![7u8; 70_000]
+    );
+    // --db moves the default store beside that database.
+    let db = e.path("elsewhere/reg.db");
+    ok(&[
+        "--db",
+        s(&db),
+        "register",
+        "m",
+        "--path",
+        s(&e.path("model")),
+    ]);
+    assert!(e.path("elsewhere/reg-artifacts/m/v1/config.json").is_file());
+    let cfg = ok(&["--db", s(&db), "--print-config"]);
+    assert!(
+        cfg.contains(&format!(
+            "file://{}",
+            e.path("elsewhere/reg-artifacts").display()
+        )),
+        "{cfg}"
+    );
+}
+
 #[test]
 fn register_alias_pull_verify_end_to_end() {
     let e = Env::new();
@@ -349,6 +411,11 @@ fn bad_input_gets_clear_errors_and_exit_codes() {
             &["register", "bad name", "--path", "/tmp"],
             64,
             "invalid model name",
+        ),
+        (
+            &["register", "team/m", "--path", "/tmp"],
+            64,
+            "may not contain `/` or `:`",
         ),
         (
             &["register", "m", "--path", "/nonexistent-keel-dir/x"],

@@ -1,7 +1,8 @@
 //! Interop with the real Python tools (`scripts/services/python-tools`
 //! installs them and sets KEEL_TEST_PYTHON_TOOLS): the OpenSSF reference signer
 //! `model-signing` 1.1.1 in both directions, and the MLflow client against
-//! `keel model serve`.
+//! `keel model serve`, loading models through `models:/` URIs from file://,
+//! Azurite and S3 artifact stores.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -341,6 +342,178 @@ impl Drop for Server {
     }
 }
 
+/// `keel model serve` on a free port: the server (killed when dropped)
+/// and its URL.
+fn serve(db: &Path) -> (Server, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["model", "--db"])
+        .arg(db)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let server = Server(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read");
+    let url = line.trim().rsplit(' ').next().expect("url").to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    (server, url)
+}
+
+/// A write key for the MLflow client.
+fn write_key(db: &Path) -> String {
+    let created: serde_json::Value = serde_json::from_str(&ok(keel(
+        db,
+        &["--json", "keys", "create", "mlflow", "--role", "write"],
+    )))
+    .expect("json");
+    created["secret"].as_str().expect("secret").to_owned()
+}
+
+/// The MLflow client loads models from keel by alias, number and
+/// `latest`, downloads them with `mlflow.artifacts`, from the default
+/// file:// store and from Azurite and S3 (reading them with its own
+/// credentials), whether keel's CLI or the client registered them.
+#[test]
+#[ignore = "needs Python tools, Azurite and the S3 server: scripts/test starts them"]
+fn mlflow_client_loads_models_registered_in_keel() {
+    let azurite = keel_testkit::objects::ObjectService::azurite();
+    let s3 = keel_testkit::objects::ObjectService::s3();
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("reg.db");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_load.py");
+    let model = t.path().join("pyfunc-model");
+    ok(Command::new(python())
+        .arg(&script)
+        .args(["save", s(&model)])
+        .output()
+        .expect("python"));
+    // No artifact store configured: the default store beside the database.
+    ok(keel(
+        &db,
+        &[
+            "register",
+            "adder",
+            "--path",
+            s(&model),
+            "--run-id",
+            "train-7",
+            "--dataset",
+            "s3://data/train#sha256:ab12",
+            "--code-commit",
+            "0123abc",
+        ],
+    ));
+    ok(keel(
+        &db,
+        &[
+            "alias",
+            "set",
+            "adder",
+            "production",
+            "1",
+            "--reason",
+            "first",
+        ],
+    ));
+    let mut stored = Vec::new();
+    for (svc, name) in [(&azurite, "adder-az"), (&s3, "adder-s3")] {
+        let store = svc.url(&keel_testkit::objects::unique("mlflow-load"));
+        ok(keel(
+            &db,
+            &[
+                "register",
+                name,
+                "--path",
+                s(&model),
+                "--artifact-store",
+                &store,
+            ],
+        ));
+        stored.push(format!("{name}:1"));
+    }
+    let secret = write_key(&db);
+    let (server, url) = serve(&db);
+    let o = Command::new(python())
+        .arg(&script)
+        .args(["load", s(&model), "adder"])
+        .args(&stored)
+        .env("MLFLOW_TRACKING_URI", &url)
+        .env("MLFLOW_REGISTRY_URI", &url)
+        .env("MLFLOW_TRACKING_TOKEN", &secret)
+        .env("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        // The client reads S3 where the test server is.
+        .env(
+            "MLFLOW_S3_ENDPOINT_URL",
+            std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(),
+        )
+        .current_dir(t.path())
+        .output()
+        .expect("python");
+    let out = ok(o);
+    drop(server);
+    let seen: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json");
+    for k in ["alias", "number", "latest", "client_alias"] {
+        assert_eq!(seen[k], serde_json::json!([2, 42]), "{k}: {seen}");
+    }
+    let store = format!(
+        "file://{}/reg-artifacts/adder/v1",
+        std::path::absolute(t.path()).expect("abs").display()
+    );
+    assert_eq!(seen["v1_source"], store.as_str(), "{seen}");
+    assert_eq!(seen["download_uri"], store.as_str(), "{seen}");
+    assert_eq!(seen["latest_versions"], serde_json::json!(["1"]));
+    // keel's lineage, as MLflow shows it.
+    assert_eq!(seen["v1_run_id"], "train-7");
+    let tags = &seen["v1_tags"];
+    assert_eq!(tags["keel.dataset.0"], "s3://data/train");
+    assert_eq!(tags["keel.dataset.0.digest"], "sha256:ab12");
+    assert_eq!(tags["keel.code_commit"], "0123abc");
+    assert!(
+        tags["keel.manifest_digest"]
+            .as_str()
+            .is_some_and(|d| d.len() == 64),
+        "{tags}"
+    );
+    assert_eq!(seen["download_same"], true);
+    assert_eq!(seen["client_version"], "2");
+    assert_eq!(seen["fluent_version"], "3");
+    assert_eq!(seen["fluent"], serde_json::json!([2, 42]));
+    assert_eq!(seen["client_run_id"], "run-from-client");
+    let az = &seen["stored"]["adder-az:1"];
+    assert!(
+        az["source"].as_str().is_some_and(|s| s
+            .starts_with("wasbs://keel-test@devstoreaccount1.blob.core.windows.net/mlflow-load-")),
+        "{az}"
+    );
+    let s3v = &seen["stored"]["adder-s3:1"];
+    assert!(
+        s3v["source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("s3://keel-test/mlflow-load-")),
+        "{s3v}"
+    );
+    for v in [az, s3v] {
+        assert_eq!(v["download_same"], true, "{v}");
+        assert_eq!(v["predict"], serde_json::json!([2, 42]), "{v}");
+    }
+    // The uploader's directory is recorded nowhere.
+    let shown = ok(keel(&db, &["--json", "show", "adder:1"]));
+    assert!(!shown.contains(s(&model)), "{shown}");
+    let log: serde_json::Value =
+        serde_json::from_str(&ok(keel(&db, &["--json", "audit", "log"]))).expect("json");
+    for e in log["events"].as_array().expect("events") {
+        if e["target"] == "adder:1" {
+            assert!(
+                !e["detail"].as_str().unwrap_or("").contains(s(&model)),
+                "{e}"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs Python tools: scripts/test installs them"]
 fn mlflow_client_works_against_keel_serve() {
@@ -352,19 +525,7 @@ fn mlflow_client_works_against_keel_serve() {
     )))
     .expect("json");
     let secret = created["secret"].as_str().expect("secret").to_owned();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["model", "--db"])
-        .arg(&db)
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let server = Server(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("read");
-    let url = line.trim().rsplit(' ').next().expect("url").to_owned();
-    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    let (server, url) = serve(&db);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_client.py");
     let o = Command::new(python())
         .arg(&script)
@@ -383,6 +544,51 @@ fn mlflow_client_works_against_keel_serve() {
     assert_eq!(seen["v1_tags"]["k"], "v");
     assert_eq!(seen["alias_deleted"], true);
     assert_eq!(seen["duplicate"], "RESOURCE_ALREADY_EXISTS");
+    assert_eq!(seen["newest"], serde_json::json!(["2"]));
+    assert_eq!(seen["ascending"], serde_json::json!(["1", "2"]));
+    assert_eq!(seen["default_order"], serde_json::json!(["2", "1"]));
+    assert_eq!(
+        seen["models_desc"],
+        serde_json::json!(["mlf-other", "mlf-model"])
+    );
+    assert_eq!(
+        seen["models_by_time"],
+        serde_json::json!(["mlf-other", "mlf-model"])
+    );
+    assert_eq!(
+        seen["client_errors"],
+        serde_json::json!({
+            "slash_name": "INVALID_PARAMETER_VALUE",
+            "colon_name": "INVALID_PARAMETER_VALUE",
+            "too_large": "INVALID_PARAMETER_VALUE",
+            "missing_version": "RESOURCE_DOES_NOT_EXIST",
+            "missing_model": "RESOURCE_DOES_NOT_EXIST",
+        })
+    );
+    let ch = &seen["changes"];
+    assert_eq!(ch["model_description"], "updated");
+    assert_eq!(ch["v1_description"], "v1 notes");
+    assert_eq!(ch["v1_updated_description"], "v1 notes");
+    assert_eq!(ch["renamed"], "mlf-other2");
+    for (k, code, text) in [
+        ("rename_with_versions", "INVALID_STATE", "alias history"),
+        ("delete_version", "INVALID_STATE", "never deleted"),
+        (
+            "transition",
+            "NOT_IMPLEMENTED",
+            "set_registered_model_alias",
+        ),
+        ("lineage_tag", "INVALID_PARAMETER_VALUE", "lineage"),
+    ] {
+        assert_eq!(ch[k][0], code, "{k}: {ch}");
+        assert!(
+            ch[k][1].as_str().is_some_and(|m| m.contains(text)),
+            "{k}: {ch}"
+        );
+    }
+    for (k, code) in seen["order_errors"].as_object().expect("errors") {
+        assert_eq!(code, "INVALID_PARAMETER_VALUE", "{k}");
+    }
     // Without the token the client is refused.
     let o = Command::new(python())
         .arg(&script)

@@ -32,16 +32,79 @@ aliases = dict(got.aliases)
 
 found = c.search_model_versions("name='mlf-model'")
 by_run = c.search_model_versions("run_id='r1'")
-models = c.search_registered_models(filter_string="name LIKE 'mlf-%'")
+models = c.search_registered_models(filter_string="name LIKE 'mlf-m%'")
 
 one = c.get_model_version("mlf-model", "1")
+
+# order_by, MLflow's default order (newest first) and max_results bounds.
+c.create_registered_model("mlf-other")
+newest = c.search_model_versions("name='mlf-model'", order_by=["version_number DESC"], max_results=1)
+ascending = c.search_model_versions("name='mlf-model'", order_by=["`version_number` ASC"])
+default_order = c.search_model_versions("name='mlf-model'")
+models_desc = c.search_registered_models(order_by=["name DESC"])
+models_by_time = c.search_registered_models(order_by=["creation_timestamp DESC", "name ASC"])
+
+
+def refused(f):
+    try:
+        f()
+        return "accepted"
+    except MlflowException as e:
+        return e.error_code
+
+
+# What may change, and what may not, after READY.
+c.update_registered_model("mlf-model", description="updated")
+updated_v1 = c.update_model_version("mlf-model", "1", description="v1 notes")
+c.rename_registered_model("mlf-other", "mlf-other2")
+renamed = c.get_registered_model("mlf-other2")
+
+
+def refusal(f):
+    try:
+        f()
+        return ["accepted", ""]
+    except MlflowException as e:
+        return [e.error_code, e.message]
+
+
+changes = {
+    "model_description": c.get_registered_model("mlf-model").description,
+    "v1_description": c.get_model_version("mlf-model", "1").description,
+    "v1_updated_description": updated_v1.description,
+    "renamed": renamed.name,
+    "rename_with_versions": refusal(lambda: c.rename_registered_model("mlf-model", "mlf-x")),
+    "delete_version": refusal(lambda: c.delete_model_version("mlf-model", "1")),
+    "transition": refusal(lambda: c.transition_model_version_stage("mlf-model", "1", "Production")),
+    "lineage_tag": refusal(lambda: c.set_model_version_tag("mlf-model", "1", "keel.code_commit", "x")),
+}
+
+client_errors = {
+    "slash_name": refused(lambda: c.create_registered_model("team/model")),
+    "colon_name": refused(lambda: c.create_registered_model("a:b")),
+    "too_large": refused(lambda: c.create_registered_model("big", description="x" * (2 << 20))),
+    "missing_version": refused(lambda: c.get_model_version("mlf-model", "99")),
+    "missing_model": refused(lambda: c.get_registered_model("nope")),
+}
+
+order_errors = {
+    "unknown": refused(lambda: c.search_model_versions("name='mlf-model'", order_by=["size DESC"])),
+    "direction": refused(lambda: c.search_model_versions("", order_by=["name SIDEWAYS"])),
+    "duplicate": refused(lambda: c.search_registered_models(order_by=["name", "name DESC"])),
+    "models_unknown": refused(lambda: c.search_registered_models(order_by=["version_number"])),
+    "too_many": refused(lambda: c.search_model_versions("", max_results=200_001)),
+    "too_many_models": refused(lambda: c.search_registered_models(max_results=1001)),
+}
 
 c.delete_registered_model_alias("mlf-model", "champion")
 try:
     c.get_model_version_by_alias("mlf-model", "champion")
     deleted = False
 except MlflowException as e:
-    deleted = e.error_code == "RESOURCE_DOES_NOT_EXIST"
+    # MLflow's code for a missing alias.
+    deleted = e.error_code == "INVALID_PARAMETER_VALUE"
+# Deleting it again succeeds, as in MLflow.
+c.delete_registered_model_alias("mlf-model", "champion")
 
 try:
     c.create_registered_model("mlf-model")
@@ -58,4 +121,12 @@ print(json.dumps({
     "v1_run": one.run_id,
     "alias_deleted": deleted,
     "duplicate": dup,
+    "newest": [str(v.version) for v in newest],
+    "ascending": [str(v.version) for v in ascending],
+    "default_order": [str(v.version) for v in default_order],
+    "models_desc": [m.name for m in models_desc],
+    "models_by_time": [m.name for m in models_by_time],
+    "order_errors": order_errors,
+    "client_errors": client_errors,
+    "changes": changes,
 }))
