@@ -677,38 +677,51 @@ async fn a_long_search_does_not_hold_up_other_requests() {
     let pattern = format!("%25{}b", "a".repeat(254));
     let path =
         format!("/api/2.0/mlflow/model-versions/search?filter=source_path+LIKE+%27{pattern}%27");
-    let search = {
-        let auth = auth.clone();
-        tokio::spawn(async move {
+    // Up to three tries, so that a moment of a busy machine (CI runs
+    // many tests at once) is not taken for a held lock: a registry that
+    // holds its lock through a search delays every get of every try by
+    // the search's whole length.
+    let mut tries = Vec::new();
+    for _ in 0..3 {
+        let search = {
+            let (auth, path) = (auth.clone(), path.clone());
+            tokio::spawn(async move {
+                let t0 = std::time::Instant::now();
+                let (s, body) = call(addr, "GET", &path, "", Some(&auth)).await;
+                (s, body, t0.elapsed())
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let mut slowest = std::time::Duration::ZERO;
+        for _ in 0..5 {
             let t0 = std::time::Instant::now();
-            let (s, body) = call(addr, "GET", &path, "", Some(&auth)).await;
-            (s, body, t0.elapsed())
-        })
-    };
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    let mut slowest = std::time::Duration::ZERO;
-    for _ in 0..5 {
-        let t0 = std::time::Instant::now();
-        let (s, body) = call(
-            addr,
-            "GET",
-            "/api/2.0/mlflow/model-versions/get?name=m&version=7",
-            "",
-            Some(&auth),
-        )
-        .await;
+            let (s, body) = call(
+                addr,
+                "GET",
+                "/api/2.0/mlflow/model-versions/get?name=m&version=7",
+                "",
+                Some(&auth),
+            )
+            .await;
+            assert_eq!(s, 200, "{body}");
+            slowest = slowest.max(t0.elapsed());
+        }
+        let during = !search.is_finished();
+        let (s, body, took) = search.await.expect("search");
         assert_eq!(s, 200, "{body}");
-        slowest = slowest.max(t0.elapsed());
+        assert_eq!(json(&body)["model_versions"], serde_json::json!([]));
+        // The gets ran while the search did (else this try shows nothing).
+        assert!(during, "the search took only {took:?}");
+        tries.push((slowest, took));
+        if slowest < std::time::Duration::from_millis(100) {
+            break;
+        }
     }
-    let during = !search.is_finished();
-    let (s, body, took) = search.await.expect("search");
-    assert_eq!(s, 200, "{body}");
-    assert_eq!(json(&body)["model_versions"], serde_json::json!([]));
-    // The gets ran while the search did (else this test shows nothing).
-    assert!(during, "the search took only {took:?}");
     assert!(
-        slowest < std::time::Duration::from_millis(100),
-        "a get took {slowest:?} during a search of {took:?}"
+        tries
+            .iter()
+            .any(|(slowest, _)| *slowest < std::time::Duration::from_millis(100)),
+        "a get took over 100 ms during a search in every try (slowest get, search): {tries:?}"
     );
     // A longer pattern is refused before any row is read.
     let long = format!("%25{}b", "a".repeat(256));
