@@ -14,6 +14,7 @@ mod serve;
 mod slurm;
 mod table;
 mod topo;
+mod tune;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -83,6 +84,12 @@ enum Command {
     /// splitting, fallback, metrics and audit in front of OpenAI-compatible
     /// and OIP v2 model servers.
     Serve(Box<serve::ServeArgs>),
+    /// Node tuning for jobs: GPU clocks as a Slurm prolog/epilog pair
+    /// (dry run unless --apply) and the NCCL/UCX/MPI environment.
+    Tune {
+        #[command(subcommand)]
+        command: tune::TuneCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -107,6 +114,7 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
+        Command::Tune { command } => tune::run(&cli, command, &mut out),
     };
     let code = match result {
         Ok(code) => code,

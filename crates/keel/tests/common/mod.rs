@@ -199,6 +199,7 @@ pub fn keel(args: &[String], env: &[(&str, &str)]) -> (i32, String, String) {
         "KEEL_GPU_SNAPSHOT",
         "KEEL_STATE_DIR",
         "KEEL_IMDS_ENDPOINT",
+        "KEEL_TUNE_STATE",
         "NO_COLOR",
     ] {
         c.env_remove(var);
