@@ -12,4 +12,5 @@
 #![forbid(unsafe_code)]
 
 pub mod clocks;
+pub mod env;
 pub mod fake;

@@ -24,6 +24,32 @@ pub enum TuneCommand {
     /// Epilog), then remove the state file. Without a state file nothing
     /// changes. Dry run unless --apply.
     Reset(ClockArgs),
+    /// Print the NCCL/UCX/MPI environment for this node's SKU and launcher,
+    /// each variable with its reason and source, and the InfiniBand HCA for
+    /// each local rank.
+    Env(EnvArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EnvArgs {
+    /// sh: a script to source; json; slurm: `export NAME=value` lines for a
+    /// TaskProlog, for the rank in SLURM_LOCALID, skipping variables the
+    /// job already sets.
+    #[arg(long, value_parser = ["sh", "json", "slurm"], default_value = "sh")]
+    format: String,
+    /// The launcher the job uses.
+    #[arg(long, value_parser = ["srun", "mpirun", "torchrun"], default_value = "srun")]
+    launcher: String,
+    /// SKU profile (`keel check profiles`); default: from the GPUs on an
+    /// Azure VM, else `generic`.
+    #[arg(long, env = "KEEL_SKU")]
+    sku: Option<String>,
+    /// TOML file whose values override the profile's.
+    #[arg(long, value_name = "FILE", env = "KEEL_PROFILE_FILE")]
+    profile_file: Option<PathBuf>,
+    /// The local rank whose HCA --format slurm exports.
+    #[arg(long, value_name = "N", env = "SLURM_LOCALID")]
+    local_rank: Option<usize>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -46,7 +72,89 @@ pub fn run(_cli: &Cli, cmd: &TuneCommand, out: &mut Out) -> anyhow::Result<Code>
     match cmd {
         TuneCommand::Clocks(a) => clocks_cmd(a, out, "tune clocks", clocks::prolog),
         TuneCommand::Reset(a) => clocks_cmd(a, out, "tune reset", clocks::epilog),
+        TuneCommand::Env(a) => env_cmd(_cli, a, out),
     }
+}
+
+/// The SKU: the flag, else the profile for the GPUs' model and count on an
+/// Azure VM (a VMBus network device), else `generic`.
+fn choose_sku(flag: Option<&str>, m: &keel_topo::Machine) -> anyhow::Result<(String, String)> {
+    use keel_check::profile;
+    if let Some(s) = flag {
+        if !profile::builtin_names().contains(&s) {
+            return Err(crate::exit::UsageError(format!(
+                "unknown SKU {:?}; known: {}",
+                s.chars().take(64).collect::<String>(),
+                profile::builtin_names().join(", ")
+            ))
+            .into());
+        }
+        return Ok((s.to_owned(), "flag".into()));
+    }
+    let azure = m.nics.iter().any(|n| n.bus == "vmbus");
+    if let (true, Some(model)) = (azure, m.gpus.first().and_then(|g| g.model.as_deref())) {
+        if let Some(p) = profile::for_gpus(model, m.gpus.len()) {
+            return Ok((
+                p.to_owned(),
+                format!("gpus ({}x {model}, Azure VM)", m.gpus.len()),
+            ));
+        }
+    }
+    Ok(("generic".into(), "generic".into()))
+}
+
+#[derive(Serialize)]
+struct EnvJson<'a> {
+    status: &'static str,
+    sku_source: &'a str,
+    #[serde(flatten)]
+    env: &'a keel_tune::env::NodeEnv,
+}
+
+fn env_cmd(cli: &Cli, a: &EnvArgs, out: &mut Out) -> anyhow::Result<Code> {
+    use keel_tune::env;
+    let root = keel_topo::Root::new(&cli.root);
+    let m = keel_topo::read_machine(&root)?;
+    let (sku, sku_source) = choose_sku(a.sku.as_deref(), &m)?;
+    let profile =
+        keel_check::profile::load(&sku, a.profile_file.as_deref()).map_err(anyhow::Error::from)?;
+    let launcher: keel_topo::Launcher = a.launcher.parse().map_err(crate::exit::UsageError)?;
+    let exists = |p: &str| root.exists(p.trim_start_matches('/'));
+    let format = if out.json { "json" } else { a.format.as_str() };
+    let node =
+        match env::node_env(&m, &profile, launcher, &exists) {
+            Ok(n) => n,
+            Err(e) => {
+                match format {
+                "json" => out.json(
+                    "tune env",
+                    &serde_json::json!({"status": "unknown", "sku": sku, "reason": e.to_string()}),
+                )?,
+                // A TaskProlog that fails cancels the task: on a node with
+                // no GPU it exports nothing and succeeds.
+                "slurm" => return Ok(Code::Ok),
+                _ => out.text(&format!("# keel tune env: {e}
+"))?,
+            }
+                return Ok(Code::Unknown);
+            }
+        };
+    match format {
+        "json" => out.json(
+            "tune env",
+            &EnvJson {
+                status: "ok",
+                sku_source: &sku_source,
+                env: &node,
+            },
+        )?,
+        "slurm" => {
+            let set = |name: &str| std::env::var_os(name).is_some();
+            out.text(&env::render_slurm(&node, a.local_rank, &set))?
+        }
+        _ => out.text(&env::render_sh(&node))?,
+    }
+    Ok(Code::Ok)
 }
 
 type Step = fn(&mut dyn ClockControl, &Options) -> Result<Report, clocks::ClocksError>;

@@ -200,6 +200,8 @@ pub fn keel(args: &[String], env: &[(&str, &str)]) -> (i32, String, String) {
         "KEEL_STATE_DIR",
         "KEEL_IMDS_ENDPOINT",
         "KEEL_TUNE_STATE",
+        "SLURM_LOCALID",
+        "UCX_TLS",
         "NO_COLOR",
     ] {
         c.env_remove(var);
