@@ -111,9 +111,17 @@ pub struct ScratchExpect {
     pub read_gbps: Option<f64>,
     /// Where the figures come from.
     pub source: Option<String>,
-    /// Below this fraction of a figure fails; between it and 1, warns.
+    /// At or above this fraction of a figure passes.
+    #[serde(default = "d_scratch_warn")]
+    pub warn_factor: f64,
+    /// Below this fraction of a figure fails; between it and
+    /// `warn_factor`, warns.
     #[serde(default = "d_scratch_fail")]
     pub fail_factor: f64,
+}
+
+fn d_scratch_warn() -> f64 {
+    0.9
 }
 
 fn d_scratch_mount() -> String {

@@ -14,3 +14,4 @@
 pub mod clocks;
 pub mod env;
 pub mod fake;
+pub mod scratch;

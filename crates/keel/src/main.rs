@@ -10,6 +10,7 @@ mod exit;
 mod gpu;
 mod model;
 mod output;
+mod scratch;
 mod serve;
 mod slurm;
 mod table;
@@ -90,6 +91,12 @@ enum Command {
         #[command(subcommand)]
         command: tune::TuneCommand,
     },
+    /// Local NVMe scratch: plan a RAID0 with XFS from the unused drives,
+    /// make it (root, dry run unless --apply), measure it.
+    Scratch {
+        #[command(subcommand)]
+        command: scratch::ScratchCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -115,6 +122,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
         Command::Tune { command } => tune::run(&cli, command, &mut out),
+        Command::Scratch { command } => scratch::run(&cli, command, &mut out),
     };
     let code = match result {
         Ok(code) => code,

@@ -78,7 +78,7 @@ pub fn run(_cli: &Cli, cmd: &TuneCommand, out: &mut Out) -> anyhow::Result<Code>
 
 /// The SKU: the flag, else the profile for the GPUs' model and count on an
 /// Azure VM (a VMBus network device), else `generic`.
-fn choose_sku(flag: Option<&str>, m: &keel_topo::Machine) -> anyhow::Result<(String, String)> {
+pub fn choose_sku(flag: Option<&str>, m: &keel_topo::Machine) -> anyhow::Result<(String, String)> {
     use keel_check::profile;
     if let Some(s) = flag {
         if !profile::builtin_names().contains(&s) {
