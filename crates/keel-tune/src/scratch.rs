@@ -579,7 +579,7 @@ pub fn measure(
     let result = (|| {
         progress(&format!(
             "writing {streams} x {} MiB with O_DIRECT in {} KiB requests",
-            blocks * block as u64 >> 20,
+            (blocks * block as u64) >> 20,
             block >> 10
         ));
         let write = phase(&work, streams, blocks, block, true)?;

@@ -271,7 +271,7 @@ fn verify(cli: &Cli, a: &VerifyArgs, out: &mut Out) -> anyhow::Result<Code> {
             "{}: {} streams x {} MiB, {} KiB direct I/O\n  write {:.2} GB/s: {}\n  read  {:.2} GB/s: {}\n",
             a.path.display(),
             t.streams,
-            t.bytes / t.streams as u64 >> 20,
+            (t.bytes / t.streams as u64) >> 20,
             t.block_bytes >> 10,
             t.write_gbps,
             fig(sc.write_gbps, w),
