@@ -8,6 +8,10 @@
 //! and runs on machines without a GPU. [`record`] takes a snapshot from any
 //! probe for writing to a file (`keel check record`).
 //!
+//! [`clocks`] is the one place that changes a GPU: the `ClockControl`
+//! boundary (application clocks and clock locks, never power, persistence
+//! or compute mode) and its NVML implementation, used by `keel-tune`.
+//!
 //! Every reading is an `Option`: `None` means it could not be read (not
 //! supported by the device, or the call failed), never zero. This crate runs
 //! no GPU work and decides nothing about health.

@@ -341,6 +341,17 @@ fn before_text(a: &Action, state: Option<&ClockState>) -> String {
     }
 }
 
+/// The state file's lock (its directory created first).
+fn lock(path: &Path) -> Result<keel_fs::Lock, ClocksError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| keel_fs::FsError::Write {
+            path: dir.to_owned(),
+            source,
+        })?;
+    }
+    Ok(keel_fs::Lock::exclusive(path)?)
+}
+
 /// Options for [`prolog`] and [`epilog`].
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -403,6 +414,13 @@ fn run_changes(ctl: &mut dyn ClockControl, out: &mut GpuOutcome) {
 /// The prolog: raises every (selected) GPU's clocks to the maximum, after
 /// recording each one's prior state. Dry run unless `opts.apply`.
 pub fn prolog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, ClocksError> {
+    // Prologs and epilogs of jobs sharing a node may run at once: each
+    // read-modify-write of the state file holds its lock.
+    let _lock = if opts.apply {
+        Some(lock(&opts.state_file)?)
+    } else {
+        None
+    };
     let existing = StateFile::load(&opts.state_file)?;
     let mut state = existing.clone().unwrap_or(StateFile {
         version: STATE_VERSION,
@@ -495,6 +513,11 @@ pub fn prolog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, Cloc
 /// removes the state file once all are restored. Without a state file it
 /// changes nothing. Dry run unless `opts.apply`.
 pub fn epilog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, ClocksError> {
+    let _lock = if opts.apply && opts.state_file.exists() {
+        Some(lock(&opts.state_file)?)
+    } else {
+        None
+    };
     let Some(state) = StateFile::load(&opts.state_file)? else {
         return Ok(Report {
             applied: opts.apply,
