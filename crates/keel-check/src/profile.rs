@@ -463,6 +463,43 @@ mod tests {
     }
 
     #[test]
+    fn tune_and_scratch_keys_are_documented() {
+        let doc = include_str!("../../../docs/config.md");
+        let scratch = serde_json::to_value(ScratchExpect::default()).expect("serialises");
+        for k in scratch.as_object().expect("object").keys() {
+            assert!(doc.contains(&format!("`scratch.{k}`")), "scratch.{k}");
+        }
+        let tune = serde_json::to_value(TuneProfile::default()).expect("serialises");
+        for k in tune
+            .as_object()
+            .expect("object")
+            .keys()
+            .filter(|k| *k != "env")
+        {
+            assert!(doc.contains(&format!("`tune.{k}`")), "tune.{k}");
+        }
+        let env = EnvSetting {
+            name: String::new(),
+            value: String::new(),
+            reason: String::new(),
+            source: String::new(),
+            launchers: vec![],
+        };
+        let row = doc
+            .lines()
+            .find(|l| l.starts_with("| `[[tune.env]]`"))
+            .expect("[[tune.env]] row");
+        for k in serde_json::to_value(env)
+            .expect("serialises")
+            .as_object()
+            .expect("object")
+            .keys()
+        {
+            assert!(row.contains(&format!("`{k}`")), "tune.env.{k}");
+        }
+    }
+
+    #[test]
     fn sku_from_vm_size_and_gpus() {
         assert_eq!(for_vm_size("Standard_ND96asr_v4"), Some("nd96asr_v4"));
         assert_eq!(
