@@ -77,6 +77,42 @@ impl FakeGpu {
         }
     }
 
+    /// The GPU a recorded NVML reading describes: its maxima, default and
+    /// current application clocks; graphics clocks supported in 15 MHz
+    /// steps from the maximum down to 210 MHz (as NVML lists them for
+    /// A100 and H100), at the maximum memory clock. `None` without clocks.
+    pub fn from_reading(g: &keel_gpu::GpuReading) -> Option<Self> {
+        let c = g.clocks?;
+        let (max_gr, max_mem) = (c.max_graphics_mhz?, c.max_memory_mhz?);
+        let pair = |gr: Option<u32>, mem: Option<u32>| {
+            Some(ClockPair {
+                graphics_mhz: gr?,
+                memory_mhz: mem?,
+            })
+        };
+        let applications = pair(c.app_graphics_mhz, c.app_memory_mhz);
+        let grs: Vec<u32> = (0..)
+            .map(|i| max_gr.saturating_sub(15 * i))
+            .take_while(|g| *g >= 210)
+            .collect();
+        Some(Self {
+            pci_bus_id: g.pci_bus_id.clone(),
+            name: g.name.clone().unwrap_or_default(),
+            caps: ClockCaps {
+                max_graphics_mhz: Some(max_gr),
+                max_memory_mhz: Some(max_mem),
+                default_applications: pair(c.default_app_graphics_mhz, c.default_app_memory_mhz),
+                supported: vec![(max_mem, grs)],
+                applications: applications.is_some(),
+                lock_gpu: true,
+                lock_memory: false,
+            },
+            applications,
+            locked_gpu: None,
+            locked_memory: None,
+        })
+    }
+
     fn graphics_range(&self) -> Option<(u32, u32)> {
         let all = self
             .caps

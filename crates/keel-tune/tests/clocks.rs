@@ -255,3 +255,50 @@ fn a_damaged_state_file_is_an_error_and_nothing_changes() {
     assert!(err.to_string().contains("clocks.json"), "{err}");
     assert!(ctl.calls.is_empty());
 }
+
+/// The fixtures' recorded NVML snapshots (tests/fixtures/*/gpu.json) as
+/// in-memory GPUs.
+fn recorded(machine: &str) -> FakeControl {
+    use keel_gpu::GpuProbe;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(machine)
+        .join("gpu.json");
+    let snap = keel_gpu::recorded::RecordedProbe::new(&path)
+        .snapshot()
+        .expect("snapshot");
+    FakeControl::new(
+        snap.gpus
+            .iter()
+            .map(|g| FakeGpu::from_reading(g).expect("clocks recorded"))
+            .collect(),
+    )
+}
+
+#[test]
+fn recorded_machines_plan_by_their_clocks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("clocks.json");
+    // A100-SXM4-40GB: default application clocks 1095/1215, max 1410.
+    let mut ndv4 = recorded("nd96asr_v4");
+    assert_eq!(ndv4.gpus.len(), 8);
+    let original = ndv4.gpus.clone();
+    let r = prolog(&mut ndv4, &opts(&state, true)).expect("prolog");
+    for g in &r.gpus {
+        assert_eq!(g.status, GpuStatus::Changed);
+        assert_eq!(g.changes[0].before, "1095/1215 MHz");
+        assert_eq!(g.changes[0].after, "1410/1215 MHz");
+    }
+    epilog(&mut ndv4, &opts(&state, true)).expect("epilog");
+    assert_eq!(ndv4.gpus, original);
+
+    // H100: the default application clocks are the maxima already.
+    let mut ndv5 = recorded("nd96isr_h100_v5");
+    let r = prolog(&mut ndv5, &opts(&state, true)).expect("prolog");
+    assert!(
+        r.gpus.iter().all(|g| g.status == GpuStatus::Unchanged),
+        "{r:?}"
+    );
+    assert!(ndv5.calls.is_empty());
+    assert!(!state.exists());
+}
