@@ -175,9 +175,13 @@ pub struct Change {
     pub what: &'static str,
     pub before: String,
     pub after: String,
-    /// `None`: planned only (dry run); `Some(Ok)`: done.
+    /// `None`: planned only (dry run, or not reached after a failure);
+    /// `Some(true)`: made.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub result: Option<Result<(), String>>,
+    pub done: Option<bool>,
+    /// Why the change failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The outcome for one GPU.
@@ -400,11 +404,12 @@ fn error_status(e: &ControlError) -> GpuStatus {
 fn run_changes(ctl: &mut dyn ClockControl, out: &mut GpuOutcome) {
     for c in &mut out.changes {
         match c.action.run(ctl, c.gpu) {
-            Ok(()) => c.result = Some(Ok(())),
+            Ok(()) => c.done = Some(true),
             Err(e) => {
                 out.status = error_status(&e);
                 out.detail = e.to_string();
-                c.result = Some(Err(e.to_string()));
+                c.done = Some(false);
+                c.error = Some(e.to_string());
                 return;
             }
         }
@@ -475,7 +480,8 @@ pub fn prolog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, Cloc
                 what: a.what(),
                 before: before_text(a, Some(&now)),
                 after: a.after(caps.default_applications),
-                result: None,
+                done: None,
+                error: None,
             })
             .collect();
         outcomes.push(o);
@@ -564,7 +570,8 @@ pub fn epilog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, Cloc
                     what: a.what(),
                     before: before_text(a, now.as_ref()),
                     after: a.after(rec.default_applications),
-                    result: None,
+                    done: None,
+                    error: None,
                 })
                 .collect();
             if opts.apply {

@@ -630,10 +630,9 @@ fn phase(
             let mut store = Vec::new();
             let buf = aligned(&mut store, block);
             if write {
-                for (k, b) in buf.iter_mut().enumerate() {
-                    *b = (k as u8) ^ (i as u8) ^ 0x5a;
-                }
-                for _ in 0..blocks {
+                fill_random(buf, i as u64);
+                for n in 0..blocks {
+                    stamp(buf, i as u64, n);
                     f.write_all(buf).map_err(io_err(&path))?;
                 }
                 f.sync_all().map_err(io_err(&path))?;
@@ -663,6 +662,32 @@ fn phase(
         return Err(e);
     }
     Ok(t0.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Fills `buf` with pseudo-random bytes (xorshift64*): storage that
+/// compresses must not see an easy pattern.
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// Writes the stream and block number at the start of every 4 KiB of
+/// `buf`, so that no two blocks written are alike (as fio's
+/// `scramble_buffers`): storage that deduplicates must not skip them.
+fn stamp(buf: &mut [u8], stream: u64, block: u64) {
+    for (k, chunk) in buf.chunks_mut(4096).enumerate() {
+        if chunk.len() >= 24 {
+            chunk[..8].copy_from_slice(&stream.to_le_bytes());
+            chunk[8..16].copy_from_slice(&block.to_le_bytes());
+            chunk[16..24].copy_from_slice(&(k as u64).to_le_bytes());
+        }
+    }
 }
 
 /// A measured figure against the profile's.

@@ -38,7 +38,7 @@ fn dry_run_changes_nothing_and_records_nothing() {
     assert_eq!(c.what, "application clocks");
     assert_eq!(c.before, "1095/1215 MHz");
     assert_eq!(c.after, "1410/1215 MHz");
-    assert!(c.result.is_none());
+    assert_eq!((c.done, c.error.as_ref()), (None, None));
 }
 
 #[test]
@@ -159,6 +159,13 @@ fn a_crash_between_changes_leaves_a_state_the_epilog_restores() {
     ctl.die_after = Some(3);
     let r = prolog(&mut ctl, &opts(&state, true)).expect("prolog");
     assert!(r.any(GpuStatus::Failed));
+    assert_eq!(r.gpus[2].changes[0].done, Some(true));
+    assert_eq!(r.gpus[3].changes[0].done, Some(false));
+    assert!(r.gpus[3].changes[0]
+        .error
+        .as_deref()
+        .unwrap_or_default()
+        .contains("died"));
     assert_ne!(ctl.gpus, original);
     let rec = StateFile::load(&state).expect("load").expect("recorded");
     assert_eq!(

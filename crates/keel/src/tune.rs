@@ -224,10 +224,10 @@ fn finish(out: &mut Out, command: &str, report: &Report) -> anyhow::Result<Code>
         let mut err = std::io::stderr().lock();
         for g in &report.gpus {
             for c in &g.changes {
-                let result = match &c.result {
-                    Some(Ok(())) => "done".to_owned(),
-                    Some(Err(e)) => format!("failed: {e}"),
-                    None => "not attempted".to_owned(),
+                let result = match (c.done, &c.error) {
+                    (Some(true), _) => "done".to_owned(),
+                    (_, Some(e)) => format!("failed: {e}"),
+                    _ => "not attempted".to_owned(),
                 };
                 let _ = std::io::Write::write_fmt(
                     &mut err,
