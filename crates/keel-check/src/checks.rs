@@ -27,6 +27,7 @@ pub const PASSIVE: &[(&str, CheckFn)] = &[
     ("gpu.pcie_replay", gpu_pcie_replay),
     ("gpu.nvlink", gpu_nvlink),
     ("gpu.processes", gpu_processes),
+    ("gpu.clocks", gpu_clocks),
     ("ib.ports", ib_ports),
     ("ib.flaps", ib_flaps),
     ("ib.peermem", ib_peermem),
@@ -82,6 +83,10 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (
         "gpu.processes",
         "no leftover GPU processes (only with --expect-idle: prolog, epilog)",
+    ),
+    (
+        "gpu.clocks",
+        "with no job on the GPU: application clocks at their defaults and the clocks not locked high",
     ),
     (
         "ib.ports",
@@ -771,6 +776,85 @@ fn gpu_processes(p: &Profile, inputs: &Inputs, opts: RunOptions) -> Vec<CheckRes
             .code("GPU_PROCESSES_LEFT")
             .value(ps.len() as f64, "processes")
         }
+    })
+}
+
+fn gpu_clocks(p: &Profile, inputs: &Inputs, opts: RunOptions) -> Vec<CheckResult> {
+    const ID: &str = "gpu.clocks";
+    per_gpu(ID, p, inputs, |g| {
+        let idle = match &g.processes {
+            Some(ps) => ps.is_empty(),
+            None => opts.expect_idle,
+        };
+        if !idle {
+            return CheckResult::new(
+                ID,
+                Status::Skip,
+                "a job may be using the GPU: its clocks are the job's",
+            );
+        }
+        let Some(c) = g.clocks else {
+            return CheckResult::new(ID, Status::Unknown, "clocks could not be read")
+                .code("NVML_FIELD_UNREADABLE");
+        };
+        let mhz = |v: Option<u32>| v.map_or("unknown".to_owned(), |x| format!("{x}"));
+        let ev = format!(
+            "current {}/{} MHz, application {}/{} MHz, default {}/{} MHz, max {}/{} MHz (graphics/memory)",
+            mhz(c.graphics_mhz),
+            mhz(c.memory_mhz),
+            mhz(c.app_graphics_mhz),
+            mhz(c.app_memory_mhz),
+            mhz(c.default_app_graphics_mhz),
+            mhz(c.default_app_memory_mhz),
+            mhz(c.max_graphics_mhz),
+            mhz(c.max_memory_mhz)
+        );
+        let app = c.app_graphics_mhz.zip(c.app_memory_mhz);
+        let default = c.default_app_graphics_mhz.zip(c.default_app_memory_mhz);
+        let (Some((ag, am)), Some((dg, dm))) = (app, default) else {
+            return CheckResult::new(ID, Status::Unknown, "application clocks could not be read")
+                .code("NVML_FIELD_UNREADABLE")
+                .evidence(ev);
+        };
+        if ag < dg || am < dm {
+            return CheckResult::new(
+                ID,
+                Status::Warn,
+                format!("application clocks lowered to {ag}/{am} MHz (default {dg}/{dm} MHz)"),
+            )
+            .code("CLOCKS_LOWERED")
+            .evidence(ev);
+        }
+        if (ag, am) != (dg, dm) {
+            return CheckResult::new(
+                ID,
+                Status::Warn,
+                format!(
+                    "application clocks left at {ag}/{am} MHz (default {dg}/{dm} MHz) with no job: \
+                     a prolog's setting not undone (keel tune reset, nvidia-smi -rac)"
+                ),
+            )
+            .code("CLOCKS_LEFT_SET")
+            .evidence(ev);
+        }
+        // An idle GPU drops its graphics clock far below the application
+        // clock; one held at or above it with no process is locked.
+        let no_process = g.processes.as_ref().is_some_and(|p| p.is_empty());
+        if let (true, Some(cur)) = (no_process, c.graphics_mhz) {
+            if cur >= dg {
+                return CheckResult::new(
+                    ID,
+                    Status::Warn,
+                    format!(
+                        "graphics clock {cur} MHz with no process on the GPU: clocks left locked \
+                         (keel tune reset, nvidia-smi -rgc)"
+                    ),
+                )
+                .code("CLOCKS_LEFT_LOCKED")
+                .evidence(ev);
+            }
+        }
+        CheckResult::new(ID, Status::Pass, "clocks at their defaults").evidence(ev)
     })
 }
 

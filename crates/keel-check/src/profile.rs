@@ -62,6 +62,73 @@ pub struct Profile {
     /// Floors for `keel bench` results (`keel check --bench FILE`).
     #[serde(default)]
     pub active: ActiveExpect,
+    /// The job environment `keel tune env` prints for this SKU.
+    #[serde(default)]
+    pub tune: TuneProfile,
+    /// Local NVMe scratch (`keel scratch`).
+    #[serde(default)]
+    pub scratch: ScratchExpect,
+}
+
+/// What `keel tune env` sets on this SKU, each value with its reason and
+/// where it comes from.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuneProfile {
+    #[serde(default)]
+    pub env: Vec<EnvSetting>,
+    /// Where the machine image ships NCCL's topology file for this SKU,
+    /// first existing path wins; none found: NCCL_TOPO_FILE is not set.
+    #[serde(default)]
+    pub nccl_topo_files: Vec<String>,
+    /// Where the topology file paths come from.
+    pub nccl_topo_source: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvSetting {
+    pub name: String,
+    pub value: String,
+    /// One line: why.
+    pub reason: String,
+    /// Where the value comes from.
+    pub source: String,
+    /// Launchers it applies to (`srun`, `mpirun`, `torchrun`); empty: all.
+    #[serde(default)]
+    pub launchers: Vec<String>,
+}
+
+/// Local NVMe scratch: where it is mounted and how fast a RAID0 of the
+/// drives should be.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScratchExpect {
+    #[serde(default = "d_scratch_mount")]
+    pub mount: String,
+    /// Expected sequential write and read, GB/s; unset: reported, not judged.
+    pub write_gbps: Option<f64>,
+    pub read_gbps: Option<f64>,
+    /// Where the figures come from.
+    pub source: Option<String>,
+    /// At or above this fraction of a figure passes.
+    #[serde(default = "d_scratch_warn")]
+    pub warn_factor: f64,
+    /// Below this fraction of a figure fails; between it and
+    /// `warn_factor`, warns.
+    #[serde(default = "d_scratch_fail")]
+    pub fail_factor: f64,
+}
+
+fn d_scratch_warn() -> f64 {
+    0.9
+}
+
+fn d_scratch_mount() -> String {
+    "/mnt/resource_nvme".into()
+}
+fn d_scratch_fail() -> f64 {
+    0.5
 }
 
 /// Floors for the active tier; a result below one fails, below
@@ -252,6 +319,7 @@ default_from_toml!(XidPolicy);
 default_from_toml!(IbExpect);
 default_from_toml!(HostExpect);
 default_from_toml!(ActiveExpect);
+default_from_toml!(ScratchExpect);
 
 /// Names of the built-in profiles.
 pub fn builtin_names() -> Vec<&'static str> {
@@ -352,6 +420,23 @@ mod tests {
             assert_eq!(p.gpu.ecc_sram_corrected_fail, 10_000);
             assert_eq!(p.xid.fail, DEFAULT_FATAL_XIDS);
         }
+        for name in builtin_names().into_iter().filter(|n| n.starts_with("nd")) {
+            let p = load(name, None).expect(name);
+            assert!(p.tune.env.len() >= 6, "{name}");
+            for e in &p.tune.env {
+                assert!(
+                    !e.reason.is_empty() && !e.source.is_empty(),
+                    "{name}: {e:?}"
+                );
+            }
+            assert!(p.tune.nccl_topo_source.is_some(), "{name}");
+            assert_eq!(p.scratch.mount, "/mnt/resource_nvme");
+        }
+        assert_eq!(
+            load("nd96asr_v4", None).expect("ndv4").scratch.read_gbps,
+            Some(8.0)
+        );
+        assert!(load("generic", None).expect("generic").tune.env.is_empty());
         let h100 = load("nd96isr_h100_v5", None).expect("h100 profile");
         assert_eq!(h100.gpu.nvlink_links, Some(18));
         assert_eq!(h100.infiniband.rate_gbps, Some(400.0));
@@ -375,6 +460,43 @@ mod tests {
             load("nd96", None),
             Err(ProfileError::Unknown { .. })
         ));
+    }
+
+    #[test]
+    fn tune_and_scratch_keys_are_documented() {
+        let doc = include_str!("../../../docs/config.md");
+        let scratch = serde_json::to_value(ScratchExpect::default()).expect("serialises");
+        for k in scratch.as_object().expect("object").keys() {
+            assert!(doc.contains(&format!("`scratch.{k}`")), "scratch.{k}");
+        }
+        let tune = serde_json::to_value(TuneProfile::default()).expect("serialises");
+        for k in tune
+            .as_object()
+            .expect("object")
+            .keys()
+            .filter(|k| *k != "env")
+        {
+            assert!(doc.contains(&format!("`tune.{k}`")), "tune.{k}");
+        }
+        let env = EnvSetting {
+            name: String::new(),
+            value: String::new(),
+            reason: String::new(),
+            source: String::new(),
+            launchers: vec![],
+        };
+        let row = doc
+            .lines()
+            .find(|l| l.starts_with("| `[[tune.env]]`"))
+            .expect("[[tune.env]] row");
+        for k in serde_json::to_value(env)
+            .expect("serialises")
+            .as_object()
+            .expect("object")
+            .keys()
+        {
+            assert!(row.contains(&format!("`{k}`")), "tune.env.{k}");
+        }
     }
 
     #[test]

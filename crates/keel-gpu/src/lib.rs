@@ -8,10 +8,15 @@
 //! and runs on machines without a GPU. [`record`] takes a snapshot from any
 //! probe for writing to a file (`keel check record`).
 //!
+//! [`clocks`] is the one place that changes a GPU: the `ClockControl`
+//! boundary (application clocks and clock locks, never power, persistence
+//! or compute mode) and its NVML implementation, used by `keel-tune`.
+//!
 //! Every reading is an `Option`: `None` means it could not be read (not
 //! supported by the device, or the call failed), never zero. This crate runs
 //! no GPU work and decides nothing about health.
 
+pub mod clocks;
 pub mod nvml;
 pub mod recorded;
 
@@ -118,6 +123,24 @@ pub struct GpuReading {
     pub memory_total_bytes: Option<u64>,
     /// Compute processes on the GPU.
     pub processes: Option<Vec<GpuProcess>>,
+    /// Clocks; absent from snapshots recorded before they were read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clocks: Option<ClockReading>,
+}
+
+/// A GPU's clocks in MHz: current, application (what CUDA contexts ask
+/// for), their defaults and the maxima.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClockReading {
+    pub graphics_mhz: Option<u32>,
+    pub memory_mhz: Option<u32>,
+    pub app_graphics_mhz: Option<u32>,
+    pub app_memory_mhz: Option<u32>,
+    pub default_app_graphics_mhz: Option<u32>,
+    pub default_app_memory_mhz: Option<u32>,
+    pub max_graphics_mhz: Option<u32>,
+    pub max_memory_mhz: Option<u32>,
 }
 
 /// ECC error counters. Volatile counters reset at driver load; aggregate

@@ -30,7 +30,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
-    EccCounter, MemoryError, MemoryLocation, TemperatureSensor,
+    Clock, EccCounter, MemoryError, MemoryLocation, TemperatureSensor,
 };
 use nvml_wrapper::enums::device::{SampleValue, UsedGpuMemory};
 use nvml_wrapper::error::{Bits, NvmlError};
@@ -42,8 +42,8 @@ use nvml_wrapper::sys_exports::field_id::{
 use nvml_wrapper::{Device, Nvml};
 
 use crate::{
-    EccCounters, GpuError, GpuProbe, GpuProcess, GpuReading, GpuSnapshot, PcieReading,
-    RemappedRows, SNAPSHOT_VERSION,
+    ClockReading, EccCounters, GpuError, GpuProbe, GpuProcess, GpuReading, GpuSnapshot,
+    PcieReading, RemappedRows, SNAPSHOT_VERSION,
 };
 
 /// The library the driver installs (the unversioned `libnvidia-ml.so` only
@@ -236,6 +236,21 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
                 })
                 .collect()
         }),
+        clocks: Some(clock_reading(device)),
+    }
+}
+
+/// Current, application, default application and maximum clocks.
+fn clock_reading(device: &Device<'_>) -> ClockReading {
+    ClockReading {
+        graphics_mhz: device.clock_info(Clock::Graphics).ok(),
+        memory_mhz: device.clock_info(Clock::Memory).ok(),
+        app_graphics_mhz: device.applications_clock(Clock::Graphics).ok(),
+        app_memory_mhz: device.applications_clock(Clock::Memory).ok(),
+        default_app_graphics_mhz: device.default_applications_clock(Clock::Graphics).ok(),
+        default_app_memory_mhz: device.default_applications_clock(Clock::Memory).ok(),
+        max_graphics_mhz: device.max_clock_info(Clock::Graphics).ok(),
+        max_memory_mhz: device.max_clock_info(Clock::Memory).ok(),
     }
 }
 

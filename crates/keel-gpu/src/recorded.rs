@@ -153,6 +153,16 @@ mod tests {
                     used_memory_bytes: None,
                 },
             ]),
+            clocks: Some(crate::ClockReading {
+                graphics_mhz: Some(345),
+                memory_mhz: Some(2619),
+                app_graphics_mhz: Some(1980),
+                app_memory_mhz: Some(2619),
+                default_app_graphics_mhz: Some(1980),
+                default_app_memory_mhz: Some(2619),
+                max_graphics_mhz: Some(1980),
+                max_memory_mhz: Some(2619),
+            }),
         }
     }
 
@@ -420,6 +430,7 @@ mod tests {
                 power_w,
                 memory_total_bytes,
                 processes,
+                clocks: None,
             },
         )
     }

@@ -29,6 +29,9 @@ struct Healthy<'a> {
     pcie_gen: u32,
     nvlinks: usize,
     memory_bytes: u64,
+    /// Default application (graphics, memory) and maximum (graphics,
+    /// memory) clocks.
+    clocks: ((u32, u32), (u32, u32)),
 }
 
 fn check(machine: &str, expected: Healthy<'_>) {
@@ -90,6 +93,24 @@ fn check(machine: &str, expected: Healthy<'_>) {
             "{at}"
         );
         assert_eq!(pcie.replay_counter, Some(0), "{at}");
+        let c = gpu.clocks.unwrap_or_else(|| panic!("{at}: no clocks"));
+        let ((dg, dm), (mg, mm)) = expected.clocks;
+        assert_eq!(
+            (c.default_app_graphics_mhz, c.default_app_memory_mhz),
+            (Some(dg), Some(dm)),
+            "{at}"
+        );
+        assert_eq!(
+            (c.app_graphics_mhz, c.app_memory_mhz),
+            (Some(dg), Some(dm)),
+            "{at}: application clocks at their defaults"
+        );
+        assert_eq!(
+            (c.max_graphics_mhz, c.max_memory_mhz),
+            (Some(mg), Some(mm)),
+            "{at}"
+        );
+        assert!(c.graphics_mhz.is_some_and(|g| g < dg), "{at}: idle");
         assert_eq!(
             gpu.nvlink_active,
             Some(vec![true; expected.nvlinks]),
@@ -154,6 +175,7 @@ fn nd96asr_v4_is_a_healthy_a100_node() {
             pcie_gen: 4,
             nvlinks: 12,
             memory_bytes: 40960 << 20,
+            clocks: ((1095, 1215), (1410, 1215)),
         },
     );
 }
@@ -177,6 +199,7 @@ fn nd96isr_h100_v5_is_a_healthy_h100_node() {
             pcie_gen: 5,
             nvlinks: 18,
             memory_bytes: 81559 << 20,
+            clocks: ((1980, 2619), (1980, 2619)),
         },
     );
 }

@@ -117,6 +117,21 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 A::ReadDir { .. } | A::Write { .. } => Code::Io,
             };
         }
+        if let Some(s) = e.downcast_ref::<keel_tune::scratch::ScratchError>() {
+            if let keel_tune::scratch::ScratchError::Topo(t) = s {
+                return topo_code(t);
+            }
+            return crate::scratch::code(s);
+        }
+        if let Some(t) = e.downcast_ref::<keel_tune::clocks::ClocksError>() {
+            use keel_tune::clocks::ClocksError as T;
+            return match t {
+                T::List(c) if c.is_unknown() => Code::Unknown,
+                T::List(_) => Code::Failed,
+                T::Fs(_) => Code::Io,
+                T::State { .. } => Code::Data,
+            };
+        }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {
             return match g {
                 keel_gpu::GpuError::Unavailable { .. }

@@ -10,10 +10,12 @@ mod exit;
 mod gpu;
 mod model;
 mod output;
+mod scratch;
 mod serve;
 mod slurm;
 mod table;
 mod topo;
+mod tune;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -83,6 +85,18 @@ enum Command {
     /// splitting, fallback, metrics and audit in front of OpenAI-compatible
     /// and OIP v2 model servers.
     Serve(Box<serve::ServeArgs>),
+    /// Node tuning for jobs: GPU clocks as a Slurm prolog/epilog pair
+    /// (dry run unless --apply) and the NCCL/UCX/MPI environment.
+    Tune {
+        #[command(subcommand)]
+        command: tune::TuneCommand,
+    },
+    /// Local NVMe scratch: plan a RAID0 with XFS from the unused drives,
+    /// make it (root, dry run unless --apply), measure it.
+    Scratch {
+        #[command(subcommand)]
+        command: scratch::ScratchCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -107,6 +121,8 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
+        Command::Tune { command } => tune::run(&cli, command, &mut out),
+        Command::Scratch { command } => scratch::run(&cli, command, &mut out),
     };
     let code = match result {
         Ok(code) => code,

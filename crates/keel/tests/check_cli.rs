@@ -68,6 +68,7 @@ fn healthy_fixtures_pass_every_check() {
             "gpu.pcie_link",
             "gpu.pcie_replay",
             "gpu.nvlink",
+            "gpu.clocks",
             "ib.ports",
             "ib.flaps",
             "ib.peermem",
@@ -161,6 +162,18 @@ fn every_check_fails_on_its_fault() {
         }),
         ("gpu.nvlink", "unknown", "NVML_FIELD_UNREADABLE", |n| {
             n.gpu(|v| v["gpus"][7]["nvlink_active"] = json!(null))
+        }),
+        ("gpu.clocks", "warn", "CLOCKS_LEFT_SET", |n| {
+            n.gpu(|v| v["gpus"][3]["clocks"]["app_graphics_mhz"] = json!(1410))
+        }),
+        ("gpu.clocks", "warn", "CLOCKS_LOWERED", |n| {
+            n.gpu(|v| v["gpus"][3]["clocks"]["app_graphics_mhz"] = json!(900))
+        }),
+        ("gpu.clocks", "warn", "CLOCKS_LEFT_LOCKED", |n| {
+            n.gpu(|v| v["gpus"][6]["clocks"]["graphics_mhz"] = json!(1410))
+        }),
+        ("gpu.clocks", "unknown", "NVML_FIELD_UNREADABLE", |n| {
+            n.gpu(|v| v["gpus"][6]["clocks"] = json!(null))
         }),
         ("ib.ports", "fail", "IB_PORT_DOWN", |n| {
             n.write("sys/class/infiniband/mlx5_ib3/ports/1/state", "1: DOWN\n")
@@ -599,7 +612,7 @@ fn profiles_list_and_record_without_nvml() {
     assert!(out.contains("nvlink_links = 18"), "{out}");
     let (code, out, _) = keel(&["check".into(), "list".into()], &[]);
     assert_eq!(code, 0);
-    assert_eq!(out.lines().count(), 23, "{out}");
+    assert_eq!(out.lines().count(), 24, "{out}");
     let tmp = tempfile::tempdir().expect("tempdir");
     let f = tmp.path().join("snap.json").display().to_string();
     let (code, _, err) = keel(

@@ -199,6 +199,9 @@ pub fn keel(args: &[String], env: &[(&str, &str)]) -> (i32, String, String) {
         "KEEL_GPU_SNAPSHOT",
         "KEEL_STATE_DIR",
         "KEEL_IMDS_ENDPOINT",
+        "KEEL_TUNE_STATE",
+        "SLURM_LOCALID",
+        "UCX_TLS",
         "NO_COLOR",
     ] {
         c.env_remove(var);
