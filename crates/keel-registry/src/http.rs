@@ -18,7 +18,10 @@
 //!   MLflow's JSON shapes and error codes, so the MLflow client registers,
 //!   finds, aliases and loads (`models:/...`) models unchanged. Deleting a
 //!   version and stage transitions are refused (versions are kept; keel
-//!   has aliases); a version's `source` is its artifact-store URL.
+//!   has aliases); a version's `source` is its artifact-store URL. A
+//!   version created with MLflow 3's `model_id` and no `run_id` gets the
+//!   run that the configured tracking server records for that logged
+//!   model ([`crate::tracking`]), or none, with a warning.
 //!
 //! Reads run on read-only connections of their own (a snapshot each), so
 //! a long search holds up no other request; writes share one connection.
@@ -56,6 +59,9 @@ pub struct ServeOptions {
     /// The Azure storage account `az://` artifact URLs live in: MLflow's
     /// client reads them as `wasbs://CONTAINER@ACCOUNT.blob.core.windows.net/PATH`.
     pub azure_account: Option<String>,
+    /// The MLflow tracking server asked for the run of a version created
+    /// with a logged model (`model_id`) and no `run_id`.
+    pub tracking: Option<crate::tracking::TrackingServer>,
 }
 
 #[derive(Clone)]
@@ -65,6 +71,7 @@ struct AppState {
     readers: Arc<Readers>,
     token_sha256: Option<String>,
     azure_account: Option<Arc<str>>,
+    tracking: Option<crate::tracking::TrackingServer>,
 }
 
 /// Read-only connections to the database file, so that no read (a long
@@ -258,6 +265,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         reg: Arc::new(Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
         azure_account: opts.azure_account.map(Arc::from),
+        tracking: opts.tracking,
     };
     let max_body = if opts.max_body_bytes == 0 {
         1 << 20
@@ -1315,13 +1323,23 @@ async fn mlf_create_version(
 ) -> ApiResult {
     required("name", &b.name)?;
     required("source", &b.source)?;
+    let model_id = b.model_id.filter(|m| !m.is_empty());
+    let mut run_id = b.run_id.filter(|r| !r.is_empty());
+    if run_id.is_none() {
+        let logged = model_id
+            .as_deref()
+            .or_else(|| crate::tracking::logged_model_of_source(&b.source));
+        if let Some(logged) = logged {
+            run_id = logged_model_run(st.tracking.as_ref(), &b.name, logged).await;
+        }
+    }
     let new = NewVersion {
         model: b.name,
         source: b.source,
         description: b.description.unwrap_or_default(),
         lineage: crate::Lineage {
-            run_id: b.run_id.filter(|r| !r.is_empty()),
-            mlflow_model_id: b.model_id.filter(|m| !m.is_empty()),
+            run_id,
+            mlflow_model_id: model_id,
             run_link: b.run_link.filter(|l| !l.is_empty()),
             ..Default::default()
         },
@@ -1339,6 +1357,48 @@ async fn mlf_create_version(
     Ok(Json(
         json!({ "model_version": mlf_version(&v, st.azure_account.as_deref()) }),
     ))
+}
+
+/// The run that logged MLflow model `model_id`, from the tracking server,
+/// as MLflow's own registry fills it in. A registration never fails for
+/// it: without a tracking server, or when it cannot say, the version has
+/// no run and a warning is logged.
+async fn logged_model_run(
+    tracking: Option<&crate::tracking::TrackingServer>,
+    name: &str,
+    model_id: &str,
+) -> Option<String> {
+    let name = head(name, 200);
+    let model_id = head(model_id, 200);
+    let Some(t) = tracking else {
+        tracing::warn!(
+            model = name,
+            model_id,
+            "a version of a logged model is registered without its run: no MLflow tracking server is configured (model.tracking_uri)"
+        );
+        return None;
+    };
+    match t.source_run(model_id).await {
+        Ok(Some(run)) => Some(run),
+        Ok(None) => {
+            tracing::warn!(
+                model = name,
+                model_id,
+                tracking_uri = t.url(),
+                "the tracking server records no run for this logged model"
+            );
+            None
+        }
+        Err(error) => {
+            tracing::warn!(
+                model = name,
+                model_id,
+                error = %error.chain(),
+                "a version of a logged model is registered without its run"
+            );
+            None
+        }
+    }
 }
 
 async fn mlf_get_version(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
@@ -1521,7 +1581,7 @@ fn query_pairs(uri: &Uri) -> Result<Vec<(String, String)>, ApiError> {
 }
 
 /// The longest start of `s` of at most `max` bytes (reflected input).
-fn head(s: &str, max: usize) -> &str {
+pub(crate) fn head(s: &str, max: usize) -> &str {
     let mut end = max.min(s.len());
     while !s.is_char_boundary(end) {
         end -= 1;

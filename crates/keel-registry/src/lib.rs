@@ -17,8 +17,13 @@
 //!   history, and MLflow's model-registry REST API (enough for the MLflow
 //!   client to register, find, alias and load models), authenticated on
 //!   every route, reads on connections of their own.
+//! - [`tracking`]: asks an MLflow tracking server, when one is configured,
+//!   which run logged a model, for versions MLflow 3's `log_model`
+//!   registers without a run.
 //!
-//! It never prints, exits, reads environment variables or the wall clock:
+//! It never prints, exits, reads environment variables (beyond where the
+//! system keeps its trusted certificates, for HTTPS to a tracking server)
+//! or the wall clock:
 //! time comes from a [`Clock`], the acting user is passed in. It knows
 //! nothing about checkpoints beyond the lineage link it records (the
 //! binary resolves `--from-ckpt` through keel-ckpt), and serves no
@@ -35,6 +40,7 @@ pub mod http;
 mod registry;
 pub mod sign;
 mod time;
+pub mod tracking;
 mod types;
 
 pub use chain::{Break, ChainName, ChainReport};

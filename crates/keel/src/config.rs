@@ -65,6 +65,7 @@ pub struct FileModel {
     pub public_key: Option<PathBuf>,
     pub listen: Option<String>,
     pub serve_token_sha256: Option<String>,
+    pub tracking_uri: Option<String>,
 }
 
 /// The effective `keel model` settings.
@@ -84,6 +85,7 @@ pub struct ModelConfig {
     /// SHA-256 (hex) of a bearer token `keel model serve` accepts for
     /// reading and writing, besides the registry's API keys.
     pub serve_token_sha256: Option<String>,
+    pub tracking_uri: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -178,6 +180,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_ACTOR", "model.actor"),
     ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
     ("KEEL_MODEL_TOKEN_SHA256", "model.serve_token_sha256"),
+    ("KEEL_MLFLOW_TRACKING_URI", "model.tracking_uri"),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
@@ -282,6 +285,7 @@ pub fn load_model(
         public_key: f.public_key,
         listen: f.listen.unwrap_or_else(|| "127.0.0.1:8470".into()),
         serve_token_sha256: f.serve_token_sha256,
+        tracking_uri: f.tracking_uri,
     };
     if let Some(v) = env("KEEL_MODEL_DB") {
         c.db = v.into();
@@ -302,6 +306,13 @@ pub fn load_model(
     if let Some(v) = env("KEEL_MODEL_TOKEN_SHA256") {
         c.serve_token_sha256 = Some(v);
     }
+    if let Some(v) = env("KEEL_MLFLOW_TRACKING_URI") {
+        c.tracking_uri = Some(v);
+    }
+    c.tracking_uri = c.tracking_uri.filter(|u| !u.is_empty());
+    if let Some(u) = &c.tracking_uri {
+        check_tracking_uri(u)?;
+    }
     if let Some(t) = &c.serve_token_sha256 {
         if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(crate::exit::UsageError(
@@ -311,6 +322,18 @@ pub fn load_model(
         }
     }
     Ok((c, path))
+}
+
+/// An MLflow tracking server's URL: `http://` or `https://`.
+pub fn check_tracking_uri(u: &str) -> anyhow::Result<()> {
+    if !(u.starts_with("http://") || u.starts_with("https://")) {
+        let shown: String = u.chars().take(100).collect();
+        return Err(crate::exit::UsageError(format!(
+            "model.tracking_uri {shown:?} must be an MLflow tracking server's http:// or https:// URL"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// Reads the config file, if there is one.
@@ -554,6 +577,23 @@ mod tests {
     }
 
     #[test]
+    fn model_tracking_uri_file_then_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(&f, "[model]\ntracking_uri = \"http://mlflow:5000\"\n").expect("write");
+        let (c, _) = load_model(Some(&f), &|_| None, None).expect("config");
+        assert_eq!(c.tracking_uri.as_deref(), Some("http://mlflow:5000"));
+        let env = |k: &str| (k == "KEEL_MLFLOW_TRACKING_URI").then(|| "https://t".to_owned());
+        let (c, _) = load_model(Some(&f), &env, None).expect("config");
+        assert_eq!(c.tracking_uri.as_deref(), Some("https://t"));
+        let (c, _) = load_model(None, &|_| None, None).expect("config");
+        assert_eq!(c.tracking_uri, None);
+        let env = |k: &str| (k == "KEEL_MLFLOW_TRACKING_URI").then(|| "file:///mlruns".to_owned());
+        let err = load_model(None, &env, None).expect_err("not http");
+        assert!(format!("{err:#}").contains("http://"), "{err:#}");
+    }
+
+    #[test]
     fn every_key_is_documented() {
         let doc = include_str!("../../../docs/config.md");
         // Every field of the effective config, read from the struct itself.
@@ -584,7 +624,7 @@ mod tests {
         )
         .expect("serialises");
         let keys: Vec<String> = model.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 6);
+        assert_eq!(keys.len(), 7);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

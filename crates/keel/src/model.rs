@@ -122,6 +122,11 @@ enum ModelCommand {
         /// Address to listen on (default: model.listen, 127.0.0.1:8470).
         #[arg(long, value_name = "ADDR")]
         listen: Option<String>,
+        /// MLflow tracking server asked for the run of a version that
+        /// MLflow's `log_model` registers without one (default:
+        /// model.tracking_uri).
+        #[arg(long, value_name = "URL")]
+        tracking_uri: Option<String>,
     },
 }
 
@@ -375,8 +380,15 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
             AuditCommand::Verify => audit_verify(&reg, out),
             AuditCommand::Log => audit_log(&reg, out),
         },
-        ModelCommand::Serve { listen } => {
+        ModelCommand::Serve {
+            listen,
+            tracking_uri,
+        } => {
             let addr = listen.clone().unwrap_or_else(|| cfg.listen.clone());
+            if let Some(u) = tracking_uri {
+                crate::config::check_tracking_uri(u)?;
+                cfg.tracking_uri = Some(u.clone()).filter(|u| !u.is_empty());
+            }
             serve(reg, &cfg, &addr)
         }
     }
@@ -1442,6 +1454,18 @@ fn audit_log(reg: &Registry, out: &mut Out) -> anyhow::Result<Code> {
 }
 
 fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
+    // Warnings (a version registered without its run) go to stderr.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing::Level::WARN)
+        .with_target(false)
+        .try_init();
+    let tracking = cfg
+        .tracking_uri
+        .as_deref()
+        .map(keel_registry::tracking::TrackingServer::new)
+        .transpose()
+        .map_err(|e| UsageError(format!("model.tracking_uri: {e}")))?;
     let rt = runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -1457,6 +1481,7 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
                 azure_account: std::env::var("AZURE_STORAGE_ACCOUNT_NAME")
                     .ok()
                     .filter(|a| !a.is_empty()),
+                tracking,
             },
         );
         // The address goes to stdout first (tests bind port 0 and read it).

@@ -2,7 +2,8 @@
 //! installs them and sets KEEL_TEST_PYTHON_TOOLS): the OpenSSF reference signer
 //! `model-signing` 1.1.1 in both directions, and the MLflow client against
 //! `keel model serve`, loading models through `models:/` URIs from file://,
-//! Azurite and S3 artifact stores.
+//! Azurite and S3 artifact stores, and MLflow 3's `log_model` with a real
+//! `mlflow server` as the tracking server.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -345,11 +346,25 @@ impl Drop for Server {
 /// `keel model serve` on a free port: the server (killed when dropped)
 /// and its URL.
 fn serve(db: &Path) -> (Server, String) {
+    serve_with(db, &[], None)
+}
+
+/// `keel model serve ARGS` on a free port, its stderr into `stderr` if
+/// given.
+fn serve_with(db: &Path, args: &[&str], stderr: Option<&Path>) -> (Server, String) {
+    let err = match stderr {
+        Some(p) => Stdio::from(std::fs::File::create(p).expect("stderr file")),
+        None => Stdio::inherit(),
+    };
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["model", "--db"])
         .arg(db)
         .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("KEEL_CONFIG")
+        .env_remove("KEEL_MLFLOW_TRACKING_URI")
         .stdout(Stdio::piped())
+        .stderr(err)
         .spawn()
         .expect("serve");
     let stdout = child.stdout.take().expect("stdout");
@@ -602,5 +617,177 @@ fn mlflow_client_works_against_keel_serve() {
     // What the client did is in keel's history and audit log.
     let h = ok(keel(&db, &["history", "mlf-model"]));
     assert!(h.contains("key:mlflow"), "{h}");
+    assert!(ok(keel(&db, &["audit", "verify"])).ends_with("ok\n"));
+}
+
+/// A real `mlflow server` from the Python tools (SQLite backend store,
+/// artifacts in a local directory) on a free loopback port, in a process
+/// group of its own: dropping it kills the server and its workers.
+struct MlflowServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl MlflowServer {
+    fn start(dir: &Path) -> Self {
+        use std::os::unix::process::CommandExt;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let log_path = dir.join("mlflow-server.log");
+        let log = std::fs::File::create(&log_path).expect("log");
+        let child = Command::new(python())
+            .args(["-m", "mlflow", "server", "--backend-store-uri"])
+            .arg(format!("sqlite:///{}", s(&dir.join("mlflow.db"))))
+            .arg("--default-artifact-root")
+            .arg(format!("file://{}", s(&dir.join("mlflow-artifacts"))))
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--workers", "1"])
+            .env("MLFLOW_DISABLE_TELEMETRY", "true")
+            .env("DO_NOT_TRACK", "true")
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .expect("start mlflow server");
+        let mut server = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        // Starting imports much of MLflow: allow for a busy machine.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        while !healthy(port) {
+            let exited = server.child.try_wait().expect("wait").is_some();
+            if exited || std::time::Instant::now() > deadline {
+                panic!(
+                    "mlflow server did not start ({}):\n{}",
+                    if exited {
+                        "it exited"
+                    } else {
+                        "no answer in 180 s"
+                    },
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        server
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether `GET /health` on the loopback port answers 200.
+fn healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+    let mut answer = String::new();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .is_ok()
+        && c.read_to_string(&mut answer).is_ok()
+        && answer.starts_with("HTTP/1.1 200")
+}
+
+/// MLflow 3's `log_model(..., registered_model_name=...)`, with a real
+/// MLflow tracking server and keel as the registry: the client sends keel
+/// no run id, and keel asks the tracking server for the logged model's
+/// run. When the tracking server is not configured, does not know the
+/// model or is down, the version is still created, without a run, and
+/// keel warns.
+#[test]
+#[ignore = "needs Python tools (MLflow and its server): scripts/test installs them"]
+fn log_model_versions_carry_their_run_from_the_tracking_server() {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("reg.db");
+    let secret = write_key(&db);
+    let mlflow = MlflowServer::start(t.path());
+    let warnings = t.path().join("keel-serve.err");
+    let (server, url) = serve_with(&db, &["--tracking-uri", &mlflow.url], Some(&warnings));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_log_model.py");
+    let tracking = mlflow.url.clone();
+    let client = |registry: &str, args: &[&str]| -> serde_json::Value {
+        let o = Command::new(python())
+            .arg(&script)
+            .args(args)
+            .env("MLFLOW_TRACKING_URI", &tracking)
+            .env("MLFLOW_REGISTRY_URI", registry)
+            .env("MLFLOW_TRACKING_TOKEN", &secret)
+            .env("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            .env("MLFLOW_DISABLE_TELEMETRY", "true")
+            .env("DO_NOT_TRACK", "true")
+            .current_dir(t.path())
+            .output()
+            .expect("python");
+        let out = ok(o);
+        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json")
+    };
+
+    let logged = client(&url, &["log", "logged"]);
+    let run_id = logged["run_id"].as_str().expect("run id").to_owned();
+    let model_id = logged["model_id"].as_str().expect("model id").to_owned();
+    assert!(!run_id.is_empty() && model_id.starts_with("m-"), "{logged}");
+    assert_eq!(logged["logged_model_run_id"], run_id.as_str(), "{logged}");
+    assert_eq!(logged["version"], "1", "{logged}");
+    assert_eq!(logged["version_run_id"], run_id.as_str(), "{logged}");
+    assert_eq!(
+        logged["version_source"],
+        format!("models:/{model_id}").as_str()
+    );
+    let shown: serde_json::Value =
+        serde_json::from_str(&ok(keel(&db, &["--json", "show", "logged:1"]))).expect("json");
+    assert!(shown.to_string().contains(&run_id), "{shown}");
+
+    // A logged model the tracking server does not know.
+    let unknown = client(
+        &url,
+        &["register", "logged", "m-00000000000000000000000000000000"],
+    );
+    assert_eq!(unknown["version"], "2", "{unknown}");
+    assert_eq!(unknown["version_run_id"], "", "{unknown}");
+
+    // A keel with no tracking server configured.
+    let bare_warnings = t.path().join("keel-bare.err");
+    let (bare, bare_url) = serve_with(&db, &[], Some(&bare_warnings));
+    let bare_version = client(&bare_url, &["register", "logged", &model_id]);
+    assert_eq!(bare_version["version"], "3", "{bare_version}");
+    assert_eq!(bare_version["version_run_id"], "", "{bare_version}");
+    drop(bare);
+
+    // The tracking server down.
+    drop(mlflow);
+    let down = client(&url, &["register", "logged", &model_id]);
+    assert_eq!(down["version"], "4", "{down}");
+    assert_eq!(down["version_run_id"], "", "{down}");
+    drop(server);
+
+    let warned = std::fs::read_to_string(&warnings).expect("stderr");
+    assert!(
+        warned.contains("does not know this logged model"),
+        "{warned}"
+    );
+    assert!(
+        warned.contains("cannot reach the tracking server"),
+        "{warned}"
+    );
+    assert_eq!(warned.matches("WARN").count(), 2, "{warned}");
+    let warned = std::fs::read_to_string(&bare_warnings).expect("stderr");
+    assert!(
+        warned.contains("no MLflow tracking server is configured"),
+        "{warned}"
+    );
     assert!(ok(keel(&db, &["audit", "verify"])).ends_with("ok\n"));
 }
