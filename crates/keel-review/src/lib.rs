@@ -11,7 +11,16 @@
 //! binary does that.
 #![forbid(unsafe_code)]
 
+pub mod catalogue;
+pub mod eval;
+pub mod inputs;
+pub mod report;
 pub mod slurm;
+
+pub use catalogue::{rules, Pillar, Rule, Severity};
+pub use eval::Options;
+pub use inputs::{detect, Input, Kind, Source};
+pub use report::{markdown, review, Report, ReviewOptions, Suppressions};
 
 use serde::Serialize;
 
@@ -70,4 +79,17 @@ pub(crate) fn cut(s: &str) -> String {
         end -= 1;
     }
     format!("{}… ({} bytes)", &s[..end], s.len())
+}
+
+/// Parses every source; problems reading them are diagnostics.
+pub fn parse_all(
+    sources: &[Source<'_>],
+    loader: &dyn slurm::Loader,
+) -> (Vec<Input>, Vec<Diagnostic>) {
+    let mut diags = Vec::new();
+    let inputs = sources
+        .iter()
+        .filter_map(|s| inputs::parse(*s, loader, &mut diags))
+        .collect();
+    (inputs, diags)
 }
