@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod catalogue;
+pub mod cost;
 pub mod eval;
 pub mod inputs;
 pub mod report;

@@ -6,10 +6,12 @@ mod bench;
 mod check;
 mod ckpt;
 mod config;
+mod cost;
 mod exit;
 mod gpu;
 mod model;
 mod output;
+mod review;
 mod serve;
 mod slurm;
 mod table;
@@ -73,6 +75,13 @@ enum Command {
     /// a hash-chained history, signatures (OpenSSF model signing), an
     /// HTTP API with an MLflow-compatible subset.
     Model(Box<model::ModelArgs>),
+    /// Review slurm.conf, gres.conf, keel's configs, sbatch scripts and a
+    /// job's environment against the well-architected rule catalogue
+    /// (text, JSON, SARIF).
+    Review(Box<review::ReviewArgs>),
+    /// GPU-hours by job, user and partition from Slurm accounting, priced
+    /// by a price table, and what spot would have saved.
+    Cost(Box<cost::CostArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -107,6 +116,8 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
+        Command::Review(args) => review::run(cli.json, args, &mut out),
+        Command::Cost(args) => cost::run(cli.json, args, &mut out),
     };
     let code = match result {
         Ok(code) => code,
