@@ -329,3 +329,179 @@ fn review_of_the_test_cluster_and_the_test_gateways() {
     assert_eq!(code, 0, "{err}");
     insta::assert_snapshot!("review-test-cluster-and-gateways", out);
 }
+
+fn cost_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/cost")
+        .join(name)
+}
+
+fn cost_cmd() -> Command {
+    let mut c = keel();
+    c.arg("cost")
+        .arg("--prices")
+        .arg(cost_fixture("prices.toml"))
+        .arg("--sacct-file")
+        .arg(cost_fixture("sacct.txt"))
+        .args([
+            "--since",
+            "2026-09-01",
+            "--until",
+            "2026-10-01",
+            "--requeue-safe",
+            "keel-",
+        ]);
+    c
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+#[test]
+fn cost_prices_gpu_hours_by_user_and_partition_and_spot_savings() {
+    let (code, out, err) = run(cost_cmd().arg("--json"));
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["command"], "cost");
+    let r = &v["report"];
+    // 1001: 8 GPUs x 10 h; 1002: 16 x 2 h; 1004: 4 x 1.5 h (typed gres);
+    // 1005: 8 x 0.5 h (running, End Unknown); 1006: 8 x 1 h (unpriced
+    // partition); 1007: 4 x 2 h of its 4 h (started before --since);
+    // 1003 has no GPU.
+    let total = &r["total"];
+    assert!(
+        close(total["gpu_hours"].as_f64().expect("f64"), 138.0),
+        "{total}"
+    );
+    assert!(close(
+        total["unpriced_gpu_hours"].as_f64().expect("f64"),
+        8.0
+    ));
+    // H100 at 98.32 / 8 = 12.29 a GPU-hour: (80 + 32 + 4 + 8) x 12.29;
+    // A100 at 32.77 / 8: 6 x 4.09625.
+    assert!(
+        close(
+            total["cost"].as_f64().expect("f64"),
+            124.0 * 12.29 + 6.0 * 4.09625
+        ),
+        "{total}"
+    );
+    // Requeue-safe (keel-*): 1002 and 1005, 36 GPU-hours at 12.29 -
+    // 18.169536 / 8 = 10.018808 saved each.
+    assert!(
+        close(
+            total["spot_saving"].as_f64().expect("f64"),
+            36.0 * 10.018808
+        ),
+        "{total}"
+    );
+    let jobs = r["jobs"].as_array().expect("jobs");
+    assert_eq!(jobs.len(), 6);
+    let j1006 = jobs.iter().find(|j| j["job_id"] == "1006").expect("1006");
+    assert!(
+        j1006["cost"].is_null(),
+        "an unpriced job is not free: {j1006}"
+    );
+    let users: Vec<(&str, f64)> = r["by_user"]
+        .as_array()
+        .expect("by_user")
+        .iter()
+        .map(|g| {
+            (
+                g["key"].as_str().unwrap_or(""),
+                g["gpu_hours"].as_f64().unwrap_or(-1.0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        users,
+        vec![
+            ("alice", 84.0),
+            ("bob", 40.0),
+            ("dave", 8.0),
+            ("carol", 6.0)
+        ]
+    );
+    let parts: Vec<&str> = r["by_partition"]
+        .as_array()
+        .expect("by_partition")
+        .iter()
+        .map(|g| g["key"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(parts, vec!["gpu", "h200", "a100"]);
+}
+
+#[test]
+fn cost_text_and_csv() {
+    let (code, out, err) = run(&mut cost_cmd());
+    assert_eq!(code, 0, "{err}");
+    insta::assert_snapshot!("cost-text", out);
+    let (code, out, err) = run(cost_cmd().args(["--format", "csv"]));
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,currency"
+    );
+    assert_eq!(lines.len(), 7);
+    assert!(
+        lines.contains(&"1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,320.6019,USD"),
+        "{out}"
+    );
+    assert!(
+        lines.contains(&"1006,sweep,dave,ml,h200,COMPLETED,8,8.0000,,false,,USD"),
+        "{out}"
+    );
+}
+
+#[test]
+fn cost_bad_input_is_reported() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sacct = dir.path().join("sacct.txt");
+    std::fs::write(
+        &sacct,
+        "1|a|u|acc|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown\nnot a row\n2|b|u|acc|gpu|gres/gpu=8|soon|COMPLETED|Unknown|Unknown\n",
+    )
+    .expect("write");
+    let (code, out, err) = run(keel()
+        .args(["--json", "cost", "--prices"])
+        .arg(cost_fixture("prices.toml"))
+        .arg("--sacct-file")
+        .arg(&sacct));
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("sacct.txt:2: expected 10"), "{err}");
+    assert!(err.contains("sacct.txt:3: ElapsedRaw soon"), "{err}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert!(close(
+        v["report"]["total"]["gpu_hours"].as_f64().expect("f64"),
+        8.0
+    ));
+
+    let prices = dir.path().join("prices.toml");
+    for (text, want) in [
+        ("source = \"x\"\n[[price]]\npartition = \"gpu\"\nsku = \"s\"\ngpus_per_node = 0\non_demand = 1.0\n", "gpus_per_node"),
+        ("source = \"x\"\n[[price]]\npartition = \"gpu\"\nsku = \"s\"\ngpus_per_node = 8\non_demand = -1.0\n", "on_demand"),
+        ("source = \"x\"\nprise = 1\n", "unknown field"),
+    ] {
+        std::fs::write(&prices, text).expect("write");
+        let (code, out, err) = run(
+            keel()
+                .args(["cost", "--prices"])
+                .arg(&prices)
+                .arg("--sacct-file")
+                .arg(cost_fixture("sacct.txt")),
+        );
+        assert_eq!(code, 65, "{text}");
+        assert!(err.contains(want), "{text}: {err}");
+        assert!(out.is_empty());
+    }
+    let (code, _, err) = run(keel()
+        .args(["cost", "--since", "yesterday", "--prices"])
+        .arg(cost_fixture("prices.toml"))
+        .arg("--sacct-file")
+        .arg(cost_fixture("sacct.txt")));
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("--since: expected YYYY-MM-DD"), "{err}");
+}
