@@ -406,16 +406,22 @@ impl CostReport {
                 "jobs",
                 "GPU-hours",
                 format!("cost {c}"),
-                format!("spot saving")
+                "spot saving"
             );
             for g in groups.iter() {
+                // A group with no priced job has an unknown cost, not 0.
+                let cost = if g.unpriced_gpu_hours > 0.0 && g.unpriced_gpu_hours >= g.gpu_hours {
+                    "unknown".to_owned()
+                } else {
+                    format!("{:.2}", g.cost)
+                };
                 let _ = writeln!(
                     s,
-                    "  {:<16} {:>6} {:>12.1} {:>14.2} {:>14.2}{}",
+                    "  {:<16} {:>6} {:>12.1} {:>14} {:>14.2}{}",
                     cut(&g.key),
                     g.jobs,
                     g.gpu_hours,
-                    g.cost,
+                    cost,
                     g.spot_saving,
                     unpriced(g)
                 );
