@@ -238,9 +238,7 @@ pub fn review(
                     Status::NotApplicable => s.not_applicable += 1,
                 }
             }
-            if total > 0 {
-                s.score = Some((got * 100 + total / 2) / total);
-            }
+            s.score = (got * 100 + total / 2).checked_div(total);
             s
         })
         .collect();

@@ -309,7 +309,7 @@ fn strip_comment(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
     let mut backslashes = 0usize;
     for c in line.chars() {
-        if c == '#' && backslashes % 2 == 0 {
+        if c == '#' && backslashes.is_multiple_of(2) {
             break;
         }
         if c == '\\' {

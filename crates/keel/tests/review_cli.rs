@@ -2,6 +2,7 @@
 //! SARIF's required structure, suppressions, the generated rule reference,
 //! and reviews of the project's own test cluster and test gateways.
 
+#[allow(unused_imports)]
 mod serve_common;
 
 use std::path::{Path, PathBuf};
