@@ -5,7 +5,7 @@
 use keel_store::Bandwidth;
 
 use crate::catalogue::{Params, Rule};
-use crate::inputs::{EnvVar, GatewayInput, Input, Kind, Sbatch, TomlDoc};
+use crate::inputs::{EnvVar, GatewayInput, Input, Kind, NodeFacts, Sbatch, TomlDoc};
 use crate::slurm::{GresConf, RecordKind, SlurmConf};
 use crate::{cut, Location};
 
@@ -66,6 +66,8 @@ const CHECKS: &[&str] = &[
     "env.hcoll_off",
     "env.one_of",
     "env.set",
+    "node.check",
+    "node.scratch",
 ];
 
 /// Whether `check` names a check this crate implements.
@@ -122,6 +124,7 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
                     Input::Gateway(g) => gateway_check(&rule.check, p, g),
                     Input::Keel(d) => keel_check(&rule.check, p, d),
                     Input::Sbatch(s) => sbatch_check(&rule.check, p, s, opts),
+                    Input::Node(n) => node_check(&rule.check, n),
                     Input::Env(..) => Vec::new(),
                 };
                 failures.extend(f);
@@ -759,6 +762,35 @@ fn env_check(
             Some(v) if !v.value.trim().is_empty() => Vec::new(),
             _ => fail(file_start(file), format!("{key} is not set")),
         },
+        _ => Vec::new(),
+    }
+}
+
+fn node_check(check: &str, n: &NodeFacts) -> Vec<Failure> {
+    let at = file_start(&n.file());
+    match check {
+        "node.check" => {
+            if n.check_status == "fail" {
+                let what = if n.failed_checks.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", cut(&n.failed_checks.join("; ")))
+                };
+                fail(at, format!("keel check fails{what}"))
+            } else {
+                Vec::new()
+            }
+        }
+        "node.scratch" => {
+            if n.scratch.is_empty() {
+                fail(
+                    at,
+                    "no file system on a local NVMe drive or RAID array is mounted".to_owned(),
+                )
+            } else {
+                Vec::new()
+            }
+        }
         _ => Vec::new(),
     }
 }

@@ -21,16 +21,18 @@ pub enum Kind {
     Keel,
     Sbatch,
     Env,
+    Node,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Slurm,
         Kind::Gres,
         Kind::Gateway,
         Kind::Keel,
         Kind::Sbatch,
         Kind::Env,
+        Kind::Node,
     ];
 
     pub fn name(self) -> &'static str {
@@ -41,6 +43,7 @@ impl Kind {
             Kind::Keel => "keel",
             Kind::Sbatch => "sbatch",
             Kind::Env => "env",
+            Kind::Node => "node",
         }
     }
 
@@ -205,6 +208,44 @@ impl Sbatch {
     }
 }
 
+/// What `keel review --node` learnt about the node it ran on (a JSON
+/// file of this shape can be reviewed too: `node:FILE`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeFacts {
+    /// 1.
+    pub version: u32,
+    pub host: String,
+    /// keel check's passive tier: `pass`, `warn`, `unknown` or `fail`.
+    pub check_status: String,
+    /// Checks that failed, as `id: detail`.
+    #[serde(default)]
+    pub failed_checks: Vec<String>,
+    /// Mount points of local NVMe drives or md RAID arrays.
+    #[serde(default)]
+    pub scratch: Vec<String>,
+}
+
+impl NodeFacts {
+    /// The name findings on this node are reported under.
+    pub fn file(&self) -> String {
+        format!("node:{}", self.host)
+    }
+}
+
+/// Local scratch mounts in /proc/mounts text: file systems on NVMe drives
+/// or md arrays.
+pub fn scratch_mounts(mounts: &str) -> Vec<String> {
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (src, dst) = (f.next()?, f.next()?);
+            (src.starts_with("/dev/nvme") || src.starts_with("/dev/md")).then(|| dst.to_owned())
+        })
+        .collect()
+}
+
 /// A parsed input.
 #[derive(Debug, Clone)]
 pub enum Input {
@@ -214,6 +255,7 @@ pub enum Input {
     Keel(TomlDoc),
     Sbatch(Sbatch),
     Env(Vec<EnvVar>, String),
+    Node(NodeFacts),
 }
 
 impl Input {
@@ -225,6 +267,7 @@ impl Input {
             Input::Keel(_) => Kind::Keel,
             Input::Sbatch(_) => Kind::Sbatch,
             Input::Env(..) => Kind::Env,
+            Input::Node(_) => Kind::Node,
         }
     }
 
@@ -237,6 +280,7 @@ impl Input {
             Input::Keel(d) => &d.file,
             Input::Sbatch(s) => &s.file,
             Input::Env(_, f) => f,
+            Input::Node(n) => &n.host,
         }
     }
 }
@@ -252,6 +296,9 @@ pub fn detect(path: &Path, text: &str) -> Option<Kind> {
     }
     if name == "slurm.conf" {
         return Some(Kind::Slurm);
+    }
+    if name == "node.json" {
+        return Some(Kind::Node);
     }
     if name == "keel.toml" {
         return Some(Kind::Keel);
@@ -370,6 +417,20 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
             Some(Input::Sbatch(s))
         }
         Kind::Env => Some(Input::Env(parse_env(&file, src.text, diags), file)),
+        Kind::Node => match serde_json::from_str::<NodeFacts>(src.text) {
+            Ok(n) => Some(Input::Node(n)),
+            Err(e) => {
+                diags.push(Diagnostic::new(
+                    DiagnosticKind::Malformed,
+                    Location {
+                        file,
+                        line: u32::try_from(e.line()).unwrap_or(1).max(1),
+                    },
+                    format!("not node facts: {}", cut(&e.to_string())),
+                ));
+                None
+            }
+        },
     }
 }
 

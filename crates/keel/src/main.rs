@@ -116,7 +116,7 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
-        Command::Review(args) => review::run(cli.json, args, &mut out),
+        Command::Review(args) => review::run(&cli, args, &mut out),
         Command::Cost(args) => cost::run(cli.json, args, &mut out),
     };
     let code = match result {

@@ -13,6 +13,7 @@ use serde_json::json;
 
 use crate::exit::{Code, DataError, UsageError};
 use crate::output::Out;
+use crate::Cli;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -43,6 +44,14 @@ pub struct ReviewArgs {
     /// Also review this process's environment, as a job's environment.
     #[arg(long)]
     env: bool,
+    /// Also review this node: keel check's passive tier (with the keel
+    /// config's [check] settings, no state written) and local NVMe scratch
+    /// mounts, read under --root.
+    #[arg(long)]
+    node: bool,
+    /// With --node: read the GPUs from a recorded snapshot instead of NVML.
+    #[arg(long, value_name = "FILE", requires = "node")]
+    gpu_snapshot: Option<PathBuf>,
     /// Output format (`--json` is `--format json`).
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
@@ -131,8 +140,8 @@ fn today() -> Option<String> {
     Some(format!("{y:04}-{m:02}-{d:02}"))
 }
 
-pub fn run(json_flag: bool, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> {
-    let format = if json_flag { Format::Json } else { args.format };
+pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> {
+    let format = if cli.json { Format::Json } else { args.format };
     let catalogue = keel_review::rules();
     if args.list_rules {
         match format {
@@ -222,6 +231,9 @@ pub fn run(json_flag: bool, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<
             .collect();
         inputs.push(Input::Env(vars, "(environment)".into()));
     }
+    if args.node {
+        inputs.push(Input::Node(node_facts(cli, args)?));
+    }
     if inputs.is_empty() {
         if !args.paths.is_empty() {
             return Err(DataError("none of the files given could be reviewed".into()).into());
@@ -250,4 +262,31 @@ pub fn run(json_flag: bool, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<
     };
     let failed = threshold.is_some_and(|t| report.fails(t));
     Ok(if failed { Code::Failed } else { Code::Ok })
+}
+
+/// Runs keel check's passive tier on this node (under --root) and reads
+/// its scratch mounts.
+fn node_facts(cli: &Cli, args: &ReviewArgs) -> anyhow::Result<keel_review::inputs::NodeFacts> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let (mut cfg, _) = crate::config::load(None, &env)?;
+    // A review reads; it leaves the check's state file alone.
+    cfg.state_dir = None;
+    if let Some(s) = &args.gpu_snapshot {
+        cfg.gpu_snapshot = Some(s.clone());
+    }
+    let outcome = crate::check::check_node(cli, &cfg, None, false, &[])?;
+    let report = outcome.report;
+    let mounts = std::fs::read_to_string(cli.root.join("proc/mounts")).unwrap_or_default();
+    Ok(keel_review::inputs::NodeFacts {
+        version: 1,
+        host: report.host.clone(),
+        check_status: report.status.as_str().to_owned(),
+        failed_checks: report
+            .results
+            .iter()
+            .filter(|r| r.status == keel_check::Status::Fail)
+            .map(|r| format!("{}: {}", r.id, r.detail))
+            .collect(),
+        scratch: keel_review::inputs::scratch_mounts(&mounts),
+    })
 }

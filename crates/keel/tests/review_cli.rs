@@ -506,3 +506,85 @@ fn cost_bad_input_is_reported() {
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("--since: expected YYYY-MM-DD"), "{err}");
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read_dir") {
+        let e = e.expect("entry");
+        let ty = e.file_type().expect("type");
+        let dest = to.join(e.file_name());
+        if ty.is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else if ty.is_symlink() {
+            let target = std::fs::read_link(e.path()).expect("link");
+            std::os::unix::fs::symlink(target, dest).expect("symlink");
+        } else {
+            std::fs::copy(e.path(), dest).expect("copy");
+        }
+    }
+}
+
+#[test]
+fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("root");
+    copy_dir(&repo().join("tests/fixtures/nd96isr_h100_v5"), &root);
+    std::fs::write(
+        root.join("proc/mounts"),
+        "/dev/sda1 / ext4 rw 0 0\n/dev/md128 /mnt/resource_nvme xfs rw 0 0\n",
+    )
+    .expect("mounts");
+    let snapshot = root.join("gpu.json");
+    let review = |snapshot: &Path| {
+        let (code, out, err) = run(keel()
+            .env("KEEL_IMDS_ENDPOINT", "127.0.0.1:1")
+            .env_remove("KEEL_CONFIG")
+            .env("HOME", dir.path())
+            .arg("--root")
+            .arg(&root)
+            .args(["--json", "review", "--node", "--gpu-snapshot"])
+            .arg(snapshot));
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+        let status = |id: &str| {
+            v["rules"]
+                .as_array()
+                .expect("rules")
+                .iter()
+                .find(|r| r["rule"] == id)
+                .map(|r| r["status"].as_str().unwrap_or("").to_owned())
+                .expect("rule")
+        };
+        (code, status("KEEL-REL-016"), status("KEEL-PERF-008"), v)
+    };
+    let (code, check, scratch, _) = review(&snapshot);
+    assert_eq!(
+        (code, check.as_str(), scratch.as_str()),
+        (0, "pass", "pass")
+    );
+
+    // A GPU with ECC off fails keel check, a high finding: exit 2.
+    let mut gpus: Value =
+        serde_json::from_str(&std::fs::read_to_string(&snapshot).expect("gpu.json")).expect("json");
+    gpus["gpus"][0]["ecc_enabled"] = Value::Bool(false);
+    let bad = dir.path().join("bad-gpu.json");
+    std::fs::write(&bad, gpus.to_string()).expect("write");
+    std::fs::write(root.join("proc/mounts"), "/dev/sda1 / ext4 rw 0 0\n").expect("mounts");
+    let (code, check, scratch, v) = review(&bad);
+    assert_eq!(
+        (code, check.as_str(), scratch.as_str()),
+        (2, "fail", "fail")
+    );
+    let finding = v["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .find(|f| f["rule"] == "KEEL-REL-016")
+        .expect("finding");
+    assert!(
+        finding["message"]
+            .as_str()
+            .expect("message")
+            .contains("gpu.ecc_mode"),
+        "{finding}"
+    );
+}
