@@ -664,7 +664,9 @@ fn parse_env(file: &str, text: &str, diags: &mut Vec<Diagnostic>) -> Vec<EnvVar>
             _ => diags.push(Diagnostic::new(
                 DiagnosticKind::Malformed,
                 loc,
-                format!("expected NAME=VALUE, found {}", cut(t)),
+                // The line is not repeated: an environment file can hold
+                // secrets.
+                "expected NAME=VALUE".to_owned(),
             )),
         }
     }

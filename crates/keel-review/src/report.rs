@@ -20,8 +20,9 @@ pub struct Suppressions {
     pub suppress: Vec<Suppression>,
 }
 
-/// One suppression: a rule, optionally only in files whose path ends with
-/// `file`, with a reason, until `expires` (YYYY-MM-DD, inclusive).
+/// One suppression: a rule, optionally only in files whose path is `file`
+/// or ends with `/` and `file`, with a reason, until `expires` (YYYY-MM-DD,
+/// inclusive).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Suppression {
@@ -84,7 +85,9 @@ impl Suppressions {
     fn find(&self, rule: &str, file: &str, today: Option<&str>) -> Option<&Suppression> {
         self.suppress.iter().find(|s| {
             s.rule == rule
-                && s.file.as_deref().is_none_or(|f| file.ends_with(f))
+                && s.file.as_deref().is_none_or(|f| {
+                    file == f || file.strip_suffix(f).is_some_and(|head| head.ends_with('/'))
+                })
                 && match (&s.expires, today) {
                     (Some(exp), Some(t)) => t <= exp.as_str(),
                     _ => true,
@@ -544,4 +547,31 @@ pub fn markdown(catalogue: &[Rule]) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suppressions_match_whole_path_components_and_expire() {
+        let rules = crate::rules();
+        let s = Suppressions::parse(
+            "[[suppress]]\nrule = \"KEEL-REL-004\"\nfile = \"slurm.conf\"\nreason = \"r\"\nexpires = \"2026-12-31\"\n",
+            &rules,
+        )
+        .expect("parse");
+        let today = Some("2026-12-31");
+        assert!(s.find("KEEL-REL-004", "slurm.conf", today).is_some());
+        assert!(s
+            .find("KEEL-REL-004", "/etc/slurm/slurm.conf", today)
+            .is_some());
+        assert!(s
+            .find("KEEL-REL-004", "/etc/slurm/myslurm.conf", today)
+            .is_none());
+        assert!(s.find("KEEL-REL-005", "slurm.conf", today).is_none());
+        assert!(s
+            .find("KEEL-REL-004", "slurm.conf", Some("2027-01-01"))
+            .is_none());
+    }
 }
