@@ -455,7 +455,6 @@ impl Report {
                 "tool": { "driver": {
                     "name": "keel",
                     "version": tool_version,
-                    "informationUri": "https://github.com/keel/keel/blob/main/docs/review.md",
                     "rules": rules,
                 }},
                 "invocations": [{
