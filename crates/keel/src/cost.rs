@@ -68,7 +68,9 @@ fn time_arg(flag: &str, s: &str) -> anyhow::Result<i64> {
 
 fn run_sacct(args: &CostArgs) -> anyhow::Result<String> {
     let mut cmd = Command::new("sacct");
-    cmd.args(["-a", "-X", "-P", "-n", "--noconvert"])
+    // Start and End as YYYY-MM-DDTHH:MM:SS whatever the caller's setting.
+    cmd.env("SLURM_TIME_FORMAT", "standard")
+        .args(["-a", "-X", "-P", "-n", "--noconvert"])
         .arg(format!("--format={SACCT_FORMAT}"));
     if let Some(s) = &args.since {
         cmd.arg("-S").arg(s);

@@ -588,3 +588,63 @@ fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
         "{finding}"
     );
 }
+
+/// `keel cost` without --sacct-file runs `sacct` from PATH: here a script
+/// standing in for Slurm's client, which records its arguments and
+/// SLURM_TIME_FORMAT and prints the recorded rows.
+#[test]
+fn cost_runs_sacct_with_the_period_and_a_timeout() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).expect("mkdir");
+    let script = bin.join("sacct");
+    let args_file = dir.path().join("args");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$*\" \"$SLURM_TIME_FORMAT\" >'{}'\n[ -n \"$SACCT_SLEEP\" ] && sleep \"$SACCT_SLEEP\"\ncat '{}'\n",
+            args_file.display(),
+            cost_fixture("sacct.txt").display()
+        ),
+    )
+    .expect("write");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let (code, out, err) = run(keel()
+        .env("PATH", &path)
+        .env("SLURM_TIME_FORMAT", "relative")
+        .args([
+            "--json",
+            "cost",
+            "--since",
+            "2026-09-01",
+            "--until",
+            "2026-10-01",
+            "--prices",
+        ])
+        .arg(cost_fixture("prices.toml")));
+    assert_eq!(code, 0, "{err}");
+    let recorded = std::fs::read_to_string(&args_file).expect("args");
+    assert_eq!(
+        recorded,
+        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End -S 2026-09-01 -E 2026-10-01\nstandard\n"
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert!(close(
+        v["report"]["total"]["gpu_hours"].as_f64().expect("f64"),
+        138.0
+    ));
+
+    let (code, _, err) = run(keel()
+        .env("PATH", &path)
+        .env("SACCT_SLEEP", "5")
+        .args(["cost", "--sacct-timeout", "1", "--prices"])
+        .arg(cost_fixture("prices.toml")));
+    assert_eq!(code, 74, "{err}");
+    assert!(err.contains("sacct did not finish within 1 s"), "{err}");
+}
