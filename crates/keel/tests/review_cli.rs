@@ -5,6 +5,11 @@
 #[allow(unused_imports)]
 mod serve_common;
 
+/// keel-gateway's integration tests' config builders.
+#[allow(unused_imports, dead_code)]
+#[path = "../../keel-gateway/tests/common/mod.rs"]
+mod gateway_common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -318,6 +323,26 @@ fn review_of_the_test_cluster_and_the_test_gateways() {
         .status()
         .expect("bash");
     assert!(status.success());
+    // keel-gateway's tests: the common head, and the two models most of
+    // them serve (`chat` falling back to `small`).
+    let gw = format!(
+        "{}{}{}",
+        gateway_common::head(Path::new("/run/keel-test")),
+        gateway_common::model(
+            "chat",
+            "fallback = [\"small\"]",
+            &[
+                ("blue", "http://127.0.0.1:18001".to_owned(), 1),
+                ("green", "http://127.0.0.1:18002".to_owned(), 1)
+            ]
+        ),
+        gateway_common::model(
+            "small",
+            "",
+            &[("tiny", "http://127.0.0.1:18003".to_owned(), 1)]
+        ),
+    );
+    std::fs::write(dir.path().join("gateway-lib.toml"), gw).expect("write");
     let (code, out, err) = run(keel().current_dir(dir.path()).args([
         "review",
         "--fail-on",
@@ -326,6 +351,7 @@ fn review_of_the_test_cluster_and_the_test_gateways() {
         "gres.conf",
         "gateway.toml",
         "bench.toml",
+        "gateway-lib.toml",
     ]));
     assert_eq!(code, 0, "{err}");
     insta::assert_snapshot!("review-test-cluster-and-gateways", out);
