@@ -6,7 +6,7 @@
 mod serve_common;
 
 /// keel-gateway's integration tests' config builders.
-#[allow(unused_imports, dead_code)]
+#[allow(unused_imports)]
 #[path = "../../keel-gateway/tests/common/mod.rs"]
 mod gateway_common;
 
