@@ -720,6 +720,22 @@ fn env_check(
     let find = |name: &str| env.iter().rev().find(|v| v.name == name).copied();
     match check {
         "env.hcoll_off" => {
+            // Only where MPI launches the job: a script that starts its
+            // ranks without MPI (torchrun, srun without --mpi) loads no
+            // HCOLL. An environment file alone is taken as an MPI job's.
+            let uses_mpi = script.is_none_or(|s| {
+                s.commands.iter().any(|(_, l)| {
+                    l.split_whitespace().any(|t| {
+                        t == "mpirun"
+                            || t == "mpiexec"
+                            || t.ends_with("/mpirun")
+                            || t.starts_with("--mpi=")
+                    })
+                })
+            });
+            if !uses_mpi {
+                return Vec::new();
+            }
             let var =
                 find("OMPI_MCA_coll_hcoll_enable").or_else(|| find("OMPI_MCA_COLL_HCOLL_ENABLE"));
             if var.is_some_and(|v| v.value.trim() == "0") {
@@ -792,5 +808,53 @@ fn node_check(check: &str, n: &NodeFacts) -> Vec<Failure> {
             }
         }
         _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inputs::{parse, Source};
+    use crate::slurm::FsLoader;
+
+    fn hcoll(script: &str) -> Outcome {
+        let mut diags = Vec::new();
+        let input = parse(
+            Source {
+                path: std::path::Path::new("job.sbatch"),
+                text: script,
+                kind: Kind::Sbatch,
+            },
+            &FsLoader,
+            &mut diags,
+        )
+        .expect("input");
+        let rule = crate::rules()
+            .into_iter()
+            .find(|r| r.id == "KEEL-PERF-001")
+            .expect("rule");
+        evaluate(&rule, &[input], &Options::default())
+    }
+
+    #[test]
+    fn hcoll_matters_only_where_mpi_launches() {
+        assert_eq!(
+            hcoll("#!/bin/bash\n#SBATCH -N2\nsrun torchrun train.py\n"),
+            Outcome::Pass
+        );
+        assert!(matches!(
+            hcoll("#!/bin/bash\n#SBATCH -N2\nmpirun -np 16 python train.py\n"),
+            Outcome::Fail(_)
+        ));
+        assert_eq!(
+            hcoll("#!/bin/bash\nmpirun -mca coll_hcoll_enable 0 -np 16 python train.py\n"),
+            Outcome::Pass
+        );
+        assert!(matches!(
+            hcoll(
+                "#!/bin/bash\nexport OMPI_MCA_coll_hcoll_enable=1\nsrun --mpi=pmix python t.py\n"
+            ),
+            Outcome::Fail(_)
+        ));
     }
 }
