@@ -186,4 +186,18 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn slurm_rules_name_only_keys_slurm_knows() {
+        let known: Vec<&str> = include_str!("../slurm-keys.txt").lines().collect();
+        for r in rules().iter().filter(|r| r.target == Kind::Slurm) {
+            for k in r.params.key.iter().chain(&r.params.when) {
+                assert!(
+                    known.contains(&k.as_str()),
+                    "{}: {k} is not a slurm.conf key",
+                    r.id
+                );
+            }
+        }
+    }
 }
