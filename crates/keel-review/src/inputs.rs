@@ -304,7 +304,11 @@ pub fn detect(path: &Path, text: &str) -> Option<Kind> {
         return Some(Kind::Keel);
     }
     if name.ends_with(".toml") {
-        let table: toml::Table = toml::from_str(text).ok()?;
+        // A file that is not TOML is read as a gateway file, whose parse
+        // reports the line.
+        let Ok(table) = toml::from_str::<toml::Table>(text) else {
+            return Some(Kind::Gateway);
+        };
         let keel_tables = ["check", "bench", "serve", "model"];
         if !table.is_empty() && table.keys().all(|k| keel_tables.contains(&k.as_str())) {
             return Some(Kind::Keel);
@@ -685,6 +689,23 @@ mod tests {
         assert_eq!(toml_line(text, "models", 1, "fallback"), 9);
         assert_eq!(toml_line(text, "models", 0, "fallback"), 5);
         assert_eq!(toml_line(text, "audit", 0, "path"), 1);
+    }
+
+    #[test]
+    fn a_toml_file_that_is_not_toml_is_reported_with_its_line() {
+        let path = Path::new("gw.toml");
+        let text = "[server]\nlisten = \"127.0.0.1:80\"\nworkers = = 2\n";
+        let kind = detect(path, text).expect("kind");
+        let mut diags = Vec::new();
+        let input = parse(
+            Source { path, text, kind },
+            &crate::slurm::FsLoader,
+            &mut diags,
+        );
+        assert!(input.is_none());
+        assert_eq!(diags.len(), 1);
+        assert_eq!(diags[0].kind, DiagnosticKind::Malformed);
+        assert_eq!(diags[0].location.line, 3);
     }
 
     #[test]
