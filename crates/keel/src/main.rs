@@ -6,10 +6,12 @@ mod bench;
 mod check;
 mod ckpt;
 mod config;
+mod cost;
 mod exit;
 mod gpu;
 mod model;
 mod output;
+mod review;
 mod scratch;
 mod serve;
 mod slurm;
@@ -75,6 +77,13 @@ enum Command {
     /// a hash-chained history, signatures (OpenSSF model signing), an
     /// HTTP API with an MLflow-compatible subset.
     Model(Box<model::ModelArgs>),
+    /// Review slurm.conf, gres.conf, keel's configs, sbatch scripts and a
+    /// job's environment against the well-architected rule catalogue
+    /// (text, JSON, SARIF).
+    Review(Box<review::ReviewArgs>),
+    /// GPU-hours by job, user and partition from Slurm accounting, priced
+    /// by a price table, and what spot would have saved.
+    Cost(Box<cost::CostArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
     Topo {
@@ -123,6 +132,8 @@ fn main() -> ExitCode {
         Command::Model(args) => model::run(args, &mut out),
         Command::Tune { command } => tune::run(&cli, command, &mut out),
         Command::Scratch { command } => scratch::run(&cli, command, &mut out),
+        Command::Review(args) => review::run(&cli, args, &mut out),
+        Command::Cost(args) => cost::run(cli.json, args, &mut out),
     };
     let code = match result {
         Ok(code) => code,

@@ -1,0 +1,566 @@
+//! `keel cost`: GPU-hours and their price from Slurm accounting.
+//!
+//! Input is the text of
+//! `sacct -a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
+//! ([`SACCT_FORMAT`]): one allocation a line, `|`-separated. GPU-hours are
+//! the allocation's `gres/gpu` count times its elapsed time, clipped to the
+//! period; prices come from a user's TOML table, per partition, per node
+//! hour, on demand and spot. A job whose partition has no price is counted
+//! in GPU-hours and shown unpriced, never as costing 0.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{cut, Diagnostic, DiagnosticKind, Location};
+
+/// The `--format` fields `keel cost` asks `sacct` for, in order.
+pub const SACCT_FORMAT: &str =
+    "JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End";
+const FIELDS: usize = 10;
+
+/// One allocation row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SacctJob {
+    pub job_id: String,
+    pub name: String,
+    pub user: String,
+    pub account: String,
+    pub partition: String,
+    pub gpus: u64,
+    pub elapsed_s: u64,
+    pub state: String,
+    /// Seconds since the Unix epoch, when sacct knew it.
+    pub start: Option<i64>,
+    pub end: Option<i64>,
+}
+
+/// Parses sacct's text; lines that do not fit are diagnostics.
+pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
+    let mut jobs = Vec::new();
+    let mut diags = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        if line.trim().is_empty() {
+            continue;
+        }
+        let loc = Location {
+            file: file.to_owned(),
+            line: n,
+        };
+        let f: Vec<&str> = line.split('|').collect();
+        // `-P` ends each line with a `|` on some versions.
+        let f = if f.len() == FIELDS + 1 && f[FIELDS].is_empty() {
+            &f[..FIELDS]
+        } else {
+            &f[..]
+        };
+        if f.len() != FIELDS {
+            diags.push(Diagnostic::new(
+                DiagnosticKind::Malformed,
+                loc,
+                format!(
+                    "expected {FIELDS} |-separated fields ({SACCT_FORMAT}), found {}",
+                    f.len()
+                ),
+            ));
+            continue;
+        }
+        let Ok(elapsed_s) = f[6].trim().parse::<u64>() else {
+            diags.push(Diagnostic::new(
+                DiagnosticKind::Malformed,
+                loc,
+                format!("ElapsedRaw {} is not a number of seconds", cut(f[6])),
+            ));
+            continue;
+        };
+        jobs.push(SacctJob {
+            job_id: f[0].to_owned(),
+            name: f[1].to_owned(),
+            user: f[2].to_owned(),
+            account: f[3].to_owned(),
+            partition: f[4].to_owned(),
+            gpus: gpus_in_tres(f[5]),
+            elapsed_s,
+            state: f[7].to_owned(),
+            start: parse_time(f[8]),
+            end: parse_time(f[9]),
+        });
+    }
+    (jobs, diags)
+}
+
+/// The GPU count of an AllocTRES string: `gres/gpu=N`, else the sum of
+/// typed `gres/gpu:TYPE=N` entries.
+pub fn gpus_in_tres(tres: &str) -> u64 {
+    let mut untyped = None;
+    let mut typed = 0u64;
+    for item in tres.split(',') {
+        let Some((k, v)) = item.split_once('=') else {
+            continue;
+        };
+        let Ok(n) = v.trim().parse::<u64>() else {
+            continue;
+        };
+        if k == "gres/gpu" {
+            untyped = Some(n);
+        } else if k.starts_with("gres/gpu:") {
+            typed = typed.saturating_add(n);
+        }
+    }
+    untyped.unwrap_or(typed)
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` (sacct's time format, UTC or the cluster's local
+/// time alike) as seconds since the epoch; `None` for `Unknown`, `None`,
+/// or anything else.
+pub fn parse_time(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let b = s.as_bytes();
+    if b.len() != 19
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+    {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
+        return None;
+    }
+    Some(days_from_civil(y, mo, d) * 86_400 + h * 3600 + mi * 60 + se)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+/// algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// A price table file.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PriceTable {
+    #[serde(default = "usd")]
+    pub currency: String,
+    /// Where the prices come from and when they were read; shown beside
+    /// every figure.
+    pub source: String,
+    #[serde(default)]
+    pub price: Vec<Price>,
+}
+
+fn usd() -> String {
+    "USD".to_owned()
+}
+
+/// The price of one partition's nodes.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub partition: String,
+    /// The VM size or machine the partition runs on.
+    pub sku: String,
+    pub gpus_per_node: u32,
+    /// Per node hour.
+    pub on_demand: f64,
+    /// Per node hour on spot (or low-priority) capacity, when offered.
+    #[serde(default)]
+    pub spot: Option<f64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PriceError {
+    #[error("price table: {0}")]
+    Parse(String),
+    #[error("price table: partition {partition}: {reason}")]
+    Invalid { partition: String, reason: String },
+}
+
+impl PriceTable {
+    pub fn parse(text: &str) -> Result<Self, PriceError> {
+        let t: PriceTable =
+            toml::from_str(text).map_err(|e| PriceError::Parse(cut(e.message().trim_end())))?;
+        let mut seen = Vec::new();
+        for p in &t.price {
+            let bad = |reason: &str| PriceError::Invalid {
+                partition: cut(&p.partition),
+                reason: reason.to_owned(),
+            };
+            if p.gpus_per_node == 0 {
+                return Err(bad("gpus_per_node must be at least 1"));
+            }
+            if !(p.on_demand.is_finite() && p.on_demand >= 0.0) {
+                return Err(bad("on_demand must be a price of 0 or more"));
+            }
+            if p.spot.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
+                return Err(bad("spot must be a price of 0 or more"));
+            }
+            if seen.contains(&&p.partition) {
+                return Err(bad("listed twice"));
+            }
+            seen.push(&p.partition);
+        }
+        Ok(t)
+    }
+
+    fn for_partition(&self, partition: &str) -> Option<&Price> {
+        self.price.iter().find(|p| p.partition == partition)
+    }
+}
+
+/// What to count.
+#[derive(Debug, Clone, Default)]
+pub struct CostOptions {
+    /// Seconds since the epoch; allocations are clipped to [since, until).
+    pub since: Option<i64>,
+    pub until: Option<i64>,
+    /// Job-name prefixes of requeue-safe jobs (checkpointing, requeued on
+    /// failure): what moving them to spot would have saved.
+    pub requeue_safe_prefixes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct JobCost {
+    pub job_id: String,
+    pub name: String,
+    pub user: String,
+    pub account: String,
+    pub partition: String,
+    pub state: String,
+    pub gpus: u64,
+    pub gpu_hours: f64,
+    /// On demand; `None` when the partition has no price.
+    pub cost: Option<f64>,
+    pub requeue_safe: bool,
+    /// What running it on spot would have saved (requeue-safe jobs in
+    /// partitions with a spot price).
+    pub spot_saving: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Group {
+    pub key: String,
+    pub jobs: usize,
+    pub gpu_hours: f64,
+    /// On-demand cost of the priced jobs.
+    pub cost: f64,
+    /// GPU-hours of jobs in partitions without a price.
+    pub unpriced_gpu_hours: f64,
+    pub spot_saving: f64,
+}
+
+impl Group {
+    fn new(key: &str) -> Self {
+        Self {
+            key: key.to_owned(),
+            jobs: 0,
+            gpu_hours: 0.0,
+            cost: 0.0,
+            unpriced_gpu_hours: 0.0,
+            spot_saving: 0.0,
+        }
+    }
+
+    fn add(&mut self, j: &JobCost) {
+        self.jobs += 1;
+        self.gpu_hours += j.gpu_hours;
+        match j.cost {
+            Some(c) => self.cost += c,
+            None => self.unpriced_gpu_hours += j.gpu_hours,
+        }
+        self.spot_saving += j.spot_saving.unwrap_or(0.0);
+    }
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CostReport {
+    pub currency: String,
+    pub price_source: String,
+    pub jobs: Vec<JobCost>,
+    pub by_user: Vec<Group>,
+    pub by_partition: Vec<Group>,
+    pub total: Group,
+}
+
+/// Prices `jobs` with `prices`; jobs without GPUs or outside the period
+/// are left out.
+pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostReport {
+    let mut out = Vec::new();
+    for j in jobs {
+        if j.gpus == 0 {
+            continue;
+        }
+        let secs = clipped_seconds(j, opts);
+        if secs <= 0 {
+            continue;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let gpu_hours = j.gpus as f64 * secs as f64 / 3600.0;
+        let price = prices.for_partition(&j.partition);
+        let per_gpu = |node: f64, p: &Price| node / f64::from(p.gpus_per_node);
+        let cost = price.map(|p| gpu_hours * per_gpu(p.on_demand, p));
+        let requeue_safe = opts
+            .requeue_safe_prefixes
+            .iter()
+            .any(|pre| !pre.is_empty() && j.name.starts_with(pre.as_str()));
+        let spot_saving = match price {
+            Some(p) if requeue_safe => p
+                .spot
+                .map(|s| gpu_hours * (per_gpu(p.on_demand, p) - per_gpu(s, p))),
+            _ => None,
+        };
+        out.push(JobCost {
+            job_id: j.job_id.clone(),
+            name: j.name.clone(),
+            user: j.user.clone(),
+            account: j.account.clone(),
+            partition: j.partition.clone(),
+            state: j.state.clone(),
+            gpus: j.gpus,
+            gpu_hours,
+            cost,
+            requeue_safe,
+            spot_saving,
+        });
+    }
+    let group = |key: fn(&JobCost) -> &str| {
+        let mut m: BTreeMap<String, Group> = BTreeMap::new();
+        for j in &out {
+            m.entry(key(j).to_owned())
+                .or_insert_with(|| Group::new(key(j)))
+                .add(j);
+        }
+        let mut v: Vec<Group> = m.into_values().collect();
+        v.sort_by(|a, b| b.gpu_hours.total_cmp(&a.gpu_hours).then(a.key.cmp(&b.key)));
+        v
+    };
+    let by_user = group(|j| &j.user);
+    let by_partition = group(|j| &j.partition);
+    let mut total = Group::new("total");
+    for j in &out {
+        total.add(j);
+    }
+    CostReport {
+        currency: prices.currency.clone(),
+        price_source: prices.source.clone(),
+        jobs: out,
+        by_user,
+        by_partition,
+        total,
+    }
+}
+
+fn clipped_seconds(j: &SacctJob, opts: &CostOptions) -> i64 {
+    let elapsed = i64::try_from(j.elapsed_s).unwrap_or(i64::MAX);
+    let (start, end) = match (j.start, j.end) {
+        (Some(s), Some(e)) if e >= s => (s, e),
+        (Some(s), _) => (s, s.saturating_add(elapsed)),
+        _ => {
+            // No times: count all of it unless a period excludes nothing
+            // can be told; sacct's -S/-E already selected the rows.
+            return elapsed;
+        }
+    };
+    let from = opts.since.map_or(start, |s| start.max(s));
+    let to = opts.until.map_or(end, |u| end.min(u));
+    (to - from).max(0)
+}
+
+impl CostReport {
+    /// The human report: totals, by partition, by user, and the spot
+    /// saving, with the price source.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let c = &self.currency;
+        let _ = writeln!(
+            s,
+            "keel cost: {} GPU jobs, prices: {}",
+            self.jobs.len(),
+            self.price_source
+        );
+        let _ = writeln!(
+            s,
+            "total: {:.1} GPU-hours, {:.2} {c} on demand{}",
+            self.total.gpu_hours,
+            self.total.cost,
+            unpriced(&self.total)
+        );
+        for (title, groups) in [("partition", &self.by_partition), ("user", &self.by_user)] {
+            let _ = writeln!(s, "\nby {title}:");
+            let _ = writeln!(
+                s,
+                "  {:<16} {:>6} {:>12} {:>14} {:>14}",
+                title,
+                "jobs",
+                "GPU-hours",
+                format!("cost {c}"),
+                "spot saving"
+            );
+            for g in groups.iter() {
+                // A group with no priced job has an unknown cost, not 0.
+                let cost = if g.unpriced_gpu_hours > 0.0 && g.unpriced_gpu_hours >= g.gpu_hours {
+                    "unknown".to_owned()
+                } else {
+                    format!("{:.2}", g.cost)
+                };
+                let _ = writeln!(
+                    s,
+                    "  {:<16} {:>6} {:>12.1} {:>14} {:>14.2}{}",
+                    cut(&g.key),
+                    g.jobs,
+                    g.gpu_hours,
+                    cost,
+                    g.spot_saving,
+                    unpriced(g)
+                );
+            }
+        }
+        let safe = self.jobs.iter().filter(|j| j.requeue_safe).count();
+        let _ = writeln!(
+            s,
+            "\nrequeue-safe jobs: {safe}; running them on spot would have saved {:.2} {c}",
+            self.total.spot_saving
+        );
+        s
+    }
+
+    /// One CSV row a job, with a header.
+    pub fn csv(&self) -> String {
+        let mut s = String::from(
+            "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,currency\n",
+        );
+        for j in &self.jobs {
+            let fields = [
+                csv_field(&j.job_id),
+                csv_field(&j.name),
+                csv_field(&j.user),
+                csv_field(&j.account),
+                csv_field(&j.partition),
+                csv_field(&j.state),
+                j.gpus.to_string(),
+                format!("{:.4}", j.gpu_hours),
+                j.cost.map_or(String::new(), |c| format!("{c:.4}")),
+                j.requeue_safe.to_string(),
+                j.spot_saving.map_or(String::new(), |c| format!("{c:.4}")),
+                csv_field(&self.currency),
+            ];
+            s.push_str(&fields.join(","));
+            s.push('\n');
+        }
+        s
+    }
+}
+
+fn unpriced(g: &Group) -> String {
+    if g.unpriced_gpu_hours > 0.0 {
+        format!(" ({:.1} GPU-hours unpriced)", g.unpriced_gpu_hours)
+    } else {
+        String::new()
+    }
+}
+
+/// RFC 4180 quoting; a field a spreadsheet would run as a formula gets a
+/// leading `'`.
+fn csv_field(s: &str) -> String {
+    let s = if s.starts_with(['=', '+', '-', '@']) {
+        format!("'{s}")
+    } else {
+        s.to_owned()
+    };
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tres_gpu_counts() {
+        assert_eq!(
+            gpus_in_tres("billing=16,cpu=16,gres/gpu=8,mem=64G,node=1"),
+            8
+        );
+        assert_eq!(gpus_in_tres("cpu=4,gres/gpu:a100=2,gres/gpu:h100=1"), 3);
+        assert_eq!(gpus_in_tres("cpu=4,gres/gpu=4,gres/gpu:h100=4"), 4);
+        assert_eq!(gpus_in_tres("cpu=4,mem=1G"), 0);
+        assert_eq!(gpus_in_tres(""), 0);
+    }
+
+    #[test]
+    fn times() {
+        assert_eq!(parse_time("1970-01-01T00:00:00"), Some(0));
+        assert_eq!(parse_time("2026-03-01T00:00:00"), Some(1_772_323_200));
+        assert_eq!(parse_time("Unknown"), None);
+        assert_eq!(parse_time("2026-13-01T00:00:00"), None);
+    }
+
+    #[test]
+    fn clipping_to_the_period() {
+        let j = SacctJob {
+            job_id: "1".into(),
+            name: "x".into(),
+            user: "u".into(),
+            account: "a".into(),
+            partition: "gpu".into(),
+            gpus: 8,
+            elapsed_s: 7200,
+            state: "COMPLETED".into(),
+            start: Some(1000),
+            end: Some(8200),
+        };
+        let opts = CostOptions {
+            since: Some(4600),
+            ..CostOptions::default()
+        };
+        assert_eq!(clipped_seconds(&j, &opts), 3600);
+        let opts = CostOptions {
+            until: Some(500),
+            ..CostOptions::default()
+        };
+        assert_eq!(clipped_seconds(&j, &opts), 0);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn sacct_parser_never_panics(text in "[ -~\\n|]{0,300}") {
+            let (jobs, diags) = parse_sacct("f", &text);
+            proptest::prop_assert!(jobs.len() + diags.len() <= text.lines().count());
+        }
+
+        #[test]
+        fn gpu_hours_add_up(rows in proptest::collection::vec((0u64..16, 0u64..100_000), 0..20)) {
+            let jobs: Vec<SacctJob> = rows.iter().enumerate().map(|(i, (g, e))| SacctJob {
+                job_id: i.to_string(), name: "n".into(), user: format!("u{}", i % 3),
+                account: "a".into(), partition: "gpu".into(), gpus: *g, elapsed_s: *e,
+                state: "COMPLETED".into(), start: None, end: None,
+            }).collect();
+            let prices = PriceTable { currency: "USD".into(), source: "t".into(), price: vec![Price {
+                partition: "gpu".into(), sku: "s".into(), gpus_per_node: 8, on_demand: 8.0, spot: Some(2.0),
+            }]};
+            let r = cost(&jobs, &prices, &CostOptions::default());
+            #[allow(clippy::cast_precision_loss)]
+            let want: f64 = rows.iter().map(|(g, e)| *g as f64 * *e as f64 / 3600.0).sum();
+            proptest::prop_assert!((r.total.gpu_hours - want).abs() < 1e-6 * want.max(1.0));
+            // 1 per GPU-hour on demand at 8 per 8-GPU node hour.
+            proptest::prop_assert!((r.total.cost - want).abs() < 1e-6 * want.max(1.0));
+            let users: f64 = r.by_user.iter().map(|g| g.gpu_hours).sum();
+            proptest::prop_assert!((users - want).abs() < 1e-6 * want.max(1.0));
+        }
+    }
+}

@@ -1,0 +1,860 @@
+//! Evaluating a rule: its check, by name, over the inputs of its target
+//! kind. Each check returns where the setting is (or line 1 of the file
+//! when it is missing) and a message naming what was found.
+
+use keel_store::Bandwidth;
+
+use crate::catalogue::{Params, Rule};
+use crate::inputs::{EnvVar, GatewayInput, Input, Kind, NodeFacts, Sbatch, TomlDoc};
+use crate::slurm::{GresConf, RecordKind, SlurmConf};
+use crate::{cut, Location};
+
+/// What a review knows beyond its inputs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// The storage account's ingress limit, for the checkpoint cap rule.
+    pub storage_ingress: Option<Bandwidth>,
+}
+
+/// One place a rule failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub location: Location,
+    pub message: String,
+}
+
+/// A rule's result over all inputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// No input of the rule's kind was given.
+    NotApplicable,
+    Pass,
+    Fail(Vec<Failure>),
+}
+
+const CHECKS: &[&str] = &[
+    "slurm.set",
+    "slurm.min",
+    "slurm.one_of",
+    "slurm.none_of",
+    "slurm.set_when",
+    "slurm.finite",
+    "slurm.list_has",
+    "slurm.power_save_programs",
+    "slurm.preempt_requeue",
+    "slurm.gres_types",
+    "gres.autodetect",
+    "gateway.valid",
+    "gateway.auth",
+    "gateway.tls",
+    "gateway.backend_tls",
+    "gateway.jwks_https",
+    "gateway.set",
+    "gateway.unset",
+    "gateway.set_when",
+    "gateway.not_true",
+    "gateway.not_false",
+    "gateway.min",
+    "gateway.limits",
+    "gateway.quota",
+    "gateway.fallback",
+    "gateway.redundant",
+    "keel.set",
+    "sbatch.option",
+    "sbatch.runs",
+    "sbatch.ckpt_cap",
+    "env.hcoll_off",
+    "env.one_of",
+    "env.set",
+    "node.check",
+    "node.scratch",
+];
+
+/// Whether `check` names a check this crate implements.
+pub fn known_check(check: &str) -> bool {
+    CHECKS.contains(&check)
+}
+
+/// Evaluates `rule` over `inputs`.
+pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
+    let mut applied = false;
+    let mut failures = Vec::new();
+    let p = &rule.params;
+    match rule.target {
+        Kind::Env => {
+            let env_files: Vec<&EnvVar> = inputs
+                .iter()
+                .filter_map(|i| match i {
+                    Input::Env(v, _) => Some(v.iter()),
+                    _ => None,
+                })
+                .flatten()
+                .collect();
+            let first_env = inputs.iter().find_map(|i| match i {
+                Input::Env(_, f) => Some(f.as_str()),
+                _ => None,
+            });
+            let scripts: Vec<&Sbatch> = inputs
+                .iter()
+                .filter_map(|i| match i {
+                    Input::Sbatch(s) => Some(s),
+                    _ => None,
+                })
+                .collect();
+            if scripts.is_empty() {
+                if let Some(file) = first_env {
+                    applied = true;
+                    failures.extend(env_check(&rule.check, p, &env_files, None, file));
+                }
+            } else {
+                for s in scripts {
+                    applied = true;
+                    let mut env = env_files.clone();
+                    env.extend(s.exports.iter());
+                    failures.extend(env_check(&rule.check, p, &env, Some(s), &s.file));
+                }
+            }
+        }
+        _ => {
+            for input in inputs.iter().filter(|i| i.kind() == rule.target) {
+                applied = true;
+                let f = match input {
+                    Input::Slurm(c) => slurm_check(&rule.check, p, c),
+                    Input::Gres(g) => gres_check(&rule.check, g),
+                    Input::Gateway(g) => gateway_check(&rule.check, p, g),
+                    Input::Keel(d) => keel_check(&rule.check, p, d),
+                    Input::Sbatch(s) => sbatch_check(&rule.check, p, s, opts),
+                    Input::Node(n) => node_check(&rule.check, n),
+                    Input::Env(..) => Vec::new(),
+                };
+                failures.extend(f);
+            }
+        }
+    }
+    if !applied {
+        Outcome::NotApplicable
+    } else if failures.is_empty() {
+        Outcome::Pass
+    } else {
+        Outcome::Fail(failures)
+    }
+}
+
+fn fail(location: Location, message: String) -> Vec<Failure> {
+    vec![Failure { location, message }]
+}
+
+fn file_start(file: &str) -> Location {
+    Location {
+        file: file.to_owned(),
+        line: 1,
+    }
+}
+
+fn key_of(p: &Params) -> &str {
+    p.key.as_deref().unwrap_or("")
+}
+
+fn is_infinite(v: &str) -> bool {
+    ["INFINITE", "UNLIMITED", "-1", "NONE"]
+        .iter()
+        .any(|x| v.eq_ignore_ascii_case(x))
+}
+
+fn slurm_check(check: &str, p: &Params, c: &SlurmConf) -> Vec<Failure> {
+    let main = c.files.first().map_or("", String::as_str);
+    let key = key_of(p);
+    let entry = c.get(key);
+    let shown = |e: Option<&crate::slurm::Entry>| match e {
+        Some(e) => format!("{}={}", e.key, cut(&e.value)),
+        None => format!(
+            "{key} is not set{}",
+            p.default
+                .as_ref()
+                .map(|d| format!(" (default {d})"))
+                .unwrap_or_default()
+        ),
+    };
+    let loc = |e: Option<&crate::slurm::Entry>| {
+        e.map_or_else(|| file_start(main), |e| e.location.clone())
+    };
+    let value = entry.map(|e| e.value.as_str()).or(p.default.as_deref());
+    match check {
+        "slurm.set" => match entry {
+            Some(e) if !e.value.trim().is_empty() => Vec::new(),
+            _ => fail(loc(entry), format!("{key} is not set")),
+        },
+        "slurm.min" => {
+            let min = p.min.unwrap_or(1);
+            match value.map(str::trim) {
+                Some(v) if v.parse::<i64>().is_ok_and(|n| n >= min) => Vec::new(),
+                _ => fail(
+                    loc(entry),
+                    format!("{}: must be at least {min}", shown(entry)),
+                ),
+            }
+        }
+        "slurm.one_of" => match value {
+            Some(v) if p.values.iter().any(|x| x.eq_ignore_ascii_case(v.trim())) => Vec::new(),
+            _ => fail(
+                loc(entry),
+                format!("{}: expected {}", shown(entry), p.values.join(" or ")),
+            ),
+        },
+        "slurm.none_of" => {
+            let bad = value.is_some_and(|v| {
+                v.split(',')
+                    .all(|item| p.values.iter().any(|x| x.eq_ignore_ascii_case(item.trim())))
+            });
+            if bad {
+                fail(loc(entry), shown(entry))
+            } else {
+                Vec::new()
+            }
+        }
+        "slurm.set_when" => {
+            let Some(trigger) = p.when.iter().find_map(|w| c.get(w)) else {
+                return Vec::new();
+            };
+            match entry {
+                Some(e) if !e.value.trim().is_empty() => Vec::new(),
+                _ => fail(
+                    trigger.location.clone(),
+                    format!("{} is set but {key} is not", trigger.key),
+                ),
+            }
+        }
+        "slurm.finite" => match entry {
+            Some(e) if !is_infinite(e.value.trim()) && !e.value.trim().is_empty() => Vec::new(),
+            _ => fail(loc(entry), format!("{}: power saving is off", shown(entry))),
+        },
+        "slurm.list_has" => {
+            let has = entry.is_some_and(|e| {
+                e.value
+                    .split(',')
+                    .any(|item| p.values.iter().any(|x| item.trim().eq_ignore_ascii_case(x)))
+            });
+            if has {
+                Vec::new()
+            } else {
+                fail(
+                    loc(entry),
+                    format!("{}: lacks {}", shown(entry), p.values.join(" or ")),
+                )
+            }
+        }
+        "slurm.power_save_programs" => {
+            let Some(t) = c.get("SuspendTime") else {
+                return Vec::new();
+            };
+            if is_infinite(t.value.trim()) {
+                return Vec::new();
+            }
+            let missing: Vec<&str> = ["SuspendProgram", "ResumeProgram"]
+                .into_iter()
+                .filter(|k| c.get(k).is_none_or(|e| e.value.trim().is_empty()))
+                .collect();
+            if missing.is_empty() {
+                Vec::new()
+            } else {
+                fail(
+                    t.location.clone(),
+                    format!(
+                        "SuspendTime={} but {} not set",
+                        cut(&t.value),
+                        missing.join(" and ")
+                    ),
+                )
+            }
+        }
+        "slurm.preempt_requeue" => {
+            let Some(t) = c.get("PreemptType") else {
+                return Vec::new();
+            };
+            if t.value.trim().eq_ignore_ascii_case("preempt/none") {
+                return Vec::new();
+            }
+            let mode = c.get("PreemptMode");
+            let requeue = mode.is_some_and(|m| {
+                m.value
+                    .split(',')
+                    .any(|x| x.trim().eq_ignore_ascii_case("REQUEUE"))
+            });
+            if requeue {
+                Vec::new()
+            } else {
+                fail(
+                    mode.map_or_else(|| t.location.clone(), |m| m.location.clone()),
+                    format!(
+                        "PreemptType={} with PreemptMode={}",
+                        cut(&t.value),
+                        mode.map_or("OFF (default)".to_owned(), |m| cut(&m.value))
+                    ),
+                )
+            }
+        }
+        "slurm.gres_types" => {
+            let gpu_node = c.records(RecordKind::Node).find(|n| {
+                n.get("Gres")
+                    .is_some_and(|g| g.value.split(',').any(|x| x.trim().starts_with("gpu")))
+            });
+            let Some(node) = gpu_node else {
+                return Vec::new();
+            };
+            let has = c.get("GresTypes").is_some_and(|e| {
+                e.value
+                    .split(',')
+                    .any(|x| x.trim().eq_ignore_ascii_case("gpu"))
+            });
+            if has {
+                Vec::new()
+            } else {
+                fail(
+                    node.location.clone(),
+                    format!(
+                        "NodeName={} declares GPUs but GresTypes lacks gpu",
+                        cut(&node.name)
+                    ),
+                )
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn gres_check(check: &str, g: &GresConf) -> Vec<Failure> {
+    match check {
+        "gres.autodetect" => {
+            let nvml = g.lines.iter().any(|l| {
+                l.get("AutoDetect")
+                    .is_some_and(|e| e.value.trim().eq_ignore_ascii_case("nvml"))
+            });
+            if nvml {
+                Vec::new()
+            } else {
+                let at = g
+                    .lines
+                    .iter()
+                    .find_map(|l| l.get("AutoDetect"))
+                    .map_or_else(|| file_start(&g.file), |e| e.location.clone());
+                fail(at, "no AutoDetect=nvml".to_owned())
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The table and key of a dotted path: `traffic.health.enabled` is key
+/// `enabled` in `[traffic.health]`.
+fn split_path(path: &str) -> (&str, &str) {
+    path.rsplit_once('.').unwrap_or(("", path))
+}
+
+fn toml_loc(d: &TomlDoc, path: &str) -> Location {
+    let (table, key) = split_path(path);
+    d.location(table, 0, key)
+}
+
+fn loopback(hostport: &str) -> bool {
+    let host = match hostport.rsplit_once(':') {
+        Some((h, _)) => h,
+        None => hostport,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost" || host == "::1" || host.starts_with("127.")
+}
+
+fn url_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let authority = rest.split('/').next()?;
+    Some(authority.rsplit_once('@').map_or(authority, |(_, h)| h))
+}
+
+fn models(d: &TomlDoc) -> Vec<&toml::Table> {
+    d.get("models")
+        .and_then(|m| m.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_table()).collect())
+        .unwrap_or_default()
+}
+
+fn model_name(m: &toml::Table) -> String {
+    cut(m.get("name").and_then(|n| n.as_str()).unwrap_or("?"))
+}
+
+fn gateway_check(check: &str, p: &Params, g: &GatewayInput) -> Vec<Failure> {
+    let d = &g.doc;
+    let key = key_of(p);
+    match check {
+        "gateway.valid" => match &g.invalid {
+            None => Vec::new(),
+            Some(msg) => {
+                let line = msg
+                    .find("line ")
+                    .and_then(|i| {
+                        msg[i + 5..]
+                            .chars()
+                            .take_while(char::is_ascii_digit)
+                            .collect::<String>()
+                            .parse()
+                            .ok()
+                    })
+                    .unwrap_or(1);
+                fail(
+                    Location {
+                        file: d.file.clone(),
+                        line,
+                    },
+                    format!("keel serve refuses it: {msg}"),
+                )
+            }
+        },
+        "gateway.auth" => {
+            if d.get("auth.keys_file").is_some() || d.get("auth.jwt").is_some() {
+                Vec::new()
+            } else {
+                fail(
+                    d.location("auth", 0, "keys_file"),
+                    "neither auth.keys_file nor [auth.jwt] is set".to_owned(),
+                )
+            }
+        }
+        "gateway.tls" => {
+            let default = if key == "server" {
+                Some("127.0.0.1:8080")
+            } else {
+                None
+            };
+            let Some(listen) = d.str(&format!("{key}.listen")).or(default) else {
+                return Vec::new();
+            };
+            if loopback(listen) {
+                return Vec::new();
+            }
+            let has = d.get(&format!("{key}.tls_cert")).is_some()
+                && d.get(&format!("{key}.tls_key")).is_some();
+            if has {
+                Vec::new()
+            } else {
+                fail(
+                    d.location(key, 0, "listen"),
+                    format!(
+                        "{key}.listen = {} without tls_cert and tls_key",
+                        cut(listen)
+                    ),
+                )
+            }
+        }
+        "gateway.backend_tls" => {
+            let mut out = Vec::new();
+            let mut dep_index = 0usize;
+            for m in models(d) {
+                let deps = m
+                    .get("deployments")
+                    .and_then(|v| v.as_array())
+                    .cloned()
+                    .unwrap_or_default();
+                for dep in deps {
+                    let url = dep.get("url").and_then(|u| u.as_str()).unwrap_or("");
+                    if url.starts_with("http://") && !url_host(url).is_some_and(loopback) {
+                        out.push(Failure {
+                            location: d.location("models.deployments", dep_index, "url"),
+                            message: format!(
+                                "model {} deployment {} is plain http to {}",
+                                model_name(m),
+                                cut(dep.get("name").and_then(|n| n.as_str()).unwrap_or("?")),
+                                cut(url_host(url).unwrap_or(url))
+                            ),
+                        });
+                    }
+                    dep_index += 1;
+                }
+            }
+            out
+        }
+        "gateway.jwks_https" => match d.str("auth.jwt.jwks_url") {
+            Some(u) if !u.starts_with("https://") => fail(
+                toml_loc(d, "auth.jwt.jwks_url"),
+                format!("jwks_url {} is not https", cut(u)),
+            ),
+            _ => Vec::new(),
+        },
+        "gateway.set" => {
+            if d.get(key).is_some() {
+                Vec::new()
+            } else {
+                fail(toml_loc(d, key), format!("{key} is not set"))
+            }
+        }
+        "gateway.unset" => match d.get(key) {
+            Some(v) => fail(toml_loc(d, key), format!("{key} = {}", cut(&v.to_string()))),
+            None => Vec::new(),
+        },
+        "gateway.set_when" => {
+            if !p.when.iter().any(|w| d.get(w).is_some()) || d.get(key).is_some() {
+                Vec::new()
+            } else {
+                fail(
+                    toml_loc(d, &p.when[0]),
+                    format!("{} is set but {key} is not", p.when.join(" or ")),
+                )
+            }
+        }
+        "gateway.not_true" => match d.get(key).and_then(|v| v.as_bool()) {
+            Some(true) => fail(toml_loc(d, key), format!("{key} = true")),
+            _ => Vec::new(),
+        },
+        "gateway.not_false" => match d.get(key).and_then(|v| v.as_bool()) {
+            Some(false) => fail(toml_loc(d, key), format!("{key} = false")),
+            _ => Vec::new(),
+        },
+        "gateway.min" => {
+            let min = p.min.unwrap_or(1);
+            let v = d
+                .get(key)
+                .and_then(|v| v.as_integer())
+                .or_else(|| p.default.as_deref().and_then(|x| x.parse().ok()));
+            match v {
+                Some(n) if n >= min => Vec::new(),
+                other => fail(
+                    toml_loc(d, key),
+                    format!(
+                        "{key} = {}: must be at least {min}",
+                        other.map_or("?".to_owned(), |n| n.to_string())
+                    ),
+                ),
+            }
+        }
+        "gateway.limits" | "gateway.quota" => {
+            let fields: &[&str] = if check == "gateway.limits" {
+                &["requests_per_minute", "tokens_per_minute"]
+            } else {
+                &["tokens_per_day", "tokens_per_month"]
+            };
+            let has = fields
+                .iter()
+                .any(|f| d.get(&format!("limits.default.{f}")).is_some());
+            if has {
+                Vec::new()
+            } else {
+                fail(
+                    d.location("limits.default", 0, fields[0]),
+                    format!("limits.default sets neither {}", fields.join(" nor ")),
+                )
+            }
+        }
+        "gateway.fallback" => {
+            let mut out = Vec::new();
+            for (i, m) in models(d).into_iter().enumerate() {
+                let empty = m
+                    .get("fallback")
+                    .and_then(|f| f.as_array())
+                    .is_none_or(|a| a.is_empty());
+                if empty {
+                    out.push(Failure {
+                        location: d.location("models", i, "fallback"),
+                        message: format!("model {} has no fallback", model_name(m)),
+                    });
+                }
+            }
+            out
+        }
+        "gateway.redundant" => {
+            let mut out = Vec::new();
+            for (i, m) in models(d).into_iter().enumerate() {
+                let live = m
+                    .get("deployments")
+                    .and_then(|v| v.as_array())
+                    .map(|a| {
+                        a.iter()
+                            .filter(|dep| {
+                                dep.get("weight").and_then(|w| w.as_integer()).unwrap_or(1) > 0
+                            })
+                            .count()
+                    })
+                    .unwrap_or(0);
+                if live < 2 {
+                    out.push(Failure {
+                        location: d.location("models", i, "name"),
+                        message: format!(
+                            "model {} has {live} deployment{} with traffic",
+                            model_name(m),
+                            if live == 1 { "" } else { "s" }
+                        ),
+                    });
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn keel_check(check: &str, p: &Params, d: &TomlDoc) -> Vec<Failure> {
+    let key = key_of(p);
+    match check {
+        "keel.set" => {
+            if d.get(key).is_some() {
+                Vec::new()
+            } else {
+                fail(toml_loc(d, key), format!("{key} is not set"))
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The `keel ckpt push|watch` lines of a script.
+fn ckpt_lines(s: &Sbatch) -> Vec<&(u32, String)> {
+    s.commands
+        .iter()
+        .filter(|(_, l)| l.contains("keel ckpt push") || l.contains("keel ckpt watch"))
+        .collect()
+}
+
+fn flag_value<'a>(line: &'a str, flag: &str) -> Option<&'a str> {
+    let mut toks = line.split_whitespace();
+    while let Some(t) = toks.next() {
+        if t == flag {
+            return toks.next();
+        }
+        if let Some(v) = t.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            return Some(v);
+        }
+    }
+    None
+}
+
+fn directive_int(s: &Sbatch, option: &str) -> Option<u64> {
+    s.directive(option)
+        .and_then(|d| d.value.as_deref())
+        .and_then(|v| v.split('-').next())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn sbatch_check(check: &str, p: &Params, s: &Sbatch, opts: &Options) -> Vec<Failure> {
+    match check {
+        "sbatch.option" => {
+            let opt = p.option.as_deref().unwrap_or("");
+            if s.directive(opt).is_some() {
+                Vec::new()
+            } else {
+                fail(file_start(&s.file), format!("no #SBATCH --{opt}"))
+            }
+        }
+        "sbatch.runs" => {
+            let found = s
+                .commands
+                .iter()
+                .any(|(_, l)| p.values.iter().any(|v| l.contains(v.as_str())));
+            if found {
+                Vec::new()
+            } else {
+                fail(
+                    file_start(&s.file),
+                    format!("runs none of: {}", p.values.join(", ")),
+                )
+            }
+        }
+        "sbatch.ckpt_cap" => {
+            let env_cap = s
+                .exports
+                .iter()
+                .rev()
+                .find(|v| v.name == "KEEL_CKPT_CAP")
+                .map(|v| v.value.as_str());
+            let writers = directive_int(s, "nodes").unwrap_or(1)
+                * directive_int(s, "ntasks-per-node").unwrap_or(1);
+            let mut out = Vec::new();
+            for (line, text) in ckpt_lines(s) {
+                let at = Location {
+                    file: s.file.clone(),
+                    line: *line,
+                };
+                let Some(cap) = flag_value(text, "--cap").or(env_cap) else {
+                    out.push(Failure {
+                        location: at,
+                        message: "keel ckpt runs without --cap or KEEL_CKPT_CAP".to_owned(),
+                    });
+                    continue;
+                };
+                let parsed = match Bandwidth::parse(cap) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        out.push(Failure {
+                            location: at,
+                            message: format!("cap {}: {e}", cut(cap)),
+                        });
+                        continue;
+                    }
+                };
+                if let Some(ingress) = opts.storage_ingress {
+                    #[allow(clippy::cast_precision_loss)]
+                    let total = parsed.bits_per_sec() * writers as f64;
+                    if total >= ingress.bits_per_sec() {
+                        out.push(Failure {
+                            location: at,
+                            message: format!(
+                                "cap {} × {writers} writers = {:.0} Mbit/s, not below the ingress {:.0} Mbit/s",
+                                cut(cap),
+                                total / 1e6,
+                                ingress.bits_per_sec() / 1e6
+                            ),
+                        });
+                    }
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn env_check(
+    check: &str,
+    p: &Params,
+    env: &[&EnvVar],
+    script: Option<&Sbatch>,
+    file: &str,
+) -> Vec<Failure> {
+    let key = key_of(p);
+    let find = |name: &str| env.iter().rev().find(|v| v.name == name).copied();
+    match check {
+        "env.hcoll_off" => {
+            // Only where MPI launches the job: a script that starts its
+            // ranks without MPI (torchrun, srun without --mpi) loads no
+            // HCOLL. An environment file alone is taken as an MPI job's.
+            let uses_mpi = script.is_none_or(|s| {
+                s.commands.iter().any(|(_, l)| {
+                    l.split_whitespace().any(|t| {
+                        t == "mpirun"
+                            || t == "mpiexec"
+                            || t.ends_with("/mpirun")
+                            || t.starts_with("--mpi=")
+                    })
+                })
+            });
+            if !uses_mpi {
+                return Vec::new();
+            }
+            let var =
+                find("OMPI_MCA_coll_hcoll_enable").or_else(|| find("OMPI_MCA_COLL_HCOLL_ENABLE"));
+            if var.is_some_and(|v| v.value.trim() == "0") {
+                return Vec::new();
+            }
+            let on_mpirun = script.is_some_and(|s| {
+                s.commands.iter().any(|(_, l)| {
+                    let toks: Vec<&str> = l.split_whitespace().collect();
+                    toks.windows(3).any(|w| {
+                        (w[0] == "-mca" || w[0] == "--mca")
+                            && w[1] == "coll_hcoll_enable"
+                            && w[2] == "0"
+                    })
+                })
+            });
+            if on_mpirun {
+                return Vec::new();
+            }
+            match var {
+                Some(v) => fail(v.location.clone(), format!("{}={}", v.name, cut(&v.value))),
+                None => fail(
+                    file_start(file),
+                    "OMPI_MCA_coll_hcoll_enable is not 0".to_owned(),
+                ),
+            }
+        }
+        "env.one_of" => match find(key) {
+            Some(v) if p.values.iter().any(|x| x == v.value.trim()) => Vec::new(),
+            Some(v) => fail(
+                v.location.clone(),
+                format!(
+                    "{key}={}: expected {}",
+                    cut(&v.value),
+                    p.values.join(" or ")
+                ),
+            ),
+            None => fail(file_start(file), format!("{key} is not set")),
+        },
+        "env.set" => match find(key) {
+            Some(v) if !v.value.trim().is_empty() => Vec::new(),
+            _ => fail(file_start(file), format!("{key} is not set")),
+        },
+        _ => Vec::new(),
+    }
+}
+
+fn node_check(check: &str, n: &NodeFacts) -> Vec<Failure> {
+    let at = file_start(&n.file());
+    match check {
+        "node.check" => {
+            if n.check_status == "fail" {
+                let what = if n.failed_checks.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", cut(&n.failed_checks.join("; ")))
+                };
+                fail(at, format!("keel check fails{what}"))
+            } else {
+                Vec::new()
+            }
+        }
+        "node.scratch" => {
+            if n.scratch.is_empty() {
+                fail(
+                    at,
+                    "no file system on a local NVMe drive or RAID array is mounted".to_owned(),
+                )
+            } else {
+                Vec::new()
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inputs::{parse, Source};
+    use crate::slurm::FsLoader;
+
+    fn hcoll(script: &str) -> Outcome {
+        let mut diags = Vec::new();
+        let input = parse(
+            Source {
+                path: std::path::Path::new("job.sbatch"),
+                text: script,
+                kind: Kind::Sbatch,
+            },
+            &FsLoader,
+            &mut diags,
+        )
+        .expect("input");
+        let rule = crate::rules()
+            .into_iter()
+            .find(|r| r.id == "KEEL-PERF-001")
+            .expect("rule");
+        evaluate(&rule, &[input], &Options::default())
+    }
+
+    #[test]
+    fn hcoll_matters_only_where_mpi_launches() {
+        assert_eq!(
+            hcoll("#!/bin/bash\n#SBATCH -N2\nsrun torchrun train.py\n"),
+            Outcome::Pass
+        );
+        assert!(matches!(
+            hcoll("#!/bin/bash\n#SBATCH -N2\nmpirun -np 16 python train.py\n"),
+            Outcome::Fail(_)
+        ));
+        assert_eq!(
+            hcoll("#!/bin/bash\nmpirun -mca coll_hcoll_enable 0 -np 16 python train.py\n"),
+            Outcome::Pass
+        );
+        assert!(matches!(
+            hcoll(
+                "#!/bin/bash\nexport OMPI_MCA_coll_hcoll_enable=1\nsrun --mpi=pmix python t.py\n"
+            ),
+            Outcome::Fail(_)
+        ));
+    }
+}

@@ -1,0 +1,738 @@
+//! The inputs a review reads, told apart by name or content, each parsed
+//! without failing: keel's TOML files loosely (a review reports what the
+//! gateway's own validation says rather than stopping at it), sbatch
+//! scripts by their `#SBATCH` lines and `export`s, environment files as
+//! `KEY=VALUE` lines.
+
+use std::path::Path;
+
+use crate::slurm::{parse_gres_conf, parse_slurm_conf, GresConf, Loader, SlurmConf};
+use crate::{cut, Diagnostic, DiagnosticKind, Location};
+
+/// What kind of file an input is.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    Slurm,
+    Gres,
+    Gateway,
+    Keel,
+    Sbatch,
+    Env,
+    Node,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 7] = [
+        Kind::Slurm,
+        Kind::Gres,
+        Kind::Gateway,
+        Kind::Keel,
+        Kind::Sbatch,
+        Kind::Env,
+        Kind::Node,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Slurm => "slurm",
+            Kind::Gres => "gres",
+            Kind::Gateway => "gateway",
+            Kind::Keel => "keel",
+            Kind::Sbatch => "sbatch",
+            Kind::Env => "env",
+            Kind::Node => "node",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// A TOML document read loosely, with its text kept to find lines.
+#[derive(Debug, Clone)]
+pub struct TomlDoc {
+    pub file: String,
+    pub text: String,
+    pub value: toml::Table,
+}
+
+impl TomlDoc {
+    /// The value at a dotted path of table keys.
+    pub fn get(&self, path: &str) -> Option<&toml::Value> {
+        let mut parts = path.split('.');
+        let first = parts.next()?;
+        let mut v = self.value.get(first)?;
+        for p in parts {
+            v = v.get(p)?;
+        }
+        Some(v)
+    }
+
+    pub fn str(&self, path: &str) -> Option<&str> {
+        self.get(path).and_then(|v| v.as_str())
+    }
+
+    /// The line of `key` in table `table` (`""` for the root), the
+    /// `occurrence`-th time that table's header appears; else the header's
+    /// line; else 1.
+    pub fn line_of(&self, table: &str, occurrence: usize, key: &str) -> u32 {
+        toml_line(&self.text, table, occurrence, key)
+    }
+
+    pub fn location(&self, table: &str, occurrence: usize, key: &str) -> Location {
+        Location {
+            file: self.file.clone(),
+            line: self.line_of(table, occurrence, key),
+        }
+    }
+}
+
+fn header_name(line: &str) -> Option<String> {
+    let l = line.trim();
+    let inner = l
+        .strip_prefix("[[")
+        .and_then(|r| r.split_once("]]"))
+        .or_else(|| l.strip_prefix('[').and_then(|r| r.split_once(']')))?;
+    Some(
+        inner
+            .0
+            .split('.')
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join("."),
+    )
+}
+
+fn toml_line(text: &str, table: &str, occurrence: usize, key: &str) -> u32 {
+    let mut current = String::new();
+    let mut seen = 0usize;
+    let mut header_line = None;
+    let mut in_target = table.is_empty();
+    for (i, line) in text.lines().enumerate() {
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        if let Some(h) = header_name(line) {
+            current = h;
+            in_target = false;
+            if current == table {
+                if seen == occurrence {
+                    in_target = true;
+                    header_line = Some(n);
+                }
+                seen += 1;
+            }
+            continue;
+        }
+        if !in_target {
+            // A dotted key under a parent table: `[traffic]` then
+            // `health.enabled = false`.
+            if let Some(rest) = table.strip_prefix(&format!("{current}.")) {
+                let dotted = format!("{rest}.{key}");
+                if line_key(line).is_some_and(|k| k == dotted) {
+                    return n;
+                }
+            }
+            if current.is_empty() && !table.is_empty() {
+                let dotted = format!("{table}.{key}");
+                if line_key(line).is_some_and(|k| k == dotted) {
+                    return n;
+                }
+            }
+            continue;
+        }
+        if line_key(line).is_some_and(|k| k == key) {
+            return n;
+        }
+    }
+    header_line.unwrap_or(1)
+}
+
+fn line_key(line: &str) -> Option<String> {
+    let (k, _) = line.split_once('=')?;
+    let k = k.trim();
+    if k.is_empty() || k.starts_with('#') {
+        return None;
+    }
+    Some(
+        k.split('.')
+            .map(|p| p.trim().trim_matches('"'))
+            .collect::<Vec<_>>()
+            .join("."),
+    )
+}
+
+/// A gateway file: the loose document and what the gateway's own
+/// validation said of it.
+#[derive(Debug, Clone)]
+pub struct GatewayInput {
+    pub doc: TomlDoc,
+    /// `keel serve`'s error for this file, when it would refuse it.
+    pub invalid: Option<String>,
+}
+
+/// One `#SBATCH` option.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Directive {
+    /// The long name without dashes (`requeue`, `signal`, `time`); short
+    /// options are mapped to their long names where a rule reads them.
+    pub option: String,
+    pub value: Option<String>,
+    pub line: u32,
+}
+
+/// A variable set by an environment file or an sbatch script's `export`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvVar {
+    pub name: String,
+    pub value: String,
+    pub location: Location,
+}
+
+/// An sbatch script.
+#[derive(Debug, Clone)]
+pub struct Sbatch {
+    pub file: String,
+    pub directives: Vec<Directive>,
+    /// Logical lines (continuations joined) after the directives, with
+    /// their first line number.
+    pub commands: Vec<(u32, String)>,
+    pub exports: Vec<EnvVar>,
+}
+
+impl Sbatch {
+    pub fn directive(&self, option: &str) -> Option<&Directive> {
+        self.directives.iter().rev().find(|d| d.option == option)
+    }
+}
+
+/// What `keel review --node` learnt about the node it ran on (a JSON
+/// file of this shape can be reviewed too: `node:FILE`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeFacts {
+    /// 1.
+    pub version: u32,
+    pub host: String,
+    /// keel check's passive tier: `pass`, `warn`, `unknown` or `fail`.
+    pub check_status: String,
+    /// Checks that failed, as `id: detail`.
+    #[serde(default)]
+    pub failed_checks: Vec<String>,
+    /// Mount points of local NVMe drives or md RAID arrays.
+    #[serde(default)]
+    pub scratch: Vec<String>,
+}
+
+impl NodeFacts {
+    /// The name findings on this node are reported under.
+    pub fn file(&self) -> String {
+        format!("node:{}", self.host)
+    }
+}
+
+/// Local scratch mounts in /proc/mounts text: file systems on NVMe drives
+/// or md arrays.
+pub fn scratch_mounts(mounts: &str) -> Vec<String> {
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (src, dst) = (f.next()?, f.next()?);
+            (src.starts_with("/dev/nvme") || src.starts_with("/dev/md")).then(|| dst.to_owned())
+        })
+        .collect()
+}
+
+/// A parsed input.
+#[derive(Debug, Clone)]
+pub enum Input {
+    Slurm(SlurmConf),
+    Gres(GresConf),
+    Gateway(GatewayInput),
+    Keel(TomlDoc),
+    Sbatch(Sbatch),
+    Env(Vec<EnvVar>, String),
+    Node(NodeFacts),
+}
+
+impl Input {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Input::Slurm(_) => Kind::Slurm,
+            Input::Gres(_) => Kind::Gres,
+            Input::Gateway(_) => Kind::Gateway,
+            Input::Keel(_) => Kind::Keel,
+            Input::Sbatch(_) => Kind::Sbatch,
+            Input::Env(..) => Kind::Env,
+            Input::Node(_) => Kind::Node,
+        }
+    }
+
+    /// The main file it was read from.
+    pub fn file(&self) -> &str {
+        match self {
+            Input::Slurm(s) => s.files.first().map_or("", String::as_str),
+            Input::Gres(g) => &g.file,
+            Input::Gateway(g) => &g.doc.file,
+            Input::Keel(d) => &d.file,
+            Input::Sbatch(s) => &s.file,
+            Input::Env(_, f) => f,
+            Input::Node(n) => &n.host,
+        }
+    }
+}
+
+/// Tells an input's kind from its name, then its content.
+pub fn detect(path: &Path, text: &str) -> Option<Kind> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    if name == "gres.conf" {
+        return Some(Kind::Gres);
+    }
+    if name == "slurm.conf" {
+        return Some(Kind::Slurm);
+    }
+    if name == "node.json" {
+        return Some(Kind::Node);
+    }
+    if name == "keel.toml" {
+        return Some(Kind::Keel);
+    }
+    if name.ends_with(".toml") {
+        // A file that is not TOML is read as a gateway file, whose parse
+        // reports the line.
+        let Ok(table) = toml::from_str::<toml::Table>(text) else {
+            return Some(Kind::Gateway);
+        };
+        let keel_tables = ["check", "bench", "serve", "model"];
+        if !table.is_empty() && table.keys().all(|k| keel_tables.contains(&k.as_str())) {
+            return Some(Kind::Keel);
+        }
+        return Some(Kind::Gateway);
+    }
+    if text.lines().any(|l| l.trim_start().starts_with("#SBATCH")) {
+        return Some(Kind::Sbatch);
+    }
+    if name.ends_with(".env") || name == "environment" {
+        return Some(Kind::Env);
+    }
+    let lower = text.to_ascii_lowercase();
+    if name.ends_with(".conf")
+        && [
+            "clustername",
+            "slurmctldhost",
+            "nodename=",
+            "partitionname=",
+        ]
+        .iter()
+        .any(|k| lower.contains(k))
+    {
+        return Some(Kind::Slurm);
+    }
+    None
+}
+
+/// Everything needed to parse one input.
+#[derive(Debug, Clone, Copy)]
+pub struct Source<'a> {
+    pub path: &'a Path,
+    pub text: &'a str,
+    pub kind: Kind,
+}
+
+/// Parses one input. Problems become diagnostics; only a TOML file that is
+/// not TOML at all yields no input.
+pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) -> Option<Input> {
+    let file = src.path.display().to_string();
+    match src.kind {
+        Kind::Slurm => {
+            let mut c = parse_slurm_conf(src.path, src.text, loader);
+            diags.append(&mut c.diagnostics);
+            Some(Input::Slurm(c))
+        }
+        Kind::Gres => {
+            let mut g = parse_gres_conf(src.path, src.text);
+            diags.append(&mut g.diagnostics);
+            Some(Input::Gres(g))
+        }
+        Kind::Gateway | Kind::Keel => {
+            let value: toml::Table = match toml::from_str(src.text) {
+                Ok(v) => v,
+                Err(e) => {
+                    let line = e.span().map(|s| line_at(src.text, s.start)).unwrap_or(1);
+                    diags.push(Diagnostic::new(
+                        DiagnosticKind::Malformed,
+                        Location { file, line },
+                        format!("not TOML: {}", cut(e.message().trim_end())),
+                    ));
+                    return None;
+                }
+            };
+            let doc = TomlDoc {
+                file,
+                text: src.text.to_owned(),
+                value,
+            };
+            if src.kind == Kind::Keel {
+                keel_unknown_keys(&doc, diags);
+                return Some(Input::Keel(doc));
+            }
+            let base = src.path.parent().unwrap_or(Path::new("."));
+            let invalid = match keel_gateway::config::GatewayConfig::from_toml(src.text, base) {
+                Ok(_) => None,
+                Err(e) => {
+                    let msg = error_chain(&e);
+                    if msg.contains("(os error") {
+                        // A file the config names (a key, a certificate)
+                        // is not on this host: the review cannot tell
+                        // whether keel serve would accept it where it runs.
+                        diags.push(Diagnostic::new(
+                            DiagnosticKind::Include,
+                            Location {
+                                file: doc.file.clone(),
+                                line: 1,
+                            },
+                            format!("not checked here: {msg}"),
+                        ));
+                        return Some(Input::Gateway(GatewayInput { doc, invalid: None }));
+                    }
+                    if msg.contains("unknown field") {
+                        diags.push(Diagnostic::new(
+                            DiagnosticKind::UnknownKey,
+                            Location {
+                                file: doc.file.clone(),
+                                line: line_in_message(&msg).unwrap_or(1),
+                            },
+                            msg.clone(),
+                        ));
+                    }
+                    Some(msg)
+                }
+            };
+            Some(Input::Gateway(GatewayInput { doc, invalid }))
+        }
+        Kind::Sbatch => {
+            let s = parse_sbatch(&file, src.text);
+            Some(Input::Sbatch(s))
+        }
+        Kind::Env => Some(Input::Env(parse_env(&file, src.text, diags), file)),
+        Kind::Node => match serde_json::from_str::<NodeFacts>(src.text) {
+            Ok(n) => Some(Input::Node(n)),
+            Err(e) => {
+                diags.push(Diagnostic::new(
+                    DiagnosticKind::Malformed,
+                    Location {
+                        file,
+                        line: u32::try_from(e.line()).unwrap_or(1).max(1),
+                    },
+                    format!("not node facts: {}", cut(&e.to_string())),
+                ));
+                None
+            }
+        },
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+fn line_in_message(msg: &str) -> Option<u32> {
+    let rest = &msg[msg.find("line ")? + 5..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+fn line_at(text: &str, byte: usize) -> u32 {
+    let end = byte.min(text.len());
+    let mut b = end;
+    while !text.is_char_boundary(b) {
+        b -= 1;
+    }
+    u32::try_from(text[..b].matches('\n').count() + 1).unwrap_or(u32::MAX)
+}
+
+/// The keys keel's main config file accepts (docs/config.md).
+const KEEL_KEYS: &[(&str, &[&str])] = &[
+    (
+        "check",
+        &[
+            "sku",
+            "gpus",
+            "profile_file",
+            "gpu_snapshot",
+            "nvml_library",
+            "imds_endpoint",
+            "imds_timeout_ms",
+            "read_timeout_s",
+            "state_dir",
+            "prometheus_textfile",
+            "slurm_timeout_s",
+            "fail_closed",
+        ],
+    ),
+    ("bench", &["cuda_lib_dir"]),
+    ("serve", &["config", "listen", "keys_file"]),
+    (
+        "model",
+        &[
+            "db",
+            "artifact_store",
+            "actor",
+            "public_key",
+            "listen",
+            "serve_token_sha256",
+        ],
+    ),
+];
+
+fn keel_unknown_keys(doc: &TomlDoc, diags: &mut Vec<Diagnostic>) {
+    for (table, value) in &doc.value {
+        let Some((_, keys)) = KEEL_KEYS.iter().find(|(t, _)| t == table) else {
+            diags.push(Diagnostic::new(
+                DiagnosticKind::UnknownKey,
+                doc.location(table, 0, ""),
+                format!("unknown table {}", cut(table)),
+            ));
+            continue;
+        };
+        if let Some(t) = value.as_table() {
+            for k in t.keys() {
+                if !keys.contains(&k.as_str()) {
+                    diags.push(Diagnostic::new(
+                        DiagnosticKind::UnknownKey,
+                        doc.location(table, 0, k),
+                        format!("unknown key {table}.{}", cut(k)),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Lines with trailing-`\` continuations joined, each with its first line.
+fn shell_lines(text: &str) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    let mut current = String::new();
+    let mut start = None;
+    for (i, raw) in text.lines().enumerate() {
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        start.get_or_insert(n);
+        let t = raw.trim_end();
+        if let Some(body) = t.strip_suffix('\\') {
+            current.push_str(body);
+            current.push(' ');
+            continue;
+        }
+        current.push_str(t);
+        out.push((start.take().unwrap_or(n), std::mem::take(&mut current)));
+    }
+    if let Some(s) = start {
+        out.push((s, current));
+    }
+    out
+}
+
+/// Short sbatch options rules read, by their long names.
+const SHORT: &[(&str, &str)] = &[
+    ("t", "time"),
+    ("N", "nodes"),
+    ("n", "ntasks"),
+    ("p", "partition"),
+    ("J", "job-name"),
+    ("o", "output"),
+];
+
+fn parse_sbatch(file: &str, text: &str) -> Sbatch {
+    let mut s = Sbatch {
+        file: file.to_owned(),
+        directives: Vec::new(),
+        commands: Vec::new(),
+        exports: Vec::new(),
+    };
+    for (n, line) in shell_lines(text) {
+        let t = line.trim();
+        if let Some(rest) = t.strip_prefix("#SBATCH") {
+            for (opt, value) in sbatch_options(rest) {
+                s.directives.push(Directive {
+                    option: opt,
+                    value,
+                    line: n,
+                });
+            }
+            continue;
+        }
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("export ") {
+            for tok in rest.split_whitespace() {
+                if let Some((k, v)) = tok.split_once('=') {
+                    s.exports.push(EnvVar {
+                        name: k.to_owned(),
+                        value: v.trim_matches(['"', '\'']).to_owned(),
+                        location: Location {
+                            file: file.to_owned(),
+                            line: n,
+                        },
+                    });
+                }
+            }
+        }
+        s.commands.push((n, t.to_owned()));
+    }
+    s
+}
+
+fn sbatch_options(rest: &str) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    let mut toks = rest.split_whitespace().peekable();
+    while let Some(tok) = toks.next() {
+        if let Some(long) = tok.strip_prefix("--") {
+            match long.split_once('=') {
+                Some((k, v)) => out.push((k.to_owned(), Some(v.to_owned()))),
+                None => {
+                    let value = toks
+                        .peek()
+                        .filter(|v| !v.starts_with('-'))
+                        .map(|v| (*v).to_owned());
+                    if value.is_some() {
+                        toks.next();
+                    }
+                    out.push((long.to_owned(), value));
+                }
+            }
+        } else if let Some(short) = tok.strip_prefix('-') {
+            let (name, inline) = short.split_at(short.chars().next().map_or(0, char::len_utf8));
+            let value = if inline.is_empty() {
+                let v = toks
+                    .peek()
+                    .filter(|v| !v.starts_with('-'))
+                    .map(|v| (*v).to_owned());
+                if v.is_some() {
+                    toks.next();
+                }
+                v
+            } else {
+                Some(inline.trim_start_matches('=').to_owned())
+            };
+            let long = SHORT
+                .iter()
+                .find(|(s, _)| *s == name)
+                .map_or(name, |(_, l)| *l);
+            out.push((long.to_owned(), value));
+        } else {
+            // `#SBATCH` comments end at the first word that is not an
+            // option.
+            break;
+        }
+    }
+    out
+}
+
+fn parse_env(file: &str, text: &str, diags: &mut Vec<Diagnostic>) -> Vec<EnvVar> {
+    let mut vars = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        let t = raw.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        let t = t.strip_prefix("export ").unwrap_or(t).trim();
+        let loc = Location {
+            file: file.to_owned(),
+            line: n,
+        };
+        match t.split_once('=') {
+            Some((k, v))
+                if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+            {
+                vars.push(EnvVar {
+                    name: k.to_owned(),
+                    value: v.trim_matches(['"', '\'']).to_owned(),
+                    location: loc,
+                });
+            }
+            _ => diags.push(Diagnostic::new(
+                DiagnosticKind::Malformed,
+                loc,
+                // The line is not repeated: an environment file can hold
+                // secrets.
+                "expected NAME=VALUE".to_owned(),
+            )),
+        }
+    }
+    vars
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_lines_follow_tables_and_arrays_of_tables() {
+        let text = "[server]\nlisten = \"0.0.0.0:80\"\n[traffic]\nhealth.enabled = false\n[[models]]\nname = \"a\"\n[[models]]\nname = \"b\"\nfallback = []\n";
+        assert_eq!(toml_line(text, "server", 0, "listen"), 2);
+        assert_eq!(toml_line(text, "traffic.health", 0, "enabled"), 4);
+        assert_eq!(toml_line(text, "models", 1, "fallback"), 9);
+        assert_eq!(toml_line(text, "models", 0, "fallback"), 5);
+        assert_eq!(toml_line(text, "audit", 0, "path"), 1);
+    }
+
+    #[test]
+    fn a_toml_file_that_is_not_toml_is_reported_with_its_line() {
+        let path = Path::new("gw.toml");
+        let text = "[server]\nlisten = \"127.0.0.1:80\"\nworkers = = 2\n";
+        let kind = detect(path, text).expect("kind");
+        let mut diags = Vec::new();
+        let input = parse(
+            Source { path, text, kind },
+            &crate::slurm::FsLoader,
+            &mut diags,
+        );
+        assert!(input.is_none());
+        assert_eq!(diags.len(), 1);
+        assert_eq!(diags[0].kind, DiagnosticKind::Malformed);
+        assert_eq!(diags[0].location.line, 3);
+    }
+
+    #[test]
+    fn sbatch_directives_short_and_long() {
+        let s = parse_sbatch(
+            "job.sh",
+            "#!/bin/bash\n#SBATCH -t 01:00:00 --requeue\n#SBATCH --signal=B:USR1@120\n#SBATCH -N2 # two nodes\nexport A=1 \\\n  B=\"2\"\nsrun x\n",
+        );
+        let got: Vec<_> = s
+            .directives
+            .iter()
+            .map(|d| (d.option.as_str(), d.value.as_deref(), d.line))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("time", Some("01:00:00"), 2),
+                ("requeue", None, 2),
+                ("signal", Some("B:USR1@120"), 3),
+                ("nodes", Some("2"), 4),
+            ]
+        );
+        let e: Vec<_> = s
+            .exports
+            .iter()
+            .map(|v| (v.name.as_str(), v.value.as_str(), v.location.line))
+            .collect();
+        assert_eq!(e, vec![("A", "1", 5), ("B", "2", 5)]);
+    }
+}
