@@ -22,6 +22,7 @@ pub mod batch;
 pub mod body;
 pub mod clock;
 pub mod config;
+pub mod conn;
 pub mod digits;
 pub mod error;
 pub mod fnv;

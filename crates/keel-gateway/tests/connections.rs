@@ -1,0 +1,169 @@
+//! What a client connection may hold and for how long: the connection cap,
+//! the head's size, and the write and idle timeouts.
+
+mod common;
+
+use std::io::{BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn one_backend(dir: &std::path::Path, b: &TestBackend, server: &str, extra: &str) -> String {
+    format!(
+        "{}{extra}{}",
+        head(dir).replace("[server]\n", &format!("[server]\n{server}\n")),
+        model("chat", "", &[("blue", b.url(), 1)])
+    )
+}
+
+/// A raw connection that gives up reading after 5 s.
+fn raw(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    s
+}
+
+/// Everything the server sends until it closes (or 5 s pass).
+fn read_all(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Sends `request` on a new connection and returns what comes back.
+fn send(addr: SocketAddr, request: &[u8]) -> String {
+    let mut s = raw(addr);
+    s.write_all(request).expect("write");
+    read_all(&mut s)
+}
+
+fn post_head(path: &str, key: &str, len: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+    )
+}
+
+#[test]
+fn a_request_head_longer_than_max_header_bytes_is_431() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    // The default, 32 KiB.
+    let g = Running::start(dir.path(), &one_backend(dir.path(), &b, "", ""));
+    let fits = format!(
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nx-pad: {}\r\nConnection: close\r\n\r\n",
+        "a".repeat(16 << 10)
+    );
+    assert!(send(g.public, fits.as_bytes()).starts_with("HTTP/1.1 200"));
+    // A head not finished within the buffer: exactly 32 KiB of it, so
+    // that the gateway has read all that was sent when it answers.
+    let mut long = b"GET /healthz HTTP/1.1\r\nHost: x\r\nx-pad: ".to_vec();
+    long.resize(32 << 10, b'a');
+    let out = send(g.public, &long);
+    assert!(out.starts_with("HTTP/1.1 431"), "{out:?}");
+    g.stop();
+}
+
+#[test]
+fn connections_beyond_max_connections_are_answered_503_and_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(dir.path(), &b, "max_connections = 3", "")
+        .replace("header_timeout_ms = 500", "header_timeout_ms = 20000");
+    let g = Running::start(dir.path(), &cfg);
+    let mut held: Vec<TcpStream> = (0..3).map(|_| raw(g.public)).collect();
+    let mut over = raw(g.public);
+    let out = read_all(&mut over);
+    assert!(out.starts_with("HTTP/1.1 503"), "{out:?}");
+    assert!(out.contains("retry-after: 1"), "{out:?}");
+    // The held connections are served; one that closes frees its place.
+    held[0]
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .expect("write");
+    assert!(read_all(&mut held[0]).starts_with("HTTP/1.1 200"));
+    held.remove(0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let out = send(
+            g.public,
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        if out.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(out.starts_with("HTTP/1.1 503"), "{out:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the closed connection's place never came back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Each listener has its own places: admin still answers.
+    assert_eq!(
+        http::get(g.admin, "/admin/status", ADMIN_TOKEN)
+            .expect("admin")
+            .status,
+        200
+    );
+    drop(held);
+    g.stop();
+}
+
+#[test]
+fn a_client_that_does_not_read_its_response_is_cut_off_after_write_timeout_ms() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 16 MB of completion: more than the sockets' buffers hold.
+    let b = TestBackend::start(&["--tokens", "4000000"]);
+    let cfg = one_backend(dir.path(), &b, "write_timeout_ms = 300", "");
+    let g = Running::start(dir.path(), &cfg);
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000000}).to_string();
+    let mut s = raw(g.public);
+    let mut req = post_head("/v1/chat/completions", &key, body.len()).into_bytes();
+    req.extend_from_slice(body.as_bytes());
+    s.write_all(&req).expect("write");
+    std::thread::sleep(Duration::from_secs(3));
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let head = String::from_utf8_lossy(&got[..got.len().min(400)]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        got.len() < 16_000_000,
+        "the whole response waited for the client ({} bytes)",
+        got.len()
+    );
+    // The next client is served as usual.
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 200);
+    g.stop();
+}
+
+#[test]
+fn a_kept_alive_connection_is_closed_after_idle_timeout_ms() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(dir.path(), &b, "idle_timeout_ms = 300", "")
+        .replace("header_timeout_ms = 500", "header_timeout_ms = 5000");
+    let g = Running::start(dir.path(), &cfg);
+    // A new connection waits for its first request as long as a head may
+    // take (header_timeout_ms), not the idle timeout.
+    let mut s = raw(g.public);
+    std::thread::sleep(Duration::from_millis(900));
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write");
+    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    assert_eq!(http::read_response(&mut r).expect("served").status, 200);
+    // Kept alive after it, the connection is closed once idle for 300 ms.
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    let n = r.read_to_end(&mut rest).expect("closed, not timed out");
+    assert_eq!(n, 0);
+    let idle = t.elapsed();
+    assert!(
+        idle >= Duration::from_millis(250) && idle < Duration::from_secs(3),
+        "closed after {idle:?}"
+    );
+    g.stop();
+}
