@@ -1,7 +1,7 @@
 //! What one client connection may hold, and for how long: its socket
 //! wrapped with read and write deadlines (`Guarded`), and its service
-//! wrapped so that the deadlines know whether a request is in flight
-//! (`ConnService`).
+//! wrapped so that the deadlines know whether a request is in flight and
+//! an HTTP/1.1 request without exactly one `Host` is refused (`ConnService`).
 //!
 //! Deadlines on the read side follow the connection's phase: a request
 //! head must arrive within the header timeout (from the connection's start,
@@ -22,13 +22,14 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Request, Response, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
 use crate::body::GwBody;
+use crate::error::ApiError;
 
 /// The deadlines of one connection.
 #[derive(Debug, Clone, Copy)]
@@ -291,7 +292,8 @@ impl Body for Tracked {
 }
 
 /// One connection's service: counts its requests in flight for the
-/// deadlines.
+/// deadlines and refuses an HTTP/1.1 request without exactly one `Host`
+/// header (RFC 9112, section 3.2) with 400.
 #[derive(Debug, Clone)]
 pub struct ConnService<S> {
     inner: S,
@@ -301,6 +303,13 @@ pub struct ConnService<S> {
 impl<S> ConnService<S> {
     pub fn new(inner: S, in_flight: InFlight) -> Self {
         Self { inner, in_flight }
+    }
+}
+
+fn host_ok<B>(req: &Request<B>) -> bool {
+    req.version() != Version::HTTP_11 || {
+        let mut hosts = req.headers().get_all(http::header::HOST).iter();
+        hosts.next().is_some() && hosts.next().is_none()
     }
 }
 
@@ -319,17 +328,29 @@ where
 
     fn call(&mut self, req: Request<hyper::body::Incoming>) -> Self::Future {
         let busy = Some(self.in_flight.enter());
+        if !host_ok(&req) {
+            let refused =
+                ApiError::bad_request("an HTTP/1.1 request needs exactly one Host header")
+                    .into_response();
+            return ConnFuture {
+                inner: None,
+                refused: Some(refused),
+                busy,
+            };
+        }
         ConnFuture {
-            inner: self.inner.call(req),
+            inner: Some(self.inner.call(req)),
+            refused: None,
             busy,
         }
     }
 }
 
-/// The inner service's answer, its body tracked.
+/// The inner service's answer (or the refusal), its body tracked.
 #[derive(Debug)]
 pub struct ConnFuture<F> {
-    inner: F,
+    inner: Option<F>,
+    refused: Option<Response<GwBody>>,
     busy: Option<Busy>,
 }
 
@@ -341,11 +362,37 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let resp = match ready!(Pin::new(&mut this.inner).poll(cx)) {
-            Ok(r) => r,
-            Err(never) => match never {},
+        let resp = match (this.refused.take(), &mut this.inner) {
+            (Some(r), _) => r,
+            (None, Some(f)) => match ready!(Pin::new(f).poll(cx)) {
+                Ok(r) => r,
+                Err(never) => match never {},
+            },
+            // Polled again after it was ready: it never is again.
+            (None, None) => return Poll::Pending,
         };
+        this.inner = None;
         let busy = this.busy.take();
         Poll::Ready(Ok(resp.map(|body| Tracked { body, _busy: busy })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http11_needs_exactly_one_host() {
+        let req = |v: Version, hosts: &[&str]| {
+            let mut b = Request::builder().version(v).uri("/");
+            for h in hosts {
+                b = b.header(http::header::HOST, *h);
+            }
+            b.body(()).expect("request")
+        };
+        assert!(host_ok(&req(Version::HTTP_11, &["a"])));
+        assert!(!host_ok(&req(Version::HTTP_11, &[])));
+        assert!(!host_ok(&req(Version::HTTP_11, &["a", "b"])));
+        assert!(host_ok(&req(Version::HTTP_10, &[])));
     }
 }

@@ -1,5 +1,5 @@
 //! What a client connection may hold and for how long: the connection cap,
-//! the head's size, and the write and idle timeouts.
+//! the head's size, the write and idle timeouts, and the `Host` rule.
 
 mod common;
 
@@ -44,6 +44,46 @@ fn post_head(path: &str, key: &str, len: usize) -> String {
     format!(
         "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
     )
+}
+
+#[test]
+fn http11_requests_without_exactly_one_host_are_400() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let g = Running::start(dir.path(), &one_backend(dir.path(), &b, "", ""));
+    let status = |addr, req: &str| {
+        let out = send(addr, req.as_bytes());
+        out.lines().next().unwrap_or("").to_owned()
+    };
+    let public = g.public;
+    assert_eq!(
+        status(
+            public,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        ),
+        "HTTP/1.1 200 OK"
+    );
+    assert_eq!(
+        status(public, "GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"),
+        "HTTP/1.1 400 Bad Request"
+    );
+    assert_eq!(
+        status(
+            public,
+            "GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n"
+        ),
+        "HTTP/1.1 400 Bad Request"
+    );
+    assert_eq!(
+        status(public, "GET /healthz HTTP/1.0\r\n\r\n"),
+        "HTTP/1.0 200 OK",
+        "HTTP/1.0 has no Host requirement"
+    );
+    let admin = format!(
+        "GET /admin/status HTTP/1.1\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nConnection: close\r\n\r\n"
+    );
+    assert_eq!(status(g.admin, &admin), "HTTP/1.1 400 Bad Request");
+    g.stop();
 }
 
 #[test]
