@@ -40,6 +40,7 @@ pub struct FileConfig {
 pub struct FileServer {
     pub listen: Option<SocketAddr>,
     pub max_body_bytes: Option<usize>,
+    pub max_body_bytes_in_flight: Option<usize>,
     pub max_connections: Option<usize>,
     pub max_header_bytes: Option<usize>,
     pub header_timeout_ms: Option<u64>,
@@ -231,6 +232,9 @@ pub struct GatewayConfig {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
+    /// Request and non-streamed response bodies held at once, across the
+    /// gateway; a body that would go over gets 503.
+    pub max_body_bytes_in_flight: usize,
     /// Open connections per listener; more are answered 503 and closed.
     pub max_connections: usize,
     /// A connection's read (request head) and write buffer (hyper's
@@ -503,6 +507,7 @@ impl GatewayConfig {
                 .listen
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
             max_body_bytes: f.server.max_body_bytes.unwrap_or(4 << 20),
+            max_body_bytes_in_flight: f.server.max_body_bytes_in_flight.unwrap_or(64 << 20),
             max_connections: f.server.max_connections.unwrap_or(1024),
             max_header_bytes: f.server.max_header_bytes.unwrap_or(32 << 10),
             header_timeout_ms: f.server.header_timeout_ms.unwrap_or(10_000),
@@ -524,6 +529,16 @@ impl GatewayConfig {
             return bad(
                 "server.workers must be between 1 and 1024 (leave it out for one per CPU)".into(),
             );
+        }
+        if server.max_body_bytes == 0 {
+            return bad("server.max_body_bytes must be at least 1".into());
+        }
+        if server.max_body_bytes_in_flight < server.max_body_bytes {
+            return bad(format!(
+                "server.max_body_bytes_in_flight ({}) must be at least server.max_body_bytes ({}): \
+                 a body of the largest size allowed could never be read",
+                server.max_body_bytes_in_flight, server.max_body_bytes
+            ));
         }
         if server.max_connections == 0 {
             return bad("server.max_connections must be at least 1".into());
@@ -1058,45 +1073,33 @@ url = "http://127.0.0.1:8002/prefix"
             "server.workers",
         );
         for (line, expect) in [
-            (
-                "max_connections = 0",
-                "server.max_connections must be at least 1",
-            ),
+            ("max_connections = 0", "server.max_connections must be at least 1"),
             (
                 "max_header_bytes = 4096",
                 "server.max_header_bytes must be from 8192 to 1048576, not 4096",
             ),
             (
-                "write_timeout_ms = 0",
-                "server.write_timeout_ms must be at least 1",
+                "max_body_bytes_in_flight = 1000",
+                "server.max_body_bytes_in_flight (1000) must be at least server.max_body_bytes (4194304)",
             ),
-            (
-                "idle_timeout_ms = 0",
-                "server.idle_timeout_ms must be at least 1",
-            ),
-            (
-                "header_timeout_ms = 0",
-                "server.header_timeout_ms must be at least 1",
-            ),
-            (
-                "max_connections = -1",
-                "key server.max_connections: invalid value",
-            ),
+            ("max_body_bytes = 0", "server.max_body_bytes must be at least 1"),
+            ("write_timeout_ms = 0", "server.write_timeout_ms must be at least 1"),
+            ("idle_timeout_ms = 0", "server.idle_timeout_ms must be at least 1"),
+            ("header_timeout_ms = 0", "server.header_timeout_ms must be at least 1"),
+            ("max_connections = -1", "key server.max_connections: invalid value"),
         ] {
-            check(
-                &EXAMPLE.replace("[server]\n", &format!("[server]\n{line}\n")),
-                expect,
-            );
+            check(&EXAMPLE.replace("[server]\n", &format!("[server]\n{line}\n")), expect);
         }
         let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/")).expect("valid");
         assert_eq!(
             (
                 c.server.max_connections,
                 c.server.max_header_bytes,
+                c.server.max_body_bytes_in_flight,
                 c.server.idle_timeout_ms,
                 c.server.write_timeout_ms
             ),
-            (1024, 32 << 10, 30_000, 30_000)
+            (1024, 32 << 10, 64 << 20, 30_000, 30_000)
         );
         let c = GatewayConfig::from_toml(
             &EXAMPLE.replace("[server]\n", "[server]\nworkers = 2\n"),

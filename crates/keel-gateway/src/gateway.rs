@@ -14,6 +14,7 @@ use serde_json::{json, Map, Value};
 use crate::audit::AuditLog;
 use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
+use crate::budget::{BodyBudget, BodyPermit};
 use crate::clock::{rfc3339, Clock, Stamp};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
 use crate::error::{ApiError, GatewayError};
@@ -128,6 +129,8 @@ struct Inner {
     reload_lock: tokio::sync::Mutex<()>,
     /// Stream and mirror tasks still running.
     tasks: std::sync::atomic::AtomicUsize,
+    /// Request and non-streamed response body bytes held now.
+    bodies: BodyBudget,
 }
 
 /// Counts a background task from spawn to end.
@@ -498,14 +501,27 @@ enum BodyError {
     TooLarge,
     Timeout,
     Broken,
+    /// The gateway's body budget has no room.
+    Budget,
 }
 
+/// Where a request body's bytes are counted: the gateway's budget and its
+/// limit (`server.max_body_bytes_in_flight`).
+struct BodyRoom<'a> {
+    budget: &'a BodyBudget,
+    limit: usize,
+}
+
+/// Reads a request body of at most `limit` bytes within `timeout`,
+/// counting it in the body budget: a declared length is taken from the
+/// budget before a byte is read, a body without one as it arrives.
 async fn read_body(
     body: Incoming,
     headers: &HeaderMap,
     limit: usize,
     timeout: Duration,
-) -> Result<Bytes, ApiError> {
+    room: BodyRoom<'_>,
+) -> Result<(Bytes, BodyPermit), ApiError> {
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -513,9 +529,20 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large(limit));
     }
-    match read_limited(body, limit, timeout).await {
-        Ok(b) => Ok(b),
+    let declared = declared.map_or(0, |n| n as usize);
+    let Some(mut permit) = room.budget.take(declared, room.limit) else {
+        return Err(no_room());
+    };
+    let read = tokio::time::timeout(
+        timeout,
+        collect_limited(body, limit, Some((&mut permit, room.limit))),
+    )
+    .await
+    .unwrap_or(Err(BodyError::Timeout));
+    match read {
+        Ok(b) => Ok((b, permit)),
         Err(BodyError::TooLarge) => Err(too_large(limit)),
+        Err(BodyError::Budget) => Err(no_room()),
         Err(BodyError::Timeout) => Err(ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "invalid_request_error",
@@ -523,6 +550,14 @@ async fn read_body(
         )),
         Err(BodyError::Broken) => Err(ApiError::bad_request("the request body could not be read")),
     }
+}
+
+/// 503: the bodies in flight fill `server.max_body_bytes_in_flight`.
+fn no_room() -> ApiError {
+    ApiError::unavailable(
+        "the gateway holds as many request and response bytes as it may; retry later",
+        Some(1),
+    )
 }
 
 fn no_such_model(name: &str) -> ApiError {
@@ -541,20 +576,28 @@ async fn read_limited<B>(body: B, limit: usize, timeout: Duration) -> Result<Byt
 where
     B: http_body::Body<Data = Bytes>,
 {
-    tokio::time::timeout(timeout, collect_limited(body, limit))
+    tokio::time::timeout(timeout, collect_limited(body, limit, None))
         .await
         .unwrap_or(Err(BodyError::Timeout))
 }
 
 /// A whole body of at most `limit` bytes; one that came in one piece (the
-/// usual case) is passed on as it is, without a copy.
-async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+/// usual case) is passed on as it is, without a copy. With a permit, bytes
+/// beyond what it holds are taken from the budget as they arrive.
+async fn collect_limited<B>(
+    body: B,
+    limit: usize,
+    mut permit: Option<(&mut BodyPermit, usize)>,
+) -> Result<Bytes, BodyError>
 where
     B: http_body::Body<Data = Bytes>,
 {
     if body.size_hint().lower() > limit as u64 {
         return Err(BodyError::TooLarge);
     }
+    // A declared length (at most `limit`, checked above) sizes the buffer
+    // once, so a body in pieces is not copied again as it grows.
+    let exact = body.size_hint().exact().map(|n| n as usize);
     let mut body = std::pin::pin!(body);
     let mut first: Option<Bytes> = None;
     let mut more: Option<bytes::BytesMut> = None;
@@ -567,10 +610,17 @@ where
         if total > limit {
             return Err(BodyError::TooLarge);
         }
+        if let Some((p, room)) = &mut permit {
+            if total > p.held() && !p.grow(total - p.held(), *room) {
+                return Err(BodyError::Budget);
+            }
+        }
         if let Some(m) = &mut more {
             m.extend_from_slice(&data);
         } else if let Some(f) = first.take() {
-            let mut m = bytes::BytesMut::with_capacity(total.max(f.len() * 2));
+            let mut m = bytes::BytesMut::with_capacity(
+                exact.map_or(total.max(f.len() * 2), |n| n.max(total)),
+            );
             m.extend_from_slice(&f);
             m.extend_from_slice(&data);
             more = Some(m);
@@ -693,6 +743,7 @@ impl Gateway {
                 access_sink: opts.access_sink.map(AccessSinkBox),
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
+                bodies: BodyBudget::default(),
             }),
         };
         gw.start_background();
@@ -865,7 +916,16 @@ impl Gateway {
             })
             .collect();
         b.sort();
-        self.inner.metrics.render(&b)
+        let mut out = self.inner.metrics.render(&b);
+        out.push_str(
+            "# HELP keel_body_bytes_in_flight Request and response body bytes the gateway holds.\n\
+             # TYPE keel_body_bytes_in_flight gauge\n",
+        );
+        out.push_str(&format!(
+            "keel_body_bytes_in_flight {}\n",
+            self.inner.bodies.held()
+        ));
+        out
     }
 
     /// Models, deployments and backend states, for the admin API.
@@ -1203,6 +1263,13 @@ impl Gateway {
         }
     }
 
+    fn body_room<'a>(&'a self, gen: &Generation) -> BodyRoom<'a> {
+        BodyRoom {
+            budget: &self.inner.bodies,
+            limit: gen.cfg.server.max_body_bytes_in_flight,
+        }
+    }
+
     async fn settle(&self, res: Option<&Reservation>, actual: u64) {
         if let Some(r) = res {
             if let Err(e) = self.inner.limiter.settle(r, actual).await {
@@ -1224,11 +1291,12 @@ impl Gateway {
     ) -> Result<(Response<GwBody>, bool), Fail> {
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
-        let bytes = read_body(
+        let (bytes, _held) = read_body(
             body,
             &parts.headers,
             s.max_body_bytes,
             Duration::from_millis(s.body_timeout_ms),
+            self.body_room(gen),
         )
         .await?;
         let (body, parsed) = request::parse_openai(&bytes, request::prompt_field(&route))
@@ -1347,10 +1415,18 @@ impl Gateway {
             (true, Some(u)) => self.settle(reservation, u.total()).await,
             (true, None) => {}
         }
+        let Some(held) = self
+            .inner
+            .bodies
+            .take(bytes.len(), gen.cfg.server.max_body_bytes_in_flight)
+        else {
+            ctx.error = Some("the backend's response does not fit in the body budget".into());
+            return Err(no_room().into());
+        };
         if gen.cfg.audit.include_content {
             ctx.response_body = Some(bytes.clone());
         }
-        let mut r = Response::new(GwBody::full(bytes));
+        let mut r = Response::new(GwBody::held(bytes, held));
         *r.status_mut() = parts.status;
         // Room for the headers the gateway adds (id, model, deployment,
         // six rate-limit headers) without growing.
@@ -1490,16 +1566,18 @@ impl Gateway {
         let model = model.ok_or_else(|| no_such_model(&m.name))?;
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
-        let bytes = if action == "/infer" {
-            read_body(
+        let (bytes, _held) = if action == "/infer" {
+            let (b, held) = read_body(
                 body,
                 &parts.headers,
                 s.max_body_bytes,
                 Duration::from_millis(s.body_timeout_ms),
+                self.body_room(gen),
             )
-            .await?
+            .await?;
+            (b, Some(held))
         } else {
-            Bytes::new()
+            (Bytes::new(), None)
         };
         if action == "/infer"
             && serde_json::from_slice::<Value>(&bytes)

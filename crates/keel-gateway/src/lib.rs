@@ -20,6 +20,7 @@ pub mod audit;
 pub mod auth;
 pub mod batch;
 pub mod body;
+pub mod budget;
 pub mod clock;
 pub mod config;
 pub mod conn;

@@ -1,5 +1,6 @@
 //! What a client connection may hold and for how long: the connection cap,
-//! the head's size, the write and idle timeouts, and the `Host` rule.
+//! the body budget, the request checks made before a body is read, the
+//! head's size, the write and idle timeouts, and the `Host` rule.
 
 mod common;
 
@@ -38,6 +39,17 @@ fn send(addr: SocketAddr, request: &[u8]) -> String {
     let mut s = raw(addr);
     s.write_all(request).expect("write");
     read_all(&mut s)
+}
+
+/// A chat request of exactly `len` bytes.
+fn chat_of(len: usize) -> Vec<u8> {
+    let empty =
+        json!({"model": "chat", "messages": [{"role": "user", "content": ""}], "max_tokens": 8})
+            .to_string();
+    let v = json!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(len - empty.len())}], "max_tokens": 8});
+    let b = v.to_string().into_bytes();
+    assert_eq!(b.len(), len);
+    b
 }
 
 fn post_head(path: &str, key: &str, len: usize) -> String {
@@ -148,6 +160,79 @@ fn connections_beyond_max_connections_are_answered_503_and_closed() {
         200
     );
     drop(held);
+    g.stop();
+}
+
+#[test]
+fn bodies_beyond_max_body_bytes_in_flight_are_503() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&["--tokens", "50000"]);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "max_body_bytes = 100000\nmax_body_bytes_in_flight = 150000",
+        "",
+    )
+    .replace("body_timeout_ms = 500", "body_timeout_ms = 20000");
+    let g = Running::start(dir.path(), &cfg);
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    let post = |body: &[u8]| {
+        let mut r = post_head("/v1/chat/completions", &key, body.len()).into_bytes();
+        r.extend_from_slice(body);
+        send(g.public, &r)
+    };
+    // One client declares 100,000 bytes and sends a few: they are counted
+    // from before the first byte is read.
+    let mut slow = raw(g.public);
+    slow.write_all(post_head("/v1/chat/completions", &key, 100_000).as_bytes())
+        .expect("write");
+    let body = chat_of(100_000);
+    slow.write_all(&body[..1000]).expect("write");
+    let in_flight = || {
+        g.metrics_text()
+            .lines()
+            .find_map(|l| l.strip_prefix("keel_body_bytes_in_flight "))
+            .map(|v| v.parse::<u64>().expect("a number"))
+            .expect("the gauge")
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while in_flight() != 100_000 {
+        assert!(Instant::now() < deadline, "the slow body was never counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = post(&chat_of(60_000));
+    assert!(out.starts_with("HTTP/1.1 503"), "{out}");
+    assert!(out.contains("retry-after: 1"), "{out}");
+    assert!(out.contains("service_unavailable"), "{out}");
+    assert!(
+        post(&chat_of(40_000)).starts_with("HTTP/1.1 200"),
+        "40,000 more fit"
+    );
+    // The slow body arrives; its bytes are given back.
+    slow.write_all(&body[1000..]).expect("write");
+    assert!(read_all(&mut slow).starts_with("HTTP/1.1 200"));
+    assert!(post(&chat_of(60_000)).starts_with("HTTP/1.1 200"));
+    // A body without a length is counted as it arrives.
+    let mut s = raw(g.public);
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").expect("w");
+    let chunked = chat_of(99_000);
+    for piece in chunked.chunks(10_000) {
+        write!(s, "{:x}\r\n", piece.len()).expect("w");
+        s.write_all(piece).expect("w");
+        s.write_all(b"\r\n").expect("w");
+    }
+    s.write_all(b"0\r\n\r\n").expect("w");
+    assert!(read_all(&mut s).starts_with("HTTP/1.1 200"));
+    // A backend response is counted too: 200,000 bytes do not fit.
+    let big = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50000});
+    let out = post(big.to_string().as_bytes());
+    assert!(
+        out.starts_with("HTTP/1.1 503"),
+        "{}",
+        &out[..out.len().min(300)]
+    );
+    assert!(post(&chat_of(1000)).starts_with("HTTP/1.1 200"));
+    assert_eq!(in_flight(), 0, "every byte is given back");
     g.stop();
 }
 
