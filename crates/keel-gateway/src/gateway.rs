@@ -21,6 +21,7 @@ use crate::error::{ApiError, GatewayError};
 use crate::keys::KeyRing;
 use crate::limits::{
     reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
+    WINDOW_MS,
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
@@ -703,6 +704,10 @@ fn json_response(status: StatusCode, v: Value) -> Response<GwBody> {
 
 const CONTENT_CAP: usize = 1 << 20;
 
+/// Bodies longer than this, or of unknown length, are read only once the
+/// caller is known to have requests left ([`Gateway::requests_left`]).
+const PRECHECK_BODY_BYTES: u64 = 64 << 10;
+
 impl Gateway {
     /// Builds the gateway: limit store, audit log, keys, JWKS, routing
     /// table and health probes. Must run inside a tokio runtime.
@@ -1270,6 +1275,59 @@ impl Gateway {
         }
     }
 
+    /// Refuses (429) a request whose body is large or of unknown length
+    /// when a scope of the caller has no requests left in its window, so
+    /// that the body is not read only to be refused. Admission after the
+    /// body still decides; this check takes nothing and reserves nothing,
+    /// and is skipped for small bodies, which cost little to read (one
+    /// look-up fewer for them, a Redis round trip with `redis_url`). When
+    /// the store cannot answer, admission decides.
+    async fn requests_left(
+        &self,
+        gen: &Generation,
+        ident: &Identity,
+        body: &Incoming,
+        ctx: &mut Ctx,
+    ) -> Result<(), ApiError> {
+        use http_body::Body as _;
+        if body
+            .size_hint()
+            .exact()
+            .is_some_and(|n| n <= PRECHECK_BODY_BYTES)
+        {
+            return Ok(());
+        }
+        for scope in scopes_for(&gen.cfg.limits, ident) {
+            let Some(rpm) = scope.limits.requests_per_minute else {
+                continue;
+            };
+            let Ok(used) = self.inner.limiter.usage(&scope.name).await else {
+                return Ok(());
+            };
+            if used.requests < rpm {
+                continue;
+            }
+            let reset_ms =
+                (used.window_start_ms + WINDOW_MS).saturating_sub(self.inner.clock.now_ms());
+            ctx.denied = Some("rate_limited");
+            ctx.rate = Some(RateInfo {
+                limit_requests: Some(rpm),
+                remaining_requests: 0,
+                reset_requests_ms: reset_ms,
+                ..RateInfo::default()
+            });
+            return Err(ApiError {
+                retry_after_s: Some(retry_after_s(reset_ms)),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_exceeded",
+                    "rate limit reached for requests per minute",
+                )
+            });
+        }
+        Ok(())
+    }
+
     async fn settle(&self, res: Option<&Reservation>, actual: u64) {
         if let Some(r) = res {
             if let Err(e) = self.inner.limiter.settle(r, actual).await {
@@ -1291,6 +1349,14 @@ impl Gateway {
     ) -> Result<(Response<GwBody>, bool), Fail> {
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
+        // What can be decided without the body is decided before it is
+        // read: the operation (the model is in the body) and the request
+        // limit of a large body.
+        if !gen.rbac.allows(&ident.roles, op, None) {
+            ctx.denied = Some("forbidden");
+            return Err(ApiError::forbidden(format!("your roles do not allow {op}")).into());
+        }
+        self.requests_left(gen, &ident, &body, ctx).await?;
         let (bytes, _held) = read_body(
             body,
             &parts.headers,
@@ -1567,6 +1633,7 @@ impl Gateway {
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
         let (bytes, _held) = if action == "/infer" {
+            self.requests_left(gen, &ident, &body, ctx).await?;
             let (b, held) = read_body(
                 body,
                 &parts.headers,

@@ -237,6 +237,79 @@ fn bodies_beyond_max_body_bytes_in_flight_are_503() {
 }
 
 #[test]
+fn a_key_out_of_requests_or_without_the_operation_is_refused_before_its_body() {
+    refused_before_the_body("limited", "");
+}
+
+#[test]
+#[ignore = "needs Redis: scripts/test starts one"]
+fn a_key_out_of_requests_is_refused_before_its_body_with_redis() {
+    // A key of its own each run: Redis keeps the counters for a minute.
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("time")
+        .as_nanos();
+    refused_before_the_body(
+        &format!("limited-{t}"),
+        &format!(
+            "[limits]\nredis_url = \"{}\"\n",
+            keel_testkit::serve::redis_url()
+        ),
+    );
+}
+
+fn refused_before_the_body(name: &str, limits: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let (id, key) = add_key(dir.path(), name, &["user"], None);
+    let cfg = one_backend(
+        dir.path(),
+        &b,
+        "",
+        &format!("{limits}[limits.keys.{id}]\nrequests_per_minute = 1\n"),
+    )
+    .replace("body_timeout_ms = 500", "body_timeout_ms = 20000");
+    let g = Running::start(dir.path(), &cfg);
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // 4 MB announced, 64 KiB sent: the answer comes without the rest.
+    let started = Instant::now();
+    let mut s = raw(g.public);
+    s.write_all(post_head("/v1/chat/completions", &key, 4_000_000).as_bytes())
+        .expect("write");
+    s.write_all(&vec![b' '; 64 << 10]).expect("write");
+    let r = http::read_response(&mut BufReader::new(&mut s)).expect("an answer before the body");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The same for a body without a length.
+    let mut s = raw(g.public);
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nTransfer-Encoding: chunked\r\n\r\n8000\r\n{}", " ".repeat(0x8000)).expect("w");
+    let r = http::read_response(&mut BufReader::new(&mut s)).expect("an answer before the body");
+    assert_eq!(r.status, 429, "{}", r.text());
+    // A small body is read and admission refuses it as before.
+    let r = g.chat(&key, chat_body("chat"));
+    assert_eq!(r.status, 429, "{}", r.text());
+    // Roles that do not allow the operation at all: 403 before the body.
+    let (_, other) = add_key(dir.path(), "other", &["user"], None);
+    let mut s = raw(g.public);
+    s.write_all(post_head("/v1/embeddings", &other, 4_000_000).as_bytes())
+        .expect("write");
+    s.write_all(&vec![b' '; 64 << 10]).expect("write");
+    let r = http::read_response(&mut BufReader::new(&mut s)).expect("an answer before the body");
+    assert_eq!(r.status, 403, "{}", r.text());
+    let audit = g.stop();
+    let refused: Vec<_> = audit
+        .iter()
+        .filter(|e| e["status"] == 429)
+        .map(|e| e["key"].clone())
+        .collect();
+    assert_eq!(refused.len(), 3, "{audit:?}");
+    assert!(refused.iter().all(|k| *k == json!(id)), "{refused:?}");
+}
+
+#[test]
 fn a_client_that_does_not_read_its_response_is_cut_off_after_write_timeout_ms() {
     let dir = tempfile::tempdir().expect("tempdir");
     // 16 MB of completion: more than the sockets' buffers hold.
