@@ -5,7 +5,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use tokio::sync::mpsc;
 
@@ -18,10 +18,12 @@ pub type ChunkSender = mpsc::Sender<Bytes>;
 pub enum GwBody {
     Full(Option<Bytes>),
     Channel(mpsc::Receiver<Bytes>),
-    /// A body counted in the budget: handed on in pieces of at most
-    /// `HELD_PIECE` bytes, each given back to the budget as it goes, so
-    /// what a client that does not read holds stays counted (hyper's write
-    /// buffer takes another piece only when it has room).
+    /// A body counted in the budget until the connection has taken all
+    /// of it. One longer than `HELD_PIECE` is handed on in copied pieces
+    /// of that size, which hyper's write buffer takes only as it has room:
+    /// a piece that shared the body's allocation would keep all of it
+    /// alive, uncounted, while a client that does not read holds the
+    /// piece.
     Held(Bytes, BodyPermit),
 }
 
@@ -61,8 +63,19 @@ impl Body for GwBody {
                 if b.is_empty() {
                     return Poll::Ready(None);
                 }
-                let piece = b.split_to(b.len().min(HELD_PIECE));
-                permit.release(piece.len());
+                if permit.held() <= HELD_PIECE {
+                    // Small enough to be a piece itself, as nearly every
+                    // response is.
+                    permit.release(usize::MAX);
+                    return Poll::Ready(Some(Ok(Frame::data(std::mem::take(b)))));
+                }
+                let piece = Bytes::copy_from_slice(&b[..b.len().min(HELD_PIECE)]);
+                b.advance(piece.len());
+                if b.is_empty() {
+                    // The body's allocation goes with its last reference.
+                    *b = Bytes::new();
+                    permit.release(usize::MAX);
+                }
                 Poll::Ready(Some(Ok(Frame::data(piece))))
             }
         }
@@ -93,7 +106,7 @@ mod tests {
     use http_body_util::BodyExt;
 
     #[tokio::test]
-    async fn a_held_body_goes_in_pieces_and_gives_its_bytes_back() {
+    async fn a_held_body_goes_in_pieces_and_stays_counted_until_taken() {
         let budget = BodyBudget::default();
         let n = HELD_PIECE * 2 + 10;
         let permit = budget.take(n, usize::MAX).expect("fits");
@@ -103,10 +116,19 @@ mod tests {
         while let Some(f) = body.frame().await {
             let d = f.expect("frame").into_data().expect("data");
             sizes.push(d.len());
-            assert_eq!(budget.held(), n - sizes.iter().sum::<usize>());
+            let left = n - sizes.iter().sum::<usize>();
+            assert_eq!(budget.held(), if left > 0 { n } else { 0 });
         }
         assert_eq!(sizes, [HELD_PIECE, HELD_PIECE, 10]);
         assert!(body.is_end_stream());
         assert_eq!(budget.held(), 0);
+
+        let small = Bytes::from(vec![1u8; 100]);
+        let permit = budget.take(100, usize::MAX).expect("fits");
+        let mut body = GwBody::held(small.clone(), permit);
+        let d = body.frame().await.expect("a frame").expect("frame");
+        assert_eq!(d.into_data().expect("data"), small, "whole, in one piece");
+        assert_eq!(budget.held(), 0);
+        assert!(body.frame().await.is_none());
     }
 }

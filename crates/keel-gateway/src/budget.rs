@@ -17,12 +17,17 @@ impl BodyBudget {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// A permit for `n` bytes, if they fit under `limit`.
-    pub fn take(&self, n: usize, limit: usize) -> Option<BodyPermit> {
-        let mut p = BodyPermit {
+    /// A permit holding nothing yet, to [`BodyPermit::grow`].
+    pub fn permit(&self) -> BodyPermit {
+        BodyPermit {
             budget: self.clone(),
             held: 0,
-        };
+        }
+    }
+
+    /// A permit for `n` bytes, if they fit under `limit`.
+    pub fn take(&self, n: usize, limit: usize) -> Option<BodyPermit> {
+        let mut p = self.permit();
         p.grow(n, limit).then_some(p)
     }
 }

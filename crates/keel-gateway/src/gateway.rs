@@ -1457,10 +1457,25 @@ impl Gateway {
         usage: bool,
     ) -> Result<Response<GwBody>, Fail> {
         let (parts, body) = served.resp.into_parts();
-        let read = read_limited(body, 64 << 20, gen.cfg.traffic.timeout()).await;
+        // Counted in the body budget as it arrives, so that responses being
+        // read are bounded too, not only those read.
+        let room = gen.cfg.server.max_body_bytes_in_flight;
+        let mut held = self.inner.bodies.permit();
+        let read = tokio::time::timeout(
+            gen.cfg.traffic.timeout(),
+            collect_limited(body, 64 << 20, Some((&mut held, room))),
+        )
+        .await
+        .unwrap_or(Err(BodyError::Timeout));
         ctx.backend_time = Some(served.sent_at.elapsed());
         let bytes = match read {
             Ok(b) => b,
+            Err(BodyError::Budget) => {
+                // The backend did the work: the reservation stays charged
+                // whole, as for a client that goes away.
+                ctx.error = Some("the backend's response does not fit in the body budget".into());
+                return Err(no_room().into());
+            }
             Err(_) => {
                 self.settle(reservation, 0).await;
                 ctx.error = Some("backend response body failed or timed out".into());
@@ -1481,14 +1496,6 @@ impl Gateway {
             (true, Some(u)) => self.settle(reservation, u.total()).await,
             (true, None) => {}
         }
-        let Some(held) = self
-            .inner
-            .bodies
-            .take(bytes.len(), gen.cfg.server.max_body_bytes_in_flight)
-        else {
-            ctx.error = Some("the backend's response does not fit in the body budget".into());
-            return Err(no_room().into());
-        };
         if gen.cfg.audit.include_content {
             ctx.response_body = Some(bytes.clone());
         }
