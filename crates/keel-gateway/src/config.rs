@@ -40,8 +40,13 @@ pub struct FileConfig {
 pub struct FileServer {
     pub listen: Option<SocketAddr>,
     pub max_body_bytes: Option<usize>,
+    pub max_body_bytes_in_flight: Option<usize>,
+    pub max_connections: Option<usize>,
+    pub max_header_bytes: Option<usize>,
     pub header_timeout_ms: Option<u64>,
     pub body_timeout_ms: Option<u64>,
+    pub write_timeout_ms: Option<u64>,
+    pub idle_timeout_ms: Option<u64>,
     pub shutdown_grace_s: Option<f64>,
     pub pin_header: Option<String>,
     pub access_log: Option<bool>,
@@ -234,8 +239,21 @@ pub struct GatewayConfig {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
+    /// Request and non-streamed response bodies held at once, across the
+    /// gateway; a body that would go over gets 503.
+    pub max_body_bytes_in_flight: usize,
+    /// Open connections per listener; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// A connection's read (request head) and write buffer (hyper's
+    /// `max_buf_size`); a longer head gets 431.
+    pub max_header_bytes: usize,
     pub header_timeout_ms: u64,
     pub body_timeout_ms: u64,
+    /// A response write that makes no progress this long closes the
+    /// connection.
+    pub write_timeout_ms: u64,
+    /// A kept-alive connection waits this long for its next request.
+    pub idle_timeout_ms: u64,
     pub shutdown_grace_s: f64,
     pub pin_header: String,
     pub access_log: bool,
@@ -459,6 +477,11 @@ fn group_id(name: &str, etc_group: &Path) -> Result<u32, String> {
         .ok_or_else(|| format!("no group named {name:?} in {}", etc_group.display()))
 }
 
+/// The smallest `server.max_header_bytes` (hyper's smallest buffer).
+pub const MIN_HEADER_BYTES: usize = 8192;
+/// The largest `server.max_header_bytes`.
+pub const MAX_HEADER_BYTES: usize = 1 << 20;
+
 /// The operations a role may be granted.
 pub const OPERATIONS: &[&str] = &[
     "chat",
@@ -612,8 +635,13 @@ impl GatewayConfig {
                 .listen
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
             max_body_bytes: f.server.max_body_bytes.unwrap_or(4 << 20),
+            max_body_bytes_in_flight: f.server.max_body_bytes_in_flight.unwrap_or(64 << 20),
+            max_connections: f.server.max_connections.unwrap_or(1024),
+            max_header_bytes: f.server.max_header_bytes.unwrap_or(32 << 10),
             header_timeout_ms: f.server.header_timeout_ms.unwrap_or(10_000),
             body_timeout_ms: f.server.body_timeout_ms.unwrap_or(30_000),
+            write_timeout_ms: f.server.write_timeout_ms.unwrap_or(30_000),
+            idle_timeout_ms: f.server.idle_timeout_ms.unwrap_or(30_000),
             shutdown_grace_s: f.server.shutdown_grace_s.unwrap_or(30.0),
             pin_header: f
                 .server
@@ -629,6 +657,37 @@ impl GatewayConfig {
             return bad(
                 "server.workers must be between 1 and 1024 (leave it out for one per CPU)".into(),
             );
+        }
+        if server.max_body_bytes == 0 {
+            return bad("server.max_body_bytes must be at least 1".into());
+        }
+        if server.max_body_bytes_in_flight < server.max_body_bytes {
+            return bad(format!(
+                "server.max_body_bytes_in_flight ({}) must be at least server.max_body_bytes ({}): \
+                 a body of the largest size allowed could never be read",
+                server.max_body_bytes_in_flight, server.max_body_bytes
+            ));
+        }
+        if server.max_connections == 0 {
+            return bad("server.max_connections must be at least 1".into());
+        }
+        if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&server.max_header_bytes) {
+            return bad(format!(
+                "server.max_header_bytes must be from {MIN_HEADER_BYTES} to {MAX_HEADER_BYTES}, not {}",
+                server.max_header_bytes
+            ));
+        }
+        for (key, ms) in [
+            ("header_timeout_ms", server.header_timeout_ms),
+            ("body_timeout_ms", server.body_timeout_ms),
+            ("write_timeout_ms", server.write_timeout_ms),
+            ("idle_timeout_ms", server.idle_timeout_ms),
+        ] {
+            if ms == 0 {
+                return bad(format!(
+                    "server.{key} must be at least 1 (a connection is never held without a limit)"
+                ));
+            }
         }
         if http::HeaderName::from_bytes(server.pin_header.as_bytes()).is_err() {
             return bad(format!(
@@ -1217,6 +1276,35 @@ url = "http://127.0.0.1:8002/prefix"
         let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/")).expect("valid");
         assert_eq!(c.traffic.circuit, CircuitConfig::default());
         assert_eq!(c.traffic.circuit.failure_statuses, [502, 503, 504]);
+        for (line, expect) in [
+            ("max_connections = 0", "server.max_connections must be at least 1"),
+            (
+                "max_header_bytes = 4096",
+                "server.max_header_bytes must be from 8192 to 1048576, not 4096",
+            ),
+            (
+                "max_body_bytes_in_flight = 1000",
+                "server.max_body_bytes_in_flight (1000) must be at least server.max_body_bytes (4194304)",
+            ),
+            ("max_body_bytes = 0", "server.max_body_bytes must be at least 1"),
+            ("write_timeout_ms = 0", "server.write_timeout_ms must be at least 1"),
+            ("idle_timeout_ms = 0", "server.idle_timeout_ms must be at least 1"),
+            ("header_timeout_ms = 0", "server.header_timeout_ms must be at least 1"),
+            ("max_connections = -1", "key server.max_connections: invalid value"),
+        ] {
+            check(&EXAMPLE.replace("[server]\n", &format!("[server]\n{line}\n")), expect);
+        }
+        let c = GatewayConfig::from_toml(EXAMPLE, Path::new("/")).expect("valid");
+        assert_eq!(
+            (
+                c.server.max_connections,
+                c.server.max_header_bytes,
+                c.server.max_body_bytes_in_flight,
+                c.server.idle_timeout_ms,
+                c.server.write_timeout_ms
+            ),
+            (1024, 32 << 10, 64 << 20, 30_000, 30_000)
+        );
         let c = GatewayConfig::from_toml(
             &EXAMPLE.replace("[server]\n", "[server]\nworkers = 2\n"),
             Path::new("/"),

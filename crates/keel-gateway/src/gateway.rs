@@ -14,12 +14,14 @@ use serde_json::{json, Map, Value};
 use crate::audit::AuditLog;
 use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
+use crate::budget::{BodyBudget, BodyPermit};
 use crate::clock::{rfc3339, Clock, Stamp};
 use crate::config::{GatewayConfig, LimitsConfig, Protocol};
 use crate::error::{reflect, truncated, ApiError, GatewayError, MESSAGE_BYTES};
 use crate::keys::KeyRing;
 use crate::limits::{
     reset_header_value, retry_after_s, Admission, Limiter, RateInfo, Refusal, Reservation, Scope,
+    WINDOW_MS,
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
@@ -128,6 +130,8 @@ struct Inner {
     reload_lock: tokio::sync::Mutex<()>,
     /// Stream and mirror tasks still running.
     tasks: std::sync::atomic::AtomicUsize,
+    /// Request and non-streamed response body bytes held now.
+    bodies: BodyBudget,
 }
 
 /// Counts a background task from spawn to end.
@@ -504,14 +508,27 @@ enum BodyError {
     TooLarge,
     Timeout,
     Broken,
+    /// The gateway's body budget has no room.
+    Budget,
 }
 
+/// Where a request body's bytes are counted: the gateway's budget and its
+/// limit (`server.max_body_bytes_in_flight`).
+struct BodyRoom<'a> {
+    budget: &'a BodyBudget,
+    limit: usize,
+}
+
+/// Reads a request body of at most `limit` bytes within `timeout`,
+/// counting it in the body budget: a declared length is taken from the
+/// budget before a byte is read, a body without one as it arrives.
 async fn read_body(
     body: Incoming,
     headers: &HeaderMap,
     limit: usize,
     timeout: Duration,
-) -> Result<Bytes, ApiError> {
+    room: BodyRoom<'_>,
+) -> Result<(Bytes, BodyPermit), ApiError> {
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -519,9 +536,20 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large(limit));
     }
-    match read_limited(body, limit, timeout).await {
-        Ok(b) => Ok(b),
+    let declared = declared.map_or(0, |n| n as usize);
+    let Some(mut permit) = room.budget.take(declared, room.limit) else {
+        return Err(no_room());
+    };
+    let read = tokio::time::timeout(
+        timeout,
+        collect_limited(body, limit, Some((&mut permit, room.limit))),
+    )
+    .await
+    .unwrap_or(Err(BodyError::Timeout));
+    match read {
+        Ok(b) => Ok((b, permit)),
         Err(BodyError::TooLarge) => Err(too_large(limit)),
+        Err(BodyError::Budget) => Err(no_room()),
         Err(BodyError::Timeout) => Err(ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "invalid_request_error",
@@ -529,6 +557,14 @@ async fn read_body(
         )),
         Err(BodyError::Broken) => Err(ApiError::bad_request("the request body could not be read")),
     }
+}
+
+/// 503: the bodies in flight fill `server.max_body_bytes_in_flight`.
+fn no_room() -> ApiError {
+    ApiError::unavailable(
+        "the gateway holds as many request and response bytes as it may; retry later",
+        Some(1),
+    )
 }
 
 fn no_such_model(name: &str) -> ApiError {
@@ -547,20 +583,28 @@ async fn read_limited<B>(body: B, limit: usize, timeout: Duration) -> Result<Byt
 where
     B: http_body::Body<Data = Bytes>,
 {
-    tokio::time::timeout(timeout, collect_limited(body, limit))
+    tokio::time::timeout(timeout, collect_limited(body, limit, None))
         .await
         .unwrap_or(Err(BodyError::Timeout))
 }
 
 /// A whole body of at most `limit` bytes; one that came in one piece (the
-/// usual case) is passed on as it is, without a copy.
-async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+/// usual case) is passed on as it is, without a copy. With a permit, bytes
+/// beyond what it holds are taken from the budget as they arrive.
+async fn collect_limited<B>(
+    body: B,
+    limit: usize,
+    mut permit: Option<(&mut BodyPermit, usize)>,
+) -> Result<Bytes, BodyError>
 where
     B: http_body::Body<Data = Bytes>,
 {
     if body.size_hint().lower() > limit as u64 {
         return Err(BodyError::TooLarge);
     }
+    // A declared length (at most `limit`, checked above) sizes the buffer
+    // once, so a body in pieces is not copied again as it grows.
+    let exact = body.size_hint().exact().map(|n| n as usize);
     let mut body = std::pin::pin!(body);
     let mut first: Option<Bytes> = None;
     let mut more: Option<bytes::BytesMut> = None;
@@ -573,10 +617,17 @@ where
         if total > limit {
             return Err(BodyError::TooLarge);
         }
+        if let Some((p, room)) = &mut permit {
+            if total > p.held() && !p.grow(total - p.held(), *room) {
+                return Err(BodyError::Budget);
+            }
+        }
         if let Some(m) = &mut more {
             m.extend_from_slice(&data);
         } else if let Some(f) = first.take() {
-            let mut m = bytes::BytesMut::with_capacity(total.max(f.len() * 2));
+            let mut m = bytes::BytesMut::with_capacity(
+                exact.map_or(total.max(f.len() * 2), |n| n.max(total)),
+            );
             m.extend_from_slice(&f);
             m.extend_from_slice(&data);
             more = Some(m);
@@ -659,6 +710,10 @@ fn json_response(status: StatusCode, v: Value) -> Response<GwBody> {
 
 const CONTENT_CAP: usize = 1 << 20;
 
+/// Bodies longer than this, or of unknown length, are read only once the
+/// caller is known to have requests left ([`Gateway::requests_left`]).
+const PRECHECK_BODY_BYTES: u64 = 64 << 10;
+
 impl Gateway {
     /// Builds the gateway: limit store, audit log, keys, JWKS, routing
     /// table and health probes. Must run inside a tokio runtime.
@@ -710,6 +765,7 @@ impl Gateway {
                 access_sink: opts.access_sink.map(AccessSinkBox),
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
+                bodies: BodyBudget::default(),
             }),
         };
         gw.start_background();
@@ -882,7 +938,16 @@ impl Gateway {
             })
             .collect();
         b.sort();
-        self.inner.metrics.render(&b)
+        let mut out = self.inner.metrics.render(&b);
+        out.push_str(
+            "# HELP keel_body_bytes_in_flight Request and response body bytes the gateway holds.\n\
+             # TYPE keel_body_bytes_in_flight gauge\n",
+        );
+        out.push_str(&format!(
+            "keel_body_bytes_in_flight {}\n",
+            self.inner.bodies.held()
+        ));
+        out
     }
 
     /// Models, deployments and backend states, for the admin API.
@@ -1250,6 +1315,66 @@ impl Gateway {
         }
     }
 
+    fn body_room<'a>(&'a self, gen: &Generation) -> BodyRoom<'a> {
+        BodyRoom {
+            budget: &self.inner.bodies,
+            limit: gen.cfg.server.max_body_bytes_in_flight,
+        }
+    }
+
+    /// Refuses (429) a request whose body is large or of unknown length
+    /// when a scope of the caller has no requests left in its window, so
+    /// that the body is not read only to be refused. Admission after the
+    /// body still decides; this check takes nothing and reserves nothing,
+    /// and is skipped for small bodies, which cost little to read (one
+    /// look-up fewer for them, a Redis round trip with `redis_url`). When
+    /// the store cannot answer, admission decides.
+    async fn requests_left(
+        &self,
+        gen: &Generation,
+        ident: &Identity,
+        body: &Incoming,
+        ctx: &mut Ctx,
+    ) -> Result<(), ApiError> {
+        use http_body::Body as _;
+        if body
+            .size_hint()
+            .exact()
+            .is_some_and(|n| n <= PRECHECK_BODY_BYTES)
+        {
+            return Ok(());
+        }
+        for scope in scopes_for(&gen.cfg.limits, ident) {
+            let Some(rpm) = scope.limits.requests_per_minute else {
+                continue;
+            };
+            let Ok(used) = self.inner.limiter.usage(&scope.name).await else {
+                return Ok(());
+            };
+            if used.requests < rpm {
+                continue;
+            }
+            let reset_ms =
+                (used.window_start_ms + WINDOW_MS).saturating_sub(self.inner.clock.now_ms());
+            ctx.denied = Some("rate_limited");
+            ctx.rate = Some(RateInfo {
+                limit_requests: Some(rpm),
+                remaining_requests: 0,
+                reset_requests_ms: reset_ms,
+                ..RateInfo::default()
+            });
+            return Err(ApiError {
+                retry_after_s: Some(retry_after_s(reset_ms)),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_exceeded",
+                    "rate limit reached for requests per minute",
+                )
+            });
+        }
+        Ok(())
+    }
+
     async fn settle(&self, res: Option<&Reservation>, actual: u64) {
         if let Some(r) = res {
             if let Err(e) = self.inner.limiter.settle(r, actual).await {
@@ -1271,11 +1396,21 @@ impl Gateway {
     ) -> Result<(Response<GwBody>, bool), Fail> {
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
-        let bytes = read_body(
+        // What can be decided without the body is decided before it is
+        // read: the operation (the model is in the body) and the request
+        // limit of a large body.
+        if !gen.rbac.allows(&ident.roles, op, None) {
+            ctx.denied = Some("forbidden");
+            let e = ApiError::forbidden(format!("your roles do not allow {op}"));
+            return Err(self.refuse(gen, &ident, ctx, e).await);
+        }
+        self.requests_left(gen, &ident, &body, ctx).await?;
+        let (bytes, _held) = read_body(
             body,
             &parts.headers,
             s.max_body_bytes,
             Duration::from_millis(s.body_timeout_ms),
+            self.body_room(gen),
         )
         .await?;
         let (body, parsed) = match request::parse_openai(&bytes, request::prompt_field(&route)) {
@@ -1387,10 +1522,25 @@ impl Gateway {
         usage: bool,
     ) -> Result<Response<GwBody>, Fail> {
         let (parts, body) = served.resp.into_parts();
-        let read = read_limited(body, 64 << 20, gen.cfg.traffic.timeout()).await;
+        // Counted in the body budget as it arrives, so that responses being
+        // read are bounded too, not only those read.
+        let room = gen.cfg.server.max_body_bytes_in_flight;
+        let mut held = self.inner.bodies.permit();
+        let read = tokio::time::timeout(
+            gen.cfg.traffic.timeout(),
+            collect_limited(body, 64 << 20, Some((&mut held, room))),
+        )
+        .await
+        .unwrap_or(Err(BodyError::Timeout));
         ctx.backend_time = Some(served.sent_at.elapsed());
         let bytes = match read {
             Ok(b) => b,
+            Err(BodyError::Budget) => {
+                // The backend did the work: the reservation stays charged
+                // whole, as for a client that goes away.
+                ctx.error = Some("the backend's response does not fit in the body budget".into());
+                return Err(no_room().into());
+            }
             Err(_) => {
                 self.settle(reservation, 0).await;
                 ctx.error = Some("backend response body failed or timed out".into());
@@ -1414,7 +1564,7 @@ impl Gateway {
         if gen.cfg.audit.include_content {
             ctx.response_body = Some(bytes.clone());
         }
-        let mut r = Response::new(GwBody::full(bytes));
+        let mut r = Response::new(GwBody::held(bytes, held));
         *r.status_mut() = parts.status;
         // Room for the headers the gateway adds (id, model, deployment,
         // six rate-limit headers) without growing.
@@ -1563,16 +1713,19 @@ impl Gateway {
         };
         let (parts, body) = req.into_parts();
         let s = &gen.cfg.server;
-        let bytes = if action == "/infer" {
-            read_body(
+        let (bytes, _held) = if action == "/infer" {
+            self.requests_left(gen, &ident, &body, ctx).await?;
+            let (b, held) = read_body(
                 body,
                 &parts.headers,
                 s.max_body_bytes,
                 Duration::from_millis(s.body_timeout_ms),
+                self.body_room(gen),
             )
-            .await?
+            .await?;
+            (b, Some(held))
         } else {
-            Bytes::new()
+            (Bytes::new(), None)
         };
         if action == "/infer"
             && serde_json::from_slice::<Value>(&bytes)

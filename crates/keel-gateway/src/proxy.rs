@@ -186,7 +186,9 @@ impl Current {
             .call(uri.clone())
             .await
             .map_err(|e| format!("connect: {}", describe(&*e)))?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(io)
+        let (sender, conn) = hyper::client::conn::http1::Builder::new()
+            .max_buf_size(BACKEND_BUFFER)
+            .handshake(io)
             .await
             .map_err(|e| format!("handshake: {}", describe(&e)))?;
         tokio::spawn(async move {
@@ -206,6 +208,12 @@ pub struct Upstream {
     current: Arc<RwLock<Arc<Current>>>,
     connect_timeout: Duration,
 }
+
+/// The most a backend connection buffers (hyper's default, about 400 KiB,
+/// held by every connection that read a large response, pooled ones too,
+/// would make many concurrent large responses cost more than the body
+/// budget they are counted in).
+const BACKEND_BUFFER: usize = 64 << 10;
 
 /// How many idle connections are kept per backend, and for how long.
 const MAX_IDLE: usize = 512;

@@ -7,6 +7,8 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -22,6 +24,7 @@ use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder};
 
 use crate::body::GwBody;
+use crate::conn::{ConnService, Deadlines, Guarded, InFlight};
 use crate::error::ApiError;
 use crate::gateway::{AccessInfo, AccessRecord, AccessSink, Gateway, Listener};
 use crate::keys::sha256_hex;
@@ -30,38 +33,108 @@ use crate::tls::ServerTls;
 /// How connections are served.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// A client must send its request head within this (slow clients);
-    /// with TLS, the handshake must finish within it too.
+    /// A client must send its request head within this (slow clients),
+    /// from the connection's start or a later request's first byte; with
+    /// TLS, the handshake must finish within it too.
     pub header_timeout: Duration,
+    /// How long a kept-alive connection waits for its next request.
+    pub idle_timeout: Duration,
+    /// A response write that makes no progress this long closes the
+    /// connection (a client that does not read).
+    pub write_timeout: Duration,
+    /// Connections open at once; the next is answered 503 and closed.
+    pub max_connections: usize,
+    /// A connection's read and write buffer (hyper's `max_buf_size`): a
+    /// longer request head is answered 431.
+    pub max_header_bytes: usize,
     /// How long in-flight requests and streams may take after shutdown.
     pub grace: Duration,
     /// Serve HTTPS with this (the handshake runs in the connection's task).
     pub tls: Option<ServerTls>,
 }
 
+impl ServeOptions {
+    /// The options `[server]` gives a listener.
+    pub fn from_config(s: &crate::config::ServerConfig, tls: Option<ServerTls>) -> Self {
+        Self {
+            header_timeout: Duration::from_millis(s.header_timeout_ms),
+            idle_timeout: Duration::from_millis(s.idle_timeout_ms),
+            write_timeout: Duration::from_millis(s.write_timeout_ms),
+            max_connections: s.max_connections,
+            max_header_bytes: s.max_header_bytes,
+            grace: Duration::from_secs_f64(s.shutdown_grace_s),
+            tls,
+        }
+    }
+
+    fn deadlines(&self) -> Deadlines {
+        Deadlines {
+            header: self.header_timeout,
+            idle: self.idle_timeout,
+            write: self.write_timeout,
+        }
+    }
+}
+
+/// What a connection over the limit is told before it is closed.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+retry-after: 1\r\nconnection: close\r\ncontent-length: 112\r\n\r\n\
+{\"error\":{\"message\":\"too many connections to the gateway; retry later\",\
+\"type\":\"service_unavailable\",\"code\":503}}";
+
+/// One open connection of a listener, given back when it closes.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// Serves one connection until it closes or a graceful shutdown ends it.
-async fn connection<I, S>(io: I, app: S, header_timeout: Duration, watcher: Watcher)
+/// Serves one connection until it closes, a deadline passes, or a
+/// graceful shutdown ends it.
+async fn connection<I, S>(io: I, app: S, opts: ConnOptions, watcher: Watcher, slot: Slot)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>
         + Clone
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    S::Future: Send + Unpin + 'static,
 {
+    let in_flight = InFlight::default();
+    let io = Guarded::new(io, opts.deadlines, in_flight.clone());
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+        // The head's and the idle connection's deadlines are `Guarded`'s.
+        // hyper's own, later than either, makes it read again as soon as
+        // a response is done, which is when the wait for the next request
+        // starts.
+        .header_read_timeout(opts.deadlines.header + opts.deadlines.idle)
+        .max_buf_size(opts.max_header_bytes)
+        .serve_connection(
+            TokioIo::new(io),
+            TowerToHyperService::new(ConnService::new(app, in_flight)),
+        );
     let _ = watcher.watch(conn).await;
+    drop(slot);
+}
+
+/// What each connection's task is given.
+#[derive(Debug, Clone, Copy)]
+struct ConnOptions {
+    deadlines: Deadlines,
+    max_header_bytes: usize,
 }
 
 /// Serves HTTP/1.1 (over TLS when `opts.tls`) on an already-bound listener
 /// until `shutdown` resolves, then stops accepting and waits up to the
 /// grace period for open connections to finish. A TLS handshake that
 /// fails or takes longer than the header timeout closes its connection.
+/// A connection beyond `max_connections` is answered 503 (plain HTTP) or
+/// closed (TLS) at once, before anything of it is read.
 pub async fn serve<S>(
     listener: TcpListener,
     app: S,
@@ -73,9 +146,14 @@ where
         + Clone
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    S::Future: Send + Unpin + 'static,
 {
     let graceful = GracefulShutdown::new();
+    let open = Arc::new(AtomicUsize::new(0));
+    let conn_opts = ConnOptions {
+        deadlines: opts.deadlines(),
+        max_header_bytes: opts.max_header_bytes,
+    };
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -88,19 +166,29 @@ where
                         continue;
                     }
                 };
+                // Only this task adds; connections closing only subtract.
+                if open.load(Ordering::Relaxed) >= opts.max_connections {
+                    if opts.tls.is_none() {
+                        let _ = stream.try_write(BUSY);
+                    }
+                    tracing::debug!(max = opts.max_connections, "connection refused: too many open");
+                    continue;
+                }
+                open.fetch_add(1, Ordering::Relaxed);
+                let slot = Slot(open.clone());
                 let _ = stream.set_nodelay(true);
                 let watcher = graceful.watcher();
                 let app = app.clone();
                 let header_timeout = opts.header_timeout;
                 match &opts.tls {
                     None => {
-                        tokio::spawn(connection(stream, app, header_timeout, watcher));
+                        tokio::spawn(connection(stream, app, conn_opts, watcher, slot));
                     }
                     Some(tls) => {
                         let acceptor = tls.acceptor().clone();
                         tokio::spawn(async move {
                             match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(s)) => connection(s, app, header_timeout, watcher).await,
+                                Ok(Ok(s)) => connection(s, app, conn_opts, watcher, slot).await,
                                 Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                 Err(_) => tracing::debug!("TLS handshake timed out"),
                             }
@@ -430,11 +518,7 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let gen = gateway.generation();
     let cfg = &gen.cfg;
-    let opts = |l: Listener| ServeOptions {
-        header_timeout: Duration::from_millis(cfg.server.header_timeout_ms),
-        grace: Duration::from_secs_f64(cfg.server.shutdown_grace_s),
-        tls: gateway.listener_tls(l),
-    };
+    let opts = |l: Listener| ServeOptions::from_config(&cfg.server, gateway.listener_tls(l));
     let grace = Duration::from_secs_f64(cfg.server.shutdown_grace_s);
     let (tx, rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -500,6 +584,20 @@ pub async fn run(
 #[cfg(test)]
 mod access_tests {
     use super::*;
+
+    #[test]
+    fn the_busy_answer_is_whole() {
+        let text = std::str::from_utf8(BUSY).expect("ascii");
+        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .and_then(|v| v.parse().ok())
+            .expect("content-length");
+        assert_eq!(len, body.len());
+        let v: serde_json::Value = serde_json::from_str(body).expect("JSON");
+        assert_eq!(v["error"]["code"], 503);
+    }
 
     #[test]
     fn access_lines_have_the_shape_of_the_tracing_events() {
