@@ -30,7 +30,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
-    EccCounter, MemoryError, MemoryLocation, TemperatureSensor,
+    Clock, EccCounter, MemoryError, MemoryLocation, TemperatureSensor,
 };
 use nvml_wrapper::enums::device::{SampleValue, UsedGpuMemory};
 use nvml_wrapper::error::{Bits, NvmlError};
@@ -42,8 +42,8 @@ use nvml_wrapper::sys_exports::field_id::{
 use nvml_wrapper::{Device, Nvml};
 
 use crate::{
-    EccCounters, GpuError, GpuProbe, GpuProcess, GpuReading, GpuSnapshot, PcieReading,
-    RemappedRows, SNAPSHOT_VERSION,
+    EccCounters, GpuError, GpuProbe, GpuProcess, GpuReading, GpuSnapshot, NvlinkErrors,
+    PcieReading, RemappedRows, SNAPSHOT_VERSION,
 };
 
 /// The library the driver installs (the unversioned `libnvidia-ml.so` only
@@ -194,6 +194,10 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
 /// Reads one GPU; `index` is its NVML index and `bus_id` NVML's PCI bus id.
 fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
     let ecc_mode = device.is_ecc_enabled().ok();
+    let utilization = device.utilization_rates().ok();
+    let memory = device.memory_info().ok();
+    let nvlink = nvlink_active(device);
+    let links = nvlink.as_ref().map(|l| l.len() as u32);
     GpuReading {
         index,
         // NVML's ids are well formed; should one not be, keep it (lowercase)
@@ -220,10 +224,10 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
             max_width: device.max_pcie_link_width().ok(),
             replay_counter: device.pcie_replay_counter().ok().map(u64::from),
         },
-        nvlink_active: nvlink_active(device),
+        nvlink_active: nvlink,
         temperature_c: device.temperature(TemperatureSensor::Gpu).ok(),
         power_w: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-        memory_total_bytes: device.memory_info().ok().map(|m| m.total),
+        memory_total_bytes: memory.as_ref().map(|m| m.total),
         processes: device.running_compute_processes().ok().map(|procs| {
             procs
                 .into_iter()
@@ -236,6 +240,30 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
                 })
                 .collect()
         }),
+        utilization_gpu_percent: utilization.as_ref().map(|u| u.gpu),
+        utilization_memory_percent: utilization.as_ref().map(|u| u.memory),
+        memory_used_bytes: memory.as_ref().map(|m| m.used),
+        energy_millijoules: device.total_energy_consumption().ok(),
+        power_limit_w: device
+            .enforced_power_limit()
+            .ok()
+            .map(|mw| f64::from(mw) / 1000.0),
+        sm_clock_mhz: device.clock_info(Clock::SM).ok(),
+        memory_clock_mhz: device.clock_info(Clock::Memory).ok(),
+        nvlink_errors: links.map(|n| (0..n).map(|l| nvlink_errors(device, l)).collect()),
+    }
+}
+
+/// One link's error counters; each `None` when NVML does not give it.
+fn nvlink_errors(device: &Device<'_>, link: u32) -> NvlinkErrors {
+    use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
+    let link = device.link_wrapper_for(link);
+    let count = |c| link.error_counter(c).ok();
+    NvlinkErrors {
+        replay: count(ErrorCounter::DlReplay),
+        recovery: count(ErrorCounter::DlRecovery),
+        crc_flit: count(ErrorCounter::DlCrcFlit),
+        crc_data: count(ErrorCounter::DlCrcData),
     }
 }
 

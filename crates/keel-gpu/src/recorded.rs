@@ -153,6 +153,22 @@ mod tests {
                     used_memory_bytes: None,
                 },
             ]),
+            utilization_gpu_percent: Some(97),
+            utilization_memory_percent: Some(41),
+            memory_used_bytes: Some(1 << 30),
+            energy_millijoules: Some(123_456_789),
+            power_limit_w: Some(700.0),
+            sm_clock_mhz: Some(1980),
+            memory_clock_mhz: Some(2619),
+            nvlink_errors: Some(vec![
+                crate::NvlinkErrors {
+                    replay: Some(0),
+                    recovery: Some(1),
+                    crc_flit: None,
+                    crc_data: Some(0),
+                };
+                18
+            ]),
         }
     }
 
@@ -420,6 +436,7 @@ mod tests {
                 power_w,
                 memory_total_bytes,
                 processes,
+                ..GpuReading::default()
             },
         )
     }

@@ -7,6 +7,7 @@ mod check;
 mod ckpt;
 mod config;
 mod exit;
+mod exporter;
 mod gpu;
 mod model;
 mod output;
@@ -83,6 +84,10 @@ enum Command {
     /// splitting, fallback, metrics and audit in front of OpenAI-compatible
     /// and OIP v2 model servers.
     Serve(Box<serve::ServeArgs>),
+    /// GPU and node metrics for Prometheus (/metrics on 127.0.0.1:9400):
+    /// NVML readings, HCA ports, XIDs, keel check's verdicts, the Slurm job
+    /// holding each GPU, idle-GPU time per job.
+    Exporter(Box<exporter::ExporterArgs>),
 }
 
 fn main() -> ExitCode {
@@ -107,6 +112,7 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
+        Command::Exporter(args) => exporter::run(&cli, args, &mut out),
     };
     let code = match result {
         Ok(code) => code,
