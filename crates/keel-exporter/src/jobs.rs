@@ -114,6 +114,56 @@ pub fn from_processes(root: &Root, snap: &GpuSnapshot) -> BTreeMap<u32, Vec<Job>
     out
 }
 
+/// The device file of each GPU: `pattern` with `{}` replaced by the GPU's
+/// index (`/dev/nvidia{}`).
+pub fn device_files(pattern: &str, snap: &GpuSnapshot) -> BTreeMap<String, u32> {
+    snap.gpus
+        .iter()
+        .map(|g| (pattern.replace("{}", &g.index.to_string()), g.index))
+        .collect()
+}
+
+/// Jobs per GPU index from the processes that hold a GPU's device file
+/// open (`/proc/<pid>/fd/*` links to one of `devices`, keyed by path), as
+/// `fuser` finds them. Processes that cannot be inspected are skipped.
+pub fn from_device_files(root: &Root, devices: &BTreeMap<String, u32>) -> BTreeMap<u32, Vec<Job>> {
+    let users = root
+        .read_opt("etc/passwd")
+        .ok()
+        .flatten()
+        .map(|t| passwd_names(&t))
+        .unwrap_or_default();
+    let mut out: BTreeMap<u32, BTreeSet<Job>> = BTreeMap::new();
+    if devices.is_empty() {
+        return BTreeMap::new();
+    }
+    for pid in root.list("proc").unwrap_or_default() {
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        let fd_dir = Path::new("proc").join(pid.to_string()).join("fd");
+        let mut held = BTreeSet::new();
+        for fd in root.list(&fd_dir).unwrap_or_default() {
+            if let Ok(Some(target)) = root.read_link_quiet(fd_dir.join(&fd)) {
+                if let Some(gpu) = target.to_str().and_then(|t| devices.get(t)) {
+                    held.insert(*gpu);
+                }
+            }
+        }
+        if held.is_empty() {
+            continue;
+        }
+        if let Some(job) = job_of_pid(root, pid, &users) {
+            for gpu in held {
+                out.entry(gpu).or_default().insert(job.clone());
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(g, j)| (g, j.into_iter().collect()))
+        .collect()
+}
+
 /// Jobs per GPU index from a dcgm-exporter job-mapping directory: files
 /// named `<gpu>` (or `<gpu>.<gpu instance>`, counted for the GPU), each
 /// line a job id. Unreadable files and other names are skipped.

@@ -77,6 +77,10 @@ pub struct ExporterOptions {
     pub job_mapping_dir: Option<PathBuf>,
     /// Find jobs from the GPUs' processes (`/proc/<pid>/cgroup`, environ).
     pub jobs_from_processes: bool,
+    /// Also find jobs from the processes holding a GPU's device file open:
+    /// the files' pattern, `{}` standing for the GPU index
+    /// (`/dev/nvidia{}`). `None`: not scanned.
+    pub device_file_pattern: Option<String>,
     pub naming: Naming,
     /// The node's name (dcgm-exporter's `Hostname` label).
     pub hostname: String,
@@ -94,6 +98,7 @@ impl ExporterOptions {
             check_textfile: None,
             job_mapping_dir: None,
             jobs_from_processes: true,
+            device_file_pattern: None,
             naming: Naming::Keel,
             hostname: String::new(),
             min_interval: Duration::from_millis(500),
@@ -182,6 +187,10 @@ impl Inner {
         if let Some(snap) = gpu.snapshot.as_deref() {
             if o.jobs_from_processes && !gpu.stale {
                 jobs = jobs::from_processes(&self.root, snap);
+            }
+            if let Some(pattern) = &o.device_file_pattern {
+                let devices = jobs::device_files(pattern, snap);
+                jobs::merge(&mut jobs, jobs::from_device_files(&self.root, &devices));
             }
         }
         if let Some(dir) = &o.job_mapping_dir {

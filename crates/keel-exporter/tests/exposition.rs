@@ -167,3 +167,134 @@ fn keel_check_lines_pass_through_and_nothing_else() {
     r.check = Some(Err("cannot read /x".into()));
     assert!(expose::render(&r).contains("keel_exporter_check_readable 0\n"));
 }
+
+/// A machine root with two Slurm jobs' processes: cgroup v2 for job 1001
+/// (user from /etc/passwd), the environment for job 1002 (cgroup v1
+/// unknown), and a process of no job.
+fn procfs_with_jobs() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path();
+    let proc = |pid: u32, cgroup: &str, environ: &[u8], uid: u32| {
+        let d = p.join(format!("proc/{pid}"));
+        std::fs::create_dir_all(d.join("fd")).expect("mkdir");
+        std::fs::write(d.join("cgroup"), cgroup).expect("write");
+        std::fs::write(d.join("environ"), environ).expect("write");
+        std::fs::write(
+            d.join("status"),
+            format!("Name:\tpython\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"),
+        )
+        .expect("write");
+    };
+    proc(
+        4242,
+        "0::/system.slice/slurmstepd.scope/job_1001/step_0/user/task_0\n",
+        b"",
+        1001,
+    );
+    proc(
+        4243,
+        "0::/user.slice\n",
+        b"SLURM_JOB_ID=1002\0SLURM_JOB_USER=bob\0",
+        1002,
+    );
+    proc(4244, "0::/user.slice/user-0.slice\n", b"HOME=/root\0", 0);
+    std::fs::create_dir_all(p.join("etc")).expect("mkdir");
+    std::fs::write(
+        p.join("etc/passwd"),
+        "root:x:0:0::/root:/bin/sh\nalice:x:1001:1001::/home/alice:/bin/sh\n",
+    )
+    .expect("write");
+    // 4243 holds GPU 5's device file open as well.
+    std::os::unix::fs::symlink("/dev/nvidia5", p.join("proc/4243/fd/7")).expect("symlink");
+    std::os::unix::fs::symlink("/dev/null", p.join("proc/4242/fd/0")).expect("symlink");
+    dir
+}
+
+#[test]
+fn gpus_are_labelled_with_the_jobs_of_their_processes() {
+    let dir = procfs_with_jobs();
+    let mut snap =
+        keel_gpu::recorded::load(&fixture("nd96isr_h100_v5").join("gpu.json")).expect("snapshot");
+    let procs = |pids: &[u32]| {
+        Some(
+            pids.iter()
+                .map(|pid| keel_gpu::GpuProcess {
+                    pid: *pid,
+                    used_memory_bytes: None,
+                })
+                .collect(),
+        )
+    };
+    snap.gpus[0].processes = procs(&[4242]);
+    snap.gpus[1].processes = procs(&[4242, 4243]);
+    snap.gpus[2].processes = procs(&[4244, 99999]);
+    let root = Root::new(dir.path());
+    let mut jobs = jobs::from_processes(&root, &snap);
+    jobs::merge(
+        &mut jobs,
+        jobs::from_device_files(&root, &jobs::device_files("/dev/nvidia{}", &snap)),
+    );
+    let mut r = readings("nd96isr_h100_v5");
+    r.gpu.snapshot = Some(Arc::new(snap));
+    r.jobs = jobs;
+    let text = expose::render(&r);
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("keel_gpu_job_info{"))
+        .collect();
+    let uuid = |i: usize| {
+        r.gpu
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.gpus[i].uuid.clone())
+            .expect("uuid")
+    };
+    assert_eq!(
+        lines,
+        vec![
+            format!(
+                "keel_gpu_job_info{{gpu=\"0\",uuid=\"{}\",job=\"1001\",user=\"alice\"}} 1",
+                uuid(0)
+            ),
+            format!(
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1001\",user=\"alice\"}} 1",
+                uuid(1)
+            ),
+            format!(
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1002\",user=\"bob\"}} 1",
+                uuid(1)
+            ),
+            format!(
+                "keel_gpu_job_info{{gpu=\"5\",uuid=\"{}\",job=\"1002\",user=\"bob\"}} 1",
+                uuid(5)
+            ),
+        ],
+        "{text}"
+    );
+}
+
+#[test]
+fn the_job_mapping_directory_labels_gpus() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(d.join("0"), "5001\n").expect("write");
+    std::fs::write(d.join("3"), "5002\n5003\n").expect("write");
+    std::fs::write(d.join("4.1"), "5004\n").expect("write");
+    std::fs::write(d.join("7"), "").expect("write");
+    std::fs::write(d.join("README"), "5005\n").expect("write");
+    std::fs::write(d.join("6"), "$(reboot)\n").expect("write");
+    let jobs = jobs::from_mapping_dir(d);
+    let ids: Vec<(u32, Vec<&str>)> = jobs
+        .iter()
+        .map(|(g, j)| (*g, j.iter().map(|j| j.id.as_str()).collect()))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![
+            (0, vec!["5001"]),
+            (3, vec!["5002", "5003"]),
+            (4, vec!["5004"])
+        ]
+    );
+    assert!(jobs::from_mapping_dir(&d.join("missing")).is_empty());
+}

@@ -38,6 +38,7 @@ pub struct FileExporter {
     pub check_textfile: Option<PathBuf>,
     pub job_mapping_dir: Option<PathBuf>,
     pub jobs_from_processes: Option<bool>,
+    pub device_file_pattern: Option<String>,
     pub dcgm_names: Option<bool>,
     pub max_connections: Option<usize>,
     pub idle_threshold_percent: Option<f64>,
@@ -67,6 +68,9 @@ pub struct ExporterConfig {
     pub job_mapping_dir: Option<PathBuf>,
     /// Find each GPU's Slurm job from its processes.
     pub jobs_from_processes: bool,
+    /// Also find jobs from the processes holding a GPU's device file open
+    /// (`{}` is the GPU index: `/dev/nvidia{}`).
+    pub device_file_pattern: Option<String>,
     /// dcgm-exporter's metric names and labels.
     pub dcgm_names: bool,
     pub max_connections: usize,
@@ -89,6 +93,7 @@ impl Default for ExporterConfig {
             check_textfile: None,
             job_mapping_dir: None,
             jobs_from_processes: true,
+            device_file_pattern: None,
             dcgm_names: false,
             max_connections: 16,
             idle_threshold_percent: 5.0,
@@ -125,6 +130,7 @@ pub fn load_exporter(
     c.nvml_library = f.nvml_library;
     c.check_textfile = f.check_textfile;
     c.job_mapping_dir = f.job_mapping_dir;
+    c.device_file_pattern = f.device_file_pattern;
     if let Some(v) = env("KEEL_EXPORTER_LISTEN") {
         c.listen = v.parse().map_err(|_| {
             crate::exit::UsageError(format!(
@@ -154,6 +160,11 @@ pub fn validate_exporter(c: &mut ExporterConfig) -> anyhow::Result<()> {
         (None, false) => return Err(usage("keel exporter needs exporter.token_sha256 (--token-sha256), or no_auth = true (--no-auth) on a trusted scrape network".into())),
         (Some(_), true) => return Err(usage("exporter.token_sha256 and no_auth exclude each other".into())),
         _ => {}
+    }
+    if let Some(p) = &c.device_file_pattern {
+        if !p.contains("{}") || !p.starts_with('/') {
+            return Err(usage("exporter.device_file_pattern must be an absolute path with {} for the GPU index, e.g. /dev/nvidia{}".into()));
+        }
     }
     check_seconds("exporter.deadline_s", c.deadline_s)?;
     check_seconds("exporter.replay_step_s", c.replay_step_s)?;
@@ -727,7 +738,7 @@ mod tests {
             .keys()
             .cloned()
             .collect();
-        assert_eq!(keys.len(), 14);
+        assert_eq!(keys.len(), 15);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

@@ -54,6 +54,10 @@ pub struct ExporterArgs {
     /// job ids).
     #[arg(long, value_name = "DIR")]
     job_mapping_dir: Option<PathBuf>,
+    /// Also attribute GPUs to the jobs of processes holding their device
+    /// files open; `{}` stands for the GPU index (`/dev/nvidia{}`).
+    #[arg(long, value_name = "PATTERN")]
+    device_file_pattern: Option<String>,
     /// Do not look up the Slurm jobs of the GPUs' processes.
     #[arg(long)]
     no_process_jobs: bool,
@@ -107,6 +111,9 @@ fn effective(args: &ExporterArgs) -> anyhow::Result<ExporterConfig> {
     }
     if let Some(v) = &args.job_mapping_dir {
         c.job_mapping_dir = Some(v.clone());
+    }
+    if let Some(v) = &args.device_file_pattern {
+        c.device_file_pattern = Some(v.clone());
     }
     if args.no_process_jobs {
         c.jobs_from_processes = false;
@@ -162,6 +169,7 @@ pub fn run(cli: &Cli, args: &ExporterArgs, out: &mut Out) -> anyhow::Result<Code
         check_textfile: c.check_textfile.clone(),
         job_mapping_dir: c.job_mapping_dir.clone(),
         jobs_from_processes: c.jobs_from_processes,
+        device_file_pattern: c.device_file_pattern.clone(),
         naming: if c.dcgm_names {
             Naming::Dcgm
         } else {
