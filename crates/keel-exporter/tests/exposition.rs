@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_exporter::readings::{GpuState, Readings};
-use keel_exporter::{expose, host, jobs};
+use keel_exporter::{dcgm, expose, host, jobs};
 use keel_topo::Root;
 
 fn fixture(name: &str) -> PathBuf {
@@ -52,6 +52,50 @@ fn h100_exposition() {
         "nd96isr_h100_v5",
         expose::render(&readings("nd96isr_h100_v5"))
     );
+}
+
+/// dcgm-exporter's names, with a reading NVML gave recently (utilisation,
+/// memory used, clocks) and a job holding GPU 1.
+#[test]
+fn h100_dcgm_exposition() {
+    let mut r = readings("nd96isr_h100_v5");
+    let mut snap = (*r.gpu.snapshot.take().expect("snapshot")).clone();
+    for g in &mut snap.gpus {
+        g.utilization_gpu_percent = Some(93 + g.index % 3);
+        g.utilization_memory_percent = Some(40);
+        g.memory_used_bytes = Some(71_000 * 1024 * 1024 + 5);
+        g.energy_millijoules = Some(5_000_000_000 + u64::from(g.index));
+        g.sm_clock_mhz = Some(1980);
+        g.memory_clock_mhz = Some(2619);
+        g.power_limit_w = Some(700.0);
+    }
+    r.gpu.snapshot = Some(Arc::new(snap));
+    r.jobs.insert(
+        1,
+        vec![keel_exporter::readings::Job {
+            id: "4711".into(),
+            user: Some("alice".into()),
+        }],
+    );
+    r.jobs.insert(
+        2,
+        vec![
+            keel_exporter::readings::Job {
+                id: "4712".into(),
+                user: None,
+            },
+            keel_exporter::readings::Job {
+                id: "4713".into(),
+                user: None,
+            },
+        ],
+    );
+    r.xids = Some(vec![keel_exporter::readings::XidCount {
+        pci: "0003:00:00".into(),
+        code: 79,
+        count: 1,
+    }]);
+    insta::assert_snapshot!("nd96isr_h100_v5_dcgm", dcgm::render(&r));
 }
 
 #[test]
