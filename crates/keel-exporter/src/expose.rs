@@ -427,13 +427,23 @@ fn job_metrics(e: &mut Exposition, r: &Readings) {
                 "keel_gpu_job_info",
                 Gauge,
                 "1 for each Slurm job that holds the GPU (its processes' cgroup or environment, or the job-mapping directory).",
-                &[("gpu", &idx), ("uuid", &uuid), ("job", &j.id), ("user", j.user.as_deref().unwrap_or(""))],
+                &[
+                    ("gpu", &idx),
+                    ("uuid", &uuid),
+                    ("job", &j.id),
+                    ("user", j.user.as_deref().unwrap_or("")),
+                    ("partition", j.partition.as_deref().unwrap_or("")),
+                ],
                 1.0,
             );
         }
     }
     for j in &r.idle {
-        let l: &[(&str, &str)] = &[("job", &j.job), ("user", j.user.as_deref().unwrap_or(""))];
+        let l: &[(&str, &str)] = &[
+            ("job", &j.job),
+            ("user", j.user.as_deref().unwrap_or("")),
+            ("partition", j.partition.as_deref().unwrap_or("")),
+        ];
         e.add(
             "keel_job_gpu_idle_seconds_total",
             Counter,

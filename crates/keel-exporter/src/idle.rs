@@ -24,6 +24,7 @@ pub const MAX_GAP_S: f64 = 300.0;
 #[derive(Debug, Clone)]
 struct JobState {
     user: Option<String>,
+    partition: Option<String>,
     idle_s: f64,
     observed_s: f64,
     /// Since when each of its GPUs has been idle (None: busy or unknown).
@@ -66,6 +67,7 @@ impl IdleTracker {
             for j in list {
                 let st = self.jobs.entry(j.id.clone()).or_insert_with(|| JobState {
                     user: j.user.clone(),
+                    partition: j.partition.clone(),
                     idle_s: 0.0,
                     observed_s: 0.0,
                     idle_since: BTreeMap::new(),
@@ -73,6 +75,9 @@ impl IdleTracker {
                 });
                 if st.user.is_none() {
                     st.user = j.user.clone();
+                }
+                if st.partition.is_none() {
+                    st.partition = j.partition.clone();
                 }
                 let seen_before = st.idle_since.contains_key(gpu);
                 st.last_seen = now;
@@ -107,6 +112,7 @@ impl IdleTracker {
             .map(|(id, st)| IdleJob {
                 job: id.clone(),
                 user: st.user.clone(),
+                partition: st.partition.clone(),
                 idle_gpu_seconds: st.idle_s,
                 observed_gpu_seconds: st.observed_s,
                 idle: !st.idle_since.is_empty()
@@ -140,6 +146,7 @@ mod tests {
                 vec![Job {
                     id: "7".into(),
                     user: Some("alice".into()),
+                    ..Job::default()
                 }],
             ),
             (
@@ -147,6 +154,7 @@ mod tests {
                 vec![Job {
                     id: "7".into(),
                     user: Some("alice".into()),
+                    ..Job::default()
                 }],
             ),
             (
@@ -154,6 +162,7 @@ mod tests {
                 vec![Job {
                     id: "8".into(),
                     user: None,
+                    ..Job::default()
                 }],
             ),
         ]

@@ -30,10 +30,12 @@ pub fn job_of_cgroup(text: &str) -> Option<String> {
     found
 }
 
-/// `SLURM_JOB_ID` and `SLURM_JOB_USER` in a `/proc/<pid>/environ` file.
-pub fn job_of_environ(environ: &[u8]) -> (Option<String>, Option<String>) {
+/// `SLURM_JOB_ID`, `SLURM_JOB_USER` and `SLURM_JOB_PARTITION` in a
+/// `/proc/<pid>/environ` file.
+pub fn job_of_environ(environ: &[u8]) -> (Option<String>, Option<String>, Option<String>) {
     let mut id = None;
     let mut user = None;
+    let mut partition = None;
     for var in environ.split(|b| *b == 0) {
         let var = String::from_utf8_lossy(var);
         if let Some(v) = var.strip_prefix("SLURM_JOB_ID=") {
@@ -44,9 +46,13 @@ pub fn job_of_environ(environ: &[u8]) -> (Option<String>, Option<String>) {
             if !v.is_empty() && v.len() <= 64 {
                 user = Some(v.to_owned());
             }
+        } else if let Some(v) = var.strip_prefix("SLURM_JOB_PARTITION=") {
+            if !v.is_empty() && v.len() <= 64 {
+                partition = Some(v.to_owned());
+            }
         }
     }
-    (id, user)
+    (id, user, partition)
 }
 
 /// The real uid in a `/proc/<pid>/status` file.
@@ -73,10 +79,15 @@ pub fn job_of_pid(root: &Root, pid: u32, users: &BTreeMap<u32, String>) -> Optio
     let cgroup = root.read_opt(dir.join("cgroup")).ok().flatten();
     let mut id = cgroup.as_deref().and_then(job_of_cgroup);
     let mut user = None;
+    let mut partition = None;
     if let Ok(env) = std::fs::read(root.path(dir.join("environ"))) {
-        let (env_id, env_user) = job_of_environ(&env);
+        let (env_id, env_user, env_partition) = job_of_environ(&env);
+        // The environment's user and partition belong to its job only.
+        if id.is_none() || id == env_id {
+            user = env_user;
+            partition = env_partition;
+        }
         id = id.or(env_id);
-        user = env_user;
     }
     let id = id?;
     if user.is_none() {
@@ -88,7 +99,11 @@ pub fn job_of_pid(root: &Root, pid: u32, users: &BTreeMap<u32, String>) -> Optio
             .and_then(uid_of_status);
         user = uid.map(|u| users.get(&u).cloned().unwrap_or_else(|| u.to_string()));
     }
-    Some(Job { id, user })
+    Some(Job {
+        id,
+        user,
+        partition,
+    })
 }
 
 /// Jobs per GPU index from the GPUs' compute processes.
@@ -195,7 +210,7 @@ pub fn from_mapping_dir(dir: &Path) -> BTreeMap<u32, Vec<Job>> {
             {
                 out.entry(gpu).or_default().insert(Job {
                     id: id.to_owned(),
-                    user: None,
+                    ..Job::default()
                 });
             }
         }
@@ -241,9 +256,13 @@ mod tests {
         let env = b"PATH=/bin\0SLURM_JOB_ID=77\0SLURM_JOB_USER=alice\0";
         assert_eq!(
             job_of_environ(env),
-            (Some("77".into()), Some("alice".into()))
+            (Some("77".into()), Some("alice".into()), None)
         );
-        assert_eq!(job_of_environ(b"SLURM_JOB_ID=7;rm\0"), (None, None));
+        assert_eq!(job_of_environ(b"SLURM_JOB_ID=7;rm\0"), (None, None, None));
+        assert_eq!(
+            job_of_environ(b"SLURM_JOB_PARTITION=gpu\0").2.as_deref(),
+            Some("gpu")
+        );
         assert_eq!(
             uid_of_status("Name:\tpython\nUid:\t1001\t1001\t1001\t1001\n"),
             Some(1001)

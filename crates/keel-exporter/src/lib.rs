@@ -14,6 +14,7 @@
 //! (keel check does; its verdicts are passed through) or act on idle jobs
 //! (the binary does, when asked).
 
+pub mod cost;
 pub mod dcgm;
 pub mod expose;
 pub mod host;

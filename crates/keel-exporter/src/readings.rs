@@ -88,11 +88,13 @@ pub struct XidCount {
 }
 
 /// A Slurm job that holds a GPU.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Job {
     pub id: String,
     /// User name, else numeric uid; `None` when unknown.
     pub user: Option<String>,
+    /// `SLURM_JOB_PARTITION` of its processes; `None` when unknown.
+    pub partition: Option<String>,
 }
 
 /// One job's idle accounting.
@@ -100,6 +102,7 @@ pub struct Job {
 pub struct IdleJob {
     pub job: String,
     pub user: Option<String>,
+    pub partition: Option<String>,
     /// GPU-seconds the job's GPUs spent below the threshold.
     pub idle_gpu_seconds: f64,
     /// GPU-seconds observed in all.

@@ -75,6 +75,7 @@ fn h100_dcgm_exposition() {
         vec![keel_exporter::readings::Job {
             id: "4711".into(),
             user: Some("alice".into()),
+            partition: Some("gpu".into()),
         }],
     );
     r.jobs.insert(
@@ -83,10 +84,12 @@ fn h100_dcgm_exposition() {
             keel_exporter::readings::Job {
                 id: "4712".into(),
                 user: None,
+                partition: None,
             },
             keel_exporter::readings::Job {
                 id: "4713".into(),
                 user: None,
+                partition: None,
             },
         ],
     );
@@ -238,7 +241,7 @@ fn procfs_with_jobs() -> tempfile::TempDir {
     proc(
         4243,
         "0::/user.slice\n",
-        b"SLURM_JOB_ID=1002\0SLURM_JOB_USER=bob\0",
+        b"SLURM_JOB_ID=1002\0SLURM_JOB_USER=bob\0SLURM_JOB_PARTITION=gpu\0",
         1002,
     );
     proc(4244, "0::/user.slice/user-0.slice\n", b"HOME=/root\0", 0);
@@ -297,19 +300,19 @@ fn gpus_are_labelled_with_the_jobs_of_their_processes() {
         lines,
         vec![
             format!(
-                "keel_gpu_job_info{{gpu=\"0\",uuid=\"{}\",job=\"1001\",user=\"alice\"}} 1",
+                "keel_gpu_job_info{{gpu=\"0\",uuid=\"{}\",job=\"1001\",user=\"alice\",partition=\"\"}} 1",
                 uuid(0)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1001\",user=\"alice\"}} 1",
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1001\",user=\"alice\",partition=\"\"}} 1",
                 uuid(1)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1002\",user=\"bob\"}} 1",
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
                 uuid(1)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"5\",uuid=\"{}\",job=\"1002\",user=\"bob\"}} 1",
+                "keel_gpu_job_info{{gpu=\"5\",uuid=\"{}\",job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
                 uuid(5)
             ),
         ],

@@ -345,3 +345,80 @@ fn a_connection_flood_is_bounded_and_idle_connections_are_closed() {
         assert_eq!(h.join().expect("thread").expect("answered"), 200);
     }
 }
+
+#[test]
+fn idle_gpu_time_is_accounted_per_job_and_the_policy_marks_idle_jobs() {
+    let clock = ManualClock::new();
+    let mut snap = snapshot("nd96asr_v4");
+    for g in &mut snap.gpus {
+        g.utilization_gpu_percent = Some(if g.index == 2 { 90 } else { 0 });
+    }
+    let map = tempfile::tempdir().expect("tempdir");
+    std::fs::write(map.path().join("0"), "501\n").expect("write");
+    std::fs::write(map.path().join("1"), "501\n").expect("write");
+    std::fs::write(map.path().join("2"), "502\n").expect("write");
+    let dir = map.path().to_path_buf();
+    let probe = ReplayProbe::new(vec![snap], Duration::from_secs(15), clock.clone());
+    let s = start(
+        "nd96asr_v4",
+        Box::new(probe),
+        clock.clone(),
+        ServeOptions::default(),
+        move |o| {
+            o.job_mapping_dir = Some(dir);
+            o.idle = Some(keel_exporter::IdlePolicy {
+                threshold_percent: 5.0,
+                idle_minutes: 2.0,
+            });
+        },
+    );
+    let mut text = String::new();
+    for i in 0..4 {
+        if i > 0 {
+            clock.advance(Duration::from_secs(60));
+        }
+        text = http::get(s.addr, "/metrics", "").expect("scrape").text();
+        let idle = value(
+            &text,
+            "keel_job_gpu_idle{job=\"501\",user=\"\",partition=\"\"}",
+        );
+        assert_eq!(
+            idle,
+            Some(if i >= 2 { 1.0 } else { 0.0 }),
+            "after {i} minutes: {text}"
+        );
+    }
+    assert_eq!(
+        value(
+            &text,
+            "keel_job_gpu_idle_seconds_total{job=\"501\",user=\"\",partition=\"\"}"
+        ),
+        Some(360.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(
+            &text,
+            "keel_job_gpu_observed_seconds_total{job=\"501\",user=\"\",partition=\"\"}"
+        ),
+        Some(360.0)
+    );
+    assert_eq!(
+        value(
+            &text,
+            "keel_job_gpu_idle_seconds_total{job=\"502\",user=\"\",partition=\"\"}"
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(
+            &text,
+            "keel_job_gpu_idle{job=\"502\",user=\"\",partition=\"\"}"
+        ),
+        Some(0.0)
+    );
+    let rows = keel_exporter::cost::from_exposition(&text);
+    assert_eq!(rows[0].job, "501");
+    assert_eq!(rows[0].idle_gpu_hours, 0.1);
+    assert!(rows[0].idle_now && !rows[1].idle_now);
+}

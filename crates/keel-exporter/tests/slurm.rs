@@ -106,6 +106,25 @@ fn a_job_holding_gpu_device_files_is_attributed_to_its_job_id() {
         assert_eq!(list[0].user.as_deref(), Some(whoami().as_str()));
     }
     let _ = std::fs::remove_file(&out);
+
+    // What `keel cost idle --cancel --execute` runs: the job ends.
+    let slurm = cluster.slurm(Duration::from_secs(10));
+    assert!(slurm.cancel("1;reboot").is_err());
+    slurm.cancel(&id).expect("scancel");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = cluster
+            .command("squeue", &["-h", "-j", &id, "-o", "%T"])
+            .unwrap_or_default();
+        if !state.contains("RUNNING") && !state.contains("PENDING") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "job {id} still {state} 30 s after scancel"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn whoami() -> String {

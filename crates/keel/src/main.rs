@@ -6,6 +6,7 @@ mod bench;
 mod check;
 mod ckpt;
 mod config;
+mod cost;
 mod exit;
 mod exporter;
 mod gpu;
@@ -84,6 +85,12 @@ enum Command {
     /// splitting, fallback, metrics and audit in front of OpenAI-compatible
     /// and OIP v2 model servers.
     Serve(Box<serve::ServeArgs>),
+    /// GPU cost reports: idle GPU-hours by job, user and partition
+    /// (`keel cost idle`), and cancelling idle jobs when asked.
+    Cost {
+        #[command(subcommand)]
+        command: cost::CostCommand,
+    },
     /// GPU and node metrics for Prometheus (/metrics on 127.0.0.1:9400):
     /// NVML readings, HCA ports, XIDs, keel check's verdicts, the Slurm job
     /// holding each GPU, idle-GPU time per job.
@@ -112,6 +119,7 @@ fn main() -> ExitCode {
         Command::Ckpt { command } => ckpt::run(command, &mut out),
         Command::Serve(args) => serve::run(args, &mut out),
         Command::Model(args) => model::run(args, &mut out),
+        Command::Cost { command } => cost::run(command, &mut out, cli.json),
         Command::Exporter(args) => exporter::run(&cli, args, &mut out),
     };
     let code = match result {

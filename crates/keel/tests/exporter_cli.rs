@@ -31,11 +31,15 @@ impl Drop for Running {
 
 /// Starts `keel exporter ARGS --listen 127.0.0.1:0` and reads its address.
 fn start(args: &[&str]) -> (Running, SocketAddr) {
+    start_with(&fixture("nd96asr_v4/gpu.json"), args)
+}
+
+fn start_with(snapshot: &Path, args: &[&str]) -> (Running, SocketAddr) {
     let mut child = keel()
         .args(["--root"])
         .arg(fixture("nd96asr_v4"))
         .args(["exporter", "--listen", "127.0.0.1:0", "--gpu-snapshot"])
-        .arg(fixture("nd96asr_v4/gpu.json"))
+        .arg(snapshot)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -100,4 +104,105 @@ fn exporter_serves_the_replayed_gpus_behind_the_token() {
     let (_p, addr) = start(&["--no-auth", "--dcgm-names"]);
     let r = http::request(addr, "GET", "/metrics", &[], b"").expect("scrape");
     assert_eq!(r.status, 200);
+}
+
+#[test]
+fn cost_idle_reports_idle_gpu_hours_and_cancels_only_when_told() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut snap: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("nd96asr_v4/gpu.json")).expect("read"),
+    )
+    .expect("json");
+    for g in snap["gpus"].as_array_mut().expect("gpus") {
+        g["utilization_gpu_percent"] = if g["index"] == 3 { 80 } else { 0 }.into();
+    }
+    let snap_file = dir.path().join("gpu.json");
+    std::fs::write(&snap_file, snap.to_string()).expect("write");
+    let map = dir.path().join("map");
+    std::fs::create_dir(&map).expect("mkdir");
+    std::fs::write(map.join("0"), "501\n").expect("write");
+    std::fs::write(map.join("1"), "501\n").expect("write");
+    std::fs::write(map.join("3"), "502\n").expect("write");
+    let token = "t0ken";
+    let sha = "b46c09677343261f0b439a472422225e3a230c9c094d6ab16762e2036b597053";
+    let (_p, addr) = start_with(
+        &snap_file,
+        &[
+            "--token-sha256",
+            sha,
+            "--job-mapping-dir",
+            map.to_str().expect("utf-8"),
+            "--idle-minutes",
+            "0.01",
+        ],
+    );
+    assert_eq!(
+        http::get(addr, "/metrics", token)
+            .expect("first scrape")
+            .status,
+        200
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let url = format!("http://{addr}");
+    let out = keel()
+        .args(["--json", "cost", "idle", "--exporter", &url, "--cancel"])
+        .env("KEEL_EXPORTER_TOKEN", token)
+        .output()
+        .expect("runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["command"], "cost idle");
+    assert_eq!(v["jobs"][0]["job"], "501");
+    assert_eq!(v["jobs"][0]["idle_now"], true);
+    let idle = v["jobs"][0]["idle_gpu_hours"].as_f64().expect("hours");
+    // Two GPUs idle for the time between the two scrapes (1.2 s and more).
+    assert!(
+        idle > 2.0 * 1.1 / 3600.0 && idle < 2.0 * 30.0 / 3600.0,
+        "{idle}"
+    );
+    assert_eq!(v["jobs"][1]["job"], "502");
+    assert_eq!(v["jobs"][1]["idle_gpu_hours"], 0.0);
+    assert_eq!(
+        v["cancel"],
+        serde_json::json!([{"job": "501", "result": "dry-run"}])
+    );
+
+    let out = keel()
+        .args(["cost", "idle", "--exporter", &url])
+        .env("KEEL_EXPORTER_TOKEN", token)
+        .output()
+        .expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("JOB") && text.contains("501") && !text.contains("would run"),
+        "{text}"
+    );
+
+    let out = keel()
+        .args(["cost", "idle", "--exporter", &url])
+        .env("KEEL_EXPORTER_TOKEN", "wrong")
+        .output()
+        .expect("runs");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+    let out = keel()
+        .args(["cost", "idle", "--exporter", "https://x"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(64));
+    let out = keel()
+        .args(["cost", "idle", "--prometheus", &url, "--range", "1 day"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(64));
 }
