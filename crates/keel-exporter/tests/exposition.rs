@@ -345,3 +345,94 @@ fn the_job_mapping_directory_labels_gpus() {
     );
     assert!(jobs::from_mapping_dir(&d.join("missing")).is_empty());
 }
+
+#[test]
+fn the_slurm_prolog_writes_what_the_exporter_reads() {
+    let script = fixture("../../deploy/slurm/keel-job-mapping.sh");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |vars: &[(&str, &str)], arg: &str| {
+        let mut c = std::process::Command::new("sh");
+        c.arg(&script)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("KEEL_JOB_MAPPING_DIR", dir.path());
+        if !arg.is_empty() {
+            c.arg(arg);
+        }
+        for (k, v) in vars {
+            c.env(k, v);
+        }
+        let st = c.status().expect("sh runs");
+        assert!(st.success(), "a prolog or epilog must exit 0");
+    };
+    run(
+        &[("SLURM_JOB_ID", "77"), ("GPU_DEVICE_ORDINAL", "1,3")],
+        "prolog",
+    );
+    run(
+        &[
+            ("SLURM_JOB_ID", "78"),
+            ("CUDA_VISIBLE_DEVICES", "3"),
+            ("SLURM_SCRIPT_CONTEXT", "prolog_slurmd"),
+        ],
+        "",
+    );
+    run(
+        &[("SLURM_JOB_ID", "77"), ("GPU_DEVICE_ORDINAL", "1,3")],
+        "prolog",
+    );
+    run(
+        &[("SLURM_JOB_ID", "1;reboot"), ("GPU_DEVICE_ORDINAL", "2")],
+        "prolog",
+    );
+    let ids = |m: &std::collections::BTreeMap<u32, Vec<keel_exporter::readings::Job>>| -> Vec<(u32, Vec<String>)> {
+        m.iter().map(|(g, j)| (*g, j.iter().map(|j| j.id.clone()).collect())).collect()
+    };
+    assert_eq!(
+        ids(&jobs::from_mapping_dir(dir.path())),
+        vec![
+            (1, vec!["77".to_owned()]),
+            (3, vec!["77".to_owned(), "78".to_owned()])
+        ]
+    );
+    run(
+        &[
+            ("SLURM_JOB_ID", "77"),
+            ("GPU_DEVICE_ORDINAL", "1,3"),
+            ("SLURM_SCRIPT_CONTEXT", "epilog_slurmd"),
+        ],
+        "",
+    );
+    assert_eq!(
+        ids(&jobs::from_mapping_dir(dir.path())),
+        vec![(3, vec!["78".to_owned()])]
+    );
+}
+
+/// Every metric name the exporter can emit is documented.
+#[test]
+fn every_metric_is_documented() {
+    let doc =
+        std::fs::read_to_string(fixture("../../docs/monitoring.md")).expect("docs/monitoring.md");
+    let sources = [
+        include_str!("../src/expose.rs"),
+        include_str!("../src/dcgm.rs"),
+    ];
+    let mut names = Vec::new();
+    for src in sources {
+        for part in src.split('"').skip(1).step_by(2) {
+            if (part.starts_with("keel_") || part.starts_with("DCGM_"))
+                && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            {
+                names.push(part.to_owned());
+            }
+        }
+    }
+    assert!(names.len() > 50, "{names:?}");
+    for n in names.iter().filter(|n| !n.starts_with("keel_check_")) {
+        assert!(
+            doc.contains(&format!("`{n}`")),
+            "docs/monitoring.md does not document {n}"
+        );
+    }
+}
