@@ -2,8 +2,11 @@
 //! (at most one call at a time); a scrape asks for a fresh snapshot and
 //! waits for it until the deadline, then goes on with the last good one,
 //! marked stale. A probe call that hangs therefore holds up no scrape for
-//! longer than the deadline, and no more threads pile up behind it.
+//! longer than the deadline (and only the first: later scrapes see that
+//! the same call is still running and do not wait), and no more threads
+//! pile up behind it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,6 +32,10 @@ pub struct Sampler {
     ask: SyncSender<()>,
     latest: watch::Receiver<Latest>,
     clock: Arc<dyn Clock>,
+    /// `seq + 1` of the answer count during which a scrape already waited
+    /// out its deadline: the call in progress hangs, and later scrapes do
+    /// not wait for it again.
+    hung: Arc<AtomicU64>,
 }
 
 impl Sampler {
@@ -67,7 +74,12 @@ impl Sampler {
                     });
                 }
             })?;
-        Ok(Self { ask, latest, clock })
+        Ok(Self {
+            ask,
+            latest,
+            clock,
+            hung: Arc::new(AtomicU64::new(0)),
+        })
     }
 
     /// A fresh reading if the probe answers within `deadline`, else the last
@@ -79,10 +91,15 @@ impl Sampler {
             Ok(()) | Err(TrySendError::Full(())) => true,
             Err(TrySendError::Disconnected(())) => false,
         };
+        let hung = self.hung.load(Ordering::Relaxed) == seq + 1;
         let fresh = asked
+            && !hung
             && tokio::time::timeout(deadline, rx.wait_for(|l| l.seq > seq))
                 .await
                 .is_ok_and(|r| r.is_ok());
+        if asked && !fresh && !hung {
+            self.hung.store(seq + 1, Ordering::Relaxed);
+        }
         let l = rx.borrow().clone();
         let now = self.clock.now();
         let error = if fresh {
