@@ -11,7 +11,9 @@ use keel_exporter::{Exporter, ExporterOptions, SystemClock};
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn nvml_readings_are_exposed_for_every_gpu() {
-    let probe = keel_gpu::NvmlProbe::new().with_timeout(Duration::from_secs(20));
+    let probe = keel_gpu::LoadedNvmlProbe::new(
+        keel_gpu::NvmlProbe::new().with_timeout(Duration::from_secs(20)),
+    );
     let mut opts = ExporterOptions::new("/");
     opts.deadline = Duration::from_secs(20);
     let exporter = Exporter::new(opts, Box::new(probe), Arc::new(SystemClock)).expect("exporter");
@@ -19,6 +21,8 @@ fn nvml_readings_are_exposed_for_every_gpu() {
         .enable_all()
         .build()
         .expect("runtime");
+    let _ = rt.block_on(exporter.readings());
+    // The second snapshot comes from the NVML handle the first one loaded.
     let readings = rt.block_on(exporter.readings());
     let snap = readings
         .gpu

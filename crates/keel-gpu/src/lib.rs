@@ -15,7 +15,7 @@
 pub mod nvml;
 pub mod recorded;
 
-pub use nvml::NvmlProbe;
+pub use nvml::{LoadedNvmlProbe, NvmlProbe};
 pub use recorded::record;
 
 use serde::{Deserialize, Serialize};

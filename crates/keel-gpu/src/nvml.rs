@@ -27,6 +27,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
@@ -136,9 +137,78 @@ where
     }
 }
 
+/// An NVML probe for a long-running process (`keel exporter`): NVML is
+/// loaded and initialised at the first snapshot and kept for the next ones,
+/// instead of at every snapshot as [`NvmlProbe`] does. Each snapshot still
+/// runs on a thread of its own under the timeout. When NVML answers that it
+/// is not initialised or the driver is gone, the handle is dropped and the
+/// next snapshot loads it again.
+#[derive(Clone)]
+pub struct LoadedNvmlProbe {
+    probe: NvmlProbe,
+    nvml: Arc<Mutex<Option<Arc<Nvml>>>>,
+}
+
+impl std::fmt::Debug for LoadedNvmlProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let loaded = self.nvml.lock().map(|n| n.is_some()).unwrap_or(false);
+        f.debug_struct("LoadedNvmlProbe")
+            .field("probe", &self.probe)
+            .field("loaded", &loaded)
+            .finish()
+    }
+}
+
+impl LoadedNvmlProbe {
+    /// Keeps NVML loaded between the snapshots of `probe` (its library and
+    /// timeout).
+    pub fn new(probe: NvmlProbe) -> Self {
+        Self {
+            probe,
+            nvml: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// Whether NVML is loaded now.
+    pub fn is_loaded(&self) -> bool {
+        self.nvml.lock().map(|n| n.is_some()).unwrap_or(false)
+    }
+}
+
+impl GpuProbe for LoadedNvmlProbe {
+    fn snapshot(&self) -> Result<GpuSnapshot, GpuError> {
+        let library = self.probe.library.clone();
+        let slot = self.nvml.clone();
+        run_with_timeout(self.probe.timeout, move || {
+            let nvml = {
+                let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
+                match &*held {
+                    Some(n) => n.clone(),
+                    None => {
+                        let n = Arc::new(init(&library)?);
+                        *held = Some(n.clone());
+                        n
+                    }
+                }
+            };
+            let result = read_with(&nvml);
+            if matches!(result, Err(GpuError::Nvml { .. })) {
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            result
+        })
+    }
+}
+
 /// Loads NVML from `library` and reads every GPU.
 fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
-    let nvml = Nvml::builder()
+    read_with(&init(library)?)
+    // The handle is dropped here, which shuts NVML down (errors ignored).
+}
+
+/// Loads and initialises NVML from `library`.
+fn init(library: &Path) -> Result<Nvml, GpuError> {
+    Nvml::builder()
         .lib_path(library.as_os_str())
         .init()
         .map_err(|e| GpuError::Unavailable {
@@ -151,7 +221,11 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
                     error_chain(&e)
                 ),
             },
-        })?;
+        })
+}
+
+/// Reads every GPU through an initialised NVML.
+fn read_with(nvml: &Nvml) -> Result<GpuSnapshot, GpuError> {
     let count = nvml.device_count().map_err(|e| GpuError::Nvml {
         call: "nvmlDeviceGetCount",
         message: error_chain(&e),
@@ -188,7 +262,6 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
         gpus,
         unopened,
     })
-    // `nvml` is dropped here, which shuts NVML down (errors ignored).
 }
 
 /// Reads one GPU; `index` is its NVML index and `bus_id` NVML's PCI bus id.
@@ -432,6 +505,24 @@ mod tests {
             }
             other => panic!("expected Unavailable, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_kept_probe_without_a_driver_is_unavailable_and_loads_nothing() {
+        let probe = LoadedNvmlProbe::new(NvmlProbe::with_library("/nonexistent/libnvidia-ml.so.1"));
+        for _ in 0..2 {
+            match probe.snapshot() {
+                Err(GpuError::Unavailable { reason }) => {
+                    assert!(
+                        reason.contains("/nonexistent/libnvidia-ml.so.1"),
+                        "{reason}"
+                    )
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+            assert!(!probe.is_loaded());
+        }
+        assert!(format!("{probe:?}").contains("loaded: false"));
     }
 
     #[test]

@@ -147,7 +147,10 @@ fn probe(cli: &Cli, c: &ExporterConfig) -> anyhow::Result<Box<dyn GpuProbe + Sen
         Some(l) => keel_gpu::NvmlProbe::with_library(l),
         None => keel_gpu::NvmlProbe::new(),
     };
-    Ok(Box::new(probe.with_timeout(Duration::from_secs(10))))
+    // NVML stays loaded between scrapes.
+    Ok(Box::new(keel_gpu::LoadedNvmlProbe::new(
+        probe.with_timeout(Duration::from_secs(10)),
+    )))
 }
 
 pub fn run(cli: &Cli, args: &ExporterArgs, out: &mut Out) -> anyhow::Result<Code> {
