@@ -206,3 +206,45 @@ fn cost_idle_reports_idle_gpu_hours_and_cancels_only_when_told() {
         .expect("runs");
     assert_eq!(out.status.code(), Some(64));
 }
+
+/// The real NVML probe on a machine without the driver (a missing library
+/// stands for it where one is installed): host metrics, no GPU series.
+#[test]
+fn exporter_without_a_gpu_driver_serves_host_metrics() {
+    let mut child = keel()
+        .args([
+            "exporter",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-auth",
+            "--nvml-library",
+            "/nonexistent/libnvidia-ml.so.1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("keel starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("first line");
+    let _p = Running(child);
+    let addr: SocketAddr = line
+        .trim()
+        .strip_prefix("metrics  http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    for _ in 0..2 {
+        let r = http::request(addr, "GET", "/metrics", &[], b"").expect("scrape");
+        assert_eq!(r.status, 200);
+        let t = r.text();
+        assert!(t.contains("keel_exporter_gpu_up 0\n"), "{t}");
+        assert!(
+            t.contains("keel_exporter_gpu_probe_error{reason=\"unavailable\"} 1\n"),
+            "{t}"
+        );
+        assert!(!t.contains("keel_gpu_"), "{t}");
+        std::thread::sleep(std::time::Duration::from_millis(600));
+    }
+}
