@@ -528,12 +528,17 @@ pub(crate) fn check_passthrough(out: &mut String, r: &Readings) {
         "keel_exporter_check_readable 0\n"
     });
     if let Ok(text) = check {
+        // Only keel check's own, well-formed lines: a damaged file must not
+        // make the whole scrape unparseable.
         for line in text.lines() {
-            let name = line
+            let meta = line
                 .strip_prefix("# HELP ")
-                .or_else(|| line.strip_prefix("# TYPE "))
-                .unwrap_or(line);
-            if name.starts_with("keel_check_") {
+                .or_else(|| line.strip_prefix("# TYPE "));
+            let ok = match meta {
+                Some(rest) => rest.starts_with("keel_check_") && !rest.ends_with("_total"),
+                None => line.starts_with("keel_check_") && crate::text::is_sample_line(line),
+            };
+            if ok {
                 out.push_str(line);
                 out.push('\n');
             }

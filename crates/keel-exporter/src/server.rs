@@ -112,12 +112,26 @@ async fn handle(
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
                 return r;
             }
+            let openmetrics = req
+                .headers()
+                .get_all(header::ACCEPT)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .any(|v| v.contains("application/openmetrics-text"));
             let text = exporter.scrape().await;
-            reply(
-                StatusCode::OK,
-                crate::text::CONTENT_TYPE,
-                Bytes::from(text.as_bytes().to_vec()),
-            )
+            if openmetrics {
+                reply(
+                    StatusCode::OK,
+                    crate::text::OPENMETRICS_CONTENT_TYPE,
+                    crate::text::to_openmetrics(&text),
+                )
+            } else {
+                reply(
+                    StatusCode::OK,
+                    crate::text::CONTENT_TYPE,
+                    Bytes::from(text.as_bytes().to_vec()),
+                )
+            }
         }
         (&Method::GET, "/health") => reply(StatusCode::OK, "text/plain; charset=utf-8", "ok\n"),
         (&Method::GET, "/") => reply(StatusCode::OK, "text/html; charset=utf-8", LANDING),

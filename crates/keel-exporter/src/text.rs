@@ -9,6 +9,57 @@ use std::fmt::Write as _;
 /// The Content-Type of [`Exposition::render`]'s output.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// The Content-Type of [`to_openmetrics`]'s output.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The text format turned into OpenMetrics 1.0: a counter family is named
+/// without its `_total` suffix in `# HELP` and `# TYPE` (its samples keep
+/// it), and the exposition ends with `# EOF`. Every counter keel exposes
+/// ends in `_total` and no gauge does.
+pub fn to_openmetrics(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    for line in text.lines() {
+        let meta = line
+            .strip_prefix("# HELP ")
+            .map(|r| ("# HELP ", r))
+            .or_else(|| line.strip_prefix("# TYPE ").map(|r| ("# TYPE ", r)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.push_str(prefix);
+                out.push_str(name.strip_suffix("_total").unwrap_or(name));
+                out.push(' ');
+                out.push_str(tail);
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out.push_str("# EOF\n");
+    out
+}
+
+/// Whether `line` is a sample line of the text format: a metric name, an
+/// optional `{...}` label set and a value.
+pub fn is_sample_line(line: &str) -> bool {
+    let Some((head, value)) = line.rsplit_once(' ') else {
+        return false;
+    };
+    let value_ok = matches!(value, "NaN" | "+Inf" | "-Inf") || value.parse::<f64>().is_ok();
+    let name_end = head.find('{').unwrap_or(head.len());
+    let name = &head[..name_end];
+    let labels_ok = name_end == head.len()
+        || (head.ends_with('}') && !head[name_end + 1..head.len() - 1].contains('\n'));
+    value_ok
+        && labels_ok
+        && !name.is_empty()
+        && !name.as_bytes()[0].is_ascii_digit()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b':')
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Gauge,
@@ -121,6 +172,41 @@ fn push_value(out: &mut String, v: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn openmetrics_names_counter_families_without_total_and_ends_with_eof() {
+        let mut e = Exposition::new();
+        e.add("x_joules_total", Kind::Counter, "X.", &[("gpu", "0")], 5.0);
+        e.add("y_bytes", Kind::Gauge, "Y.", &[], 1.0);
+        assert_eq!(
+            to_openmetrics(&e.render()),
+            "# HELP x_joules X.\n# TYPE x_joules counter\nx_joules_total{gpu=\"0\"} 5\n\
+             # HELP y_bytes Y.\n# TYPE y_bytes gauge\ny_bytes 1\n# EOF\n"
+        );
+    }
+
+    #[test]
+    fn sample_lines() {
+        for ok in [
+            "a 1",
+            "a_b:c{x=\"1\",y=\"a b\"} -2.5e3",
+            "a NaN",
+            "a{} +Inf",
+        ] {
+            assert!(is_sample_line(ok), "{ok}");
+        }
+        for bad in [
+            "a",
+            "1a 1",
+            "a{x=\"1\" 1",
+            "a one",
+            "a-b 1",
+            " 1",
+            "a{x=\"1\"} ",
+        ] {
+            assert!(!is_sample_line(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn families_are_contiguous_and_values_formatted() {

@@ -200,7 +200,7 @@ fn xids_are_counted_by_gpu_and_code_as_the_log_grows() {
 #[test]
 fn keel_check_lines_pass_through_and_nothing_else() {
     let mut r = readings("nd96asr_v4");
-    r.check = Some(Ok("# HELP keel_check_overall x\n# TYPE keel_check_overall gauge\nkeel_check_overall{host=\"n\",sku=\"s\"} 2\nother_metric 1\n# HELP other y\n".into()));
+    r.check = Some(Ok("# HELP keel_check_overall x\n# TYPE keel_check_overall gauge\nkeel_check_overall{host=\"n\",sku=\"s\"} 2\nother_metric 1\n# HELP other y\nkeel_check_status{check=\"x\" 2\nkeel_check_value{check=\"y\"} lots\n".into()));
     let text = expose::render(&r);
     assert!(
         text.contains("keel_exporter_check_readable 1\n# HELP keel_check_overall"),
@@ -210,6 +210,10 @@ fn keel_check_lines_pass_through_and_nothing_else() {
     assert!(
         !text.contains("other_metric") && !text.contains("# HELP other "),
         "{text}"
+    );
+    assert!(
+        !text.contains("keel_check_status") && !text.contains("keel_check_value"),
+        "damaged lines are left out: {text}"
     );
     r.check = Some(Err("cannot read /x".into()));
     assert!(expose::render(&r).contains("keel_exporter_check_readable 0\n"));

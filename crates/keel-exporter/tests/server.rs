@@ -162,6 +162,33 @@ fn metrics_need_the_right_bearer_token() {
         assert_eq!(r.header("www-authenticate"), Some("Bearer"));
         assert!(!r.text().contains("keel_gpu"));
     }
+    let auth = format!("Bearer {TOKEN}");
+    let om = http::request(
+        s.addr,
+        "GET",
+        "/metrics",
+        &[
+            ("Authorization", &auth),
+            (
+                "Accept",
+                "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+            ),
+        ],
+        b"",
+    )
+    .expect("scrape");
+    assert_eq!(om.status, 200);
+    assert_eq!(
+        om.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    assert!(om.text().ends_with("# EOF\n"));
+    assert!(
+        om.text()
+            .contains("# TYPE keel_gpu_pcie_replays counter\nkeel_gpu_pcie_replays_total{"),
+        "{}",
+        om.text()
+    );
     let none = http::request(s.addr, "GET", "/metrics", &[], b"").expect("scrape");
     assert_eq!(none.status, 401);
     let basic = http::request(
