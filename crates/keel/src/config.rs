@@ -346,6 +346,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_MODEL_TOKEN_SHA256", "model.serve_token_sha256"),
     ("KEEL_EXPORTER_LISTEN", "exporter.listen"),
     ("KEEL_EXPORTER_TOKEN_SHA256", "exporter.token_sha256"),
+    (
+        "KEEL_EXPORTER_TOKEN",
+        "keel cost idle --exporter: the bearer token (else --token-file)",
+    ),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
