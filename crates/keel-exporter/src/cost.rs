@@ -72,7 +72,7 @@ fn row_of<'a>(
     rows: &'a mut BTreeMap<String, IdleRow>,
     l: &BTreeMap<String, String>,
 ) -> Option<&'a mut IdleRow> {
-    let job = l.get("job")?.clone();
+    let job = l.get("slurm_job")?.clone();
     Some(rows.entry(job.clone()).or_insert_with(|| IdleRow {
         job,
         user: l.get("user").cloned().unwrap_or_default(),
@@ -132,9 +132,9 @@ fn sorted(rows: BTreeMap<String, IdleRow>) -> Vec<IdleRow> {
 /// over `range` (a Prometheus duration: `24h`), summed over nodes.
 pub fn prometheus_queries(range: &str) -> [String; 3] {
     [
-        format!("sum by (job, user, partition) (increase(keel_job_gpu_idle_seconds_total[{range}]))"),
-        format!("sum by (job, user, partition) (increase(keel_job_gpu_observed_seconds_total[{range}]))"),
-        "max by (job, user, partition) (keel_job_gpu_idle)".to_owned(),
+        format!("sum by (slurm_job, user, partition) (increase(keel_job_gpu_idle_seconds_total[{range}]))"),
+        format!("sum by (slurm_job, user, partition) (increase(keel_job_gpu_observed_seconds_total[{range}]))"),
+        "max by (slurm_job, user, partition) (keel_job_gpu_idle)".to_owned(),
     ]
 }
 
@@ -282,11 +282,11 @@ mod tests {
     #[test]
     fn rows_from_an_exposition() {
         let text = "# HELP keel_job_gpu_idle_seconds_total x\n\
-            keel_job_gpu_idle_seconds_total{job=\"7\",user=\"alice\",partition=\"gpu\"} 7200\n\
-            keel_job_gpu_observed_seconds_total{job=\"7\",user=\"alice\",partition=\"gpu\"} 14400\n\
-            keel_job_gpu_idle{job=\"7\",user=\"alice\",partition=\"gpu\"} 1\n\
-            keel_job_gpu_idle_seconds_total{job=\"8\",user=\"b\\\"o\",partition=\"\"} 36000\n\
-            keel_job_gpu_idle{job=\"8\",user=\"b\\\"o\",partition=\"\"} 0\n\
+            keel_job_gpu_idle_seconds_total{slurm_job=\"7\",user=\"alice\",partition=\"gpu\"} 7200\n\
+            keel_job_gpu_observed_seconds_total{slurm_job=\"7\",user=\"alice\",partition=\"gpu\"} 14400\n\
+            keel_job_gpu_idle{slurm_job=\"7\",user=\"alice\",partition=\"gpu\"} 1\n\
+            keel_job_gpu_idle_seconds_total{slurm_job=\"8\",user=\"b\\\"o\",partition=\"\"} 36000\n\
+            keel_job_gpu_idle{slurm_job=\"8\",user=\"b\\\"o\",partition=\"\"} 0\n\
             keel_gpu_job_info{gpu=\"0\",job=\"9\"} 1\n";
         let rows = from_exposition(text);
         assert_eq!(rows.len(), 2);
@@ -312,7 +312,7 @@ mod tests {
 
     #[test]
     fn rows_from_prometheus_results() {
-        let idle = r#"{"status":"success","data":{"resultType":"vector","result":[{"metric":{"job":"7","user":"alice","partition":"gpu"},"value":[1,"3600"]}]}}"#;
+        let idle = r#"{"status":"success","data":{"resultType":"vector","result":[{"metric":{"slurm_job":"7","user":"alice","partition":"gpu"},"value":[1,"3600"]}]}}"#;
         let none = r#"{"status":"success","data":{"resultType":"vector","result":[]}}"#;
         let rows = from_prometheus("http://p", idle, none, none).expect("rows");
         assert_eq!(rows.len(), 1);

@@ -430,7 +430,7 @@ fn job_metrics(e: &mut Exposition, r: &Readings) {
                 &[
                     ("gpu", &idx),
                     ("uuid", &uuid),
-                    ("job", &j.id),
+                    ("slurm_job", &j.id),
                     ("user", j.user.as_deref().unwrap_or("")),
                     ("partition", j.partition.as_deref().unwrap_or("")),
                 ],
@@ -440,7 +440,7 @@ fn job_metrics(e: &mut Exposition, r: &Readings) {
     }
     for j in &r.idle {
         let l: &[(&str, &str)] = &[
-            ("job", &j.job),
+            ("slurm_job", &j.job),
             ("user", j.user.as_deref().unwrap_or("")),
             ("partition", j.partition.as_deref().unwrap_or("")),
         ];

@@ -304,19 +304,19 @@ fn gpus_are_labelled_with_the_jobs_of_their_processes() {
         lines,
         vec![
             format!(
-                "keel_gpu_job_info{{gpu=\"0\",uuid=\"{}\",job=\"1001\",user=\"alice\",partition=\"\"}} 1",
+                "keel_gpu_job_info{{gpu=\"0\",uuid=\"{}\",slurm_job=\"1001\",user=\"alice\",partition=\"\"}} 1",
                 uuid(0)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1001\",user=\"alice\",partition=\"\"}} 1",
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",slurm_job=\"1001\",user=\"alice\",partition=\"\"}} 1",
                 uuid(1)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
+                "keel_gpu_job_info{{gpu=\"1\",uuid=\"{}\",slurm_job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
                 uuid(1)
             ),
             format!(
-                "keel_gpu_job_info{{gpu=\"5\",uuid=\"{}\",job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
+                "keel_gpu_job_info{{gpu=\"5\",uuid=\"{}\",slurm_job=\"1002\",user=\"bob\",partition=\"gpu\"}} 1",
                 uuid(5)
             ),
         ],

@@ -94,8 +94,17 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
         std::fs::read_to_string(env("KEEL_TEST_PROMETHEUS_TOKEN_FILE")).expect("token file");
     let fixture = repo().join("tests/fixtures/nd96isr_h100_v5");
     let healthy = keel_gpu::recorded::load(&fixture.join("gpu.json")).expect("fixture");
+    let mut healthy = healthy;
+    for g in &mut healthy.gpus {
+        g.utilization_gpu_percent = Some(if g.index < 2 { 0 } else { 95 });
+    }
     let mut failing = healthy.clone();
     failing.gpus[5].ecc.volatile_dram_uncorrected = Some(3);
+    // A Slurm job holds GPUs 0 and 1 and leaves them idle.
+    let job = format!("9{}", std::process::id());
+    let map = tempfile::tempdir().expect("tempdir");
+    std::fs::write(map.path().join("0"), format!("{job}\n")).expect("write");
+    std::fs::write(map.path().join("1"), format!("{job}\n")).expect("write");
 
     let rt = rt();
     let clock = Arc::new(SystemClock);
@@ -104,7 +113,12 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
         Duration::from_secs(4),
         clock.clone(),
     );
-    let opts = ExporterOptions::new(&fixture);
+    let mut opts = ExporterOptions::new(&fixture);
+    opts.job_mapping_dir = Some(map.path().to_path_buf());
+    opts.idle = Some(keel_exporter::IdlePolicy {
+        threshold_percent: 5.0,
+        idle_minutes: 0.05,
+    });
     let exporter = Exporter::new(opts, Box::new(probe), clock).expect("exporter");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let addr = rt.block_on(async {
@@ -170,6 +184,37 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!(r[0]["metric"]["gpu"], "5");
     assert_eq!(r[0]["metric"]["severity"], "critical");
+
+    // keel cost idle's queries against this Prometheus.
+    wait(
+        "the idle verdict",
+        &format!("keel_job_gpu_idle{{keel_test=\"{id}\",slurm_job=\"{job}\"}} == 1"),
+        &|r| !r.is_empty(),
+    );
+    wait(
+        "two samples of idle time",
+        &format!("increase(keel_job_gpu_idle_seconds_total{{keel_test=\"{id}\"}}[1m]) > 0"),
+        &|r| !r.is_empty(),
+    );
+    let bodies: Vec<String> = keel_exporter::cost::prometheus_queries("1m")
+        .iter()
+        .map(|q| {
+            let url = format!("{base}/api/v1/query?query={}", encode(q));
+            rt.block_on(http_get(&url, None, Duration::from_secs(10)))
+                .expect("query")
+        })
+        .collect();
+    let rows = keel_exporter::cost::from_prometheus(&base, &bodies[0], &bodies[1], &bodies[2])
+        .expect("rows");
+    let row = rows
+        .iter()
+        .find(|r| r.job == job)
+        .unwrap_or_else(|| panic!("no row for job {job}: {rows:?}"));
+    assert!(row.idle_now, "{row:?}");
+    assert!(
+        row.idle_gpu_hours > 0.0 && row.idle_gpu_hours <= row.observed_gpu_hours,
+        "{row:?}"
+    );
     let _ = stop.send(());
 }
 

@@ -416,7 +416,7 @@ fn idle_gpu_time_is_accounted_per_job_and_the_policy_marks_idle_jobs() {
         text = http::get(s.addr, "/metrics", "").expect("scrape").text();
         let idle = value(
             &text,
-            "keel_job_gpu_idle{job=\"501\",user=\"\",partition=\"\"}",
+            "keel_job_gpu_idle{slurm_job=\"501\",user=\"\",partition=\"\"}",
         );
         assert_eq!(
             idle,
@@ -427,7 +427,7 @@ fn idle_gpu_time_is_accounted_per_job_and_the_policy_marks_idle_jobs() {
     assert_eq!(
         value(
             &text,
-            "keel_job_gpu_idle_seconds_total{job=\"501\",user=\"\",partition=\"\"}"
+            "keel_job_gpu_idle_seconds_total{slurm_job=\"501\",user=\"\",partition=\"\"}"
         ),
         Some(360.0),
         "{text}"
@@ -435,21 +435,21 @@ fn idle_gpu_time_is_accounted_per_job_and_the_policy_marks_idle_jobs() {
     assert_eq!(
         value(
             &text,
-            "keel_job_gpu_observed_seconds_total{job=\"501\",user=\"\",partition=\"\"}"
+            "keel_job_gpu_observed_seconds_total{slurm_job=\"501\",user=\"\",partition=\"\"}"
         ),
         Some(360.0)
     );
     assert_eq!(
         value(
             &text,
-            "keel_job_gpu_idle_seconds_total{job=\"502\",user=\"\",partition=\"\"}"
+            "keel_job_gpu_idle_seconds_total{slurm_job=\"502\",user=\"\",partition=\"\"}"
         ),
         Some(0.0)
     );
     assert_eq!(
         value(
             &text,
-            "keel_job_gpu_idle{job=\"502\",user=\"\",partition=\"\"}"
+            "keel_job_gpu_idle{slurm_job=\"502\",user=\"\",partition=\"\"}"
         ),
         Some(0.0)
     );
