@@ -120,6 +120,12 @@ fn gpu(e: &mut Exposition, g: &GpuReading, driver: &str, hostname: &str, job: Op
         f(g.temperature_c),
     );
     add(
+        "DCGM_FI_DEV_MEMORY_TEMP",
+        Gauge,
+        "Memory temperature (in C).",
+        f(g.memory_temperature_c),
+    );
+    add(
         "DCGM_FI_DEV_POWER_USAGE",
         Gauge,
         "Power draw (in W).",

@@ -193,6 +193,12 @@ fn gpu(e: &mut Exposition, g: &GpuReading, driver: &str) {
         g.temperature_c.map(f64::from)
     );
     opt!(
+        "keel_gpu_memory_temperature_celsius",
+        Gauge,
+        "Device memory (HBM) temperature.",
+        g.memory_temperature_c.map(f64::from)
+    );
+    opt!(
         "keel_gpu_sm_clock_hertz",
         Gauge,
         "Streaming multiprocessor clock.",

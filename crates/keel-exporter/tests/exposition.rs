@@ -68,6 +68,7 @@ fn h100_dcgm_exposition() {
         g.sm_clock_mhz = Some(1980);
         g.memory_clock_mhz = Some(2619);
         g.power_limit_w = Some(700.0);
+        g.memory_temperature_c = Some(45 + g.index);
     }
     r.gpu.snapshot = Some(Arc::new(snap));
     r.jobs.insert(

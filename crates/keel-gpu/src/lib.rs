@@ -136,6 +136,10 @@ pub struct GpuReading {
     /// The power limit the driver enforces, watts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_limit_w: Option<f64>,
+    /// Device (HBM) memory temperature, °C (NVML field 82; not every GPU
+    /// reports it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_temperature_c: Option<u32>,
     /// Streaming multiprocessor clock, MHz.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sm_clock_mhz: Option<u32>,

@@ -37,8 +37,8 @@ use nvml_wrapper::enums::device::{SampleValue, UsedGpuMemory};
 use nvml_wrapper::error::{Bits, NvmlError};
 use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::sys_exports::field_id::{
-    NVML_FI_DEV_REMAPPED_COR, NVML_FI_DEV_REMAPPED_FAILURE, NVML_FI_DEV_REMAPPED_PENDING,
-    NVML_FI_DEV_REMAPPED_UNC,
+    NVML_FI_DEV_MEMORY_TEMP, NVML_FI_DEV_REMAPPED_COR, NVML_FI_DEV_REMAPPED_FAILURE,
+    NVML_FI_DEV_REMAPPED_PENDING, NVML_FI_DEV_REMAPPED_UNC,
 };
 use nvml_wrapper::{Device, Nvml};
 
@@ -321,6 +321,9 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
             .enforced_power_limit()
             .ok()
             .map(|mw| f64::from(mw) / 1000.0),
+        memory_temperature_c: field_u64(device, NVML_FI_DEV_MEMORY_TEMP)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0),
         sm_clock_mhz: device.clock_info(Clock::SM).ok(),
         memory_clock_mhz: device.clock_info(Clock::Memory).ok(),
         nvlink_errors: links.map(|n| (0..n).map(|l| nvlink_errors(device, l)).collect()),
@@ -387,6 +390,20 @@ fn remapped_rows(device: &Device<'_>) -> Option<RemappedRows> {
         pending: pending != 0,
         failure: failure != 0,
     })
+}
+
+/// One NVML field value as an integer; `None` when it is not given.
+fn field_u64(device: &Device<'_>, id: u32) -> Option<u64> {
+    let sample = device
+        .field_values_for(&[FieldId(id)])
+        .ok()?
+        .into_iter()
+        .next()?
+        .ok()?;
+    if sample.field != FieldId(id) {
+        return None;
+    }
+    sample_u64(sample.value.ok()?)
 }
 
 fn sample_u64(value: SampleValue) -> Option<u64> {

@@ -158,6 +158,7 @@ mod tests {
             memory_used_bytes: Some(1 << 30),
             energy_millijoules: Some(123_456_789),
             power_limit_w: Some(700.0),
+            memory_temperature_c: Some(41),
             sm_clock_mhz: Some(1980),
             memory_clock_mhz: Some(2619),
             nvlink_errors: Some(vec![
