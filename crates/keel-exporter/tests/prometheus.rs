@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use keel_exporter::cost::{encode, http_get};
 use keel_exporter::replay::ReplayProbe;
 use keel_exporter::server::{serve, sha256_hex, Auth, ServeOptions};
-use keel_exporter::{Exporter, ExporterOptions, SystemClock};
+use keel_exporter::{Clock, Exporter, ExporterOptions};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -78,6 +78,17 @@ fn query(
     Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
 }
 
+/// The real clock, moved on by the test: the replay shows its second
+/// snapshot only once Prometheus has scraped the first.
+#[derive(Debug, Default)]
+struct JumpClock(std::sync::Mutex<Duration>);
+
+impl Clock for JumpClock {
+    fn now(&self) -> Instant {
+        Instant::now() + *self.0.lock().expect("lock")
+    }
+}
+
 struct Target(PathBuf);
 
 impl Drop for Target {
@@ -107,10 +118,10 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
     std::fs::write(map.path().join("1"), format!("{job}\n")).expect("write");
 
     let rt = rt();
-    let clock = Arc::new(SystemClock);
+    let clock = Arc::new(JumpClock::default());
     let probe = ReplayProbe::new(
         vec![healthy, failing],
-        Duration::from_secs(4),
+        Duration::from_secs(3600),
         clock.clone(),
     );
     let mut opts = ExporterOptions::new(&fixture);
@@ -119,7 +130,7 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
         threshold_percent: 5.0,
         idle_minutes: 0.05,
     });
-    let exporter = Exporter::new(opts, Box::new(probe), clock).expect("exporter");
+    let exporter = Exporter::new(opts, Box::new(probe), clock.clone()).expect("exporter");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let addr = rt.block_on(async {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -176,6 +187,15 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
     )
     .expect("count");
     assert_eq!(temps[0]["value"][1], "8");
+    // Two healthy samples of GPU 5's counter, then the failing snapshot.
+    wait(
+        "two healthy samples",
+        &format!(
+            "count_over_time(keel_gpu_ecc_errors_total{{keel_test=\"{id}\",gpu=\"5\",type=\"uncorrected\",counter=\"volatile\",location=\"dram\"}}[1m]) >= 2"
+        ),
+        &|r| !r.is_empty(),
+    );
+    *clock.0.lock().expect("lock") += Duration::from_secs(3600);
     let r = wait(
         "the uncorrectable-ECC alert",
         &format!("ALERTS{{alertname=\"KeelGpuUncorrectableEcc\",alertstate=\"firing\",keel_test=\"{id}\"}}"),
