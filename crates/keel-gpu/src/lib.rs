@@ -20,7 +20,7 @@ pub mod clocks;
 pub mod nvml;
 pub mod recorded;
 
-pub use nvml::NvmlProbe;
+pub use nvml::{LoadedNvmlProbe, NvmlProbe};
 pub use recorded::record;
 
 use serde::{Deserialize, Serialize};
@@ -123,6 +123,38 @@ pub struct GpuReading {
     pub memory_total_bytes: Option<u64>,
     /// Compute processes on the GPU.
     pub processes: Option<Vec<GpuProcess>>,
+    /// Percent of the last sample period (1/6 s to 1 s) in which a kernel
+    /// ran (`nvmlDeviceGetUtilizationRates`). Readings below are absent
+    /// from snapshots recorded before they existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub utilization_gpu_percent: Option<u32>,
+    /// Percent of the sample period in which device memory was read or
+    /// written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub utilization_memory_percent: Option<u32>,
+    /// Device memory in use, bytes (NVML counts reserved memory as used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_used_bytes: Option<u64>,
+    /// Energy used since the driver loaded, millijoules (Volta and later).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub energy_millijoules: Option<u64>,
+    /// The power limit the driver enforces, watts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_limit_w: Option<f64>,
+    /// Device (HBM) memory temperature, °C (NVML field 82; not every GPU
+    /// reports it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_temperature_c: Option<u32>,
+    /// Streaming multiprocessor clock, MHz.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz: Option<u32>,
+    /// Memory clock, MHz.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_clock_mhz: Option<u32>,
+    /// Error counters of each NVLink link, in link order (as
+    /// `nvlink_active`); `None` when they could not be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_errors: Option<Vec<NvlinkErrors>>,
     /// Clocks; absent from snapshots recorded before they were read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clocks: Option<ClockReading>,
@@ -141,6 +173,16 @@ pub struct ClockReading {
     pub default_app_memory_mhz: Option<u32>,
     pub max_graphics_mhz: Option<u32>,
     pub max_memory_mhz: Option<u32>,
+}
+
+/// One NVLink link's error counters since the driver loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvlinkErrors {
+    pub replay: Option<u64>,
+    pub recovery: Option<u64>,
+    pub crc_flit: Option<u64>,
+    pub crc_data: Option<u64>,
 }
 
 /// ECC error counters. Volatile counters reset at driver load; aggregate

@@ -27,6 +27,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
@@ -36,14 +37,14 @@ use nvml_wrapper::enums::device::{SampleValue, UsedGpuMemory};
 use nvml_wrapper::error::{Bits, NvmlError};
 use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::sys_exports::field_id::{
-    NVML_FI_DEV_REMAPPED_COR, NVML_FI_DEV_REMAPPED_FAILURE, NVML_FI_DEV_REMAPPED_PENDING,
-    NVML_FI_DEV_REMAPPED_UNC,
+    NVML_FI_DEV_MEMORY_TEMP, NVML_FI_DEV_REMAPPED_COR, NVML_FI_DEV_REMAPPED_FAILURE,
+    NVML_FI_DEV_REMAPPED_PENDING, NVML_FI_DEV_REMAPPED_UNC,
 };
 use nvml_wrapper::{Device, Nvml};
 
 use crate::{
     ClockReading, EccCounters, GpuError, GpuProbe, GpuProcess, GpuReading, GpuSnapshot,
-    PcieReading, RemappedRows, SNAPSHOT_VERSION,
+    NvlinkErrors, PcieReading, RemappedRows, SNAPSHOT_VERSION,
 };
 
 /// The library the driver installs (the unversioned `libnvidia-ml.so` only
@@ -136,9 +137,78 @@ where
     }
 }
 
+/// An NVML probe for a long-running process (`keel exporter`): NVML is
+/// loaded and initialised at the first snapshot and kept for the next ones,
+/// instead of at every snapshot as [`NvmlProbe`] does. Each snapshot still
+/// runs on a thread of its own under the timeout. When NVML answers that it
+/// is not initialised or the driver is gone, the handle is dropped and the
+/// next snapshot loads it again.
+#[derive(Clone)]
+pub struct LoadedNvmlProbe {
+    probe: NvmlProbe,
+    nvml: Arc<Mutex<Option<Arc<Nvml>>>>,
+}
+
+impl std::fmt::Debug for LoadedNvmlProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let loaded = self.nvml.lock().map(|n| n.is_some()).unwrap_or(false);
+        f.debug_struct("LoadedNvmlProbe")
+            .field("probe", &self.probe)
+            .field("loaded", &loaded)
+            .finish()
+    }
+}
+
+impl LoadedNvmlProbe {
+    /// Keeps NVML loaded between the snapshots of `probe` (its library and
+    /// timeout).
+    pub fn new(probe: NvmlProbe) -> Self {
+        Self {
+            probe,
+            nvml: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// Whether NVML is loaded now.
+    pub fn is_loaded(&self) -> bool {
+        self.nvml.lock().map(|n| n.is_some()).unwrap_or(false)
+    }
+}
+
+impl GpuProbe for LoadedNvmlProbe {
+    fn snapshot(&self) -> Result<GpuSnapshot, GpuError> {
+        let library = self.probe.library.clone();
+        let slot = self.nvml.clone();
+        run_with_timeout(self.probe.timeout, move || {
+            let nvml = {
+                let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
+                match &*held {
+                    Some(n) => n.clone(),
+                    None => {
+                        let n = Arc::new(init(&library)?);
+                        *held = Some(n.clone());
+                        n
+                    }
+                }
+            };
+            let result = read_with(&nvml);
+            if matches!(result, Err(GpuError::Nvml { .. })) {
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            result
+        })
+    }
+}
+
 /// Loads NVML from `library` and reads every GPU.
 fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
-    let nvml = Nvml::builder()
+    read_with(&init(library)?)
+    // The handle is dropped here, which shuts NVML down (errors ignored).
+}
+
+/// Loads and initialises NVML from `library`.
+fn init(library: &Path) -> Result<Nvml, GpuError> {
+    Nvml::builder()
         .lib_path(library.as_os_str())
         .init()
         .map_err(|e| GpuError::Unavailable {
@@ -151,7 +221,11 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
                     error_chain(&e)
                 ),
             },
-        })?;
+        })
+}
+
+/// Reads every GPU through an initialised NVML.
+fn read_with(nvml: &Nvml) -> Result<GpuSnapshot, GpuError> {
     let count = nvml.device_count().map_err(|e| GpuError::Nvml {
         call: "nvmlDeviceGetCount",
         message: error_chain(&e),
@@ -188,12 +262,15 @@ fn read(library: &Path) -> Result<GpuSnapshot, GpuError> {
         gpus,
         unopened,
     })
-    // `nvml` is dropped here, which shuts NVML down (errors ignored).
 }
 
 /// Reads one GPU; `index` is its NVML index and `bus_id` NVML's PCI bus id.
 fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
     let ecc_mode = device.is_ecc_enabled().ok();
+    let utilization = device.utilization_rates().ok();
+    let memory = device.memory_info().ok();
+    let nvlink = nvlink_active(device);
+    let links = nvlink.as_ref().map(|l| l.len() as u32);
     GpuReading {
         index,
         // NVML's ids are well formed; should one not be, keep it (lowercase)
@@ -220,10 +297,10 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
             max_width: device.max_pcie_link_width().ok(),
             replay_counter: device.pcie_replay_counter().ok().map(u64::from),
         },
-        nvlink_active: nvlink_active(device),
+        nvlink_active: nvlink,
         temperature_c: device.temperature(TemperatureSensor::Gpu).ok(),
         power_w: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-        memory_total_bytes: device.memory_info().ok().map(|m| m.total),
+        memory_total_bytes: memory.as_ref().map(|m| m.total),
         processes: device.running_compute_processes().ok().map(|procs| {
             procs
                 .into_iter()
@@ -236,6 +313,20 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
                 })
                 .collect()
         }),
+        utilization_gpu_percent: utilization.as_ref().map(|u| u.gpu),
+        utilization_memory_percent: utilization.as_ref().map(|u| u.memory),
+        memory_used_bytes: memory.as_ref().map(|m| m.used),
+        energy_millijoules: device.total_energy_consumption().ok(),
+        power_limit_w: device
+            .enforced_power_limit()
+            .ok()
+            .map(|mw| f64::from(mw) / 1000.0),
+        memory_temperature_c: field_u64(device, NVML_FI_DEV_MEMORY_TEMP)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0),
+        sm_clock_mhz: device.clock_info(Clock::SM).ok(),
+        memory_clock_mhz: device.clock_info(Clock::Memory).ok(),
+        nvlink_errors: links.map(|n| (0..n).map(|l| nvlink_errors(device, l)).collect()),
         clocks: Some(clock_reading(device)),
     }
 }
@@ -251,6 +342,19 @@ fn clock_reading(device: &Device<'_>) -> ClockReading {
         default_app_memory_mhz: device.default_applications_clock(Clock::Memory).ok(),
         max_graphics_mhz: device.max_clock_info(Clock::Graphics).ok(),
         max_memory_mhz: device.max_clock_info(Clock::Memory).ok(),
+    }
+}
+
+/// One link's error counters; each `None` when NVML does not give it.
+fn nvlink_errors(device: &Device<'_>, link: u32) -> NvlinkErrors {
+    use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
+    let link = device.link_wrapper_for(link);
+    let count = |c| link.error_counter(c).ok();
+    NvlinkErrors {
+        replay: count(ErrorCounter::DlReplay),
+        recovery: count(ErrorCounter::DlRecovery),
+        crc_flit: count(ErrorCounter::DlCrcFlit),
+        crc_data: count(ErrorCounter::DlCrcData),
     }
 }
 
@@ -301,6 +405,20 @@ fn remapped_rows(device: &Device<'_>) -> Option<RemappedRows> {
         pending: pending != 0,
         failure: failure != 0,
     })
+}
+
+/// One NVML field value as an integer; `None` when it is not given.
+fn field_u64(device: &Device<'_>, id: u32) -> Option<u64> {
+    let sample = device
+        .field_values_for(&[FieldId(id)])
+        .ok()?
+        .into_iter()
+        .next()?
+        .ok()?;
+    if sample.field != FieldId(id) {
+        return None;
+    }
+    sample_u64(sample.value.ok()?)
 }
 
 fn sample_u64(value: SampleValue) -> Option<u64> {
@@ -419,6 +537,24 @@ mod tests {
             }
             other => panic!("expected Unavailable, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_kept_probe_without_a_driver_is_unavailable_and_loads_nothing() {
+        let probe = LoadedNvmlProbe::new(NvmlProbe::with_library("/nonexistent/libnvidia-ml.so.1"));
+        for _ in 0..2 {
+            match probe.snapshot() {
+                Err(GpuError::Unavailable { reason }) => {
+                    assert!(
+                        reason.contains("/nonexistent/libnvidia-ml.so.1"),
+                        "{reason}"
+                    )
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+            assert!(!probe.is_loaded());
+        }
+        assert!(format!("{probe:?}").contains("loaded: false"));
     }
 
     #[test]

@@ -163,6 +163,23 @@ mod tests {
                 max_graphics_mhz: Some(1980),
                 max_memory_mhz: Some(2619),
             }),
+            utilization_gpu_percent: Some(97),
+            utilization_memory_percent: Some(41),
+            memory_used_bytes: Some(1 << 30),
+            energy_millijoules: Some(123_456_789),
+            power_limit_w: Some(700.0),
+            memory_temperature_c: Some(41),
+            sm_clock_mhz: Some(1980),
+            memory_clock_mhz: Some(2619),
+            nvlink_errors: Some(vec![
+                crate::NvlinkErrors {
+                    replay: Some(0),
+                    recovery: Some(1),
+                    crc_flit: None,
+                    crc_data: Some(0),
+                };
+                18
+            ]),
         }
     }
 
@@ -431,6 +448,7 @@ mod tests {
                 memory_total_bytes,
                 processes,
                 clocks: None,
+                ..GpuReading::default()
             },
         )
     }

@@ -118,6 +118,30 @@ impl Slurm {
         self.update(name, &["State=RESUME".to_owned()])
     }
 
+    /// `scancel JOBID`: cancels a job (a number, or `<id>_<task>` of an
+    /// array). Anything else is refused before a command runs.
+    pub fn cancel(&self, job: &str) -> Result<(), SlurmError> {
+        let ok = !job.is_empty()
+            && job.len() <= 32
+            && job.bytes().all(|b| b.is_ascii_digit() || b == b'_')
+            && job.as_bytes()[0].is_ascii_digit();
+        if !ok {
+            return Err(SlurmError::Parse {
+                command: "scancel".into(),
+                output: job.chars().take(40).collect(),
+                reason: "not a Slurm job id".into(),
+            });
+        }
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        let args = vec![job.to_owned()];
+        let out = self.run("scancel", &args, deadline)?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(self.failed("scancel", &args, &out))
+    }
+
     /// Carries out what [`crate::decide`] returned; `Nothing` runs nothing.
     pub fn apply(&self, name: &str, action: &Action) -> Result<(), SlurmError> {
         match action {

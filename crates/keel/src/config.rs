@@ -20,6 +20,173 @@ pub struct FileConfig {
     pub serve: FileServe,
     #[serde(default)]
     pub model: FileModel,
+    #[serde(default)]
+    pub exporter: FileExporter,
+}
+
+/// `[exporter]`: `keel exporter`'s settings (docs/monitoring.md).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileExporter {
+    pub listen: Option<std::net::SocketAddr>,
+    pub token_sha256: Option<String>,
+    pub no_auth: Option<bool>,
+    pub gpu_snapshots: Option<Vec<PathBuf>>,
+    pub replay_step_s: Option<f64>,
+    pub nvml_library: Option<PathBuf>,
+    pub deadline_s: Option<f64>,
+    pub check_textfile: Option<PathBuf>,
+    pub job_mapping_dir: Option<PathBuf>,
+    pub jobs_from_processes: Option<bool>,
+    pub device_file_pattern: Option<String>,
+    pub dcgm_names: Option<bool>,
+    pub max_connections: Option<usize>,
+    pub idle_threshold_percent: Option<f64>,
+    pub idle_minutes: Option<f64>,
+}
+
+/// The effective `keel exporter` settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExporterConfig {
+    /// Where `/metrics` is served.
+    pub listen: std::net::SocketAddr,
+    /// SHA-256 (hex) of the bearer token scrapers send.
+    pub token_sha256: Option<String>,
+    /// Serve without authentication (a trusted scrape network).
+    pub no_auth: bool,
+    /// Replay these recorded snapshots instead of reading NVML.
+    pub gpu_snapshots: Vec<PathBuf>,
+    /// Seconds each replayed snapshot is shown.
+    pub replay_step_s: f64,
+    pub nvml_library: Option<PathBuf>,
+    /// How long a scrape waits for the GPUs before it shows the last good
+    /// readings (marked stale).
+    pub deadline_s: f64,
+    /// keel check's Prometheus textfile, passed through.
+    pub check_textfile: Option<PathBuf>,
+    /// dcgm-exporter's job-mapping directory.
+    pub job_mapping_dir: Option<PathBuf>,
+    /// Find each GPU's Slurm job from its processes.
+    pub jobs_from_processes: bool,
+    /// Also find jobs from the processes holding a GPU's device file open
+    /// (`{}` is the GPU index: `/dev/nvidia{}`).
+    pub device_file_pattern: Option<String>,
+    /// dcgm-exporter's metric names and labels.
+    pub dcgm_names: bool,
+    pub max_connections: usize,
+    /// Idle accounting: a GPU below this utilisation is idle.
+    pub idle_threshold_percent: f64,
+    /// A job whose GPUs were all idle this long is marked idle.
+    pub idle_minutes: f64,
+}
+
+impl Default for ExporterConfig {
+    fn default() -> Self {
+        Self {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 9400)),
+            token_sha256: None,
+            no_auth: false,
+            gpu_snapshots: Vec::new(),
+            replay_step_s: 15.0,
+            nvml_library: None,
+            deadline_s: 2.0,
+            check_textfile: None,
+            job_mapping_dir: None,
+            jobs_from_processes: true,
+            device_file_pattern: None,
+            dcgm_names: false,
+            max_connections: 16,
+            idle_threshold_percent: 5.0,
+            idle_minutes: 30.0,
+        }
+    }
+}
+
+/// Loads `[exporter]`: defaults < file < `KEEL_EXPORTER_*`; flags are
+/// applied by the caller, which then calls [`validate_exporter`].
+pub fn load_exporter(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<ExporterConfig> {
+    let (file, _) = load_file(explicit, env)?;
+    let f = file.exporter;
+    let mut c = ExporterConfig::default();
+    macro_rules! take {
+        ($($field:ident),*) => { $( if let Some(v) = f.$field { c.$field = v; } )* };
+    }
+    take!(
+        listen,
+        no_auth,
+        gpu_snapshots,
+        replay_step_s,
+        deadline_s,
+        jobs_from_processes,
+        dcgm_names,
+        max_connections,
+        idle_threshold_percent,
+        idle_minutes
+    );
+    c.token_sha256 = f.token_sha256;
+    c.nvml_library = f.nvml_library;
+    c.check_textfile = f.check_textfile;
+    c.job_mapping_dir = f.job_mapping_dir;
+    c.device_file_pattern = f.device_file_pattern;
+    if let Some(v) = env("KEEL_EXPORTER_LISTEN") {
+        c.listen = v.parse().map_err(|_| {
+            crate::exit::UsageError(format!(
+                "KEEL_EXPORTER_LISTEN={v:?} is not an address (HOST:PORT)"
+            ))
+        })?;
+    }
+    if let Some(v) = env("KEEL_EXPORTER_TOKEN_SHA256") {
+        c.token_sha256 = Some(v);
+    }
+    Ok(c)
+}
+
+/// Checks the effective exporter settings.
+pub fn validate_exporter(c: &mut ExporterConfig) -> anyhow::Result<()> {
+    let usage = |m: String| -> anyhow::Error { crate::exit::UsageError(m).into() };
+    if let Some(t) = &mut c.token_sha256 {
+        *t = t.to_ascii_lowercase();
+        if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(usage(
+                "exporter.token_sha256 must be 64 hex digits: the SHA-256 of the token (sha256sum)"
+                    .into(),
+            ));
+        }
+    }
+    match (&c.token_sha256, c.no_auth) {
+        (None, false) => return Err(usage("keel exporter needs exporter.token_sha256 (--token-sha256), or no_auth = true (--no-auth) on a trusted scrape network".into())),
+        (Some(_), true) => return Err(usage("exporter.token_sha256 and no_auth exclude each other".into())),
+        _ => {}
+    }
+    if let Some(p) = &c.device_file_pattern {
+        if !p.contains("{}") || !p.starts_with('/') {
+            return Err(usage("exporter.device_file_pattern must be an absolute path with {} for the GPU index, e.g. /dev/nvidia{}".into()));
+        }
+    }
+    check_seconds("exporter.deadline_s", c.deadline_s)?;
+    check_seconds("exporter.replay_step_s", c.replay_step_s)?;
+    if !(1..=1024).contains(&c.max_connections) {
+        return Err(usage(format!(
+            "exporter.max_connections = {} must be from 1 to 1024",
+            c.max_connections
+        )));
+    }
+    if !(c.idle_threshold_percent > 0.0 && c.idle_threshold_percent <= 100.0) {
+        return Err(usage(format!(
+            "exporter.idle_threshold_percent = {} must be above 0 and at most 100",
+            c.idle_threshold_percent
+        )));
+    }
+    if !(c.idle_minutes > 0.0 && c.idle_minutes <= 10_080.0) {
+        return Err(usage(format!(
+            "exporter.idle_minutes = {} must be above 0 and at most 10080 (a week)",
+            c.idle_minutes
+        )));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -181,6 +348,12 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
     ("KEEL_MODEL_TOKEN_SHA256", "model.serve_token_sha256"),
     ("KEEL_MLFLOW_TRACKING_URI", "model.tracking_uri"),
+    ("KEEL_EXPORTER_LISTEN", "exporter.listen"),
+    ("KEEL_EXPORTER_TOKEN_SHA256", "exporter.token_sha256"),
+    (
+        "KEEL_EXPORTER_TOKEN",
+        "keel cost idle --exporter: the bearer token (else --token-file)",
+    ),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the
@@ -631,6 +804,20 @@ mod tests {
                 "docs/config.md does not document model.{k}"
             );
         }
+        let exporter = serde_json::to_value(ExporterConfig::default()).expect("serialises");
+        let keys: Vec<String> = exporter
+            .as_object()
+            .expect("object")
+            .keys()
+            .cloned()
+            .collect();
+        assert_eq!(keys.len(), 15);
+        for k in keys {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document exporter.{k}"
+            );
+        }
         let bench = serde_json::to_value(BenchConfig::default()).expect("serialises");
         for k in bench.as_object().expect("object").keys() {
             assert!(
@@ -638,6 +825,52 @@ mod tests {
                 "docs/config.md does not document bench.{k}"
             );
         }
+    }
+
+    #[test]
+    fn exporter_needs_a_token_or_an_explicit_opt_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        let hex = "A".repeat(64);
+        for (body, ok) in [
+            ("", false),
+            ("[exporter]\nno_auth = true\n", true),
+            (
+                &format!("[exporter]\ntoken_sha256 = \"{hex}\"\n") as &str,
+                true,
+            ),
+            (
+                &format!("[exporter]\ntoken_sha256 = \"{hex}\"\nno_auth = true\n"),
+                false,
+            ),
+            ("[exporter]\ntoken_sha256 = \"abc\"\n", false),
+            ("[exporter]\nno_auth = true\nmax_connections = 0\n", false),
+            ("[exporter]\nno_auth = true\ndeadline_s = -1.0\n", false),
+            (
+                "[exporter]\nno_auth = true\nidle_threshold_percent = 101.0\n",
+                false,
+            ),
+        ] {
+            std::fs::write(&f, body).expect("write");
+            let mut c = load_exporter(Some(&f), &|_| None).expect(body);
+            assert_eq!(validate_exporter(&mut c).is_ok(), ok, "{body}");
+            if ok {
+                assert_eq!(c.listen, "127.0.0.1:9400".parse().expect("addr"));
+                assert!(c
+                    .token_sha256
+                    .as_deref()
+                    .is_none_or(|t| t == "a".repeat(64)));
+            }
+        }
+        std::fs::write(&f, "[exporter]\nlisten = \"0.0.0.0:1\"\n").expect("write");
+        let env = |k: &str| (k == "KEEL_EXPORTER_LISTEN").then(|| "127.0.0.1:2".to_owned());
+        let c = load_exporter(Some(&f), &env).expect("config");
+        assert_eq!(c.listen, "127.0.0.1:2".parse().expect("addr"));
+        std::fs::write(&f, "[exporter]\ntoken = \"x\"\n").expect("write");
+        assert!(
+            load_exporter(Some(&f), &|_| None).is_err(),
+            "unknown keys are refused"
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `keel cost`: GPU-hours by job, user and partition from Slurm
-//! accounting, priced by a user's table.
+//! accounting, priced by a user's table; `keel cost idle` is in
+//! `cost_idle.rs`.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -22,7 +23,10 @@ pub enum Format {
 }
 
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct CostArgs {
+    #[command(subcommand)]
+    command: Option<crate::cost_idle::CostCommand>,
     /// The price table (TOML: currency, source, [[price]] partition, sku,
     /// gpus_per_node, on_demand, spot; docs/review.md).
     #[arg(long, value_name = "FILE")]
@@ -129,6 +133,9 @@ fn run_sacct(args: &CostArgs) -> anyhow::Result<String> {
 }
 
 pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Code> {
+    if let Some(command) = &args.command {
+        return crate::cost_idle::run(command, out, json_flag);
+    }
     let format = if json_flag { Format::Json } else { args.format };
     let opts = CostOptions {
         since: args

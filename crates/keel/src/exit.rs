@@ -83,6 +83,14 @@ pub fn classify(err: &anyhow::Error) -> Code {
         if let Some(s) = e.downcast_ref::<keel_store::StoreError>() {
             return store_code(s);
         }
+        if let Some(c) = e.downcast_ref::<keel_exporter::cost::CostError>() {
+            use keel_exporter::cost::CostError as C;
+            return match c {
+                C::Url { .. } => Code::Usage,
+                C::Format { .. } => Code::Data,
+                C::Connect { .. } | C::Timeout { .. } | C::Status { .. } => Code::Unknown,
+            };
+        }
         if let Some(g) = e.downcast_ref::<keel_gateway::GatewayError>() {
             use keel_gateway::GatewayError as G;
             return match g {

@@ -7,7 +7,9 @@ mod check;
 mod ckpt;
 mod config;
 mod cost;
+mod cost_idle;
 mod exit;
+mod exporter;
 mod gpu;
 mod model;
 mod output;
@@ -82,7 +84,8 @@ enum Command {
     /// (text, JSON, SARIF).
     Review(Box<review::ReviewArgs>),
     /// GPU-hours by job, user and partition from Slurm accounting, priced
-    /// by a price table, and what spot would have saved.
+    /// by a price table, and what spot would have saved; `keel cost idle`:
+    /// idle GPU-hours from the exporters' accounting.
     Cost(Box<cost::CostArgs>),
     /// Machine topology: NUMA nodes, GPUs, HCAs, NICs and NVMe; pinning
     /// plans; verification of running processes.
@@ -106,6 +109,10 @@ enum Command {
         #[command(subcommand)]
         command: scratch::ScratchCommand,
     },
+    /// GPU and node metrics for Prometheus (/metrics on 127.0.0.1:9400):
+    /// NVML readings, HCA ports, XIDs, keel check's verdicts, the Slurm job
+    /// holding each GPU, idle-GPU time per job.
+    Exporter(Box<exporter::ExporterArgs>),
 }
 
 fn main() -> ExitCode {
@@ -134,6 +141,7 @@ fn main() -> ExitCode {
         Command::Scratch { command } => scratch::run(&cli, command, &mut out),
         Command::Review(args) => review::run(&cli, args, &mut out),
         Command::Cost(args) => cost::run(cli.json, args, &mut out),
+        Command::Exporter(args) => exporter::run(&cli, args, &mut out),
     };
     let code = match result {
         Ok(code) => code,
