@@ -10,7 +10,7 @@
 //!       [--steps 1,5,25,50] [--seed N]
 
 use keel_canary::analysis::{
-    analyse, decide_step, FinishReason, Sample, StepDecision, StepPolicy, Thresholds,
+    evaluate_step, FinishReason, Sample, StepDecision, StepPolicy, Thresholds,
 };
 
 /// SplitMix64.
@@ -134,8 +134,14 @@ fn rollout(steps: &[f64], canary: &Version, setup: &Setup, rng: &mut Rng) -> End
                     stable_w.push(Version::BASE.sample(rng));
                 }
             }
-            let a = analyse(&stable_w, &canary_w, &setup.thresholds);
-            match decide_step(&a, intervals, &setup.policy) {
+            let (a, decision) = evaluate_step(
+                &stable_w,
+                &canary_w,
+                &setup.thresholds,
+                &setup.policy,
+                intervals,
+            );
+            match decision {
                 StepDecision::Advance => break,
                 StepDecision::Hold => continue,
                 StepDecision::Pause => return End::Paused,
@@ -302,8 +308,8 @@ fn main() {
     println!(
         "Setup: {rate} requests/s, interval {interval_s} s, steps {steps:?} % then promotion at 100 %, \
          seed {seed}; thresholds and step policy: the defaults of keel_canary::analysis \
-         (alpha {}, a step advances with >= {} canary requests and no failed check, pauses after {} intervals).\n",
-        setup.thresholds.alpha, setup.policy.min_canary_samples, setup.policy.max_intervals
+         (alpha {}, interim alpha {} before a step has its samples, a step advances with >= {} canary requests and no failed check, pauses after {} intervals).\n",
+        setup.thresholds.alpha, setup.thresholds.interim_alpha, setup.policy.min_canary_samples, setup.policy.max_intervals
     );
     println!("| canary | rollouts | aborted | 95% upper bound | paused | abort step (median) | delay, requests (median / p90) | delay, canary requests (median / p90) | delay, s (median / p90) | checks that fired |");
     println!("|---|---|---|---|---|---|---|---|---|---|");

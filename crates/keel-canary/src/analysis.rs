@@ -15,6 +15,14 @@
 //! inconclusive, which is not a failure: the step holds and the windows
 //! keep growing.
 //!
+//! A step is analysed at the end of every interval, so a held step is
+//! looked at several times. Looks before the step has its
+//! [`StepPolicy::min_canary_samples`] use the stricter
+//! [`Thresholds::interim_alpha`] (default 0.0001; a Haybittle-Peto
+//! boundary): a grossly broken canary is still stopped at once, while the
+//! repeated looks at small windows add little to the chance of a false
+//! abort ([`evaluate_step`]).
+//!
 //! | check | samples | test | fails when (defaults) |
 //! |---|---|---|---|
 //! | `error_rate` | every request; event: 5xx or no answer | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
@@ -114,6 +122,8 @@ pub struct RatioThreshold {
 pub struct Thresholds {
     /// One-sided significance level of every test.
     pub alpha: f64,
+    /// The level of looks at a step that does not have its samples yet.
+    pub interim_alpha: f64,
     pub error_rate: RateThreshold,
     /// Median latency ratio.
     pub latency: RatioThreshold,
@@ -131,6 +141,7 @@ impl Default for Thresholds {
     fn default() -> Self {
         Thresholds {
             alpha: 0.001,
+            interim_alpha: 0.0001,
             error_rate: RateThreshold {
                 min_samples: 50,
                 min_increase: 0.02,
@@ -512,6 +523,26 @@ pub enum StepDecision {
     Pause,
 }
 
+/// Analyses a step at the end of one of its intervals and decides:
+/// [`analyse`] at [`Thresholds::interim_alpha`] while the canary has fewer
+/// than `policy.min_canary_samples` requests, at [`Thresholds::alpha`]
+/// from then on, then [`decide_step`].
+pub fn evaluate_step(
+    stable: &[Sample],
+    canary: &[Sample],
+    t: &Thresholds,
+    policy: &StepPolicy,
+    intervals: u32,
+) -> (Analysis, StepDecision) {
+    let mut t = *t;
+    if (canary.len() as u64) < policy.min_canary_samples {
+        t.alpha = t.interim_alpha.min(t.alpha);
+    }
+    let a = analyse(stable, canary, &t);
+    let d = decide_step(&a, intervals, policy);
+    (a, d)
+}
+
 /// The decision at the end of an interval of a step: `intervals` is how
 /// many intervals the step has run, counting this one.
 pub fn decide_step(analysis: &Analysis, intervals: u32, policy: &StepPolicy) -> StepDecision {
@@ -596,6 +627,38 @@ mod tests {
         );
         assert_eq!(
             decide_step(&a, 1, &StepPolicy::default()),
+            StepDecision::Abort
+        );
+    }
+
+    #[test]
+    fn interim_looks_are_stricter() {
+        // 4 errors in 60 canary requests against 0.5% of 3000: p about
+        // 4e-4, enough at 0.001 but not at the interim 0.0001.
+        let mut stable = vec![ok(100.0, 50, 200); 3000];
+        for s in stable.iter_mut().take(15) {
+            *s = Sample::failed(5.0);
+        }
+        let mut canary = vec![ok(100.0, 50, 200); 60];
+        for s in canary.iter_mut().take(4) {
+            *s = Sample::failed(5.0);
+        }
+        let t = Thresholds::default();
+        let p = outcome(&analyse(&stable, &canary, &t), Check::ErrorRate)
+            .p_value
+            .unwrap();
+        assert!(p > t.interim_alpha && p < t.alpha, "{p}");
+        let policy = StepPolicy::default();
+        let (a, d) = evaluate_step(&stable, &canary, &t, &policy, 1);
+        assert_eq!(d, StepDecision::Hold);
+        assert_eq!(outcome(&a, Check::ErrorRate).alpha, t.interim_alpha);
+        // With the step's samples, the same rate fails.
+        let mut canary = vec![ok(100.0, 50, 200); 120];
+        for s in canary.iter_mut().take(8) {
+            *s = Sample::failed(5.0);
+        }
+        assert_eq!(
+            evaluate_step(&stable, &canary, &t, &policy, 2).1,
             StepDecision::Abort
         );
     }
