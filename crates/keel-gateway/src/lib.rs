@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod pool;
 pub mod proxy;
 pub mod redis;
+pub mod registry_follow;
 pub mod registry_source;
 pub mod request;
 pub mod server;
