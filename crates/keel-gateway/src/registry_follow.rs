@@ -19,8 +19,12 @@
 //! the canary version (when its alias is set and the percentage is above
 //! 0) `canary_percent`.
 
+// Errors are returned once at start or per reload, never per request: their
+// size does not matter.
+#![allow(clippy::result_large_err)]
+
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::config::{DeploymentConfig, GatewayConfig};
@@ -49,6 +53,60 @@ pub enum FollowError {
     },
     #[error("gateway model {model:?} is not in the configuration or has no deployment to use as its template")]
     NoTemplate { model: String },
+    #[error("the models that follow the registry, or their aliases, changed: restart keel serve to follow {now:?}")]
+    FollowsChanged { now: Vec<String> },
+    #[error("cannot read the registry key file {path}")]
+    KeyFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the registry key file {path} is empty")]
+    EmptyKey { path: std::path::PathBuf },
+    #[error("the registry client cannot be set up")]
+    Client(#[source] RegistrySourceError),
+}
+
+/// The follows a configuration asks for (its models with `registry`),
+/// every canary share starting at 0.
+pub fn follows(cfg: &GatewayConfig) -> Vec<Follow> {
+    cfg.models
+        .iter()
+        .filter_map(|m| {
+            let r = m.registry.as_ref()?;
+            Some(Follow {
+                model: m.name.clone(),
+                source: ModelSource {
+                    model: r.model.clone(),
+                    stable_alias: r.stable.clone(),
+                    canary_alias: r.canary.clone(),
+                    require_signature: r.require_signature,
+                },
+                canary_percent: Arc::new(AtomicU32::new(0)),
+            })
+        })
+        .collect()
+}
+
+/// The registry client of a configuration's `[registry]`, with the key
+/// read from its key file (first line, trimmed); `None` without one.
+pub fn client(cfg: &GatewayConfig) -> Result<Option<RegistryClient>, FollowError> {
+    let Some(r) = &cfg.registry else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(&r.key_file).map_err(|source| FollowError::KeyFile {
+        path: r.key_file.clone(),
+        source,
+    })?;
+    let key = text.lines().next().unwrap_or_default().trim();
+    if key.is_empty() {
+        return Err(FollowError::EmptyKey {
+            path: r.key_file.clone(),
+        });
+    }
+    RegistryClient::new(&r.url, key)
+        .map(Some)
+        .map_err(FollowError::Client)
 }
 
 /// What one poll did.
@@ -68,10 +126,59 @@ pub enum Poll {
 pub struct Follower {
     client: RegistryClient,
     follows: Vec<Follow>,
-    base: GatewayConfig,
-    /// The routing and canary share last applied, per follow.
-    last: Vec<(Routing, u32)>,
+    shared: Shared,
     failing: bool,
+}
+
+/// What a reload needs: the configuration routes are laid over and the
+/// routing last applied, per follow.
+#[derive(Debug, Clone)]
+struct Shared(Arc<Mutex<State>>);
+
+/// The configuration routes are laid over, and the routing last applied.
+type State = (GatewayConfig, Vec<(Routing, u32)>);
+
+impl Shared {
+    fn get(&self) -> std::sync::MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Lays the registry's routing over configurations read again (SIGHUP,
+/// `POST /admin/reload`), so a reload keeps following the registry.
+#[derive(Debug, Clone)]
+pub struct Reroute {
+    follows: Vec<(String, ModelSource)>,
+    shared: Shared,
+}
+
+impl Reroute {
+    /// `cfg` with the last known routing; refused when the configuration
+    /// changes which models follow the registry or how.
+    pub fn apply(&self, cfg: GatewayConfig) -> Result<GatewayConfig, FollowError> {
+        let now: Vec<(String, ModelSource)> = follows(&cfg)
+            .into_iter()
+            .map(|f| (f.model, f.source))
+            .collect();
+        if now != self.follows {
+            return Err(FollowError::FollowsChanged {
+                now: now.into_iter().map(|(m, _)| m).collect(),
+            });
+        }
+        let mut g = self.shared.get();
+        let fs: Vec<Follow> = self
+            .follows
+            .iter()
+            .map(|(m, s)| Follow {
+                model: m.clone(),
+                source: s.clone(),
+                canary_percent: Arc::new(AtomicU32::new(0)),
+            })
+            .collect();
+        let routed = routed(&cfg, &fs, &g.1)?;
+        g.0 = cfg;
+        Ok(routed)
+    }
 }
 
 impl Follower {
@@ -99,20 +206,33 @@ impl Follower {
             Follower {
                 client,
                 follows,
-                base,
-                last,
+                shared: Shared(Arc::new(Mutex::new((base, last)))),
                 failing: false,
             },
             cfg,
         ))
     }
 
+    /// The handle a reload function lays the routing over new
+    /// configurations with.
+    pub fn reroute(&self) -> Reroute {
+        Reroute {
+            follows: self
+                .follows
+                .iter()
+                .map(|f| (f.model.clone(), f.source.clone()))
+                .collect(),
+            shared: self.shared.clone(),
+        }
+    }
+
     /// The routing last applied for each followed model.
-    pub fn routing(&self) -> impl Iterator<Item = (&str, &Routing, u32)> {
+    pub fn routing(&self) -> Vec<(String, Routing, u32)> {
         self.follows
             .iter()
-            .zip(&self.last)
-            .map(|(f, (r, p))| (f.model.as_str(), r, *p))
+            .zip(&self.shared.get().1)
+            .map(|(f, (r, p))| (f.model.clone(), r.clone(), *p))
+            .collect()
     }
 
     /// Reads the registry once and applies a changed routing to `gw`.
@@ -147,12 +267,15 @@ impl Follower {
             tracing::info!(registry = %self.client.url(), "following the registry again");
             self.failing = false;
         }
-        if next == self.last {
-            return Poll::Unchanged;
-        }
-        let cfg = match routed(&self.base, &self.follows, &next) {
-            Ok(c) => c,
-            Err(e) => return Poll::Kept(e.to_string()),
+        let cfg = {
+            let g = self.shared.get();
+            if next == g.1 {
+                return Poll::Unchanged;
+            }
+            match routed(&g.0, &self.follows, &next) {
+                Ok(c) => c,
+                Err(e) => return Poll::Kept(e.to_string()),
+            }
         };
         if let Err(e) = gw.apply(cfg).await {
             gw.metrics().error("registry", "registry_refused");
@@ -168,7 +291,7 @@ impl Follower {
                 "routing follows the registry"
             );
         }
-        self.last = next;
+        self.shared.get().1 = next;
         Poll::Applied
     }
 
