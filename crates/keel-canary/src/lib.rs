@@ -10,6 +10,9 @@
 //!   check by check ([`analysis::analyse`]), each check with a documented
 //!   threshold and minimum sample size; and the rollout step decision
 //!   ([`analysis::decide_step`]): advance, hold, abort or pause.
+//! - [`rollout`]: a progressive rollout as a state machine over those
+//!   decisions: weight steps, abort, pause, promotion, each action with
+//!   its reason and numbers.
 //! - [`drift`]: fixed-bin histograms and the Population Stability Index and
 //!   Jensen-Shannon divergence between a reference and a current window.
 //!
@@ -21,4 +24,5 @@
 
 pub mod analysis;
 pub mod drift;
+pub mod rollout;
 pub mod stats;
