@@ -43,6 +43,7 @@ pub struct FileRegistry {
     pub url: String,
     pub key_file: PathBuf,
     pub poll_ms: Option<u64>,
+    pub public_key_file: Option<PathBuf>,
 }
 
 /// A model's registry model and aliases.
@@ -406,6 +407,9 @@ pub struct RegistryConfig {
     /// A file holding a registry API key with read rights.
     pub key_file: PathBuf,
     pub poll_ms: u64,
+    /// The trusted key (PEM) signatures of versions are checked against,
+    /// for models with `require_signature`.
+    pub public_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -880,6 +884,17 @@ impl GatewayConfig {
                 });
             }
             let registry = match m.registry {
+                Some(r)
+                    if r.require_signature == Some(true)
+                        && f.registry
+                            .as_ref()
+                            .is_some_and(|g| g.public_key_file.is_none()) =>
+                {
+                    return bad(format!(
+                        "model {:?}: registry.require_signature needs registry.public_key_file, the key signatures are checked against",
+                        m.name
+                    ));
+                }
                 Some(r) => Some(model_registry(
                     &m.name,
                     r,
@@ -1090,6 +1105,7 @@ fn registry_config(
         url,
         key_file: rel(r.key_file),
         poll_ms,
+        public_key_file: r.public_key_file.map(rel),
     })
 }
 

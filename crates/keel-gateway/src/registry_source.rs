@@ -70,6 +70,13 @@ pub enum RegistrySourceError {
         version: u64,
         alias: String,
     },
+    #[error("registry model {model:?} version {version} (alias {alias:?}): the signature does not verify: {reason}")]
+    BadSignature {
+        model: String,
+        version: u64,
+        alias: String,
+        reason: String,
+    },
     #[error("the registry answered {path} with HTTP {status}: {message}")]
     Status {
         path: String,
@@ -116,12 +123,26 @@ pub struct Routing {
     pub canary: Option<VersionRoute>,
 }
 
+/// Checks a version's signature for models with `require_signature`:
+/// `digest` is the version's manifest digest, `bundle` its signature
+/// bundle (OpenSSF model signing), `recorded_key_pem` the key recorded at
+/// signing. The implementation decides which key it trusts.
+pub trait SignatureCheck: Send + Sync {
+    fn check(
+        &self,
+        digest: Option<&str>,
+        bundle: &str,
+        recorded_key_pem: &str,
+    ) -> Result<(), String>;
+}
+
 /// A reader of the registry's HTTP API with one API key.
 #[derive(Clone)]
 pub struct RegistryClient {
     base: String,
     authorization: http::HeaderValue,
     client: Client<HttpConnector, Full<Bytes>>,
+    signatures: Option<std::sync::Arc<dyn SignatureCheck>>,
 }
 
 impl std::fmt::Debug for RegistryClient {
@@ -153,6 +174,14 @@ struct AliasBody {
 #[derive(Deserialize)]
 struct VersionDoc {
     model_version: VersionBody,
+    #[serde(default)]
+    signature: Option<SignatureBody>,
+}
+
+#[derive(Deserialize)]
+struct SignatureBody {
+    bundle: String,
+    public_key_pem: String,
 }
 
 #[derive(Deserialize)]
@@ -163,6 +192,8 @@ struct VersionBody {
     tags: Vec<TagBody>,
     #[serde(default)]
     signed: bool,
+    #[serde(default)]
+    manifest_digest: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -193,7 +224,15 @@ impl RegistryClient {
             base,
             authorization,
             client,
+            signatures: None,
         })
+    }
+
+    /// Verifies the signatures of versions of models that require them
+    /// with `check` (without one, such versions only need to be signed).
+    pub fn with_signature_check(mut self, check: std::sync::Arc<dyn SignatureCheck>) -> Self {
+        self.signatures = Some(check);
+        self
     }
 
     pub fn url(&self) -> &str {
@@ -315,6 +354,7 @@ impl RegistryClient {
                 model: src.model.clone(),
             })?;
         let v = doc.model_version;
+        let signature = doc.signature;
         if v.status != "READY" {
             return Err(RegistrySourceError::NotReady {
                 model: src.model.clone(),
@@ -323,12 +363,28 @@ impl RegistryClient {
                 status: truncate(&v.status),
             });
         }
-        if src.require_signature && !v.signed {
-            return Err(RegistrySourceError::Unsigned {
-                model: src.model.clone(),
-                version: v.version,
-                alias: alias.to_owned(),
-            });
+        if src.require_signature {
+            let Some(sig) = signature.filter(|_| v.signed) else {
+                return Err(RegistrySourceError::Unsigned {
+                    model: src.model.clone(),
+                    version: v.version,
+                    alias: alias.to_owned(),
+                });
+            };
+            if let Some(check) = &self.signatures {
+                check
+                    .check(
+                        v.manifest_digest.as_deref(),
+                        &sig.bundle,
+                        &sig.public_key_pem,
+                    )
+                    .map_err(|reason| RegistrySourceError::BadSignature {
+                        model: src.model.clone(),
+                        version: v.version,
+                        alias: alias.to_owned(),
+                        reason: truncate(&reason),
+                    })?;
+            }
         }
         let backend = v
             .tags

@@ -378,6 +378,29 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     Ok(Code::Ok)
 }
 
+/// Checks registry versions' signatures against `registry.public_key_file`:
+/// the bundle must open with that key and sign the version's digest.
+struct TrustedKey(keel_registry::sign::PublicKey);
+
+impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
+    fn check(&self, digest: Option<&str>, bundle: &str, _recorded: &str) -> Result<(), String> {
+        let payload = self
+            .0
+            .open_bundle(bundle.as_bytes())
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        let st = keel_registry::sign::parse_statement(&payload)
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        match digest {
+            Some(d) if d == st.digest => Ok(()),
+            Some(d) => Err(format!(
+                "it signs digest {} but the version's digest is {d}",
+                st.digest
+            )),
+            None => Err("the version records no digest to check it against".into()),
+        }
+    }
+}
+
 /// For a configuration whose models follow the registry: the routing the
 /// registry's aliases name now (an error at start for anything the
 /// registry refuses, never a fallback), and the follower that keeps it
@@ -389,9 +412,17 @@ async fn follow_registry(
     Option<(keel_gateway::registry_follow::Follower, std::time::Duration)>,
 )> {
     use keel_gateway::registry_follow::{client, follows, Follower};
-    let Some(c) = client(&cfg)? else {
+    let Some(mut c) = client(&cfg)? else {
         return Ok((cfg, None));
     };
+    if let Some(path) = cfg
+        .registry
+        .as_ref()
+        .and_then(|r| r.public_key_file.as_deref())
+    {
+        let key = keel_registry::sign::PublicKey::read(path)?;
+        c = c.with_signature_check(Arc::new(TrustedKey(key)));
+    }
     let every = std::time::Duration::from_millis(cfg.registry.as_ref().map_or(1000, |r| r.poll_ms));
     let f = follows(&cfg);
     if f.is_empty() {

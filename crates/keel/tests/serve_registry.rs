@@ -90,6 +90,18 @@ fn read_key(db: &Path, name: &str) -> String {
 }
 
 fn config(dir: &Path, registry_url: &str, registry_model: &str) -> std::path::PathBuf {
+    config_with(dir, registry_url, registry_model, "", "")
+}
+
+/// [`config`] with more `[registry]` keys and more keys in the model's
+/// `registry` table (`, key = value`).
+fn config_with(
+    dir: &Path,
+    registry_url: &str,
+    registry_model: &str,
+    registry_extra: &str,
+    model_extra: &str,
+) -> std::path::PathBuf {
     let text = format!(
         r#"
 [server]
@@ -109,9 +121,10 @@ operations = ["chat", "models"]
 [registry]
 url = "{registry_url}"
 key_file = "registry.key"
+{registry_extra}
 [[models]]
 name = "chat"
-registry = {{ model = "{registry_model}", stable = "production", canary = "canary" }}
+registry = {{ model = "{registry_model}", stable = "production", canary = "canary"{model_extra} }}
 "#,
         sha256(ADMIN_TOKEN),
         sha256(METRICS_TOKEN)
@@ -269,4 +282,99 @@ fn keel_serve_refuses_bad_registry_input_at_start() {
     assert_eq!(code, 77, "{err}");
     assert!(err.contains("refused the key"), "{err}");
     assert!(!err.contains(&secret));
+}
+
+#[test]
+fn keel_serve_checks_signatures_against_the_trusted_key() {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("registry.db");
+    let b1 = TestBackend::start(&["--name", "v1"]);
+    let b2 = TestBackend::start(&["--name", "v2"]);
+    register(t.path(), &db, &[Some(b1.url()), Some(b2.url())]);
+    let p = |name: &str| t.path().join(name).to_str().expect("utf8").to_owned();
+    for k in ["a", "b"] {
+        ok(model(
+            &db,
+            &[
+                "keygen",
+                "--private-key",
+                &p(&format!("{k}.pem")),
+                "--public-key",
+                &p(&format!("{k}.pub")),
+            ],
+        ));
+    }
+    ok(model(&db, &["sign", "chat:1", "--key", &p("a.pem")]));
+    ok(model(
+        &db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "production",
+            "1",
+            "--reason",
+            "signed",
+        ],
+    ));
+    std::fs::write(t.path().join("registry.key"), read_key(&db, "gateway")).expect("key");
+    let (_reg, url) = registry(&db);
+    let signed = ", require_signature = true";
+
+    let cfg = config_with(t.path(), &url, "chat", "", signed);
+    let (code, err) = start_fails(&cfg);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("require_signature needs registry.public_key_file"),
+        "{err}"
+    );
+
+    let cfg = config_with(
+        t.path(),
+        &url,
+        "chat",
+        "public_key_file = \"b.pub\"",
+        signed,
+    );
+    let (code, err) = start_fails(&cfg);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("version 1 (alias \"production\"): the signature does not verify"),
+        "{err}"
+    );
+
+    let cfg = config_with(
+        t.path(),
+        &url,
+        "chat",
+        "public_key_file = \"a.pub\"",
+        signed,
+    );
+    let (_, key) = create_key(&cfg, "alice", "user", None);
+    let gw = GatewayProcess::start(&keel(), &cfg);
+    assert_eq!(served_by(&gw, &key), "v1");
+    // Version 2 is not signed: the alias moving there is not followed.
+    ok(model(
+        &db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "production",
+            "2",
+            "--reason",
+            "unsigned",
+        ],
+    ));
+    std::thread::sleep(Duration::from_millis(2500));
+    for _ in 0..5 {
+        assert_eq!(served_by(&gw, &key), "v1");
+    }
+    let m = http::get(gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN).expect("metrics");
+    assert!(
+        m.text()
+            .contains("keel_errors_total{route=\"registry\",kind=\"registry_refused\"}"),
+        "{}",
+        m.text()
+    );
 }
