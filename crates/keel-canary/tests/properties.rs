@@ -177,3 +177,64 @@ proptest! {
         prop_assert!(mw_hits >= 48, "{mw_hits} of 50");
     }
 }
+
+mod rollouts {
+    use keel_canary::analysis::{FinishReason, Sample, StepPolicy, Thresholds};
+    use keel_canary::rollout::{Action, Phase, Plan, Rollout};
+    use proptest::prelude::*;
+
+    fn sample(error: bool, chars: u32) -> Sample {
+        Sample {
+            error,
+            latency_ms: Some(100.0),
+            completion_tokens: Some(40),
+            finish_reason: Some(FinishReason::Stop),
+            answer_chars: Some(chars),
+            streamed: false,
+            stream_aborted: false,
+        }
+    }
+
+    proptest! {
+        /// Whatever the windows hold, the weight only rises step by step
+        /// until the rollout ends; an abort leaves 0, a promotion 100, and
+        /// an ended rollout does nothing more.
+        #[test]
+        fn weights_rise_through_the_plan_then_end(
+            steps in prop::collection::btree_set(1u32..100, 1..5),
+            windows in prop::collection::vec((0usize..300, 0u32..40, 0u32..40), 1..40),
+        ) {
+            let mut steps: Vec<u32> = steps.into_iter().collect();
+            steps.push(100);
+            let plan = Plan { steps: steps.clone(), thresholds: Thresholds::default(), policy: StepPolicy { min_canary_samples: 50, max_intervals: 5 } };
+            let (mut r, first) = Rollout::start("p", plan).expect("valid plan");
+            prop_assert_eq!(first, Action::SetWeight { weight: steps[0] });
+            let stable: Vec<Sample> = (0..1000).map(|i| sample(i % 100 == 0, 200)).collect();
+            let mut last = steps[0];
+            for (n, error_pct, empty_pct) in windows {
+                let canary: Vec<Sample> = (0..n)
+                    .map(|i| sample((i as u32 * 7) % 100 < error_pct, if (i as u32 * 13) % 100 < empty_pct { 0 } else { 200 }))
+                    .collect();
+                let before = r.phase;
+                let a = r.on_interval(&stable, &canary);
+                if before != Phase::Progressing {
+                    prop_assert_eq!(a, Action::Continue);
+                    continue;
+                }
+                match a {
+                    Action::SetWeight { weight } => {
+                        prop_assert!(weight > last && steps.contains(&weight));
+                        last = weight;
+                    }
+                    Action::Abort { reason } => {
+                        prop_assert_eq!(r.weight(), 0);
+                        prop_assert!(reason.starts_with("rollout p: aborted at"), "{}", reason);
+                    }
+                    Action::Promote { .. } => prop_assert_eq!(r.weight(), 100),
+                    Action::Pause { .. } => prop_assert_eq!(r.phase, Phase::Paused),
+                    Action::Continue => prop_assert_eq!(r.weight(), last),
+                }
+            }
+        }
+    }
+}
