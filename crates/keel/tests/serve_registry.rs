@@ -1,8 +1,8 @@
 //! `keel serve` following the registry served by `keel model serve`: two
 //! test backends serve versions 1 and 2 of `chat` (their `keel.backend`
 //! tags); `keel model alias set` and `keel model rollback` reach the
-//! gateway within 2 s; with the registry down the gateway keeps its last
-//! routing; a missing registry model, a version with no backend and a
+//! gateway within 2 s; a reload keeps the registry's routing; with the
+//! registry down the gateway keeps its last routing; a missing registry model, a version with no backend and a
 //! revoked key stop `keel serve` at start with an error.
 
 mod serve_common;
@@ -197,6 +197,13 @@ fn keel_serve_follows_the_registry_and_keeps_routing_when_it_is_down() {
     ));
     let took = wait_for(&gw, &key, "v2");
     assert!(took < Duration::from_secs(2), "followed after {took:?}");
+
+    // A reload keeps the registry's routing (not the file's template).
+    gw.signal("HUP");
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..5 {
+        assert_eq!(served_by(&gw, &key), "v2");
+    }
 
     ok(model(
         &db,
