@@ -33,6 +33,27 @@ pub struct FileConfig {
     pub audit: FileAudit,
     #[serde(default)]
     pub upstream_tls: FileUpstreamTls,
+    pub registry: Option<FileRegistry>,
+}
+
+/// The model registry that models with a `registry` key follow.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRegistry {
+    pub url: String,
+    pub key_file: PathBuf,
+    pub poll_ms: Option<u64>,
+    pub public_key_file: Option<PathBuf>,
+}
+
+/// A model's registry model and aliases.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileModelRegistry {
+    pub model: String,
+    pub stable: Option<String>,
+    pub canary: Option<String>,
+    pub require_signature: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -180,6 +201,7 @@ pub struct FileModel {
     pub mirror: Option<FileMirror>,
     #[serde(default)]
     pub deployments: Vec<FileDeployment>,
+    pub registry: Option<FileModelRegistry>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -233,6 +255,8 @@ pub struct GatewayConfig {
     pub models: Vec<ModelConfig>,
     pub audit: AuditConfig,
     pub upstream_tls: UpstreamTlsConfig,
+    /// The registry that models with `registry` follow.
+    pub registry: Option<RegistryConfig>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -395,12 +419,39 @@ pub struct HealthConfig {
 }
 
 #[derive(Debug, Clone, Serialize)]
+pub struct RegistryConfig {
+    /// `http://host:port` of `keel model serve`.
+    pub url: String,
+    /// A file holding a registry API key with read rights.
+    pub key_file: PathBuf,
+    pub poll_ms: u64,
+    /// The trusted key (PEM) signatures of versions are checked against,
+    /// for models with `require_signature`.
+    pub public_key_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelRegistryConfig {
+    /// The model's name in the registry.
+    pub model: String,
+    /// The alias of the version taking the traffic.
+    pub stable: String,
+    /// The alias of a candidate version.
+    pub canary: Option<String>,
+    pub require_signature: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
 pub struct ModelConfig {
     pub name: String,
     pub protocol: Protocol,
     pub fallback: Vec<String>,
     pub mirror: Option<MirrorConfig>,
+    /// For a model with `registry`, the template of the versions'
+    /// deployments (see `registry_follow`): routed only after the registry
+    /// has named the versions.
     pub deployments: Vec<DeploymentConfig>,
+    pub registry: Option<ModelRegistryConfig>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -891,6 +942,28 @@ impl GatewayConfig {
                     url: d.url,
                 });
             }
+            let registry = match m.registry {
+                Some(r)
+                    if r.require_signature == Some(true)
+                        && f.registry
+                            .as_ref()
+                            .is_some_and(|g| g.public_key_file.is_none()) =>
+                {
+                    return bad(format!(
+                        "model {:?}: registry.require_signature needs registry.public_key_file, the key signatures are checked against",
+                        m.name
+                    ));
+                }
+                Some(r) => Some(model_registry(
+                    &m.name,
+                    r,
+                    f.registry.is_some(),
+                    m.mirror.is_some(),
+                    &mut deployments,
+                    protocol,
+                )?),
+                None => None,
+            };
             if deployments.is_empty() {
                 return bad(format!("model {:?} has no deployments", m.name));
             }
@@ -928,6 +1001,7 @@ impl GatewayConfig {
                     percent: mi.percent,
                 }),
                 deployments,
+                registry,
             });
         }
         for m in &models {
@@ -984,6 +1058,10 @@ impl GatewayConfig {
             client_cert,
             client_key,
         };
+        let registry = match f.registry {
+            Some(r) => Some(registry_config(r, &rel)?),
+            None => None,
+        };
         Ok(Self {
             server,
             admin,
@@ -995,6 +1073,7 @@ impl GatewayConfig {
             models,
             audit,
             upstream_tls,
+            registry,
         })
     }
 
@@ -1012,6 +1091,81 @@ impl GatewayConfig {
             .flat_map(|m| &m.deployments)
             .any(|d| d.url.starts_with("https://"))
     }
+}
+
+/// A model's `registry` key: the aliases it follows, and the template of
+/// its versions' deployments (the first deployment of the file, else one
+/// named `registry` with the defaults; its URL is replaced by each
+/// version's `keel.backend` tag before anything is routed).
+fn model_registry(
+    model: &str,
+    r: FileModelRegistry,
+    have_registry: bool,
+    mirror: bool,
+    deployments: &mut Vec<DeploymentConfig>,
+    protocol: Protocol,
+) -> Result<ModelRegistryConfig, GatewayError> {
+    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: {m}")));
+    if !have_registry {
+        return bad("it follows a registry model but there is no [registry] section".into());
+    }
+    if mirror {
+        return bad("a model that follows the registry cannot mirror a deployment".into());
+    }
+    if r.model.trim().is_empty() {
+        return bad("registry.model is empty".into());
+    }
+    let stable = r.stable.unwrap_or_else(|| "production".into());
+    if r.canary.as_deref() == Some(stable.as_str()) {
+        return bad(format!(
+            "registry.canary and registry.stable are both {stable:?}"
+        ));
+    }
+    deployments.truncate(1);
+    if deployments.is_empty() {
+        deployments.push(DeploymentConfig {
+            name: "registry".into(),
+            url: "http://registry.invalid".into(),
+            weight: 1,
+            model: model.into(),
+            health_path: match protocol {
+                Protocol::Openai => "/health",
+                Protocol::Oip => "/v2/health/ready",
+            }
+            .into(),
+        });
+    }
+    Ok(ModelRegistryConfig {
+        model: r.model,
+        stable,
+        canary: r.canary,
+        require_signature: r.require_signature.unwrap_or(false),
+    })
+}
+
+fn registry_config(
+    r: FileRegistry,
+    rel: &impl Fn(PathBuf) -> PathBuf,
+) -> Result<RegistryConfig, GatewayError> {
+    let url = r.url.trim_end_matches('/').to_owned();
+    if !url.starts_with("http://") || url.len() <= "http://".len() {
+        return Err(GatewayError::Config(format!(
+            "registry.url {:?} must be http://host:port",
+            r.url.chars().take(200).collect::<String>()
+        )));
+    }
+    let poll_ms = r.poll_ms.unwrap_or(1000);
+    if !(100..=60_000).contains(&poll_ms) {
+        return Err(GatewayError::Config(format!(
+            "registry.poll_ms {poll_ms} must be within 100..60000"
+        )));
+    }
+    Ok(RegistryConfig {
+        url,
+        key_file: rel(r.key_file),
+        poll_ms,
+        public_key_file: r.public_key_file.map(rel),
+    })
 }
 
 #[cfg(test)]
@@ -1311,5 +1465,75 @@ url = "http://127.0.0.1:8002/prefix"
         )
         .expect("valid");
         assert_eq!(c.server.workers, Some(2));
+    }
+}
+
+#[cfg(test)]
+mod registry_tests {
+    use super::*;
+
+    fn check(text: &str) -> Result<GatewayConfig, String> {
+        let text = format!("[auth]\nkeys_file = \"keys.json\"\n{text}");
+        GatewayConfig::from_toml(&text, Path::new("/etc/keel")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_model_follows_the_registry() {
+        let c = check(
+            r#"
+[registry]
+url = "http://127.0.0.1:5000/"
+key_file = "registry.key"
+[[models]]
+name = "chat"
+registry = { model = "chat-llm", canary = "canary" }
+"#,
+        )
+        .expect("valid");
+        let r = c.registry.as_ref().expect("registry");
+        assert_eq!(r.url, "http://127.0.0.1:5000");
+        assert_eq!(r.key_file, Path::new("/etc/keel/registry.key"));
+        assert_eq!(r.poll_ms, 1000);
+        let m = &c.models[0];
+        let mr = m.registry.as_ref().expect("model registry");
+        assert_eq!(
+            (mr.model.as_str(), mr.stable.as_str(), mr.canary.as_deref()),
+            ("chat-llm", "production", Some("canary"))
+        );
+        // The template deployment.
+        assert_eq!(m.deployments.len(), 1);
+        assert_eq!(m.deployments[0].model, "chat");
+        assert_eq!(m.deployments[0].health_path, "/health");
+    }
+
+    #[test]
+    fn bad_registry_settings_are_refused() {
+        let model = "[[models]]\nname = \"chat\"\nregistry = { model = \"chat\" }\n";
+        let e = check(model).expect_err("no [registry]");
+        assert_eq!(
+            e,
+            "invalid configuration: model \"chat\": it follows a registry model but there is no [registry] section"
+        );
+        let head = "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\n";
+        let e = check(&format!(
+            "{head}[[models]]\nname = \"chat\"\nregistry = {{ model = \"chat\", canary = \"production\" }}\n"
+        ))
+        .expect_err("same aliases");
+        assert!(e.contains("both \"production\""), "{e}");
+        let e = check(&format!(
+            "[registry]\nurl = \"https://r:1\"\nkey_file = \"k\"\n{model}"
+        ))
+        .expect_err("https");
+        assert!(e.contains("must be http://host:port"), "{e}");
+        let e = check(&format!(
+            "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\npoll_ms = 10\n{model}"
+        ))
+        .expect_err("poll");
+        assert!(e.contains("poll_ms 10"), "{e}");
+        let e = check(&format!(
+            "{head}[[models]]\nname = \"chat\"\nregistry = {{ model = \"chat\", alias = \"x\" }}\n"
+        ))
+        .expect_err("unknown key");
+        assert!(e.contains("unknown field `alias`"), "{e}");
     }
 }

@@ -13,8 +13,9 @@
 //! does not read the process environment (but for the system's trusted
 //! roots, which rustls-native-certs finds as OpenSSL does) or the wall
 //! clock (a `Clock` is injected), print, or exit; it does not train or
-//! register models, and knows deployments by backend URL (the model
-//! registry is not used yet).
+//! register models; it knows deployments by backend URL, and
+//! [`registry_source`] resolves a registry model's aliases to such URLs
+//! through the registry's HTTP API.
 
 pub mod audit;
 pub mod auth;
@@ -34,6 +35,8 @@ pub mod metrics;
 pub mod pool;
 pub mod proxy;
 pub mod redis;
+pub mod registry_follow;
+pub mod registry_source;
 pub mod request;
 pub mod server;
 pub mod tls;

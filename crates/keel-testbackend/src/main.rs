@@ -9,6 +9,7 @@
 //!                  [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang]
 //!                  [--usage asked|always|never] [--threads N]
 //!                  [--length-fields F1,F2,...]
+//!                  [--empty-percent P] [--length-percent P] [--error-percent P]
 //!                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 //! ```
 //!
@@ -29,6 +30,15 @@
 //! negative value, or none of them, is no limit (`--tokens` a choice).
 //! Mode `unavailable` answers 503 with `Retry-After: 120`, `ratelimit` 429
 //! with `Retry-After: 2`, `error` 500.
+//!
+//! Shifted outputs, for canary tests, each on exactly P of every 100
+//! completions in the order they arrive (a different run of them for each,
+//! so they overlap as little as they can): `--empty-percent` answers with
+//! no text and no completion tokens, `--length-percent` ends the answer
+//! with finish reason `length`, `--error-percent` answers 500. Slower
+//! answers are `--latency-ms`; longer or shorter ones `--tokens`. All are
+//! also `/_control` keys (`empty_percent`, `length_percent`,
+//! `error_percent`).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -63,6 +73,10 @@ struct State {
     length_fields: Vec<String>,
     healthy: AtomicBool,
     counter: AtomicU64,
+    completions: AtomicU64,
+    empty_percent: AtomicU64,
+    length_percent: AtomicU64,
+    error_percent: AtomicU64,
     stats: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -236,6 +250,15 @@ impl State {
                 if let Some(t) = v.get("tokens").and_then(Value::as_u64) {
                     self.tokens.store(t, Ordering::Relaxed);
                 }
+                for (k, a) in [
+                    ("empty_percent", &self.empty_percent),
+                    ("length_percent", &self.length_percent),
+                    ("error_percent", &self.error_percent),
+                ] {
+                    if let Some(p) = v.get(k).and_then(Value::as_u64) {
+                        a.store(p.min(100), Ordering::Relaxed);
+                    }
+                }
                 if let Some(h) = v.get("healthy").and_then(Value::as_bool) {
                     self.healthy.store(h, Ordering::Relaxed);
                 }
@@ -316,6 +339,31 @@ impl State {
             ),
             (&Method::POST, "/v1/chat/completions" | "/v1/completions") => {
                 let chat = path == "/v1/chat/completions";
+                // The k-th of every 100 completions; each shift takes its
+                // own run of them.
+                let c = self.completions.fetch_add(1, Ordering::Relaxed) % 100;
+                let hit = |a: &AtomicU64, offset: u64| {
+                    (c + 100 - offset) % 100 < a.load(Ordering::Relaxed)
+                };
+                if hit(&self.error_percent, 67) {
+                    self.count("shift:error");
+                    return reply(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        json!({"error": "test backend error share"}),
+                    );
+                }
+                let empty = hit(&self.empty_percent, 0);
+                let finish = if hit(&self.length_percent, 33) {
+                    "length"
+                } else {
+                    "stop"
+                };
+                let (per_choice, completion) = if empty {
+                    self.count("shift:empty");
+                    (0, 0)
+                } else {
+                    (per_choice, completion)
+                };
                 let prompt = estimate_tokens(
                     v.get(if chat { "messages" } else { "prompt" })
                         .unwrap_or(&Value::Null),
@@ -335,13 +383,20 @@ impl State {
                         "never" => false,
                         _ => asked,
                     };
-                    return self.stream(n, chat, model, completion, send_usage.then_some(usage));
+                    return self.stream(
+                        n,
+                        chat,
+                        model,
+                        completion,
+                        finish,
+                        send_usage.then_some(usage),
+                    );
                 }
                 let choice = |i: u64| {
                     if chat {
-                        json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"})
+                        json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
                     } else {
-                        json!({"index": i, "text": text, "finish_reason": "stop"})
+                        json!({"index": i, "text": text, "finish_reason": finish})
                     }
                 };
                 let mut body = json!({
@@ -400,6 +455,7 @@ impl State {
         chat: bool,
         model: Value,
         completion: u64,
+        finish: &'static str,
         usage: Option<Value>,
     ) -> Response<TBody> {
         let (tx, rx) = mpsc::channel::<Bytes>(4);
@@ -439,7 +495,7 @@ impl State {
                 }
             }
             let _ = tx
-                .send(ev(chunk(json!([choice(None, Some("stop"))]))))
+                .send(ev(chunk(json!([choice(None, Some(finish))]))))
                 .await;
             if let Some(u) = usage {
                 let mut c = chunk(json!([]));
@@ -511,6 +567,14 @@ where
         .await;
 }
 
+/// A percentage from the command line, at most 100.
+fn percent(p: u64) -> u64 {
+    if p > 100 {
+        die(&format!("{p} is not a percentage (0 to 100)"));
+    }
+    p
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut listen = "127.0.0.1:0".to_owned();
@@ -524,6 +588,10 @@ fn main() {
         length_fields: Vec::new(),
         healthy: AtomicBool::new(true),
         counter: AtomicU64::new(0),
+        completions: AtomicU64::new(0),
+        empty_percent: AtomicU64::new(0),
+        length_percent: AtomicU64::new(0),
+        error_percent: AtomicU64::new(0),
         stats: Mutex::new(BTreeMap::new()),
     };
     let mut threads = 0usize;
@@ -547,11 +615,14 @@ fn main() {
             "--usage" => st.usage = val(),
             "--length-fields" => st.length_fields = val().split(',').map(str::to_owned).collect(),
             "--threads" => threads = num(val()) as usize,
+            "--empty-percent" => st.empty_percent = AtomicU64::new(percent(num(val()))),
+            "--length-percent" => st.length_percent = AtomicU64::new(percent(num(val()))),
+            "--error-percent" => st.error_percent = AtomicU64::new(percent(num(val()))),
             "--tls-cert" => tls_cert = Some(val()),
             "--tls-key" => tls_key = Some(val()),
             "--tls-client-ca" => tls_client_ca = Some(val()),
             "-h" | "--help" => {
-                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--empty-percent P] [--length-percent P] [--error-percent P] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
                 return;
             }
             _ => die(&format!("unknown argument {a}")),

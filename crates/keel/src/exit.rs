@@ -100,6 +100,22 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 G::Jwks { .. } | G::Redis { .. } => Code::Unknown,
             };
         }
+        if let Some(f) = e.downcast_ref::<keel_gateway::registry_follow::FollowError>() {
+            use keel_gateway::registry_follow::FollowError as F;
+            use keel_gateway::registry_source::RegistrySourceError as R;
+            return match f {
+                F::KeyFile { .. } => Code::Io,
+                F::Source {
+                    source: R::Unauthorized { .. },
+                    ..
+                } => Code::NoPerm,
+                F::Source {
+                    source: R::Unreachable { .. } | R::Timeout { .. } | R::Status { .. },
+                    ..
+                } => Code::Unknown,
+                _ => Code::Usage,
+            };
+        }
         if let Some(r) = e.downcast_ref::<keel_registry::RegistryError>() {
             return registry_code(r);
         }

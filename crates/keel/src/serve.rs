@@ -306,12 +306,17 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
+        let (cfg, follower) = follow_registry(cfg).await?;
+        let reroute = follower.as_ref().map(|(f, _)| f.reroute());
         let reload: keel_gateway::ReloadFn = Arc::new(move || {
             let mut c = GatewayConfig::load(&reload_path)?;
             if let Some(l) = listen_override {
                 c.server.listen = l;
             }
-            Ok::<_, GatewayError>(c)
+            match &reroute {
+                Some(r) => r.apply(c).map_err(|e| GatewayError::Config(format!("{:#}", anyhow::Error::new(e)))),
+                None => Ok::<_, GatewayError>(c),
+            }
         });
         let bind = |a: std::net::SocketAddr| async move {
             tokio::net::TcpListener::bind(a).await.with_context(|| format!("cannot listen on {a}"))
@@ -330,6 +335,9 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
                 }
             })),
         }).await?;
+        if let Some((f, every)) = follower {
+            tokio::spawn(f.run(gw.clone(), every, std::future::pending()));
+        }
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {
             lines.push(format!("admin    {}", a.local_addr()?));
@@ -368,6 +376,68 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     logs.0.drain(std::time::Duration::from_secs(1));
     result?;
     Ok(Code::Ok)
+}
+
+/// Checks registry versions' signatures against `registry.public_key_file`:
+/// the bundle must open with that key and sign the version's digest.
+struct TrustedKey(keel_registry::sign::PublicKey);
+
+impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
+    fn check(&self, digest: Option<&str>, bundle: &str, _recorded: &str) -> Result<(), String> {
+        let payload = self
+            .0
+            .open_bundle(bundle.as_bytes())
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        let st = keel_registry::sign::parse_statement(&payload)
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        match digest {
+            Some(d) if d == st.digest => Ok(()),
+            Some(d) => Err(format!(
+                "it signs digest {} but the version's digest is {d}",
+                st.digest
+            )),
+            None => Err("the version records no digest to check it against".into()),
+        }
+    }
+}
+
+/// For a configuration whose models follow the registry: the routing the
+/// registry's aliases name now (an error at start for anything the
+/// registry refuses, never a fallback), and the follower that keeps it
+/// current with its polling interval.
+async fn follow_registry(
+    cfg: GatewayConfig,
+) -> anyhow::Result<(
+    GatewayConfig,
+    Option<(keel_gateway::registry_follow::Follower, std::time::Duration)>,
+)> {
+    use keel_gateway::registry_follow::{client, follows, Follower};
+    let Some(mut c) = client(&cfg)? else {
+        return Ok((cfg, None));
+    };
+    if let Some(path) = cfg
+        .registry
+        .as_ref()
+        .and_then(|r| r.public_key_file.as_deref())
+    {
+        let key = keel_registry::sign::PublicKey::read(path)?;
+        c = c.with_signature_check(Arc::new(TrustedKey(key)));
+    }
+    let every = std::time::Duration::from_millis(cfg.registry.as_ref().map_or(1000, |r| r.poll_ms));
+    let f = follows(&cfg);
+    if f.is_empty() {
+        return Ok((cfg, None));
+    }
+    let (follower, routed) = Follower::new(c, f, cfg).await?;
+    for (model, r, _) in follower.routing() {
+        tracing::info!(
+            model = %model,
+            stable = r.stable.version,
+            canary = r.canary.as_ref().map(|c| c.version),
+            "routing follows the registry"
+        );
+    }
+    Ok((routed, Some((follower, every))))
 }
 
 fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {

@@ -1,0 +1,700 @@
+//! Canary against stable over the same window, check by check, and the
+//! decision a rollout step takes from it.
+//!
+//! Every check compares the canary's window with the stable version's
+//! window over the same period and fails only when both hold:
+//!
+//! - the difference is significant: one-sided p-value below
+//!   [`Thresholds::alpha`] (default 0.001; the checks of a rollout make some
+//!   thirty such comparisons, so 0.001 keeps the chance of a false abort of
+//!   a healthy canary near 1% before the effect sizes below make it
+//!   smaller still);
+//! - the difference matters: larger than the check's effect threshold.
+//!
+//! A check with fewer samples than its minimum in either window is
+//! inconclusive, which is not a failure: the step holds and the windows
+//! keep growing.
+//!
+//! A step is analysed at the end of every interval, so a held step is
+//! looked at several times. Looks before the step has its
+//! [`StepPolicy::min_canary_samples`] use the stricter
+//! [`Thresholds::interim_alpha`] (default 0.0001; a Haybittle-Peto
+//! boundary): a grossly broken canary is still stopped at once, while the
+//! repeated looks at small windows add little to the chance of a false
+//! abort ([`evaluate_step`]).
+//!
+//! | check | samples | test | fails when (defaults) |
+//! |---|---|---|---|
+//! | `error_rate` | every request; event: 5xx or no answer | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `latency` | answered requests, ms | Mann-Whitney, canary slower | median ratio >= 1.2, n >= 30 |
+//! | `completion_tokens` | answers with a usage count | Mann-Whitney, either way | mean ratio >= 1.25 or <= 1/1.25, n >= 30 |
+//! | `length_finish` | answers with a finish reason; event: `length` | Fisher exact, canary higher | increase >= 0.05, n >= 50 |
+//! | `empty_answer` | answers with text; event: fewer than 3 non-space characters | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `stream_abort` | streamed requests; event: the stream ended without its end marker | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+
+use serde::Serialize;
+
+use crate::stats::{self, Count};
+
+/// How a request ended, as the gateway saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `stop`, `end_turn`, `tool_calls` and the like: the model ended the
+    /// answer.
+    Stop,
+    /// `length`, `max_tokens`: the answer was cut at the token limit.
+    Length,
+    /// Anything else (`content_filter`, unknown values).
+    Other,
+}
+
+impl FinishReason {
+    /// Maps an OpenAI or Anthropic finish reason.
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "length" | "max_tokens" => FinishReason::Length,
+            "stop" | "end_turn" | "tool_calls" | "tool_use" | "function_call" | "stop_sequence" => {
+                FinishReason::Stop
+            }
+            _ => FinishReason::Other,
+        }
+    }
+}
+
+/// One request to a version. Fields the gateway could not read are
+/// `None` and leave the request out of the checks that need them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// A 5xx answer or no answer at all (connect error, timeout).
+    pub error: bool,
+    /// Time to the last byte of the answer, in milliseconds.
+    pub latency_ms: Option<f64>,
+    /// `usage.completion_tokens` of the answer.
+    pub completion_tokens: Option<u32>,
+    /// The first choice's finish reason.
+    pub finish_reason: Option<FinishReason>,
+    /// Non-whitespace characters of the first choice's text.
+    pub answer_chars: Option<u32>,
+    /// Whether the request asked for a stream.
+    pub streamed: bool,
+    /// A streamed answer that ended without its end marker.
+    pub stream_aborted: bool,
+}
+
+impl Sample {
+    /// A request that failed (5xx or no answer) after `latency_ms`.
+    pub fn failed(latency_ms: f64) -> Self {
+        Sample {
+            error: true,
+            latency_ms: Some(latency_ms),
+            completion_tokens: None,
+            finish_reason: None,
+            answer_chars: None,
+            streamed: false,
+            stream_aborted: false,
+        }
+    }
+}
+
+/// A check's minimum sample size and effect threshold for a rate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RateThreshold {
+    /// Fewer samples than this in either window: inconclusive.
+    pub min_samples: u64,
+    /// The canary's rate must exceed the stable rate by at least this much
+    /// (absolute, 0.02 = two percentage points) to fail.
+    pub min_increase: f64,
+}
+
+/// A check's minimum sample size and effect threshold for a ratio.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RatioThreshold {
+    /// Fewer samples than this in either window: inconclusive.
+    pub min_samples: u64,
+    /// The canary's statistic over the stable one must reach this ratio
+    /// (and for two-sided checks, or its inverse) to fail.
+    pub max_ratio: f64,
+}
+
+/// Thresholds of every check; [`Thresholds::default`] holds the documented
+/// defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Thresholds {
+    /// One-sided significance level of every test.
+    pub alpha: f64,
+    /// The level of looks at a step that does not have its samples yet.
+    pub interim_alpha: f64,
+    pub error_rate: RateThreshold,
+    /// Median latency ratio.
+    pub latency: RatioThreshold,
+    /// Mean completion tokens ratio, either way.
+    pub completion_tokens: RatioThreshold,
+    pub length_finish: RateThreshold,
+    pub empty_answer: RateThreshold,
+    /// Answers with fewer non-whitespace characters than this count as
+    /// empty or very short.
+    pub short_answer_chars: u32,
+    pub stream_abort: RateThreshold,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            alpha: 0.001,
+            interim_alpha: 0.0001,
+            error_rate: RateThreshold {
+                min_samples: 50,
+                min_increase: 0.02,
+            },
+            latency: RatioThreshold {
+                min_samples: 30,
+                max_ratio: 1.2,
+            },
+            completion_tokens: RatioThreshold {
+                min_samples: 30,
+                max_ratio: 1.25,
+            },
+            length_finish: RateThreshold {
+                min_samples: 50,
+                min_increase: 0.05,
+            },
+            empty_answer: RateThreshold {
+                min_samples: 50,
+                min_increase: 0.02,
+            },
+            short_answer_chars: 3,
+            stream_abort: RateThreshold {
+                min_samples: 50,
+                min_increase: 0.02,
+            },
+        }
+    }
+}
+
+/// The checks, in the order [`analyse`] reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Check {
+    ErrorRate,
+    Latency,
+    CompletionTokens,
+    LengthFinish,
+    EmptyAnswer,
+    StreamAbort,
+}
+
+impl Check {
+    pub const ALL: [Check; 6] = [
+        Check::ErrorRate,
+        Check::Latency,
+        Check::CompletionTokens,
+        Check::LengthFinish,
+        Check::EmptyAnswer,
+        Check::StreamAbort,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::ErrorRate => "error_rate",
+            Check::Latency => "latency",
+            Check::CompletionTokens => "completion_tokens",
+            Check::LengthFinish => "length_finish",
+            Check::EmptyAnswer => "empty_answer",
+            Check::StreamAbort => "stream_abort",
+        }
+    }
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Pass,
+    Fail,
+    /// Too few samples in a window to judge.
+    Inconclusive,
+}
+
+/// One check's result with its numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CheckResult {
+    pub check: Check,
+    pub outcome: Outcome,
+    pub stable_n: u64,
+    pub canary_n: u64,
+    /// The compared statistic: a rate, the median latency in ms or the
+    /// mean completion tokens. `None` without samples.
+    pub stable_value: Option<f64>,
+    pub canary_value: Option<f64>,
+    /// The test's p-value (for two-sided checks the smaller one-sided
+    /// one); `None` when inconclusive.
+    pub p_value: Option<f64>,
+    /// The effect threshold the difference was held against: the minimum
+    /// increase of a rate or the ratio.
+    pub threshold: f64,
+    pub alpha: f64,
+}
+
+impl std::fmt::Display for CheckResult {
+    /// `empty_answer fail: canary 0.2000 (n=100) vs stable 0.0053 (n=1500), p=1.2e-30 < 0.001, threshold 0.02`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let outcome = match self.outcome {
+            Outcome::Pass => "pass",
+            Outcome::Fail => "fail",
+            Outcome::Inconclusive => "inconclusive",
+        };
+        let v = |v: Option<f64>| v.map_or_else(|| "unknown".to_owned(), |v| format!("{v:.4}"));
+        write!(
+            f,
+            "{} {outcome}: canary {} (n={}) vs stable {} (n={})",
+            self.check,
+            v(self.canary_value),
+            self.canary_n,
+            v(self.stable_value),
+            self.stable_n
+        )?;
+        if let Some(p) = self.p_value {
+            write!(f, ", p={p:.2e} (alpha {})", self.alpha)?;
+        }
+        write!(f, ", threshold {}", self.threshold)
+    }
+}
+
+/// The checks of one window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Analysis {
+    pub checks: Vec<CheckResult>,
+}
+
+impl Analysis {
+    /// The failed checks.
+    pub fn failures(&self) -> impl Iterator<Item = &CheckResult> {
+        self.checks.iter().filter(|c| c.outcome == Outcome::Fail)
+    }
+
+    pub fn failed(&self) -> bool {
+        self.failures().next().is_some()
+    }
+}
+
+/// Compares the canary's window with the stable window of the same
+/// period, every check of [`Check::ALL`].
+pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis {
+    let short = t.short_answer_chars;
+    let checks = vec![
+        rate_check(
+            Check::ErrorRate,
+            stable,
+            canary,
+            |s| Some(s.error),
+            t.error_rate,
+            t.alpha,
+        ),
+        shift_check(
+            Check::Latency,
+            stable,
+            canary,
+            |s| (!s.error).then_some(s.latency_ms).flatten(),
+            Shift::Greater(Stat::Median),
+            t.latency,
+            t.alpha,
+        ),
+        shift_check(
+            Check::CompletionTokens,
+            stable,
+            canary,
+            |s| s.completion_tokens.map(f64::from),
+            Shift::Either(Stat::Mean),
+            t.completion_tokens,
+            t.alpha,
+        ),
+        rate_check(
+            Check::LengthFinish,
+            stable,
+            canary,
+            |s| s.finish_reason.map(|r| r == FinishReason::Length),
+            t.length_finish,
+            t.alpha,
+        ),
+        rate_check(
+            Check::EmptyAnswer,
+            stable,
+            canary,
+            |s| s.answer_chars.map(|c| c < short),
+            t.empty_answer,
+            t.alpha,
+        ),
+        rate_check(
+            Check::StreamAbort,
+            stable,
+            canary,
+            |s| s.streamed.then_some(s.stream_aborted),
+            t.stream_abort,
+            t.alpha,
+        ),
+    ];
+    Analysis { checks }
+}
+
+fn count(samples: &[Sample], event: impl Fn(&Sample) -> Option<bool>) -> Count {
+    samples
+        .iter()
+        .filter_map(&event)
+        .fold(Count::default(), |c, e| Count {
+            events: c.events + u64::from(e),
+            trials: c.trials + 1,
+        })
+}
+
+fn rate_check(
+    check: Check,
+    stable: &[Sample],
+    canary: &[Sample],
+    event: impl Fn(&Sample) -> Option<bool>,
+    th: RateThreshold,
+    alpha: f64,
+) -> CheckResult {
+    let s = count(stable, &event);
+    let c = count(canary, &event);
+    let mut r = CheckResult {
+        check,
+        outcome: Outcome::Inconclusive,
+        stable_n: s.trials,
+        canary_n: c.trials,
+        stable_value: s.rate(),
+        canary_value: c.rate(),
+        p_value: None,
+        threshold: th.min_increase,
+        alpha,
+    };
+    if s.trials < th.min_samples.max(1) || c.trials < th.min_samples.max(1) {
+        return r;
+    }
+    let p = stats::fisher_greater(c, s);
+    r.p_value = p;
+    let increase = c.rate().unwrap_or(0.0) - s.rate().unwrap_or(0.0);
+    r.outcome = match p {
+        Some(p) if p < alpha && increase >= th.min_increase => Outcome::Fail,
+        Some(_) => Outcome::Pass,
+        None => Outcome::Inconclusive,
+    };
+    r
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Stat {
+    Median,
+    Mean,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Shift {
+    /// Only a canary with larger values fails.
+    Greater(Stat),
+    /// A canary with larger or smaller values fails.
+    Either(Stat),
+}
+
+fn shift_check(
+    check: Check,
+    stable: &[Sample],
+    canary: &[Sample],
+    value: impl Fn(&Sample) -> Option<f64>,
+    shift: Shift,
+    th: RatioThreshold,
+    alpha: f64,
+) -> CheckResult {
+    let s: Vec<f64> = stable
+        .iter()
+        .filter_map(&value)
+        .filter(|v| v.is_finite())
+        .collect();
+    let c: Vec<f64> = canary
+        .iter()
+        .filter_map(&value)
+        .filter(|v| v.is_finite())
+        .collect();
+    let stat = match shift {
+        Shift::Greater(st) | Shift::Either(st) => st,
+    };
+    let mut r = CheckResult {
+        check,
+        outcome: Outcome::Inconclusive,
+        stable_n: s.len() as u64,
+        canary_n: c.len() as u64,
+        stable_value: statistic(&s, stat),
+        canary_value: statistic(&c, stat),
+        p_value: None,
+        threshold: th.max_ratio,
+        alpha,
+    };
+    let min = th.min_samples.max(1) as usize;
+    if s.len() < min || c.len() < min {
+        return r;
+    }
+    let Some(mw) = stats::mann_whitney(&c, &s) else {
+        return r;
+    };
+    let (sv, cv) = (r.stable_value.unwrap_or(0.0), r.canary_value.unwrap_or(0.0));
+    // A ratio against a zero statistic: any positive canary value is an
+    // unbounded increase, zero against zero none.
+    let ratio = if sv > 0.0 {
+        cv / sv
+    } else if cv > 0.0 {
+        f64::INFINITY
+    } else {
+        1.0
+    };
+    let (p, fails) = match shift {
+        Shift::Greater(_) => (mw.p_greater, ratio >= th.max_ratio),
+        Shift::Either(_) => {
+            // Two one-sided tests at alpha / 2 each.
+            let up = mw.p_greater < alpha / 2.0 && ratio >= th.max_ratio;
+            let down = mw.p_less < alpha / 2.0 && ratio <= 1.0 / th.max_ratio;
+            let p = (mw.p_greater.min(mw.p_less) * 2.0).min(1.0);
+            (p, up || down)
+        }
+    };
+    r.p_value = Some(p);
+    r.outcome = if p < alpha && fails {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    };
+    r
+}
+
+fn statistic(v: &[f64], stat: Stat) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    Some(match stat {
+        Stat::Mean => v.iter().sum::<f64>() / v.len() as f64,
+        Stat::Median => {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            let m = s.len() / 2;
+            if s.len() % 2 == 1 {
+                s[m]
+            } else {
+                (s[m - 1] + s[m]) / 2.0
+            }
+        }
+    })
+}
+
+/// When a step may move on.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepPolicy {
+    /// Canary requests a step needs (in addition to no failed check) to
+    /// advance. Default 100.
+    pub min_canary_samples: u64,
+    /// Intervals a step may be held for lack of samples before the rollout
+    /// pauses for a person to decide. Default 20.
+    pub max_intervals: u32,
+}
+
+impl Default for StepPolicy {
+    fn default() -> Self {
+        StepPolicy {
+            min_canary_samples: 100,
+            max_intervals: 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepDecision {
+    /// No check failed and the step has its samples: next weight.
+    Advance,
+    /// No check failed but the canary has too few requests: keep the
+    /// weight for another interval, the windows growing.
+    Hold,
+    /// A check failed: canary weight 0, canary alias rolled back.
+    Abort,
+    /// Still too few requests after `max_intervals`: neither promote nor
+    /// roll back (no traffic is no evidence either way).
+    Pause,
+}
+
+/// Analyses a step at the end of one of its intervals and decides:
+/// [`analyse`] at [`Thresholds::interim_alpha`] while the canary has fewer
+/// than `policy.min_canary_samples` requests, at [`Thresholds::alpha`]
+/// from then on, then [`decide_step`].
+pub fn evaluate_step(
+    stable: &[Sample],
+    canary: &[Sample],
+    t: &Thresholds,
+    policy: &StepPolicy,
+    intervals: u32,
+) -> (Analysis, StepDecision) {
+    let mut t = *t;
+    if (canary.len() as u64) < policy.min_canary_samples {
+        t.alpha = t.interim_alpha.min(t.alpha);
+    }
+    let a = analyse(stable, canary, &t);
+    let d = decide_step(&a, intervals, policy);
+    (a, d)
+}
+
+/// The decision at the end of an interval of a step: `intervals` is how
+/// many intervals the step has run, counting this one.
+pub fn decide_step(analysis: &Analysis, intervals: u32, policy: &StepPolicy) -> StepDecision {
+    if analysis.failed() {
+        return StepDecision::Abort;
+    }
+    let canary_requests = analysis
+        .checks
+        .iter()
+        .find(|c| c.check == Check::ErrorRate)
+        .map_or(0, |c| c.canary_n);
+    if canary_requests >= policy.min_canary_samples {
+        StepDecision::Advance
+    } else if intervals >= policy.max_intervals {
+        StepDecision::Pause
+    } else {
+        StepDecision::Hold
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(latency_ms: f64, tokens: u32, chars: u32) -> Sample {
+        Sample {
+            error: false,
+            latency_ms: Some(latency_ms),
+            completion_tokens: Some(tokens),
+            finish_reason: Some(FinishReason::Stop),
+            answer_chars: Some(chars),
+            streamed: false,
+            stream_aborted: false,
+        }
+    }
+
+    fn outcome(a: &Analysis, check: Check) -> CheckResult {
+        *a.checks.iter().find(|c| c.check == check).unwrap()
+    }
+
+    #[test]
+    fn too_few_samples_is_inconclusive_not_failure() {
+        let stable: Vec<_> = (0..1000)
+            .map(|i| ok(100.0 + (i % 7) as f64, 50, 200))
+            .collect();
+        let canary = vec![ok(100.0, 50, 0); 20];
+        let a = analyse(&stable, &canary, &Thresholds::default());
+        let e = outcome(&a, Check::EmptyAnswer);
+        assert_eq!(e.outcome, Outcome::Inconclusive);
+        assert_eq!(e.canary_value, Some(1.0));
+        assert!(!a.failed());
+        assert_eq!(
+            decide_step(&a, 1, &StepPolicy::default()),
+            StepDecision::Hold
+        );
+        assert_eq!(
+            decide_step(&a, 20, &StepPolicy::default()),
+            StepDecision::Pause
+        );
+    }
+
+    #[test]
+    fn empty_answers_fail_with_their_numbers() {
+        let stable: Vec<_> = (0..1000)
+            .map(|i| ok(100.0 + (i % 7) as f64, 50, 200))
+            .collect();
+        let canary: Vec<_> = (0..100)
+            .map(|i| ok(100.0 + (i % 7) as f64, 50, if i % 5 == 0 { 0 } else { 200 }))
+            .collect();
+        let a = analyse(&stable, &canary, &Thresholds::default());
+        let failed: Vec<_> = a.failures().map(|c| c.check).collect();
+        assert_eq!(failed, vec![Check::EmptyAnswer]);
+        let e = outcome(&a, Check::EmptyAnswer);
+        assert_eq!(e.canary_value, Some(0.2));
+        assert_eq!(e.stable_value, Some(0.0));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "empty_answer fail: canary 0.2000 (n=100) vs stable 0.0000 (n=1000), p="
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            decide_step(&a, 1, &StepPolicy::default()),
+            StepDecision::Abort
+        );
+    }
+
+    #[test]
+    fn interim_looks_are_stricter() {
+        // 4 errors in 60 canary requests against 0.5% of 3000: p about
+        // 4e-4, enough at 0.001 but not at the interim 0.0001.
+        let mut stable = vec![ok(100.0, 50, 200); 3000];
+        for s in stable.iter_mut().take(15) {
+            *s = Sample::failed(5.0);
+        }
+        let mut canary = vec![ok(100.0, 50, 200); 60];
+        for s in canary.iter_mut().take(4) {
+            *s = Sample::failed(5.0);
+        }
+        let t = Thresholds::default();
+        let p = outcome(&analyse(&stable, &canary, &t), Check::ErrorRate)
+            .p_value
+            .unwrap();
+        assert!(p > t.interim_alpha && p < t.alpha, "{p}");
+        let policy = StepPolicy::default();
+        let (a, d) = evaluate_step(&stable, &canary, &t, &policy, 1);
+        assert_eq!(d, StepDecision::Hold);
+        assert_eq!(outcome(&a, Check::ErrorRate).alpha, t.interim_alpha);
+        // With the step's samples, the same rate fails.
+        let mut canary = vec![ok(100.0, 50, 200); 120];
+        for s in canary.iter_mut().take(8) {
+            *s = Sample::failed(5.0);
+        }
+        assert_eq!(
+            evaluate_step(&stable, &canary, &t, &policy, 2).1,
+            StepDecision::Abort
+        );
+    }
+
+    #[test]
+    fn a_significant_but_small_difference_passes() {
+        // 1% more errors on 20 000 requests is significant but under the
+        // 2-point threshold.
+        let mut stable = vec![ok(100.0, 50, 200); 20_000];
+        let mut canary = vec![ok(100.0, 50, 200); 20_000];
+        for s in stable.iter_mut().take(100) {
+            *s = Sample::failed(5.0);
+        }
+        for s in canary.iter_mut().take(300) {
+            *s = Sample::failed(5.0);
+        }
+        let a = analyse(&stable, &canary, &Thresholds::default());
+        let e = outcome(&a, Check::ErrorRate);
+        assert!(e.p_value.unwrap() < 1e-6);
+        assert_eq!(e.outcome, Outcome::Pass);
+    }
+
+    #[test]
+    fn shorter_completions_fail_the_two_sided_check() {
+        let stable: Vec<_> = (0..500).map(|i| ok(100.0, 100 + (i % 50), 200)).collect();
+        let canary: Vec<_> = (0..200).map(|i| ok(100.0, 40 + (i % 50), 200)).collect();
+        let a = analyse(&stable, &canary, &Thresholds::default());
+        assert_eq!(outcome(&a, Check::CompletionTokens).outcome, Outcome::Fail);
+        assert_eq!(outcome(&a, Check::Latency).outcome, Outcome::Pass);
+    }
+
+    #[test]
+    fn finish_reasons_parse() {
+        assert_eq!(FinishReason::parse("length"), FinishReason::Length);
+        assert_eq!(FinishReason::parse("max_tokens"), FinishReason::Length);
+        assert_eq!(FinishReason::parse("stop"), FinishReason::Stop);
+        assert_eq!(FinishReason::parse("content_filter"), FinishReason::Other);
+    }
+}

@@ -1,0 +1,200 @@
+//! Deployments from the registry: a real registry (keel-registry's HTTP
+//! API over a socket, SQLite) read with an API key, its aliases resolved to
+//! backends by the `keel.backend` version tag, and every bad input refused
+//! with an error that says what to fix.
+
+use std::sync::Arc;
+
+use keel_gateway::registry_source::{
+    ModelSource, RegistryClient, RegistrySourceError, Routing, VersionRoute, BACKEND_TAG,
+};
+use keel_registry::http::{router, serve, ServeOptions};
+use keel_registry::{FixedClock, NewVersion, Registry, Role};
+
+struct Server {
+    url: String,
+    reader: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = self.task.await;
+    }
+}
+
+fn version(reg: &mut Registry, model: &str) -> u64 {
+    let new = NewVersion {
+        model: model.into(),
+        source: format!("s3://b/{model}"),
+        create_model: true,
+        ..Default::default()
+    };
+    reg.register_version("ci", &new, None)
+        .expect("version")
+        .version
+}
+
+/// Model `chat`: v1 (`production`, backend a), v2 (`canary`, backend b),
+/// v3 (no backend tag, alias `nobackend`); model `bare` with no aliases.
+/// (The registry itself refuses to point an alias at a version that is not
+/// READY.)
+async fn start() -> Server {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let reader = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "gateway", Role::Read, &reader)
+        .expect("key");
+    for (i, backend) in [
+        Some("http://127.0.0.1:9001"),
+        Some("http://127.0.0.1:9002/v"),
+        None,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = version(&mut reg, "chat");
+        assert_eq!(v, i as u64 + 1);
+        if let Some(b) = backend {
+            reg.set_version_tag("ci", "chat", v, BACKEND_TAG, Some(b))
+                .expect("tag");
+        }
+    }
+    reg.set_alias("ci", "chat", "production", 1, "first")
+        .expect("alias");
+    reg.set_alias("ci", "chat", "canary", 2, "try")
+        .expect("alias");
+    reg.set_alias("ci", "chat", "nobackend", 3, "x")
+        .expect("alias");
+    version(&mut reg, "bare");
+    let app = router(reg, ServeOptions::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+    Server {
+        url: format!("http://{addr}"),
+        reader,
+        stop: Some(tx),
+        task,
+    }
+}
+
+fn source(model: &str, stable: &str, canary: Option<&str>) -> ModelSource {
+    ModelSource {
+        model: model.into(),
+        stable_alias: stable.into(),
+        canary_alias: canary.map(Into::into),
+        require_signature: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_resolve_to_the_backends_their_versions_name() {
+    let s = start().await;
+    let c = RegistryClient::new(&s.url, &s.reader).expect("client");
+    let r = c
+        .resolve(&source("chat", "production", Some("canary")))
+        .await
+        .expect("resolve");
+    assert_eq!(
+        r,
+        Routing {
+            stable: VersionRoute {
+                alias: "production".into(),
+                version: 1,
+                backend: "http://127.0.0.1:9001".into(),
+            },
+            canary: Some(VersionRoute {
+                alias: "canary".into(),
+                version: 2,
+                backend: "http://127.0.0.1:9002/v".into(),
+            }),
+        }
+    );
+    // A canary alias that is not set is no canary, not an error.
+    let r = c
+        .resolve(&source("chat", "production", Some("challenger")))
+        .await
+        .expect("resolve");
+    assert_eq!(r.canary, None);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_with_what_to_fix() {
+    let s = start().await;
+    let c = RegistryClient::new(&s.url, &s.reader).expect("client");
+    let err = |e: RegistrySourceError| e.to_string();
+
+    let e = c
+        .resolve(&source("nope", "production", None))
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::ModelNotFound { .. }),
+        "{e}"
+    );
+    assert_eq!(err(e), r#"the registry has no model "nope""#);
+
+    let e = c
+        .resolve(&source("bare", "production", None))
+        .await
+        .expect_err("refused");
+    assert_eq!(
+        err(e),
+        r#"registry model "bare" has no alias "production" (set it with `keel model alias set bare production VERSION`)"#
+    );
+
+    let e = c
+        .resolve(&source("chat", "production", Some("nobackend")))
+        .await
+        .expect_err("refused");
+    assert_eq!(
+        err(e),
+        r#"registry model "chat" version 3 (alias "nobackend") names no backend: give it the tag keel.backend=http://host:port"#
+    );
+
+    let mut signed = source("chat", "production", None);
+    signed.require_signature = true;
+    let e = c.resolve(&signed).await.expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::Unsigned { version: 1, .. }),
+        "{e}"
+    );
+
+    // A key the registry does not know.
+    let stranger = RegistryClient::new(&s.url, "keel_not-a-key").expect("client");
+    let e = stranger
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::Unauthorized { status: 401 }),
+        "{e}"
+    );
+    assert!(!format!("{e:?}").contains("not-a-key"));
+    assert!(!format!("{stranger:?}").contains("not-a-key"));
+
+    assert!(matches!(
+        RegistryClient::new("ftp://x", "k"),
+        Err(RegistrySourceError::BadUrl { .. })
+    ));
+
+    // Down: a clear error, nothing else.
+    let url = s.url.clone();
+    s.stop().await;
+    let c = RegistryClient::new(&url, "k").expect("client");
+    let e = c
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect_err("refused");
+    assert!(matches!(e, RegistrySourceError::Unreachable { .. }), "{e}");
+}
