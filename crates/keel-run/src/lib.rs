@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod decide;
+pub mod events;
 pub mod goodput;
 pub mod hang;
 pub mod history;
