@@ -10,6 +10,7 @@ mod exit;
 mod gpu;
 mod model;
 mod output;
+mod run;
 mod scratch;
 mod serve;
 mod slurm;
@@ -97,6 +98,11 @@ enum Command {
         #[command(subcommand)]
         command: scratch::ScratchCommand,
     },
+    /// Supervise a training job: resume from the newest verified
+    /// checkpoint, push checkpoints as they complete, detect hangs, turn
+    /// preemption notices into a checkpoint and a requeue; `run report`
+    /// shows goodput.
+    Run(Box<run::RunArgs>),
 }
 
 fn main() -> ExitCode {
@@ -113,6 +119,11 @@ fn main() -> ExitCode {
             return code.into();
         }
     };
+    // The supervisor forwards the trainer's output to stdout line by line,
+    // so it does not hold stdout's lock.
+    if let Command::Run(args) = &cli.command {
+        return finish(run::run(args, cli.json)).into();
+    }
     let mut out = Out::stdout(cli.json);
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
@@ -123,18 +134,26 @@ fn main() -> ExitCode {
         Command::Model(args) => model::run(args, &mut out),
         Command::Tune { command } => tune::run(&cli, command, &mut out),
         Command::Scratch { command } => scratch::run(&cli, command, &mut out),
+        Command::Run(_) => unreachable_run(),
     };
-    let code = match result {
+    finish(result).into()
+}
+
+fn unreachable_run() -> anyhow::Result<Code> {
+    Err(exit::UsageError("keel run is dispatched before output is set up".into()).into())
+}
+
+fn finish(result: anyhow::Result<Code>) -> Code {
+    match result {
         Ok(code) => code,
         Err(err) => {
             if exit::is_broken_pipe(&err) {
-                return Code::Ok.into();
+                return Code::Ok;
             }
             let code = exit::classify(&err);
             let mut stderr = std::io::stderr().lock();
             let _ = writeln!(stderr, "keel: error: {err:#}");
             code
         }
-    };
-    code.into()
+    }
 }

@@ -1,0 +1,823 @@
+//! `keel run`: supervise one attempt of a training job (single machine;
+//! inside an sbatch script it supervises the batch step), and `keel run
+//! report`. The decisions live in keel-run; this file starts the trainer,
+//! watches it and signals it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+use keel_ckpt::watch::{WatchEvent, Watcher};
+use keel_ckpt::{Ckpt, Selector};
+use keel_run::decide::Next;
+use keel_run::events::{Imds, Poller};
+use keel_run::goodput::Ended;
+use keel_run::{
+    account, decide, AttemptTimes, Cause, HangConfig, HangDetector, HangStatus, History, Outcome,
+    RunPolicy, Timeout,
+};
+use keel_store::TransferOptions;
+
+use crate::exit::{Code, UsageError};
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct RunArgs {
+    #[command(subcommand)]
+    sub: Option<RunSub>,
+    #[command(flatten)]
+    opts: RunOpts,
+    /// The trainer and its arguments, after `--`.
+    #[arg(last = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum RunSub {
+    /// Goodput of a job across its attempts, from the state file.
+    Report {
+        /// The run state file.
+        #[arg(long, env = "KEEL_RUN_STATE", value_name = "FILE")]
+        state: PathBuf,
+        /// The job (default: every job in the file).
+        #[arg(long, value_name = "ID")]
+        job: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+struct RunOpts {
+    /// Checkpoint store (file://, az://, s3://).
+    #[arg(long, env = "KEEL_RUN_STORE", value_name = "URL")]
+    store: Option<String>,
+    /// The run's name in the store.
+    #[arg(long, env = "KEEL_RUN_NAME", value_name = "NAME")]
+    run: Option<String>,
+    /// Where the trainer writes checkpoint directories (watched and
+    /// pushed as they complete); passed as KEEL_CKPT_DIR.
+    #[arg(long, value_name = "DIR")]
+    ckpt_dir: Option<PathBuf>,
+    /// Where a checkpoint is restored (default: DIR/.keel-resume under
+    /// --ckpt-dir).
+    #[arg(long, value_name = "DIR")]
+    restore_dir: Option<PathBuf>,
+    /// The failure history state file (default: keel-run.json in
+    /// --ckpt-dir). Put it on shared storage when attempts run on other
+    /// machines.
+    #[arg(long, env = "KEEL_RUN_STATE", value_name = "FILE")]
+    state: Option<PathBuf>,
+    /// A file that marks a checkpoint complete (default: the framework's
+    /// own rule, e.g. DCP's .metadata).
+    #[arg(long, value_name = "NAME")]
+    marker: Option<String>,
+    /// A file the trainer touches as a heartbeat; passed as
+    /// KEEL_HEARTBEAT_FILE.
+    #[arg(long, value_name = "FILE")]
+    heartbeat_file: Option<PathBuf>,
+    /// A line of the trainer's stdout containing this is a heartbeat.
+    #[arg(long, value_name = "TEXT")]
+    heartbeat_pattern: Option<String>,
+    /// A fixed hang timeout in seconds (default: learned, the longest
+    /// interval between heartbeats times --safety-factor).
+    #[arg(long, value_name = "SECS")]
+    hang_timeout: Option<f64>,
+    /// The learned timeout's factor.
+    #[arg(long, default_value_t = 5.0, value_name = "X")]
+    safety_factor: f64,
+    /// Allowance from start to the first heartbeat, and the timeout
+    /// until one is learned.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    startup_timeout: f64,
+    /// Added to the timeout while a checkpoint is being saved.
+    #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+    save_allowance: f64,
+    /// From SIGTERM to SIGKILL when the trainer is stopped.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    grace: f64,
+    /// The signal that tells the trainer to checkpoint now.
+    #[arg(long, default_value = "USR1", value_name = "SIGNAL")]
+    checkpoint_signal: String,
+    /// How long to wait for that checkpoint's commit.
+    #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+    checkpoint_deadline: f64,
+    /// Seconds between passes of the checkpoint watcher.
+    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    watch_interval: f64,
+    /// Poll Azure Scheduled Events at this IMDS address
+    /// (http://169.254.169.254 on Azure); off when not given.
+    #[arg(long, env = "KEEL_RUN_IMDS", value_name = "URL")]
+    imds: Option<String>,
+    /// This VM's name in Scheduled Events (default: asked from IMDS).
+    #[arg(long, value_name = "NAME")]
+    vm_name: Option<String>,
+    /// Acknowledge an event (StartRequests) once its checkpoint is
+    /// committed. Give it on one machine of a job only.
+    #[arg(long)]
+    imds_ack: bool,
+    /// The job the history is kept under (default: SLURM_JOB_ID, else
+    /// `local`).
+    #[arg(long, value_name = "ID")]
+    job: Option<String>,
+    /// Start-up failures in a row after which the job is not requeued.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    startup_retries: u32,
+    /// Failures of this job on one node after which it is excluded.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    exclude_after: u32,
+}
+
+pub fn run(args: &RunArgs, json: bool) -> anyhow::Result<Code> {
+    if let Some(RunSub::Report { state, job }) = &args.sub {
+        return report(state, job.as_deref(), json);
+    }
+    let plan = Plan::from_args(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(supervise(&plan, json))
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| UsageError(format!("--{name} must be a positive number of seconds")).into())
+}
+
+fn signal_named(name: &str) -> anyhow::Result<rustix::process::Signal> {
+    use rustix::process::Signal;
+    let n = name.trim().to_ascii_uppercase();
+    Ok(match n.strip_prefix("SIG").unwrap_or(&n) {
+        "USR1" => Signal::USR1,
+        "USR2" => Signal::USR2,
+        "TERM" => Signal::TERM,
+        "INT" => Signal::INT,
+        "HUP" => Signal::HUP,
+        "QUIT" => Signal::QUIT,
+        _ => {
+            let shown: String = name.chars().take(32).collect();
+            return Err(UsageError(format!(
+                "--checkpoint-signal {shown:?}: expected USR1, USR2, TERM, INT, HUP or QUIT"
+            ))
+            .into());
+        }
+    })
+}
+
+/// Everything an attempt needs, validated.
+#[derive(Debug)]
+struct Plan {
+    store: String,
+    run: String,
+    ckpt_dir: PathBuf,
+    restore_dir: PathBuf,
+    state: PathBuf,
+    marker: Option<String>,
+    heartbeat_file: Option<PathBuf>,
+    heartbeat_pattern: Option<String>,
+    hang: HangConfig,
+    grace: Duration,
+    checkpoint_signal: rustix::process::Signal,
+    checkpoint_deadline: Duration,
+    watch_interval: Duration,
+    imds: Option<Imds>,
+    vm_name: Option<String>,
+    imds_ack: bool,
+    job: String,
+    policy: RunPolicy,
+    command: Vec<String>,
+}
+
+impl Plan {
+    fn from_args(args: &RunArgs) -> anyhow::Result<Self> {
+        let o = &args.opts;
+        let need = |v: &Option<String>, flag: &str| {
+            v.clone()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| UsageError(format!("keel run needs {flag}")))
+        };
+        let store = need(&o.store, "--store URL")?;
+        let run = need(&o.run, "--run NAME")?;
+        keel_ckpt::layout::check_run(&run)?;
+        let ckpt_dir = o
+            .ckpt_dir
+            .clone()
+            .ok_or_else(|| UsageError("keel run needs --ckpt-dir DIR".into()))?;
+        if args.command.is_empty() {
+            return Err(UsageError("keel run needs a command after `--`".into()).into());
+        }
+        if !(o.safety_factor.is_finite() && o.safety_factor >= 1.0) {
+            return Err(UsageError("--safety-factor must be at least 1".into()).into());
+        }
+        let startup = secs("startup-timeout", o.startup_timeout)?;
+        let timeout = match o.hang_timeout {
+            Some(t) => Timeout::Fixed(secs("hang-timeout", t)?),
+            None => Timeout::Learned {
+                safety_factor: o.safety_factor,
+                min_samples: 3,
+                floor: Duration::from_secs(1),
+                before_learned: startup,
+            },
+        };
+        let imds = o
+            .imds
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--imds: {e}")))?;
+        let job = o
+            .job
+            .clone()
+            .or_else(|| std::env::var("SLURM_JOB_ID").ok())
+            .filter(|j| !j.is_empty())
+            .unwrap_or_else(|| "local".into());
+        Ok(Self {
+            restore_dir: o
+                .restore_dir
+                .clone()
+                .unwrap_or_else(|| ckpt_dir.join(".keel-resume")),
+            state: o
+                .state
+                .clone()
+                .unwrap_or_else(|| ckpt_dir.join("keel-run.json")),
+            store,
+            run,
+            ckpt_dir,
+            marker: o.marker.clone(),
+            heartbeat_file: o.heartbeat_file.clone(),
+            heartbeat_pattern: o.heartbeat_pattern.clone().filter(|p| !p.is_empty()),
+            hang: HangConfig {
+                startup,
+                timeout,
+                save: Duration::try_from_secs_f64(o.save_allowance).map_err(|_| {
+                    UsageError("--save-allowance must be a number of seconds".into())
+                })?,
+            },
+            grace: secs("grace", o.grace)?,
+            checkpoint_signal: signal_named(&o.checkpoint_signal)?,
+            checkpoint_deadline: secs("checkpoint-deadline", o.checkpoint_deadline)?,
+            watch_interval: secs("watch-interval", o.watch_interval)?,
+            imds,
+            vm_name: o.vm_name.clone(),
+            imds_ack: o.imds_ack,
+            job,
+            policy: RunPolicy {
+                exclude_after: o.exclude_after.max(1),
+                startup_retries: o.startup_retries.max(1),
+                ..RunPolicy::default()
+            },
+            command: args.command.clone(),
+        })
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "keel run: {msg}");
+}
+
+/// Something the supervisor reacts to, from its helper threads and tasks.
+enum Note {
+    Heartbeat,
+    /// Nothing: tells a helper thread whether the supervisor still listens.
+    Tick,
+    /// SIGTERM or SIGUSR1 to the supervisor.
+    Signal(&'static str),
+    /// A Scheduled Event that ends training on this VM.
+    Evict {
+        id: String,
+        kind: String,
+    },
+}
+
+fn pgid(child: &Child) -> Option<rustix::process::Pid> {
+    i32::try_from(child.id())
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+}
+
+fn signal_group(child: &Child, sig: rustix::process::Signal) {
+    if let Some(p) = pgid(child) {
+        let _ = rustix::process::kill_process_group(p, sig);
+    }
+}
+
+/// SIGTERM to the trainer's process group, SIGKILL after the grace.
+fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    if let Ok(Some(s)) = child.try_wait() {
+        return Some(s);
+    }
+    signal_group(child, rustix::process::Signal::TERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    say("the trainer ignored SIGTERM; sending SIGKILL");
+    signal_group(child, rustix::process::Signal::KILL);
+    child.wait().ok()
+}
+
+struct Attempt {
+    times: AttemptTimes,
+    commits: u64,
+}
+
+async fn push_pass(
+    watcher: &mut Watcher,
+    topts: &TransferOptions,
+    at: &mut Attempt,
+    det: &mut HangDetector,
+    origin: Instant,
+) -> anyhow::Result<()> {
+    let events = match watcher.pass(&crate::ckpt::context(), topts).await {
+        Ok(e) => e,
+        Err(e @ keel_ckpt::CkptError::Fenced { .. }) => return Err(e.into()),
+        Err(e) => {
+            say(&format!("checkpoint watcher: {e:#}; retrying"));
+            return Ok(());
+        }
+    };
+    for ev in events {
+        match ev {
+            WatchEvent::Pushed { dir, report } => {
+                at.commits += 1;
+                at.times.last_commit_ms = Some(now_ms());
+                det.save_committed(origin.elapsed());
+                say(&format!(
+                    "committed step {} from {}",
+                    report.checkpoint.step,
+                    dir.display()
+                ));
+            }
+            WatchEvent::Skipped { .. } => {}
+            WatchEvent::Failed { dir, step, error } => say(&format!(
+                "push of {} (step {step}) failed, will retry: {error}",
+                dir.display()
+            )),
+        }
+    }
+    Ok(())
+}
+
+async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
+    let started = Instant::now();
+    let mut at = Attempt {
+        times: AttemptTimes {
+            started_ms: now_ms(),
+            ended_ms: 0,
+            preflight_ms: 0,
+            restore_ms: 0,
+            stall_ms: 0,
+            training_started_ms: None,
+            last_commit_ms: None,
+            ended: Ended::Failed,
+        },
+        commits: 0,
+    };
+    // A corrupt state file stops everything before training starts.
+    let history = History::load(&plan.state)?.job(&plan.job);
+    std::fs::create_dir_all(&plan.ckpt_dir)
+        .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
+
+    let (tx, rx) = mpsc::channel::<Note>();
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let name = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = usr1.recv() => "SIGUSR1",
+                };
+                if tx.send(Note::Signal(name)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    // Resume from the newest checkpoint that verifies.
+    let store = crate::ckpt::open_for_writing(&plan.store)?;
+    let ck = Ckpt::new(&store, &plan.run)?;
+    let topts = TransferOptions::default();
+    let restore_started = Instant::now();
+    let latest = ck
+        .latest()
+        .await
+        .with_context(|| format!("cannot read the checkpoints of {}", plan.run))?;
+    let mut resume: Option<(PathBuf, u64)> = None;
+    if latest.is_some() {
+        let dir = plan
+            .restore_dir
+            .join(format!("attempt-{}", at.times.started_ms));
+        let r = ck
+            .pull(
+                Selector::Latest,
+                &dir,
+                false,
+                &crate::ckpt::context(),
+                &topts,
+            )
+            .await
+            .with_context(|| format!("cannot restore a checkpoint of {}", plan.run))?;
+        for f in &r.fell_back_from {
+            say(&format!(
+                "WARNING: step {} failed verification and was not used: {}",
+                f.checkpoint.step, f.error
+            ));
+        }
+        say(&format!(
+            "resuming from step {} ({})",
+            r.checkpoint.step,
+            r.dir.display()
+        ));
+        resume = Some((r.dir, r.checkpoint.step));
+    } else {
+        say("no checkpoint yet: starting fresh");
+    }
+    at.times.restore_ms = u64::try_from(restore_started.elapsed().as_millis()).unwrap_or(0);
+
+    // Scheduled Events, on their own thread: a failure there is logged
+    // and never ends training.
+    if let Some(imds) = plan.imds.clone() {
+        let tx = tx.clone();
+        let vm = plan.vm_name.clone();
+        std::thread::spawn(move || poll_imds(imds, vm, tx));
+    }
+
+    let mut cmd = Command::new(&plan.command[0]);
+    cmd.args(&plan.command[1..])
+        .env("KEEL_CKPT_DIR", &plan.ckpt_dir)
+        .env_remove("KEEL_RESUME_DIR")
+        .env_remove("KEEL_RESUME_STEP")
+        .stdout(Stdio::piped());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    if let Some((dir, step)) = &resume {
+        cmd.env("KEEL_RESUME_DIR", dir)
+            .env("KEEL_RESUME_STEP", step.to_string());
+    }
+    if let Some(f) = &plan.heartbeat_file {
+        cmd.env("KEEL_HEARTBEAT_FILE", f);
+    }
+    let mut child = cmd.spawn().map_err(|e| {
+        let shown: String = plan.command[0].chars().take(200).collect();
+        UsageError(format!("cannot start the trainer {shown:?}: {e}"))
+    })?;
+    at.times.training_started_ms = Some(now_ms());
+    if let Some(out) = child.stdout.take() {
+        let tx = tx.clone();
+        let pattern = plan.heartbeat_pattern.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut line = Vec::new();
+            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let _ = std::io::stdout().lock().write_all(&line);
+                if let Some(p) = &pattern {
+                    if keel_run::hang::line_is_heartbeat(&String::from_utf8_lossy(&line), p) {
+                        let _ = tx.send(Note::Heartbeat);
+                    }
+                }
+                line.clear();
+            }
+        });
+    }
+    drop(tx);
+
+    let origin = started;
+    let mut det = HangDetector::new(plan.hang, origin.elapsed());
+    let mut watcher = Watcher::new(
+        ck,
+        &plan.ckpt_dir,
+        plan.marker.clone(),
+        format!("keel-run-{}", crate::ckpt::hostname()),
+    );
+    let mut heartbeat_mtime = plan.heartbeat_file.as_deref().and_then(mtime);
+    let mut next_pass = Instant::now();
+    // Set when asked to checkpoint now: the deadline, the commits seen
+    // when asked, and the event to acknowledge.
+    let mut draining: Option<(Instant, u64, Option<String>)> = None;
+    let outcome;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            // A last pass pushes what the trainer wrote before it exited.
+            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            outcome = if draining.is_some() {
+                Outcome::Preempted
+            } else if status.success() {
+                Outcome::Completed
+            } else {
+                Outcome::Failed {
+                    cause: Cause::Crash,
+                    nodes: vec![crate::ckpt::hostname()],
+                    during_startup: det.beats() == 0 && at.commits == 0,
+                    detail: describe(status),
+                }
+            };
+            break;
+        }
+        while let Ok(note) = rx.try_recv() {
+            match note {
+                Note::Heartbeat => det.beat(origin.elapsed()),
+                Note::Tick => {}
+                Note::Signal(name) => {
+                    if draining.is_none() {
+                        say(&format!("{name}: asking the trainer to checkpoint now"));
+                        signal_group(&child, plan.checkpoint_signal);
+                        draining =
+                            Some((Instant::now() + plan.checkpoint_deadline, at.commits, None));
+                    }
+                }
+                Note::Evict { id, kind } => {
+                    if draining.is_none() {
+                        say(&format!(
+                            "scheduled event {kind} ({id}) for this VM: asking the trainer to checkpoint now"
+                        ));
+                        signal_group(&child, plan.checkpoint_signal);
+                        draining = Some((
+                            Instant::now() + plan.checkpoint_deadline,
+                            at.commits,
+                            Some(id),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(f) = &plan.heartbeat_file {
+            let m = mtime(f);
+            if m.is_some() && m != heartbeat_mtime {
+                heartbeat_mtime = m;
+                det.beat(origin.elapsed());
+            }
+        }
+        if Instant::now() >= next_pass {
+            let before = Instant::now();
+            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            if draining.is_some() {
+                at.times.stall_ms += u64::try_from(before.elapsed().as_millis()).unwrap_or(0);
+            }
+            next_pass = Instant::now() + plan.watch_interval;
+        }
+        if let Some((deadline, commits_then, event)) = &draining {
+            let committed = at.commits > *commits_then;
+            if committed || Instant::now() >= *deadline {
+                if committed {
+                    say("the checkpoint is committed; stopping the trainer");
+                } else {
+                    say("WARNING: no checkpoint was committed before the deadline; stopping the trainer");
+                }
+                stop(&mut child, plan.grace);
+                push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+                if let (Some(id), Some(imds)) = (event, &plan.imds) {
+                    if plan.imds_ack {
+                        match imds.acknowledge(&[id]) {
+                            Ok(()) => say(&format!("acknowledged scheduled event {id}")),
+                            Err(e) => say(&format!("cannot acknowledge event {id}: {e}")),
+                        }
+                    }
+                }
+                outcome = Outcome::Preempted;
+                break;
+            }
+        } else if let HangStatus::Hung {
+            phase,
+            silent_for,
+            timeout,
+        } = det.check(origin.elapsed())
+        {
+            say(&format!(
+                "no heartbeat for {:.1} s during {} (timeout {:.1} s): the trainer is hung; stopping it",
+                silent_for.as_secs_f64(),
+                phase.as_str(),
+                timeout.as_secs_f64()
+            ));
+            stop(&mut child, plan.grace);
+            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            outcome = Outcome::Failed {
+                cause: Cause::Hang,
+                nodes: vec![crate::ckpt::hostname()],
+                during_startup: det.beats() == 0,
+                detail: format!("no heartbeat for {:.0} s", silent_for.as_secs_f64()),
+            };
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    at.times.ended_ms = now_ms();
+    at.times.ended = match &outcome {
+        Outcome::Completed => Ended::Completed,
+        Outcome::Cancelled => Ended::Cancelled,
+        Outcome::Preempted => Ended::Preempted,
+        Outcome::Failed { .. } => Ended::Failed,
+    };
+    let d = decide(&outcome, &history, &[], &plan.policy);
+    let times = at.times.clone();
+    let job = plan.job.clone();
+    let record = d.record.clone();
+    let startup_failures = d.startup_failures;
+    History::update(&plan.state, move |h| {
+        let j = h.jobs.entry(job).or_default();
+        for (n, c) in &record {
+            j.record_failure(n, *c);
+        }
+        j.startup_failures = startup_failures;
+        j.attempts.push(times);
+    })?;
+    let (code, what) = match (&outcome, &d.next) {
+        (_, Next::Done) => (Code::Ok, "completed".to_owned()),
+        (_, Next::Stop { reason }) => (Code::Stop, reason.clone()),
+        (Outcome::Preempted, Next::Requeue) => (
+            Code::Requeue,
+            "preempted: requeue to resume from the committed checkpoint".to_owned(),
+        ),
+        (Outcome::Failed { detail, .. }, Next::Requeue) => (
+            Code::Failed,
+            format!("failed ({detail}); requeue to resume"),
+        ),
+        (_, Next::Requeue) => (Code::Requeue, "requeue".to_owned()),
+    };
+    say(&what);
+    if json {
+        let body = serde_json::json!({
+            "version": 1,
+            "command": "run",
+            "job": plan.job,
+            "outcome": at.times.ended,
+            "result": what,
+            "exit_code": code as u8,
+            "resumed_from_step": resume.as_ref().map(|r| r.1),
+            "commits": at.commits,
+            "exclude": d.exclude,
+        });
+        let _ = writeln!(std::io::stdout().lock(), "{body}");
+    }
+    Ok(code)
+}
+
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "ended".to_owned(),
+    }
+}
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// Polls Scheduled Events once a second until the supervisor goes away.
+fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
+    let mut warned = false;
+    let vm = loop {
+        match vm.clone().map(Ok).unwrap_or_else(|| imds.vm_name()) {
+            Ok(v) => break v,
+            Err(e) => {
+                if !warned {
+                    say(&format!(
+                        "Scheduled Events: cannot learn this VM's name: {e}; retrying"
+                    ));
+                    warned = true;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    };
+    let mut poller = Poller::new(imds, &vm);
+    let mut failing = false;
+    loop {
+        match poller.poll() {
+            Ok(events) => {
+                if failing {
+                    say("Scheduled Events: IMDS answers again");
+                    failing = false;
+                }
+                for e in events {
+                    if e.kind.ends_training() {
+                        let note = Note::Evict {
+                            id: e.id.clone(),
+                            kind: e.kind.as_str().to_owned(),
+                        };
+                        if tx.send(note).is_err() {
+                            return;
+                        }
+                    } else {
+                        say(&format!(
+                            "scheduled event {} ({}) for this VM: training continues",
+                            e.kind.as_str(),
+                            e.id
+                        ));
+                    }
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    say(&format!("Scheduled Events: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        // The supervisor is gone when nobody listens.
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
+}
+
+fn report(state: &Path, job: Option<&str>, json: bool) -> anyhow::Result<Code> {
+    if !state.exists() {
+        return Err(UsageError(format!("no run state file at {}", state.display())).into());
+    }
+    let h = History::load(state)?;
+    let jobs: Vec<(&String, &keel_run::JobHistory)> = h
+        .jobs
+        .iter()
+        .filter(|(k, _)| job.is_none_or(|j| j == k.as_str()))
+        .collect();
+    if jobs.is_empty() {
+        return Err(UsageError(format!(
+            "{} has no job {}",
+            state.display(),
+            job.unwrap_or("")
+        ))
+        .into());
+    }
+    let mut out = std::io::stdout().lock();
+    if json {
+        let body: Vec<_> = jobs
+            .iter()
+            .map(|(k, j)| {
+                serde_json::json!({"job": k, "goodput": account(&j.attempts),
+                    "failures": j.failures.iter().map(|f| serde_json::json!({"node": f.node, "cause": f.cause, "count": f.count})).collect::<Vec<_>>(),
+                    "startup_failures": j.startup_failures})
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({"version": 1, "command": "run report", "jobs": body})
+        )?;
+        return Ok(Code::Ok);
+    }
+    for (k, j) in jobs {
+        let g = account(&j.attempts);
+        let pct = |ms: u64| {
+            if g.wall_ms == 0 {
+                "-".to_owned()
+            } else {
+                #[allow(clippy::cast_precision_loss)]
+                let p = ms as f64 * 100.0 / g.wall_ms as f64;
+                format!("{p:.1}%")
+            }
+        };
+        writeln!(out, "job {k}: {} attempts", g.attempts)?;
+        writeln!(out, "  {:<20} {:>12} {:>7}", "bucket", "seconds", "share")?;
+        for (name, ms) in [
+            ("queue", g.queue_ms),
+            ("pre-flight", g.preflight_ms),
+            ("restore", g.restore_ms),
+            ("checkpoint stalls", g.stall_ms),
+            ("lost work", g.lost_ms),
+            ("productive", g.productive_ms),
+            ("wall", g.wall_ms),
+        ] {
+            #[allow(clippy::cast_precision_loss)]
+            let s = ms as f64 / 1000.0;
+            writeln!(out, "  {name:<20} {s:>12.1} {:>7}", pct(ms))?;
+        }
+        writeln!(
+            out,
+            "  effective training time ratio: {}",
+            g.ettr.map_or("-".to_owned(), |r| format!("{r:.3}"))
+        )?;
+        for f in &j.failures {
+            writeln!(
+                out,
+                "  failure: node {} {} x{}",
+                f.node,
+                f.cause.as_str(),
+                f.count
+            )?;
+        }
+    }
+    Ok(Code::Ok)
+}
