@@ -181,6 +181,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
     ("KEEL_MODEL_TOKEN_SHA256", "model.serve_token_sha256"),
     ("KEEL_MLFLOW_TRACKING_URI", "model.tracking_uri"),
+    ("KEEL_RUN_STORE", "keel run --store"),
+    ("KEEL_RUN_NAME", "keel run --run"),
+    ("KEEL_RUN_STATE", "keel run --state"),
+    ("KEEL_RUN_IMDS", "keel run --imds"),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the

@@ -356,7 +356,16 @@ async fn push_pass(
         match ev {
             WatchEvent::Pushed { dir, report } => {
                 at.commits += 1;
-                at.times.last_commit_ms = Some(now_ms());
+                // Work is safe from when the trainer finished writing the
+                // checkpoint (its directory's last change), not from when
+                // the push got to it.
+                let now = now_ms();
+                let written = mtime(&dir)
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map_or(now, |d| u64::try_from(d.as_millis()).unwrap_or(now))
+                    .min(now);
+                at.times.last_commit_ms =
+                    Some(at.times.last_commit_ms.map_or(written, |p| p.max(written)));
                 det.save_committed(origin.elapsed());
                 say(&format!(
                     "committed step {} from {}",
