@@ -137,6 +137,7 @@ pub fn decide(
         } => (*cause, nodes, *during_startup, detail),
     };
     let mut seen = BTreeSet::new();
+    let mut keel_drained = Vec::new();
     for node in blamed {
         if seen.insert((node.clone(), cause)) {
             d.record.push((node.clone(), cause));
@@ -152,9 +153,19 @@ pub fn decide(
             keel_slurm::decide(&r.info, r.verdict.clone(), &policy.slurm)
         {
             d.drain.push((r.info.name.clone(), reason));
+        } else if r.info.is_drained()
+            && r.info
+                .reason
+                .as_deref()
+                .is_some_and(|x| policy.slurm.owns(x))
+        {
+            // Drained by keel's own check already (`keel check --slurm`
+            // run on the node): nothing to drain, but keep the job off it.
+            keel_drained.push(r.info.name.clone());
         }
     }
     let mut exclude = excluded(history, &d.record, policy.exclude_after);
+    exclude.extend(keel_drained);
     exclude.extend(d.drain.iter().map(|(n, _)| n.clone()));
     exclude.sort();
     exclude.dedup();
@@ -279,6 +290,26 @@ mod tests {
     }
 
     #[test]
+    fn a_node_keel_already_drained_is_excluded_and_not_drained_again() {
+        let reason = "keel: gpu.ecc: 3 uncorrectable";
+        let d = decide(
+            &crash_on(&["n2"], false),
+            &JobHistory::default(),
+            &[node(
+                "n2",
+                "drained",
+                Some(reason),
+                Verdict::Unhealthy {
+                    reason: reason.into(),
+                },
+            )],
+            &RunPolicy::default(),
+        );
+        assert!(d.drain.is_empty(), "{d:?}");
+        assert_eq!(d.exclude, vec!["n2".to_owned()]);
+    }
+
+    #[test]
     fn an_admins_drain_is_left_alone() {
         let d = decide(
             &crash_on(&["n1"], false),
@@ -287,6 +318,7 @@ mod tests {
             &RunPolicy::default(),
         );
         assert!(d.drain.is_empty(), "{d:?}");
+        assert!(d.exclude.is_empty(), "{d:?}");
         assert_eq!(d.next, Next::Requeue);
     }
 

@@ -127,6 +127,49 @@ impl Slurm {
         }
     }
 
+    /// The state of a job (`squeue -h -j ID -o %T`: `RUNNING`,
+    /// `CANCELLED`, ...); `None` when squeue no longer lists it.
+    pub fn job_state(&self, job: &str) -> Result<Option<String>, SlurmError> {
+        check_job(job)?;
+        let deadline = self.deadline();
+        let args = strings(&["-h", "-j", job, "-o", "%T"]);
+        let out = self.run("squeue", &args, deadline)?;
+        if !out.status.success() {
+            if out.stderr.contains("Invalid job id") {
+                return Ok(None);
+            }
+            return Err(self.failed("squeue", &args, &out));
+        }
+        Ok(out
+            .stdout
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .map(str::to_owned))
+    }
+
+    /// Sets the nodes a job must not run on (`scontrol update JobId=ID
+    /// ExcNodeList=a,b`; an empty list clears it), then requeues it
+    /// (`scontrol requeue ID`): the batch script starts again from the top
+    /// with the same job id.
+    pub fn requeue(&self, job: &str, exclude: &[String]) -> Result<(), SlurmError> {
+        check_job(job)?;
+        for n in exclude {
+            check_name(n)?;
+        }
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        let args = vec![
+            "update".to_owned(),
+            format!("JobId={job}"),
+            format!("ExcNodeList={}", exclude.join(",")),
+        ];
+        self.run_ok("scontrol", &args, deadline)?;
+        let args = vec!["requeue".to_owned(), job.to_owned()];
+        self.run_ok("scontrol", &args, deadline)?;
+        Ok(())
+    }
+
     fn update(&self, name: &str, changes: &[String]) -> Result<(), SlurmError> {
         let deadline = self.deadline();
         self.ping_by(deadline)?;
@@ -210,6 +253,21 @@ impl Slurm {
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A job id: digits, optionally `_` and an array index.
+fn check_job(job: &str) -> Result<(), SlurmError> {
+    let ok = !job.is_empty()
+        && job.len() <= 32
+        && job.chars().all(|c| c.is_ascii_digit() || c == '_')
+        && job.starts_with(|c: char| c.is_ascii_digit());
+    if ok {
+        Ok(())
+    } else {
+        Err(SlurmError::BadJob {
+            job: job.chars().take(40).collect(),
+        })
+    }
 }
 
 /// A node name scontrol and sinfo read as exactly one node.

@@ -128,6 +128,21 @@ struct RunOpts {
     /// Failures of this job on one node after which it is excluded.
     #[arg(long, default_value_t = 2, value_name = "N")]
     exclude_after: u32,
+    /// Inside a Slurm batch job: check every node of the allocation
+    /// before training and after a failure (one task per node), and
+    /// requeue the job excluding suspect nodes.
+    #[arg(long)]
+    slurm: bool,
+    /// The health check run on each node (default: this keel's `check
+    /// --slurm`, which drains a failing node with a `keel:` reason).
+    #[arg(long, value_name = "COMMAND")]
+    check_command: Option<String>,
+    /// Longest one Slurm command may take.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    slurm_timeout: f64,
+    /// Longest the checks on all nodes may take.
+    #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+    check_timeout: f64,
 }
 
 pub fn run(args: &RunArgs, json: bool) -> anyhow::Result<Code> {
@@ -192,6 +207,16 @@ struct Plan {
     job: String,
     policy: RunPolicy,
     command: Vec<String>,
+    slurm: Option<SlurmMode>,
+}
+
+/// What Slurm mode needs.
+#[derive(Debug)]
+struct SlurmMode {
+    client: keel_slurm::Slurm,
+    nodes: Vec<String>,
+    check: Vec<String>,
+    check_timeout: Duration,
 }
 
 impl Plan {
@@ -231,6 +256,45 @@ impl Plan {
             .map(|u| Imds::new(u, Duration::from_secs(2)))
             .transpose()
             .map_err(|e| UsageError(format!("--imds: {e}")))?;
+        let slurm = if o.slurm {
+            let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+            if var("SLURM_JOB_ID").is_none() && o.job.is_none() {
+                return Err(UsageError(
+                    "--slurm runs inside a Slurm batch job (no SLURM_JOB_ID)".into(),
+                )
+                .into());
+            }
+            let list = var("SLURM_JOB_NODELIST")
+                .or_else(|| var("SLURM_NODELIST"))
+                .ok_or_else(|| UsageError("--slurm: no SLURM_JOB_NODELIST".into()))?;
+            let nodes = keel_slurm::expand_hostlist(&list)
+                .map_err(|e| UsageError(format!("SLURM_JOB_NODELIST: {e}")))?;
+            let check = match &o.check_command {
+                Some(c) => c.split_whitespace().map(str::to_owned).collect(),
+                None => vec![
+                    std::env::current_exe()
+                        .context("cannot find this keel")?
+                        .display()
+                        .to_string(),
+                    "check".into(),
+                    "--slurm".into(),
+                ],
+            };
+            if check.is_empty() {
+                return Err(UsageError("--check-command is empty".into()).into());
+            }
+            Some(SlurmMode {
+                client: keel_slurm::Slurm::new(keel_slurm::SlurmConfig {
+                    timeout: secs("slurm-timeout", o.slurm_timeout)?,
+                    ..Default::default()
+                }),
+                nodes,
+                check,
+                check_timeout: secs("check-timeout", o.check_timeout)?,
+            })
+        } else {
+            None
+        };
         let job = o
             .job
             .clone()
@@ -273,6 +337,7 @@ impl Plan {
                 ..RunPolicy::default()
             },
             command: args.command.clone(),
+            slurm,
         })
     }
 }
@@ -291,6 +356,8 @@ fn say(msg: &str) {
 /// Something the supervisor reacts to, from its helper threads and tasks.
 enum Note {
     Heartbeat,
+    /// srun reported a task failing on this node.
+    TaskFailed(String),
     /// Nothing: tells a helper thread whether the supervisor still listens.
     Tick,
     /// SIGTERM or SIGUSR1 to the supervisor.
@@ -403,6 +470,34 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     std::fs::create_dir_all(&plan.ckpt_dir)
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
 
+    if let Some(m) = &plan.slurm {
+        let t = Instant::now();
+        let reports = check_nodes(m);
+        at.times.preflight_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(0);
+        let bad: Vec<String> = reports
+            .iter()
+            .filter(|r| matches!(r.verdict, keel_run::Verdict::Unhealthy { .. }))
+            .map(|r| r.info.name.clone())
+            .collect();
+        if !bad.is_empty() {
+            say(&format!(
+                "pre-flight: the check failed on {}; not starting the trainer",
+                bad.join(",")
+            ));
+            let outcome = Outcome::Failed {
+                cause: Cause::Check,
+                nodes: Vec::new(),
+                during_startup: false,
+                detail: format!("pre-flight check failed on {}", bad.join(",")),
+            };
+            let mut d = decide(&outcome, &history, &reports, &plan.policy);
+            // A node failing its check is not the trainer failing to start.
+            d.startup_failures = history.startup_failures;
+            return conclude(plan, &outcome, d, at, None, json);
+        }
+        say(&format!("pre-flight: {} nodes passed", m.nodes.len()));
+    }
+
     let (tx, rx) = mpsc::channel::<Note>();
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -476,7 +571,8 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         .env("KEEL_CKPT_DIR", &plan.ckpt_dir)
         .env_remove("KEEL_RESUME_DIR")
         .env_remove("KEEL_RESUME_STEP")
-        .stdout(Stdio::piped());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     if let Some((dir, step)) = &resume {
         cmd.env("KEEL_RESUME_DIR", dir)
@@ -507,7 +603,22 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             }
         });
     }
+    if let Some(err) = child.stderr.take() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(err);
+            let mut line = Vec::new();
+            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let _ = std::io::stderr().lock().write_all(&line);
+                if let Some(node) = srun_failed_node(&String::from_utf8_lossy(&line)) {
+                    let _ = tx.send(Note::TaskFailed(node));
+                }
+                line.clear();
+            }
+        });
+    }
     drop(tx);
+    let mut failed_nodes: Vec<String> = Vec::new();
 
     let origin = started;
     let mut det = HangDetector::new(plan.hang, origin.elapsed());
@@ -527,6 +638,15 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         if let Ok(Some(status)) = child.try_wait() {
             // A last pass pushes what the trainer wrote before it exited.
             push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            // srun's last lines name the nodes whose tasks failed.
+            std::thread::sleep(Duration::from_millis(200));
+            while let Ok(note) = rx.try_recv() {
+                if let Note::TaskFailed(node) = note {
+                    if !failed_nodes.contains(&node) {
+                        failed_nodes.push(node);
+                    }
+                }
+            }
             outcome = if draining.is_some() {
                 Outcome::Preempted
             } else if status.success() {
@@ -534,7 +654,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             } else {
                 Outcome::Failed {
                     cause: Cause::Crash,
-                    nodes: vec![crate::ckpt::hostname()],
+                    nodes: blame(plan, &failed_nodes),
                     during_startup: det.beats() == 0 && at.commits == 0,
                     detail: describe(status),
                 }
@@ -545,6 +665,11 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             match note {
                 Note::Heartbeat => det.beat(origin.elapsed()),
                 Note::Tick => {}
+                Note::TaskFailed(node) => {
+                    if !failed_nodes.contains(&node) {
+                        failed_nodes.push(node);
+                    }
+                }
                 Note::Signal(name) => {
                     if draining.is_none() {
                         say(&format!("{name}: asking the trainer to checkpoint now"));
@@ -620,7 +745,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
             outcome = Outcome::Failed {
                 cause: Cause::Hang,
-                nodes: vec![crate::ckpt::hostname()],
+                nodes: blame(plan, &failed_nodes),
                 during_startup: det.beats() == 0,
                 detail: format!("no heartbeat for {:.0} s", silent_for.as_secs_f64()),
             };
@@ -629,14 +754,42 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    let mut outcome = outcome;
+    let mut reports = Vec::new();
+    if let Some(m) = &plan.slurm {
+        match &outcome {
+            Outcome::Failed { .. } => reports = check_nodes(m),
+            Outcome::Preempted => {
+                let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+                if let Ok(Some(state)) = m.client.job_state(&job) {
+                    if state.starts_with("CANCELLED") {
+                        outcome = Outcome::Cancelled;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let d = decide(&outcome, &history, &reports, &plan.policy);
+    conclude(plan, &outcome, d, at, resume.map(|r| r.1), json)
+}
+
+/// Records the attempt, carries out the decision and picks the exit code.
+fn conclude(
+    plan: &Plan,
+    outcome: &Outcome,
+    d: keel_run::Decision,
+    mut at: Attempt,
+    resumed: Option<u64>,
+    json: bool,
+) -> anyhow::Result<Code> {
     at.times.ended_ms = now_ms();
-    at.times.ended = match &outcome {
+    at.times.ended = match outcome {
         Outcome::Completed => Ended::Completed,
         Outcome::Cancelled => Ended::Cancelled,
         Outcome::Preempted => Ended::Preempted,
         Outcome::Failed { .. } => Ended::Failed,
     };
-    let d = decide(&outcome, &history, &[], &plan.policy);
     let times = at.times.clone();
     let job = plan.job.clone();
     let record = d.record.clone();
@@ -649,7 +802,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         j.startup_failures = startup_failures;
         j.attempts.push(times);
     })?;
-    let (code, what) = match (&outcome, &d.next) {
+    let (mut code, mut what) = match (outcome, &d.next) {
         (_, Next::Done) => (Code::Ok, "completed".to_owned()),
         (_, Next::Stop { reason }) => (Code::Stop, reason.clone()),
         (Outcome::Preempted, Next::Requeue) => (
@@ -662,6 +815,29 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         ),
         (_, Next::Requeue) => (Code::Requeue, "requeue".to_owned()),
     };
+    if let Some(m) = &plan.slurm {
+        for (node, reason) in &d.drain {
+            match m.client.drain(node, reason) {
+                Ok(()) => say(&format!("drained {node}: {reason}")),
+                Err(e) => say(&format!("cannot drain {node}: {e}")),
+            }
+        }
+        if d.next == Next::Requeue {
+            let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+            let shown = if d.exclude.is_empty() {
+                "no node".to_owned()
+            } else {
+                d.exclude.join(",")
+            };
+            match m.client.requeue(&job, &d.exclude) {
+                Ok(()) => {
+                    what = format!("{what}; requeued job {job} excluding {shown}");
+                    code = Code::Requeue;
+                }
+                Err(e) => what = format!("{what}; cannot requeue job {job}: {e}"),
+            }
+        }
+    }
     say(&what);
     if json {
         let body = serde_json::json!({
@@ -671,13 +847,88 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             "outcome": at.times.ended,
             "result": what,
             "exit_code": code as u8,
-            "resumed_from_step": resume.as_ref().map(|r| r.1),
+            "resumed_from_step": resumed,
             "commits": at.commits,
             "exclude": d.exclude,
+            "drained": d.drain.iter().map(|(n, _)| n).collect::<Vec<_>>(),
         });
         let _ = writeln!(std::io::stdout().lock(), "{body}");
     }
     Ok(code)
+}
+
+/// Runs the health check on every node of the allocation (one task per
+/// node) and reads each node from Slurm afterwards: a node drained with
+/// keel's prefix failed its check. A check that cannot run changes nothing
+/// (fail open).
+fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
+    let n = m.nodes.len().to_string();
+    let mut cmd = Command::new("srun");
+    cmd.args(["--nodes", &n, "--ntasks", &n, "--ntasks-per-node=1"])
+        .args(["--kill-on-bad-exit=0", "--job-name=keel-check"])
+        .args(&m.check)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    match cmd.spawn() {
+        Ok(mut c) => {
+            let until = Instant::now() + m.check_timeout;
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    _ => {
+                        say("the node checks did not finish in time; stopping them");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+        }
+        Err(e) => say(&format!("cannot run the node checks with srun: {e}")),
+    }
+    let policy = keel_slurm::Policy::default();
+    let mut reports = Vec::new();
+    for node in &m.nodes {
+        match m.client.node(node) {
+            Ok(info) => {
+                let verdict = match info.reason.as_deref() {
+                    Some(r) if info.is_drained() && policy.owns(r) => {
+                        keel_run::Verdict::Unhealthy {
+                            reason: r.to_owned(),
+                        }
+                    }
+                    _ => keel_run::Verdict::Healthy { passed: Vec::new() },
+                };
+                reports.push(keel_run::NodeReport { info, verdict });
+            }
+            Err(e) => say(&format!("cannot read node {node} from Slurm: {e}")),
+        }
+    }
+    reports
+}
+
+/// The nodes a failure is recorded against: under Slurm those srun named
+/// (`srun: error: n2: task 1: Exited with exit code 1`), else this host.
+fn blame(plan: &Plan, failed: &[String]) -> Vec<String> {
+    if plan.slurm.is_some() {
+        failed.to_vec()
+    } else {
+        vec![crate::ckpt::hostname()]
+    }
+}
+
+/// The node of a line where srun reports a failed task.
+fn srun_failed_node(line: &str) -> Option<String> {
+    let rest = line.trim().strip_prefix("srun: error: ")?;
+    let (node, rest) = rest.split_once(": ")?;
+    let failed = rest.starts_with("task")
+        && (rest.contains("Exited with exit code")
+            || rest.contains("Killed")
+            || rest.contains("Terminated"));
+    (failed && keel_slurm::check_node_name(node).is_ok()).then(|| node.to_owned())
 }
 
 fn describe(status: std::process::ExitStatus) -> String {
@@ -686,6 +937,28 @@ fn describe(status: std::process::ExitStatus) -> String {
         (Some(c), _) => format!("exit code {c}"),
         (None, Some(s)) => format!("killed by signal {s}"),
         _ => "ended".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn srun_failure_lines_name_the_node() {
+        assert_eq!(
+            srun_failed_node("srun: error: n2: task 1: Exited with exit code 1\n"),
+            Some("n2".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: gpu-07: tasks 8-15: Killed"),
+            Some("gpu-07".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: Timed out waiting for job step"),
+            None
+        );
+        assert_eq!(srun_failed_node("step 3 loss 0.1"), None);
     }
 }
 

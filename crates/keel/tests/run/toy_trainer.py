@@ -13,6 +13,7 @@ Environment:
   TOY_MODE       ok | crash-at:N | hang-at:N | ignore-signals | startup-fail
   TOY_CRASH_NODE with crash-at: crash only where SLURMD_NODENAME (or
                  the host name) equals this
+Under srun (SLURM_PROCID) every task steps; only rank 0 logs and saves.
 """
 import os
 import signal
@@ -28,10 +29,12 @@ log_path = os.environ.get("TOY_LOG")
 ckpt_dir = os.environ["KEEL_CKPT_DIR"]
 heartbeat = os.environ.get("KEEL_HEARTBEAT_FILE")
 node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+# Under srun every task trains; only rank 0 logs and writes checkpoints.
+rank = int(os.environ.get("SLURM_PROCID", "0"))
 
 
 def log(line):
-    if log_path:
+    if log_path and rank == 0:
         with open(log_path, "a") as f:
             f.write(line + "\n")
 
@@ -73,6 +76,8 @@ else:
 
 
 def save(step):
+    if rank != 0:
+        return
     d = os.path.join(ckpt_dir, f"step_{step}")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "__0_0.distcp"), "w") as f:
@@ -92,7 +97,8 @@ while step < steps:
         os._exit(1)
     time.sleep(step_secs)
     log(f"trained {step}")
-    print(f"step {step} loss {1.0 / step:.4f}", flush=True)
+    if rank == 0:
+        print(f"step {step} loss {1.0 / step:.4f}", flush=True)
     if heartbeat:
         with open(heartbeat, "a"):
             os.utime(heartbeat)
