@@ -148,10 +148,16 @@ impl Slurm {
             .map(str::to_owned))
     }
 
-    /// Sets the nodes a job must not run on (`scontrol update JobId=ID
-    /// ExcNodeList=a,b`; an empty list clears it), then requeues it
-    /// (`scontrol requeue ID`): the batch script starts again from the top
-    /// with the same job id.
+    /// Requeues a job (the batch script starts again from the top with the
+    /// same job id), keeping it off `exclude`.
+    ///
+    /// Slurm changes `ExcNodeList` only on a pending job, and a running job
+    /// becomes pending only once its batch script (the caller) has exited.
+    /// So with nodes to exclude the job is requeued held (`scontrol
+    /// requeuehold`), and a detached shell that outlives the caller sets
+    /// `ExcNodeList` as soon as Slurm accepts it and then releases the job.
+    /// If that never succeeds (within ten minutes) the job stays held rather
+    /// than run on the suspect nodes.
     pub fn requeue(&self, job: &str, exclude: &[String]) -> Result<(), SlurmError> {
         check_job(job)?;
         for n in exclude {
@@ -159,13 +165,38 @@ impl Slurm {
         }
         let deadline = self.deadline();
         self.ping_by(deadline)?;
-        let args = vec![
-            "update".to_owned(),
-            format!("JobId={job}"),
-            format!("ExcNodeList={}", exclude.join(",")),
-        ];
-        self.run_ok("scontrol", &args, deadline)?;
-        let args = vec!["requeue".to_owned(), job.to_owned()];
+        if exclude.is_empty() {
+            let args = vec!["requeue".to_owned(), job.to_owned()];
+            self.run_ok("scontrol", &args, deadline)?;
+            return Ok(());
+        }
+        const RELEASE: &str = r#"trap '' HUP INT TERM
+i=0
+while [ $i -lt 1200 ]; do
+  if "$1" update "JobId=$2" "ExcNodeList=$3" >/dev/null 2>&1; then
+    exec "$1" release "$2"
+  fi
+  sleep 0.5
+  i=$((i + 1))
+done
+exit 1"#;
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", RELEASE, "keel-requeue"])
+            .arg(self.program("scontrol"))
+            .arg(job)
+            .arg(exclude.join(","))
+            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        // Not waited for: it must outlive the caller, which exits next.
+        #[allow(clippy::zombie_processes)]
+        cmd.spawn().map_err(|source| SlurmError::Io {
+            program: PathBuf::from("sh"),
+            source,
+        })?;
+        let args = vec!["requeuehold".to_owned(), job.to_owned()];
         self.run_ok("scontrol", &args, deadline)?;
         Ok(())
     }

@@ -940,28 +940,6 @@ fn describe(status: std::process::ExitStatus) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn srun_failure_lines_name_the_node() {
-        assert_eq!(
-            srun_failed_node("srun: error: n2: task 1: Exited with exit code 1\n"),
-            Some("n2".to_owned())
-        );
-        assert_eq!(
-            srun_failed_node("srun: error: gpu-07: tasks 8-15: Killed"),
-            Some("gpu-07".to_owned())
-        );
-        assert_eq!(
-            srun_failed_node("srun: error: Timed out waiting for job step"),
-            None
-        );
-        assert_eq!(srun_failed_node("step 3 loss 0.1"), None);
-    }
-}
-
 fn mtime(p: &Path) -> Option<SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
@@ -1102,4 +1080,26 @@ fn report(state: &Path, job: Option<&str>, json: bool) -> anyhow::Result<Code> {
         }
     }
     Ok(Code::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn srun_failure_lines_name_the_node() {
+        assert_eq!(
+            srun_failed_node("srun: error: n2: task 1: Exited with exit code 1\n"),
+            Some("n2".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: gpu-07: tasks 8-15: Killed"),
+            Some("gpu-07".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: Timed out waiting for job step"),
+            None
+        );
+        assert_eq!(srun_failed_node("step 3 loss 0.1"), None);
+    }
 }

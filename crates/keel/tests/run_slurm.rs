@@ -1,0 +1,209 @@
+//! `keel run --slurm` against the real Slurm test cluster
+//! (`scripts/slurm-cluster`): a batch job whose trainer crashes on n2,
+//! whose node check (the real `keel check --slurm` on a fixture machine
+//! with an injected ECC fault) then fails there: n2 is drained by the
+//! check, the job is requeued excluding n2 and resumes from the last
+//! committed step on another node; an administrator's drain is left alone.
+//!
+//! `scripts/test` starts the cluster and runs these one at a time (nextest
+//! group `slurm`).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::Node;
+use keel_testkit::SlurmCluster;
+use serde_json::json;
+
+fn scontrol_job(cluster: &SlurmCluster, job: &str) -> String {
+    cluster
+        .command("scontrol", &["show", "job", "-o", job])
+        .unwrap_or_default()
+}
+
+fn field<'a>(show: &'a str, key: &str) -> &'a str {
+    show.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .unwrap_or("")
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_crash_on_n2_drains_it_requeues_without_it_and_resumes_from_the_last_commit() {
+    let cluster = SlurmCluster::get();
+    let nodes = cluster.nodes().to_vec();
+    assert!(nodes.len() >= 3, "{nodes:?}");
+    let (n1, n2, n3) = (nodes[0].clone(), nodes[1].clone(), nodes[2].clone());
+    let _r2 = cluster.restore_on_drop(&n2);
+    let _r3 = cluster.restore_on_drop(&n3);
+    cluster
+        .admin_drain(&n3, "ops: replacing a fan")
+        .expect("admin drain");
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let keel = env!("CARGO_BIN_EXE_keel");
+    // The node check: the real keel check --slurm on fixture machines, one
+    // with an uncorrectable ECC error on n2 once `fault` exists.
+    let healthy = Node::ndv4();
+    let faulty = Node::ndv4();
+    faulty.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
+    let args = |n: &Node| n.check_args(false, &["--slurm"]).join(" ");
+    let check = dir.join("check.sh");
+    std::fs::write(
+        &check,
+        format!(
+            "#!/bin/sh\nif [ \"$SLURMD_NODENAME\" = {n2} ] && [ -e {fault} ]; then\n  exec {keel} {bad} --node \"$SLURMD_NODENAME\"\nfi\nexec {keel} {good} --node \"$SLURMD_NODENAME\"\n",
+            fault = dir.join("fault").display(),
+            bad = args(&faulty),
+            good = args(&healthy),
+        ),
+    )
+    .expect("write check");
+    let trainer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run/toy_trainer.py");
+    let log = dir.join("trained.log");
+    let script = dir.join("job.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/bash\nexport TOY_STEPS=20 TOY_EVERY=5 TOY_STEP_SECS=0.3 TOY_MODE=crash-at:13 TOY_CRASH_NODE={n2} TOY_LOG={log}\n\
+             exec {keel} run --slurm --check-command 'sh {check}' --store file://{d}/store --run toy \
+             --ckpt-dir {d}/ckpt --state {d}/keel-run.json --watch-interval 0.2 --grace 2 \
+             -- srun --kill-on-bad-exit=1 python3 {trainer}\n",
+            log = log.display(),
+            check = check.display(),
+            d = dir.display(),
+            trainer = trainer.display(),
+        ),
+    )
+    .expect("write job");
+    let conf = cluster.conf().display().to_string();
+    let out = Command::new("sbatch")
+        .args(["--parsable", "-N1", "--requeue", "--open-mode=append"])
+        .arg(format!("--exclude={n1},{n3}"))
+        .arg(format!("--output={}/job.out", dir.display()))
+        .arg(&script)
+        .env("SLURM_CONF", &conf)
+        .output()
+        .expect("sbatch");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let job = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .to_owned();
+    let _cancel = Cancel(&cluster, job.clone());
+
+    // Training starts on n2; the GPU goes bad there.
+    let until = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("trained 3")
+    {
+        assert!(
+            Instant::now() < until,
+            "no training: {}",
+            std::fs::read_to_string(dir.join("job.out")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::fs::write(dir.join("fault"), b"").expect("fault");
+
+    // The crash at step 13, the check drains n2 and the job is requeued,
+    // held until its ExcNodeList names n2, then released.
+    let until = Instant::now() + Duration::from_secs(90);
+    loop {
+        let show = scontrol_job(&cluster, &job);
+        if field(&show, "ExcNodeList") == n2
+            && field(&show, "JobState") == "PENDING"
+            && field(&show, "Priority") != "0"
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "not requeued without {n2}: {show}\n{}",
+            std::fs::read_to_string(dir.join("job.out")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let raw = cluster.raw_node(&n2).expect("sinfo");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+    assert!(raw.reason.starts_with("keel: gpu.ecc_errors"), "{raw:?}");
+    // Skip Slurm's requeue delay.
+    let _ = cluster.command(
+        "scontrol",
+        &["update", &format!("JobId={job}"), "StartTime=now"],
+    );
+
+    let until = Instant::now() + Duration::from_secs(150);
+    loop {
+        let show = scontrol_job(&cluster, &job);
+        let state = field(&show, "JobState");
+        if state == "COMPLETED" {
+            assert_eq!(field(&show, "NodeList"), n1, "{show}");
+            break;
+        }
+        assert!(
+            !matches!(state, "FAILED" | "CANCELLED" | "TIMEOUT"),
+            "{show}\n{}",
+            std::fs::read_to_string(dir.join("job.out")).unwrap_or_default()
+        );
+        assert!(
+            Instant::now() < until,
+            "did not complete: {show}\n{}",
+            std::fs::read_to_string(dir.join("job.out")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let out = std::fs::read_to_string(dir.join("job.out")).unwrap_or_default();
+    assert!(out.contains("resuming from step 10"), "{out}");
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(text.contains("resumed 10"), "{text}");
+    let trained: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("trained "))
+        .map(|n| n.parse().expect("step"))
+        .collect();
+    for s in 1..=20u64 {
+        let n = trained.iter().filter(|&&x| x == s).count();
+        let most = if (11..=12).contains(&s) { 2 } else { 1 };
+        assert!(
+            n >= 1 && n <= most,
+            "step {s} trained {n} times: {trained:?}"
+        );
+    }
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("keel-run.json")).expect("state"))
+            .expect("json");
+    let failures = &state["jobs"][job.as_str()]["failures"];
+    assert!(
+        failures
+            .as_array()
+            .expect("failures")
+            .iter()
+            .any(|f| f["node"] == n2.as_str() && f["cause"] == "crash"),
+        "{state}"
+    );
+    // The administrator's drain is untouched.
+    let raw = cluster.raw_node(&n3).expect("sinfo");
+    assert_eq!(raw.reason, "ops: replacing a fan", "{raw:?}");
+    assert!(raw.state.starts_with("drain"), "{raw:?}");
+}
+
+/// Cancels the job when the test ends, however it ends.
+struct Cancel<'a>(&'a SlurmCluster, String);
+
+impl Drop for Cancel<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.command("scancel", &[&self.1]);
+    }
+}
