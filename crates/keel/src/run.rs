@@ -633,8 +633,14 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     // Set when asked to checkpoint now: the deadline, the commits seen
     // when asked, and the event to acknowledge.
     let mut draining: Option<(Instant, u64, Option<String>)> = None;
+    let mut cancelled = false;
     let outcome;
     loop {
+        if cancelled {
+            stop(&mut child, plan.grace);
+            outcome = Outcome::Cancelled;
+            break;
+        }
         if let Ok(Some(status)) = child.try_wait() {
             // A last pass pushes what the trainer wrote before it exited.
             push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
@@ -671,7 +677,12 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                     }
                 }
                 Note::Signal(name) => {
-                    if draining.is_none() {
+                    if cancelled_by_user(plan) {
+                        say(&format!(
+                            "{name}: the job was cancelled; stopping the trainer without a checkpoint"
+                        ));
+                        cancelled = true;
+                    } else if draining.is_none() {
                         say(&format!("{name}: asking the trainer to checkpoint now"));
                         signal_group(&child, plan.checkpoint_signal);
                         draining =
@@ -757,17 +768,14 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     let mut outcome = outcome;
     let mut reports = Vec::new();
     if let Some(m) = &plan.slurm {
-        match &outcome {
-            Outcome::Failed { .. } => reports = check_nodes(m),
-            Outcome::Preempted => {
-                let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
-                if let Ok(Some(state)) = m.client.job_state(&job) {
-                    if state.starts_with("CANCELLED") {
-                        outcome = Outcome::Cancelled;
-                    }
-                }
-            }
-            _ => {}
+        // A user's scancel ends the steps (the trainer fails) and marks
+        // the job cancelled: never requeued.
+        let ended_early = matches!(outcome, Outcome::Failed { .. } | Outcome::Preempted);
+        if ended_early && cancelled_by_user(plan) {
+            say("the job was cancelled (Slurm is ending it); it is not requeued");
+            outcome = Outcome::Cancelled;
+        } else if matches!(outcome, Outcome::Failed { .. }) {
+            reports = check_nodes(m);
         }
     }
     let d = decide(&outcome, &history, &reports, &plan.policy);
@@ -908,6 +916,21 @@ fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
         }
     }
     reports
+}
+
+/// Under Slurm, whether Slurm is already ending the job (`COMPLETING` or
+/// `CANCELLED` while its batch script still runs): a user's `scancel`, or
+/// a preemption Slurm carries out itself. keel neither checkpoints nor
+/// requeues such a job; a preemption in `PreemptMode=REQUEUE` is requeued
+/// by Slurm. (Slurm's warning signal, `--signal=B:USR1@...`, and
+/// `scancel --batch --signal=TERM` leave the job running: those are
+/// checkpointed and requeued.)
+fn cancelled_by_user(plan: &Plan) -> bool {
+    let Some(m) = &plan.slurm else {
+        return false;
+    };
+    let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+    matches!(m.client.job_state(&job), Ok(Some(s)) if s.starts_with("CANCELLED") || s.starts_with("COMPLETING"))
 }
 
 /// The nodes a failure is recorded against: under Slurm those srun named

@@ -207,3 +207,173 @@ impl Drop for Cancel<'_> {
         let _ = self.0.command("scancel", &[&self.1]);
     }
 }
+
+/// A batch job running `keel run --slurm` over the toy trainer with `env`
+/// on one node (`extra` sbatch flags), in its own directory.
+struct Submitted<'a> {
+    cluster: &'a SlurmCluster,
+    dir: tempfile::TempDir,
+    job: String,
+}
+
+impl<'a> Submitted<'a> {
+    fn new(cluster: &'a SlurmCluster, env: &str, run_flags: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let trainer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run/toy_trainer.py");
+        let script = d.join("job.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/bash\nexport TOY_LOG={d}/trained.log {env}\n\
+                 exec {keel} run --slurm --check-command true --store file://{d}/store --run toy \
+                 --ckpt-dir {d}/ckpt --state {d}/keel-run.json --watch-interval 0.2 --grace 2 {run_flags} \
+                 -- srun --kill-on-bad-exit=1 python3 {trainer}\n",
+                d = d.display(),
+                keel = env!("CARGO_BIN_EXE_keel"),
+                trainer = trainer.display(),
+            ),
+        )
+        .expect("write job");
+        let out = Command::new("sbatch")
+            .args(["--parsable", "-N1", "--requeue", "--open-mode=append"])
+            .args(extra)
+            .arg(format!("--output={}/job.out", d.display()))
+            .arg(&script)
+            .env("SLURM_CONF", cluster.conf())
+            .output()
+            .expect("sbatch");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let job = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .to_owned();
+        Submitted { cluster, dir, job }
+    }
+
+    fn out(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("job.out")).unwrap_or_default()
+    }
+
+    fn show(&self) -> String {
+        scontrol_job(self.cluster, &self.job)
+    }
+
+    fn wait(&self, what: &str, secs: u64, mut f: impl FnMut(&str) -> bool) -> String {
+        let until = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let show = self.show();
+            if f(&show) {
+                return show;
+            }
+            assert!(Instant::now() < until, "{what}: {show}\n{}", self.out());
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    fn trained(&self) -> usize {
+        std::fs::read_to_string(self.dir.path().join("trained.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("trained "))
+            .count()
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::from_slice(
+            &std::fs::read(self.dir.path().join("keel-run.json")).expect("state"),
+        )
+        .expect("json")
+    }
+}
+
+impl Drop for Submitted<'_> {
+    fn drop(&mut self) {
+        let _ = self.cluster.command("scancel", &[&self.job]);
+    }
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_start_up_failure_loop_is_stopped_by_the_retry_budget() {
+    let cluster = SlurmCluster::get();
+    let s = Submitted::new(
+        &cluster,
+        "TOY_MODE=startup-fail",
+        "--startup-retries 2",
+        &[],
+    );
+    // The first failure requeues (no node to exclude: plain requeue).
+    s.wait("requeued", 60, |show| field(show, "Restarts") == "1");
+    let _ = cluster.command(
+        "scontrol",
+        &["update", &format!("JobId={}", s.job), "StartTime=now"],
+    );
+    let show = s.wait("stopped", 90, |show| {
+        matches!(field(show, "JobState"), "FAILED" | "COMPLETED")
+    });
+    assert_eq!(field(&show, "JobState"), "FAILED", "{show}");
+    assert_eq!(field(&show, "ExitCode"), "93:0", "{show}");
+    assert_eq!(field(&show, "Restarts"), "1", "{show}");
+    assert!(
+        s.out()
+            .contains("failed at start-up 2 times in a row (last: exit code 3)"),
+        "{}",
+        s.out()
+    );
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn slurms_sigterm_commits_a_checkpoint_and_requeues() {
+    let cluster = SlurmCluster::get();
+    let s = Submitted::new(
+        &cluster,
+        "TOY_STEPS=100000 TOY_EVERY=1000000 TOY_STEP_SECS=0.1",
+        "",
+        &[],
+    );
+    s.wait("training", 60, |_| s.trained() >= 5);
+    // What preemption and the time limit send the batch shell.
+    cluster
+        .command("scancel", &["--batch", "--signal=TERM", &s.job])
+        .expect("scancel --signal");
+    s.wait("requeued", 60, |show| field(show, "Restarts") == "1");
+    let out = s.out();
+    assert!(out.contains("the checkpoint is committed"), "{out}");
+    assert!(out.contains("committed step"), "{out}");
+    assert_eq!(
+        s.state()["jobs"][s.job.as_str()]["attempts"][0]["ended"],
+        "preempted"
+    );
+}
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_job_the_user_cancels_is_not_checkpointed_or_requeued() {
+    let cluster = SlurmCluster::get();
+    let s = Submitted::new(
+        &cluster,
+        "TOY_STEPS=100000 TOY_EVERY=1000000 TOY_STEP_SECS=0.1",
+        "",
+        &[],
+    );
+    s.wait("training", 60, |_| s.trained() >= 3);
+    cluster.command("scancel", &[&s.job]).expect("scancel");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !s.out().contains("the job was cancelled") || !s.out().contains("cancelled by the user") {
+        assert!(Instant::now() < until, "{}", s.out());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let show = s.show();
+    assert!(field(&show, "JobState").starts_with("CANCELLED"), "{show}");
+    assert_eq!(field(&show, "Restarts"), "0", "{show}");
+    assert!(!s.out().contains("requeued job"), "{}", s.out());
+}
