@@ -377,3 +377,53 @@ fn a_job_the_user_cancels_is_not_checkpointed_or_requeued() {
     assert_eq!(field(&show, "Restarts"), "0", "{show}");
     assert!(!s.out().contains("requeued job"), "{}", s.out());
 }
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_black_hole_node_is_excluded_after_two_failures_though_its_checks_pass() {
+    let cluster = SlurmCluster::get();
+    let nodes = cluster.nodes().to_vec();
+    let (n1, n2, n3) = (nodes[0].clone(), nodes[1].clone(), nodes[2].clone());
+    let _r2 = cluster.restore_on_drop(&n2);
+    // Placed on n2 first; the trainer crashes there every time, and the
+    // node check (`true`) always passes.
+    let s = Submitted::new(
+        &cluster,
+        &format!(
+            "TOY_STEPS=12 TOY_EVERY=5 TOY_STEP_SECS=0.1 TOY_MODE=crash-at:8 TOY_CRASH_NODE={n2}"
+        ),
+        "",
+        &[&format!("--exclude={n1},{n3}")],
+    );
+    let job = format!("JobId={}", s.job);
+    // First failure: requeued as it was (one failure excludes nothing).
+    let show = s.wait("first requeue", 60, |show| field(show, "Restarts") == "1");
+    assert_eq!(
+        field(&show, "ExcNodeList"),
+        format!("n[{}]", "1,3"),
+        "{show}"
+    );
+    let _ = cluster.command("scontrol", &["update", &job, "StartTime=now"]);
+    // Second failure on n2: excluded now.
+    s.wait("second requeue without n2", 90, |show| {
+        field(show, "Restarts") == "2"
+            && field(show, "ExcNodeList") == n2
+            && field(show, "JobState") == "PENDING"
+            && field(show, "Priority") != "0"
+    });
+    let _ = cluster.command("scontrol", &["update", &job, "StartTime=now"]);
+    let show = s.wait("completed elsewhere", 90, |show| {
+        field(show, "JobState") == "COMPLETED"
+    });
+    assert_ne!(field(&show, "NodeList"), n2, "{show}");
+    let raw = cluster.raw_node(&n2).expect("sinfo");
+    assert!(
+        !raw.state.contains("drain"),
+        "checks passed: not drained: {raw:?}"
+    );
+    let st = s.state();
+    let f = &st["jobs"][s.job.as_str()]["failures"];
+    assert_eq!(f[0]["node"], n2.as_str(), "{st}");
+    assert_eq!(f[0]["count"], 2, "{st}");
+    assert!(s.out().contains("resuming from step 5"), "{}", s.out());
+}
