@@ -158,6 +158,11 @@ impl HangDetector {
         (self.max_interval, self.samples)
     }
 
+    /// The last heartbeat (or the start of the step).
+    pub fn last(&self) -> Duration {
+        self.last
+    }
+
     /// The number of heartbeats seen.
     pub fn beats(&self) -> u64 {
         self.beats

@@ -21,6 +21,7 @@ pub mod events;
 pub mod goodput;
 pub mod hang;
 pub mod history;
+pub mod metrics;
 
 pub use decide::{decide, Decision, NodeReport, Outcome, RunPolicy, Verdict};
 pub use goodput::{account, AttemptTimes, Goodput};

@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
@@ -140,6 +140,9 @@ struct RunOpts {
     /// Longest one Slurm command may take.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     slurm_timeout: f64,
+    /// Serve Prometheus metrics at http://ADDR/metrics while supervising.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Longest the checks on all nodes may take.
     #[arg(long, default_value_t = 120.0, value_name = "SECS")]
     check_timeout: f64,
@@ -208,6 +211,7 @@ struct Plan {
     policy: RunPolicy,
     command: Vec<String>,
     slurm: Option<SlurmMode>,
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// What Slurm mode needs.
@@ -338,6 +342,7 @@ impl Plan {
             },
             command: args.command.clone(),
             slurm,
+            metrics_listen: o.metrics_listen,
         })
     }
 }
@@ -402,6 +407,7 @@ fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> 
 struct Attempt {
     times: AttemptTimes,
     commits: u64,
+    last_step: Option<u64>,
 }
 
 async fn push_pass(
@@ -423,6 +429,7 @@ async fn push_pass(
         match ev {
             WatchEvent::Pushed { dir, report } => {
                 at.commits += 1;
+                at.last_step = Some(report.checkpoint.step);
                 // Work is safe from when the trainer finished writing the
                 // checkpoint (its directory's last change), not from when
                 // the push got to it.
@@ -464,9 +471,26 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             ended: Ended::Failed,
         },
         commits: 0,
+        last_step: None,
     };
     // A corrupt state file stops everything before training starts.
     let history = History::load(&plan.state)?.job(&plan.job);
+    let metrics = Arc::new(Mutex::new(keel_run::metrics::Snapshot {
+        job: plan.job.clone(),
+        phase: "start-up",
+        goodput: account(&history.attempts),
+        ..Default::default()
+    }));
+    if let Some(addr) = plan.metrics_listen {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
+        say(&format!(
+            "metrics on http://{}/metrics",
+            listener.local_addr().map_or(addr, |a| a)
+        ));
+        let m = metrics.clone();
+        std::thread::spawn(move || serve_metrics(&listener, &m));
+    }
     std::fs::create_dir_all(&plan.ckpt_dir)
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
 
@@ -762,6 +786,21 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             };
             break;
         }
+        {
+            let now = origin.elapsed();
+            let mut m = metrics.lock().unwrap_or_else(|e| e.into_inner());
+            m.phase = if draining.is_some() {
+                "draining"
+            } else {
+                det.phase().as_str()
+            };
+            m.heartbeats = det.beats();
+            m.commits = at.commits;
+            m.last_commit_step = at.last_step;
+            m.resumed_step = resume.as_ref().map(|r| r.1);
+            m.hang_timeout_s = det.timeout().as_secs_f64();
+            m.silent_s = now.saturating_sub(det.last()).as_secs_f64();
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -916,6 +955,28 @@ fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
         }
     }
     reports
+}
+
+/// Answers `GET /metrics` (anything else 404) until the process ends.
+fn serve_metrics(listener: &std::net::TcpListener, m: &Mutex<keel_run::metrics::Snapshot>) {
+    for conn in listener.incoming() {
+        let Ok(mut s) = conn else { continue };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut line = String::new();
+        let _ = BufReader::new(&s).read_line(&mut line);
+        let (status, body) =
+            if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics?") {
+                let snap = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                ("200 OK", keel_run::metrics::render(&snap))
+            } else {
+                ("404 Not Found", "not found\n".to_owned())
+            };
+        let _ = write!(
+            s,
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
 }
 
 /// Under Slurm, whether Slurm is already ending the job (`COMPLETING` or

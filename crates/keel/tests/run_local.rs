@@ -471,3 +471,48 @@ fn bad_input_is_refused_with_a_clear_error() {
         .expect("keel");
     assert_eq!(code(&o), 74, "{}", stderr(&o));
 }
+
+#[test]
+fn the_supervisor_serves_prometheus_metrics() {
+    let job = Job::new();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    drop(l);
+    let listen = addr.to_string();
+    let child = job
+        .command(
+            &["--metrics-listen", &listen, "--heartbeat-pattern", "loss"],
+            &[
+                ("TOY_STEPS", "100000"),
+                ("TOY_EVERY", "5"),
+                ("TOY_STEP_SECS", "0.05"),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+    wait_for("a commit", Duration::from_secs(20), || {
+        job.latest_step().is_some()
+    });
+    let mut text = String::new();
+    wait_for("metrics", Duration::from_secs(10), || {
+        text = keel_testkit::http::request(addr, "GET", "/metrics", &[], b"")
+            .map(|r| r.text())
+            .unwrap_or_default();
+        text.contains("keel_run_last_commit_step")
+    });
+    assert!(
+        text.contains("keel_run_phase{job=\"7\",phase=\"training\"} 1"),
+        "{text}"
+    );
+    let beats: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("keel_run_heartbeats_total{job=\"7\"} "))
+        .and_then(|v| v.parse().ok())
+        .expect("heartbeats");
+    assert!(beats > 0, "{text}");
+    let r = keel_testkit::http::request(addr, "GET", "/other", &[], b"").expect("get");
+    assert_eq!(r.status, 404);
+    sigterm(&child);
+    let o = child.wait_with_output().expect("wait");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+}
