@@ -427,3 +427,27 @@ fn a_black_hole_node_is_excluded_after_two_failures_though_its_checks_pass() {
     assert_eq!(f[0]["count"], 2, "{st}");
     assert!(s.out().contains("resuming from step 5"), "{}", s.out());
 }
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_hang_is_detected_the_step_ended_and_the_job_requeued() {
+    let cluster = SlurmCluster::get();
+    let s = Submitted::new(
+        &cluster,
+        "TOY_STEPS=100 TOY_EVERY=5 TOY_STEP_SECS=0.3 TOY_MODE=hang-at:9",
+        "--heartbeat-pattern loss --safety-factor 2 --startup-timeout 60",
+        &[],
+    );
+    s.wait("requeued after the hang", 60, |show| {
+        field(show, "Restarts") == "1"
+    });
+    let out = s.out();
+    assert!(out.contains("the trainer is hung"), "{out}");
+    assert!(out.contains("committed step 5"), "{out}");
+    let st = s.state();
+    assert_eq!(
+        st["jobs"][s.job.as_str()]["attempts"][0]["ended"],
+        "failed",
+        "{st}"
+    );
+}
