@@ -10,6 +10,7 @@ Environment:
   TOY_STEP_SECS  seconds per step (default 0.1)
   TOY_LOG        a file that gets "trained N" for every step trained
                  and "resumed N" / "fresh" at start
+  TOY_TIMES      when set, each log line ends with the Unix time
   TOY_MODE       ok | crash-at:N | hang-at:N | ignore-signals | startup-fail
   TOY_CRASH_NODE with crash-at: crash only where SLURMD_NODENAME (or
                  the host name) equals this
@@ -35,6 +36,8 @@ rank = int(os.environ.get("SLURM_PROCID", "0"))
 
 def log(line):
     if log_path and rank == 0:
+        if os.environ.get("TOY_TIMES"):
+            line = f"{line} {time.time():.3f}"
         with open(log_path, "a") as f:
             f.write(line + "\n")
 
