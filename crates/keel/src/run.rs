@@ -410,8 +410,30 @@ struct Attempt {
     last_step: Option<u64>,
 }
 
+/// Whether a checkpoint newer than the last commit is being written: a
+/// step directory under `root` that is not complete yet.
+fn saving_now(root: &Path, marker: Option<&str>, last: Option<u64>) -> bool {
+    let Ok(done) = keel_ckpt::detect::completed(root, marker) else {
+        return false;
+    };
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return false;
+    };
+    rd.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        !name.starts_with('.')
+            && e.path().is_dir()
+            && keel_ckpt::detect::step_of(&name).is_some_and(|step| {
+                last.is_none_or(|l| step > l) && !done.iter().any(|c| c.step == step)
+            })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn push_pass(
     watcher: &mut Watcher,
+    watcher_root: &Path,
+    marker: Option<&str>,
     topts: &TransferOptions,
     at: &mut Attempt,
     det: &mut HangDetector,
@@ -425,6 +447,10 @@ async fn push_pass(
             return Ok(());
         }
     };
+    let saving = saving_now(watcher_root, marker, at.last_step);
+    if saving && det.phase() == keel_run::Phase::Training {
+        det.save_started(origin.elapsed());
+    }
     for ev in events {
         match ev {
             WatchEvent::Pushed { dir, report } => {
@@ -667,7 +693,16 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         }
         if let Ok(Some(status)) = child.try_wait() {
             // A last pass pushes what the trainer wrote before it exited.
-            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
             // srun's last lines name the nodes whose tasks failed.
             std::thread::sleep(Duration::from_millis(200));
             while let Ok(note) = rx.try_recv() {
@@ -737,7 +772,16 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         }
         if Instant::now() >= next_pass {
             let before = Instant::now();
-            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
             if draining.is_some() {
                 at.times.stall_ms += u64::try_from(before.elapsed().as_millis()).unwrap_or(0);
             }
@@ -752,7 +796,16 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                     say("WARNING: no checkpoint was committed before the deadline; stopping the trainer");
                 }
                 stop(&mut child, plan.grace);
-                push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+                push_pass(
+                    &mut watcher,
+                    &plan.ckpt_dir,
+                    plan.marker.as_deref(),
+                    &topts,
+                    &mut at,
+                    &mut det,
+                    origin,
+                )
+                .await?;
                 if let (Some(id), Some(imds)) = (event, &plan.imds) {
                     if plan.imds_ack {
                         match imds.acknowledge(&[id]) {
@@ -777,7 +830,16 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                 timeout.as_secs_f64()
             ));
             stop(&mut child, plan.grace);
-            push_pass(&mut watcher, &topts, &mut at, &mut det, origin).await?;
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
             outcome = Outcome::Failed {
                 cause: Cause::Hang,
                 nodes: blame(plan, &failed_nodes),

@@ -516,3 +516,31 @@ fn the_supervisor_serves_prometheus_metrics() {
     let o = child.wait_with_output().expect("wait");
     assert_eq!(code(&o), 75, "{}", stderr(&o));
 }
+
+#[test]
+fn a_slow_checkpoint_save_gets_its_allowance() {
+    let job = Job::new();
+    let env = [
+        ("TOY_STEPS", "22"),
+        ("TOY_EVERY", "10"),
+        ("TOY_STEP_SECS", "0.1"),
+        ("TOY_SAVE_SECS", "2.5"),
+    ];
+    let args = ["--heartbeat-pattern", "loss", "--hang-timeout", "1"];
+    let mut with = args.to_vec();
+    with.extend(["--save-allowance", "5"]);
+    let o = job.run(&with, &env);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(job.latest_step(), Some(20));
+
+    let job = Job::new();
+    let mut without = args.to_vec();
+    without.extend(["--save-allowance", "0"]);
+    let o = job.run(&without, &env);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("during checkpoint save"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -10,6 +10,7 @@ Environment:
   TOY_STEP_SECS  seconds per step (default 0.1)
   TOY_LOG        a file that gets "trained N" for every step trained
                  and "resumed N" / "fresh" at start
+  TOY_SAVE_SECS  seconds a save takes between its data and .metadata
   TOY_TIMES      when set, each log line ends with the Unix time
   TOY_MODE       ok | crash-at:N | hang-at:N | ignore-signals | startup-fail
   TOY_CRASH_NODE with crash-at: crash only where SLURMD_NODENAME (or
@@ -85,6 +86,7 @@ def save(step):
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "__0_0.distcp"), "w") as f:
         f.write(f"step {step}\n" + "x" * 4096)
+    time.sleep(float(os.environ.get("TOY_SAVE_SECS", "0")))
     with open(os.path.join(d, ".metadata"), "w") as f:
         f.write(f"dcp metadata for step {step}\n")
 
