@@ -371,6 +371,8 @@ enum Note {
     Evict {
         id: String,
         kind: String,
+        /// Until the event may start (zero when it started or has no time).
+        notice: Duration,
     },
 }
 
@@ -748,17 +750,22 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                             Some((Instant::now() + plan.checkpoint_deadline, at.commits, None));
                     }
                 }
-                Note::Evict { id, kind } => {
+                Note::Evict { id, kind, notice } => {
                     if draining.is_none() {
+                        // The event's NotBefore, less a second to stop the
+                        // trainer, caps the wait (when it is in the future).
+                        let wait = if notice.is_zero() {
+                            plan.checkpoint_deadline
+                        } else {
+                            plan.checkpoint_deadline
+                                .min(notice.saturating_sub(Duration::from_secs(1)))
+                        };
                         say(&format!(
-                            "scheduled event {kind} ({id}) for this VM: asking the trainer to checkpoint now"
+                            "scheduled event {kind} ({id}) for this VM, {:.0} s notice: asking the trainer to checkpoint now",
+                            notice.as_secs_f64()
                         ));
                         signal_group(&child, plan.checkpoint_signal);
-                        draining = Some((
-                            Instant::now() + plan.checkpoint_deadline,
-                            at.commits,
-                            Some(id),
-                        ));
+                        draining = Some((Instant::now() + wait, at.commits, Some(id)));
                     }
                 }
             }
@@ -1121,6 +1128,7 @@ fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
                         let note = Note::Evict {
                             id: e.id.clone(),
                             kind: e.kind.as_str().to_owned(),
+                            notice: e.notice(SystemTime::now()),
                         };
                         if tx.send(note).is_err() {
                             return;

@@ -327,9 +327,55 @@ fn a_preempt_for_this_vm_leads_to_a_committed_checkpoint_and_an_acknowledged_exi
     ]);
     let o = child.wait_with_output().expect("wait");
     assert_eq!(code(&o), 75, "{}", stderr(&o));
-    assert!(stderr(&o).contains("Preempt (mine)"), "{}", stderr(&o));
+    // NotBefore has whole seconds: 29 or 28 s left when it was seen.
+    let err = stderr(&o);
+    assert!(
+        err.contains("Preempt (mine) for this VM, 29 s notice")
+            || err.contains("Preempt (mine) for this VM, 28 s notice"),
+        "{err}"
+    );
     assert!(job.latest_step().is_some());
     assert_eq!(imds.acks(), ["mine"]);
+}
+
+#[test]
+fn a_short_notice_caps_the_wait_for_a_trainer_that_ignores_the_signal() {
+    let imds = FakeImds::start("vm-1").expect("fake imds");
+    let job = Job::new();
+    let url = imds.base_url();
+    let child = job
+        .command(
+            &["--imds", &url, "--checkpoint-deadline", "120"],
+            &[
+                ("TOY_STEPS", "100000"),
+                ("TOY_EVERY", "1000000"),
+                ("TOY_MODE", "ignore-signals"),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+    wait_for("training", Duration::from_secs(20), || {
+        trained(&job.log()).len() >= 3
+    });
+    let started = Instant::now();
+    imds.set_events(vec![scheduled_event(
+        "soon",
+        "Preempt",
+        &["vm-1"],
+        SystemTime::now() + Duration::from_secs(4),
+    )]);
+    let o = child.wait_with_output().expect("wait");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        stderr(&o).contains("no checkpoint was committed before the deadline"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
