@@ -580,6 +580,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         .with_context(|| format!("cannot read the checkpoints of {}", plan.run))?;
     let mut resume: Option<(PathBuf, u64)> = None;
     if latest.is_some() {
+        remove_earlier_restores(&plan.restore_dir);
         let dir = plan
             .restore_dir
             .join(format!("attempt-{}", at.times.started_ms));
@@ -1024,6 +1025,30 @@ fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
         }
     }
     reports
+}
+
+/// Removes the checkpoints earlier attempts restored (`attempt-<ms>`
+/// directories keel made under the restore directory, and their hidden
+/// partial siblings); nothing else there is touched.
+fn remove_earlier_restores(root: &Path) {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let bare = name.trim_start_matches('.');
+        let ours = bare.strip_prefix("attempt-").is_some_and(|rest| {
+            rest.split('.')
+                .next()
+                .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
+        });
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if ours && is_dir {
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                say(&format!("cannot remove {}: {err}", e.path().display()));
+            }
+        }
+    }
 }
 
 /// Answers `GET /metrics` (anything else 404) until the process ends.

@@ -138,6 +138,18 @@ fn a_crash_is_recorded_and_the_next_attempt_resumes_from_the_last_commit() {
             .map(Vec::len),
         Some(2)
     );
+    // A third attempt restores step 20 and removes the second's restore.
+    let o = job.run(&[], &env);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("resuming from step 20"),
+        "{}",
+        stderr(&o)
+    );
+    let restores = std::fs::read_dir(job.ckpt.join(".keel-resume"))
+        .expect("restores")
+        .count();
+    assert_eq!(restores, 1);
 
     let r = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["--json", "run", "report", "--state"])
@@ -147,7 +159,7 @@ fn a_crash_is_recorded_and_the_next_attempt_resumes_from_the_last_commit() {
     assert_eq!(code(&r), 0, "{}", stderr(&r));
     let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect("json");
     let g = &v["jobs"][0]["goodput"];
-    assert_eq!(g["attempts"], 2);
+    assert_eq!(g["attempts"], 3);
     assert!(g["lost_ms"].as_u64().expect("lost") > 0, "{g}");
     let ettr = g["ettr"].as_f64().expect("ettr");
     assert!(ettr > 0.0 && ettr < 1.0, "{g}");
