@@ -78,6 +78,11 @@ struct RunOpts {
     /// KEEL_HEARTBEAT_FILE.
     #[arg(long, value_name = "FILE")]
     heartbeat_file: Option<PathBuf>,
+    /// A directory where each node (or rank) touches a file of its own
+    /// name as its heartbeat (KEEL_HEARTBEAT_DIR; e.g. $SLURMD_NODENAME):
+    /// one that stops while others go on is a hang blamed on it.
+    #[arg(long, value_name = "DIR")]
+    heartbeat_dir: Option<PathBuf>,
     /// A line of the trainer's stdout containing this is a heartbeat.
     #[arg(long, value_name = "TEXT")]
     heartbeat_pattern: Option<String>,
@@ -198,6 +203,7 @@ struct Plan {
     state: PathBuf,
     marker: Option<String>,
     heartbeat_file: Option<PathBuf>,
+    heartbeat_dir: Option<PathBuf>,
     heartbeat_pattern: Option<String>,
     hang: HangConfig,
     grace: Duration,
@@ -319,6 +325,7 @@ impl Plan {
             ckpt_dir,
             marker: o.marker.clone(),
             heartbeat_file: o.heartbeat_file.clone(),
+            heartbeat_dir: o.heartbeat_dir.clone(),
             heartbeat_pattern: o.heartbeat_pattern.clone().filter(|p| !p.is_empty()),
             hang: HangConfig {
                 startup,
@@ -634,6 +641,10 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     if let Some(f) = &plan.heartbeat_file {
         cmd.env("KEEL_HEARTBEAT_FILE", f);
     }
+    if let Some(d) = &plan.heartbeat_dir {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+        cmd.env("KEEL_HEARTBEAT_DIR", d);
+    }
     let mut child = cmd.spawn().map_err(|e| {
         let shown: String = plan.command[0].chars().take(200).collect();
         UsageError(format!("cannot start the trainer {shown:?}: {e}"))
@@ -682,6 +693,11 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         format!("keel-run-{}", crate::ckpt::hostname()),
     );
     let mut heartbeat_mtime = plan.heartbeat_file.as_deref().and_then(mtime);
+    // Per node (or rank) of --heartbeat-dir: its last mtime and detector.
+    let mut per_name: std::collections::BTreeMap<String, (SystemTime, HangDetector)> =
+        std::collections::BTreeMap::new();
+    let mut commits_seen = 0u64;
+    let mut last_commit: Option<Duration> = None;
     let mut next_pass = Instant::now();
     // Set when asked to checkpoint now: the deadline, the commits seen
     // when asked, and the event to acknowledge.
@@ -778,6 +794,33 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                 det.beat(origin.elapsed());
             }
         }
+        if let Some(d) = &plan.heartbeat_dir {
+            let now = origin.elapsed();
+            for (name, m) in heartbeat_files(d) {
+                let room = per_name.len() < 4096;
+                match per_name.get_mut(&name) {
+                    Some((last, nd)) if *last != m => {
+                        *last = m;
+                        nd.beat(now);
+                        det.beat(now);
+                    }
+                    Some(_) => {}
+                    None if room => {
+                        let mut nd = HangDetector::new(plan.hang, now);
+                        nd.beat(now);
+                        per_name.insert(name, (m, nd));
+                        det.beat(now);
+                    }
+                    None => {}
+                }
+            }
+            // The nodes' own detectors know nothing of saves: they are
+            // not checked during one, nor for one timeout after a commit.
+            if at.commits > commits_seen {
+                last_commit = Some(now);
+            }
+            commits_seen = at.commits;
+        }
         if Instant::now() >= next_pass {
             let before = Instant::now();
             push_pass(
@@ -825,6 +868,44 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                 outcome = Outcome::Preempted;
                 break;
             }
+        } else if let Some((names, silent_for, timeout)) = (det.phase()
+            == keel_run::Phase::Training
+            && last_commit.is_none_or(|c| origin.elapsed() > c + det.training_timeout()))
+        .then(|| stopped_names(&per_name, origin.elapsed()))
+        .flatten()
+        {
+            say(&format!(
+                "no heartbeat from {} for {:.1} s (timeout {:.1} s) while others report: hung; stopping the trainer",
+                names.join(","),
+                silent_for.as_secs_f64(),
+                timeout.as_secs_f64()
+            ));
+            stop(&mut child, plan.grace);
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
+            outcome = Outcome::Failed {
+                cause: Cause::Hang,
+                nodes: if plan.slurm.is_some() {
+                    names.clone()
+                } else {
+                    blame(plan, &failed_nodes)
+                },
+                during_startup: false,
+                detail: format!(
+                    "no heartbeat from {} for {:.0} s",
+                    names.join(","),
+                    silent_for.as_secs_f64()
+                ),
+            };
+            break;
         } else if let HangStatus::Hung {
             phase,
             silent_for,
@@ -1025,6 +1106,50 @@ fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
         }
     }
     reports
+}
+
+/// The files of a heartbeat directory (names of at most 64 characters)
+/// with their mtimes.
+fn heartbeat_files(dir: &Path) -> Vec<(String, SystemTime)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            if name.starts_with('.') || name.len() > 64 {
+                return None;
+            }
+            let m = e.metadata().ok()?;
+            (m.is_file()).then_some(())?;
+            Some((name, m.modified().ok()?))
+        })
+        .collect()
+}
+
+/// The nodes (or ranks) that stopped while another still reports: each is
+/// silent past its own timeout. When all are silent, nobody is singled
+/// out (the job-wide detector reports that hang).
+fn stopped_names(
+    per_name: &std::collections::BTreeMap<String, (SystemTime, HangDetector)>,
+    now: Duration,
+) -> Option<(Vec<String>, Duration, Duration)> {
+    let mut hung = Vec::new();
+    let mut worst = (Duration::ZERO, Duration::ZERO);
+    for (name, (_, d)) in per_name {
+        if let HangStatus::Hung {
+            silent_for,
+            timeout,
+            ..
+        } = d.check(now)
+        {
+            hung.push(name.clone());
+            if silent_for > worst.0 {
+                worst = (silent_for, timeout);
+            }
+        }
+    }
+    (!hung.is_empty() && hung.len() < per_name.len()).then_some((hung, worst.0, worst.1))
 }
 
 /// Removes the checkpoints earlier attempts restored (`attempt-<ms>`

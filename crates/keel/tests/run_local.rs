@@ -35,6 +35,13 @@ impl Job {
     /// `keel run` with the store, the run, the directories and `extra`,
     /// running the toy trainer with `env`.
     fn command(&self, extra: &[&str], env: &[(&str, &str)]) -> Command {
+        let t = trainer();
+        let t = t.to_str().expect("utf-8");
+        self.command_of(extra, env, &["python3", t])
+    }
+
+    /// Like `command`, with another trainer command line.
+    fn command_of(&self, extra: &[&str], env: &[(&str, &str)], argv: &[&str]) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
         c.arg("run")
             .args(["--store", &self.store, "--run", "toy"])
@@ -45,8 +52,7 @@ impl Job {
             .args(["--job", "7", "--watch-interval", "0.2", "--grace", "2"])
             .args(extra)
             .arg("--")
-            .arg("python3")
-            .arg(trainer())
+            .args(argv)
             .env("TOY_LOG", &self.log)
             .env_remove("SLURM_JOB_ID")
             .env_remove("KEEL_RUN_IMDS")
@@ -447,7 +453,9 @@ fn a_checkpoint_that_fails_verification_is_skipped_on_resume() {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.to_string_lossy().contains("10") && p.ends_with("__0_0.distcp") {
+            } else if p.to_string_lossy().contains("/00000000000000000010/")
+                && p.ends_with("__0_0.distcp")
+            {
                 std::fs::write(&p, b"step 10 damaged").expect("damage");
                 damaged += 1;
             }
@@ -601,4 +609,34 @@ fn a_slow_checkpoint_save_gets_its_allowance() {
         "{}",
         stderr(&o)
     );
+}
+
+#[test]
+fn a_node_that_stops_while_the_others_report_is_named() {
+    let job = Job::new();
+    let hb = job.tmp.path().join("hb");
+    let hb_s = hb.to_str().expect("utf-8").to_owned();
+    let t = trainer();
+    let script = format!(
+        "SLURMD_NODENAME=node-a python3 {t} & SLURMD_NODENAME=node-b SLURM_PROCID=1 python3 {t}; wait",
+        t = t.display()
+    );
+    let o = job
+        .command_of(
+            &["--heartbeat-dir", &hb_s, "--safety-factor", "2"],
+            &[
+                ("TOY_STEPS", "200"),
+                ("TOY_EVERY", "1000"),
+                ("TOY_STEP_SECS", "0.1"),
+                ("TOY_MODE", "hang-at:10"),
+                ("TOY_HANG_NODE", "node-b"),
+            ],
+            &["sh", "-c", &script],
+        )
+        .output()
+        .expect("run");
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("no heartbeat from node-b for"), "{err}");
+    assert!(hb.join("node-a").exists() && hb.join("node-b").exists());
 }

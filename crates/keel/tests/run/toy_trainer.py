@@ -13,6 +13,7 @@ Environment:
   TOY_SAVE_SECS  seconds a save takes between its data and .metadata
   TOY_TIMES      when set, each log line ends with the Unix time
   TOY_MODE       ok | crash-at:N | hang-at:N | ignore-signals | startup-fail
+  TOY_HANG_NODE  with hang-at: hang only on this node
   TOY_CRASH_NODE with crash-at: crash only where SLURMD_NODENAME (or
                  the host name) equals this
 Under srun (SLURM_PROCID) every task steps; only rank 0 logs and saves.
@@ -94,7 +95,7 @@ def save(step):
 step = start
 while step < steps:
     step += 1
-    if at("hang-at") == step:
+    if at("hang-at") == step and os.environ.get("TOY_HANG_NODE", node) == node:
         while True:
             time.sleep(3600)
     if at("crash-at") == step and os.environ.get("TOY_CRASH_NODE", node) == node:
@@ -107,6 +108,10 @@ while step < steps:
     if heartbeat:
         with open(heartbeat, "a"):
             os.utime(heartbeat)
+    if os.environ.get("KEEL_HEARTBEAT_DIR"):
+        mine = os.path.join(os.environ["KEEL_HEARTBEAT_DIR"], node)
+        with open(mine, "a"):
+            os.utime(mine)
     if step % every == 0 or asked:
         save(step)
         asked = False
