@@ -451,3 +451,30 @@ fn a_hang_is_detected_the_step_ended_and_the_job_requeued() {
         "{st}"
     );
 }
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_node_that_stops_reporting_is_blamed_for_the_hang() {
+    let cluster = SlurmCluster::get();
+    let nodes = cluster.nodes().to_vec();
+    let (n2, n3) = (nodes[1].clone(), nodes[2].clone());
+    let hb = tempfile::tempdir().expect("tempdir");
+    let s = Submitted::new(
+        &cluster,
+        &format!("TOY_STEPS=1000 TOY_EVERY=100000 TOY_STEP_SECS=0.2 TOY_MODE=hang-at:10 TOY_HANG_NODE={n2}"),
+        &format!("--heartbeat-dir {} --safety-factor 2", hb.path().display()),
+        &["-N2", "--ntasks-per-node=1", &format!("--exclude={n3}")],
+    );
+    s.wait("requeued after the hang", 60, |show| {
+        field(show, "Restarts") == "1"
+    });
+    let out = s.out();
+    assert!(
+        out.contains(&format!("no heartbeat from {n2} for")),
+        "{out}"
+    );
+    let st = s.state();
+    let f = &st["jobs"][s.job.as_str()]["failures"][0];
+    assert_eq!(f["node"], n2.as_str(), "{st}");
+    assert_eq!(f["cause"], "hang", "{st}");
+}
