@@ -202,6 +202,26 @@ fn a_hang_is_detected_from_stdout_heartbeats_within_twice_the_learned_timeout() 
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("the trainer is hung"), "{err}");
+    // "no heartbeat for 1.1 s during training (timeout 1.0 s)": detected
+    // within twice the learned timeout.
+    let line = err
+        .lines()
+        .find(|l| l.contains("the trainer is hung"))
+        .expect("hang line");
+    let num = |after: &str| -> f64 {
+        let rest = &line[line.find(after).expect("field") + after.len()..];
+        rest.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("seconds")
+    };
+    let (silent, timeout) = (num("no heartbeat for "), num("(timeout "));
+    assert!(line.contains("during training"), "{line}");
+    assert!(
+        timeout < 30.0,
+        "learned, not the start-up allowance: {line}"
+    );
+    assert!(silent >= timeout && silent <= 2.0 * timeout, "{line}");
     // Learned: about 0.3 s x 2, at least the 1 s floor; seven steps take
     // about 2.1 s. Far below the 30 s start-up allowance.
     assert!(took < Duration::from_secs(15), "{took:?}\n{err}");
