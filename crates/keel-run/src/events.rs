@@ -194,6 +194,64 @@ pub fn parse_document(bytes: &[u8]) -> Result<Document, EventsError> {
     })
 }
 
+/// An AWS Spot interruption notice: `{"action": "terminate"|"stop"|
+/// "hibernate", "time": "2017-09-18T08:22:00Z"}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AwsNotice {
+    pub action: String,
+    /// When the instance is interrupted; `None` when unreadable.
+    pub time: Option<SystemTime>,
+}
+
+#[derive(Deserialize)]
+struct RawAws {
+    action: String,
+    #[serde(default)]
+    time: String,
+}
+
+/// Parses AWS's `spot/instance-action` document.
+pub fn parse_aws_instance_action(bytes: &[u8]) -> Result<AwsNotice, EventsError> {
+    let raw: RawAws = serde_json::from_slice(bytes).map_err(EventsError::Document)?;
+    Ok(AwsNotice {
+        action: raw.action.chars().take(32).collect(),
+        time: parse_rfc3339_utc(&raw.time),
+    })
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` (UTC, whole seconds, as AWS writes it).
+fn parse_rfc3339_utc(s: &str) -> Option<SystemTime> {
+    let b = s.trim().as_bytes();
+    if b.len() != 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+        || b[19] != b'Z'
+    {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| std::str::from_utf8(&b[r]).ok()?.parse::<i64>().ok();
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y2 = if mo <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let mp = (mo + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + mi * 60 + se;
+    u64::try_from(secs)
+        .ok()
+        .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
+}
+
 /// Follows successive documents for one VM and reports each event that
 /// affects it once.
 #[derive(Debug, Clone)]
@@ -293,6 +351,43 @@ impl Imds {
         .map(|_| ())
     }
 
+    /// AWS EC2: the Spot interruption notice, if one is pending
+    /// (`spot/instance-action` through an IMDSv2 token; 404 means none).
+    pub fn aws_instance_action(&self) -> Result<Option<AwsNotice>, EventsError> {
+        let (status, token) = self.exchange(
+            "PUT",
+            "/latest/api/token",
+            &[("X-aws-ec2-metadata-token-ttl-seconds", "300")],
+            &[],
+        )?;
+        if status != 200 {
+            return Err(EventsError::Status {
+                addr: self.addr(),
+                status,
+                what: "the IMDSv2 token request",
+            });
+        }
+        let token = String::from_utf8_lossy(&token).trim().to_owned();
+        if token.is_empty() || token.len() > 512 || token.chars().any(char::is_control) {
+            return Err(EventsError::Http("an invalid IMDSv2 token".to_owned()));
+        }
+        let (status, body) = self.exchange(
+            "GET",
+            "/latest/meta-data/spot/instance-action",
+            &[("X-aws-ec2-metadata-token", &token)],
+            &[],
+        )?;
+        match status {
+            404 => Ok(None),
+            200 => parse_aws_instance_action(&body).map(Some),
+            status => Err(EventsError::Status {
+                addr: self.addr(),
+                status,
+                what: "the Spot instance-action request",
+            }),
+        }
+    }
+
     fn request(
         &self,
         method: &str,
@@ -300,6 +395,29 @@ impl Imds {
         body: Option<&[u8]>,
         what: &'static str,
     ) -> Result<Vec<u8>, EventsError> {
+        let (status, body) = self.exchange(
+            method,
+            path,
+            &[("Metadata", "true")],
+            body.unwrap_or_default(),
+        )?;
+        if !(200..300).contains(&status) {
+            return Err(EventsError::Status {
+                addr: self.addr(),
+                status,
+                what,
+            });
+        }
+        Ok(body)
+    }
+
+    fn exchange(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(u16, Vec<u8>), EventsError> {
         let addr = self.addr();
         let connect = |source| EventsError::Connect {
             addr: addr.clone(),
@@ -317,26 +435,24 @@ impl Imds {
         };
         s.set_read_timeout(Some(self.timeout)).map_err(io)?;
         s.set_write_timeout(Some(self.timeout)).map_err(io)?;
-        let body = body.unwrap_or_default();
         let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nMetadata: true\r\nConnection: close\r\nContent-Length: {}\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
             self.host,
             body.len()
         );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
         if !body.is_empty() {
             req.push_str("Content-Type: application/json\r\n");
         }
         req.push_str("\r\n");
         s.write_all(req.as_bytes()).map_err(io)?;
         s.write_all(body).map_err(io)?;
-        let (status, body) = read_response(&mut BufReader::new(s)).map_err(|e| match e {
+        read_response(&mut BufReader::new(s)).map_err(|e| match e {
             ReadError::Io(source) => io(source),
             ReadError::Http(m) => EventsError::Http(m),
-        })?;
-        if !(200..300).contains(&status) {
-            return Err(EventsError::Status { addr, status, what });
-        }
-        Ok(body)
+        })
     }
 }
 
@@ -498,6 +614,25 @@ mod tests {
         ] {
             assert!(matches!(parse_document(bad), Err(EventsError::Document(_))));
         }
+    }
+
+    #[test]
+    fn aws_notices() {
+        let n =
+            parse_aws_instance_action(br#"{"action":"terminate","time":"2017-09-18T08:22:00Z"}"#)
+                .expect("parse");
+        assert_eq!(n.action, "terminate");
+        assert_eq!(
+            n.time,
+            Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_505_722_920))
+        );
+        let n = parse_aws_instance_action(br#"{"action":"stop","time":"soon"}"#).expect("parse");
+        assert_eq!(n.time, None);
+        assert!(parse_aws_instance_action(b"<html>").is_err());
+        assert_eq!(
+            parse_rfc3339_utc("2024-02-29T00:00:00Z"),
+            Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_709_164_800))
+        );
     }
 
     #[test]

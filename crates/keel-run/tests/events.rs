@@ -85,3 +85,16 @@ fn an_unreachable_imds_is_a_connect_error() {
     let imds = Imds::new(&format!("http://{addr}"), Duration::from_millis(500)).expect("addr");
     assert!(matches!(imds.events(), Err(EventsError::Connect { .. })));
 }
+
+#[test]
+fn an_aws_spot_notice_is_read_through_an_imdsv2_token() {
+    let fake = FakeImds::start("vm-1").expect("fake imds");
+    let imds = client(&fake);
+    assert_eq!(imds.aws_instance_action().expect("none yet"), None);
+    fake.set_aws_action(Some(
+        serde_json::json!({"action": "terminate", "time": "2030-01-01T00:00:00Z"}),
+    ));
+    let n = imds.aws_instance_action().expect("notice").expect("some");
+    assert_eq!(n.action, "terminate");
+    assert!(n.time.is_some());
+}

@@ -2,13 +2,16 @@
 //! the events document (its `DocumentIncarnation` grows with every change),
 //! the VM's name, records acknowledgements (`POST StartRequests`), and can
 //! be switched to answer garbage or to drop every connection (down).
-//! Requests without `Metadata: true` get 400, as from IMDS.
+//! Requests without `Metadata: true` get 400, as from IMDS. It also serves
+//! AWS's IMDSv2 token and Spot `instance-action` (404 until one is set).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
+
+const AWS_TOKEN: &str = "fake-imdsv2-token";
 
 /// How the fake answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +31,7 @@ struct State {
     mode: ImdsMode,
     acks: Vec<String>,
     requests: u64,
+    aws_action: Option<serde_json::Value>,
 }
 
 /// The running fake; stops when dropped.
@@ -71,6 +75,7 @@ impl FakeImds {
             mode: ImdsMode::Normal,
             acks: Vec::new(),
             requests: 0,
+            aws_action: None,
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sp) = (state.clone(), stop.clone());
@@ -110,6 +115,11 @@ impl FakeImds {
         self.lock().mode = mode;
     }
 
+    /// The AWS Spot `instance-action` document (`None`: 404, no notice).
+    pub fn set_aws_action(&self, action: Option<serde_json::Value>) {
+        self.lock().aws_action = action;
+    }
+
     /// The event ids acknowledged so far, in order.
     pub fn acks(&self) -> Vec<String> {
         self.lock().acks.clone()
@@ -146,6 +156,8 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
     let method = parts.next().unwrap_or("").to_owned();
     let path = parts.next().unwrap_or("").to_owned();
     let mut metadata = false;
+    let mut aws_ttl = false;
+    let mut aws_token = false;
     let mut length = 0usize;
     loop {
         let mut h = String::new();
@@ -155,6 +167,14 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
         if let Some((k, v)) = h.split_once(':') {
             if k.trim().eq_ignore_ascii_case("metadata") && v.trim() == "true" {
                 metadata = true;
+            }
+            if k.trim()
+                .eq_ignore_ascii_case("x-aws-ec2-metadata-token-ttl-seconds")
+            {
+                aws_ttl = true;
+            }
+            if k.trim().eq_ignore_ascii_case("x-aws-ec2-metadata-token") && v.trim() == AWS_TOKEN {
+                aws_token = true;
             }
             if k.trim().eq_ignore_ascii_case("content-length") {
                 length = v.trim().parse().unwrap_or(0);
@@ -172,6 +192,24 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
             return respond(&mut s, "200 OK", b"<html>maintenance</html>");
         }
         ImdsMode::Normal => {}
+    }
+    // AWS: IMDSv2 token, then the Spot notice.
+    if path == "/latest/api/token" {
+        drop(st);
+        return if method == "PUT" && aws_ttl {
+            respond(&mut s, "200 OK", AWS_TOKEN.as_bytes())
+        } else {
+            respond(&mut s, "400 Bad Request", b"")
+        };
+    }
+    if path == "/latest/meta-data/spot/instance-action" {
+        let action = st.aws_action.clone();
+        drop(st);
+        return match (aws_token, action) {
+            (false, _) => respond(&mut s, "401 Unauthorized", b""),
+            (true, None) => respond(&mut s, "404 Not Found", b""),
+            (true, Some(a)) => respond(&mut s, "200 OK", a.to_string().as_bytes()),
+        };
     }
     if !metadata {
         drop(st);

@@ -116,6 +116,10 @@ struct RunOpts {
     /// (http://169.254.169.254 on Azure); off when not given.
     #[arg(long, env = "KEEL_RUN_IMDS", value_name = "URL")]
     imds: Option<String>,
+    /// Poll AWS EC2's Spot interruption notice at this IMDS address
+    /// (http://169.254.169.254 on EC2) every 2 s; off when not given.
+    #[arg(long, value_name = "URL")]
+    aws_imds: Option<String>,
     /// This VM's name in Scheduled Events (default: asked from IMDS).
     #[arg(long, value_name = "NAME")]
     vm_name: Option<String>,
@@ -211,6 +215,7 @@ struct Plan {
     checkpoint_deadline: Duration,
     watch_interval: Duration,
     imds: Option<Imds>,
+    aws_imds: Option<Imds>,
     vm_name: Option<String>,
     imds_ack: bool,
     job: String,
@@ -305,6 +310,12 @@ impl Plan {
         } else {
             None
         };
+        let aws_imds = o
+            .aws_imds
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--aws-imds: {e}")))?;
         let job = o
             .job
             .clone()
@@ -339,6 +350,7 @@ impl Plan {
             checkpoint_deadline: secs("checkpoint-deadline", o.checkpoint_deadline)?,
             watch_interval: secs("watch-interval", o.watch_interval)?,
             imds,
+            aws_imds,
             vm_name: o.vm_name.clone(),
             imds_ack: o.imds_ack,
             job,
@@ -624,6 +636,10 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         let tx = tx.clone();
         let vm = plan.vm_name.clone();
         std::thread::spawn(move || poll_imds(imds, vm, tx));
+    }
+    if let Some(imds) = plan.aws_imds.clone() {
+        let tx = tx.clone();
+        std::thread::spawn(move || poll_aws(&imds, &tx));
     }
 
     let mut cmd = Command::new(&plan.command[0]);
@@ -1245,6 +1261,39 @@ fn describe(status: std::process::ExitStatus) -> String {
 
 fn mtime(p: &Path) -> Option<SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// Polls AWS's Spot interruption notice every 2 s until one comes or the
+/// supervisor goes away; errors are logged once and never end training.
+fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
+    let mut failing = false;
+    loop {
+        match imds.aws_instance_action() {
+            Ok(Some(n)) => {
+                let notice = n
+                    .time
+                    .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                    .unwrap_or(Duration::ZERO);
+                let _ = tx.send(Note::Evict {
+                    id: format!("aws-spot-{}", n.action),
+                    kind: format!("AWS Spot {}", n.action),
+                    notice,
+                });
+                return;
+            }
+            Ok(None) => failing = false,
+            Err(e) => {
+                if !failing {
+                    say(&format!("AWS Spot notice: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
 }
 
 /// Polls Scheduled Events once a second until the supervisor goes away.

@@ -660,3 +660,31 @@ fn a_node_that_stops_while_the_others_report_is_named() {
     assert!(err.contains("no heartbeat from node-b for"), "{err}");
     assert!(hb.join("node-a").exists() && hb.join("node-b").exists());
 }
+
+#[test]
+fn an_aws_spot_notice_leads_to_a_committed_checkpoint() {
+    let imds = FakeImds::start("vm-1").expect("fake imds");
+    let job = Job::new();
+    let url = imds.base_url();
+    let child = job
+        .command(
+            &["--aws-imds", &url],
+            &[
+                ("TOY_STEPS", "100000"),
+                ("TOY_EVERY", "1000000"),
+                ("TOY_STEP_SECS", "0.05"),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+    wait_for("training", Duration::from_secs(20), || {
+        trained(&job.log()).len() >= 3
+    });
+    imds.set_aws_action(Some(
+        serde_json::json!({"action": "terminate", "time": "2099-01-01T00:00:00Z"}),
+    ));
+    let o = child.wait_with_output().expect("wait");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+    assert!(stderr(&o).contains("AWS Spot terminate"), "{}", stderr(&o));
+    assert!(job.latest_step().is_some());
+}
