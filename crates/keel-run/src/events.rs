@@ -388,6 +388,31 @@ impl Imds {
         }
     }
 
+    /// GCP: whether the instance is being preempted
+    /// (`computeMetadata/v1/instance/preempted` says `TRUE`).
+    pub fn gcp_preempted(&self) -> Result<bool, EventsError> {
+        let (status, body) = self.exchange(
+            "GET",
+            "/computeMetadata/v1/instance/preempted",
+            &[("Metadata-Flavor", "Google")],
+            &[],
+        )?;
+        if status != 200 {
+            return Err(EventsError::Status {
+                addr: self.addr(),
+                status,
+                what: "the preempted request",
+            });
+        }
+        match String::from_utf8_lossy(&body).trim() {
+            "TRUE" => Ok(true),
+            "FALSE" => Ok(false),
+            _ => Err(EventsError::Http(
+                "preempted is neither TRUE nor FALSE".to_owned(),
+            )),
+        }
+    }
+
     fn request(
         &self,
         method: &str,

@@ -98,3 +98,12 @@ fn an_aws_spot_notice_is_read_through_an_imdsv2_token() {
     assert_eq!(n.action, "terminate");
     assert!(n.time.is_some());
 }
+
+#[test]
+fn a_gcp_preemption_is_read_with_the_google_flavor() {
+    let fake = FakeImds::start("vm-1").expect("fake imds");
+    let imds = client(&fake);
+    assert!(!imds.gcp_preempted().expect("not yet"));
+    fake.set_gcp_preempted(true);
+    assert!(imds.gcp_preempted().expect("preempted"));
+}

@@ -3,7 +3,8 @@
 //! the VM's name, records acknowledgements (`POST StartRequests`), and can
 //! be switched to answer garbage or to drop every connection (down).
 //! Requests without `Metadata: true` get 400, as from IMDS. It also serves
-//! AWS's IMDSv2 token and Spot `instance-action` (404 until one is set).
+//! AWS's IMDSv2 token and Spot `instance-action` (404 until one is set)
+//! and GCP's `instance/preempted`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -32,6 +33,7 @@ struct State {
     acks: Vec<String>,
     requests: u64,
     aws_action: Option<serde_json::Value>,
+    gcp_preempted: bool,
 }
 
 /// The running fake; stops when dropped.
@@ -76,6 +78,7 @@ impl FakeImds {
             acks: Vec::new(),
             requests: 0,
             aws_action: None,
+            gcp_preempted: false,
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sp) = (state.clone(), stop.clone());
@@ -120,6 +123,11 @@ impl FakeImds {
         self.lock().aws_action = action;
     }
 
+    /// What GCP's `instance/preempted` says (`TRUE` once set).
+    pub fn set_gcp_preempted(&self, preempted: bool) {
+        self.lock().gcp_preempted = preempted;
+    }
+
     /// The event ids acknowledged so far, in order.
     pub fn acks(&self) -> Vec<String> {
         self.lock().acks.clone()
@@ -158,6 +166,7 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
     let mut metadata = false;
     let mut aws_ttl = false;
     let mut aws_token = false;
+    let mut google = false;
     let mut length = 0usize;
     loop {
         let mut h = String::new();
@@ -167,6 +176,9 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
         if let Some((k, v)) = h.split_once(':') {
             if k.trim().eq_ignore_ascii_case("metadata") && v.trim() == "true" {
                 metadata = true;
+            }
+            if k.trim().eq_ignore_ascii_case("metadata-flavor") && v.trim() == "Google" {
+                google = true;
             }
             if k.trim()
                 .eq_ignore_ascii_case("x-aws-ec2-metadata-token-ttl-seconds")
@@ -192,6 +204,15 @@ fn handle(mut s: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
             return respond(&mut s, "200 OK", b"<html>maintenance</html>");
         }
         ImdsMode::Normal => {}
+    }
+    if path == "/computeMetadata/v1/instance/preempted" {
+        let p = st.gcp_preempted;
+        drop(st);
+        return if google {
+            respond(&mut s, "200 OK", if p { b"TRUE" } else { b"FALSE" })
+        } else {
+            respond(&mut s, "403 Forbidden", b"")
+        };
     }
     // AWS: IMDSv2 token, then the Spot notice.
     if path == "/latest/api/token" {

@@ -120,6 +120,10 @@ struct RunOpts {
     /// (http://169.254.169.254 on EC2) every 2 s; off when not given.
     #[arg(long, value_name = "URL")]
     aws_imds: Option<String>,
+    /// Poll GCP's preemption flag at this metadata address
+    /// (http://metadata.google.internal) every second; off when not given.
+    #[arg(long, value_name = "URL")]
+    gcp_metadata: Option<String>,
     /// This VM's name in Scheduled Events (default: asked from IMDS).
     #[arg(long, value_name = "NAME")]
     vm_name: Option<String>,
@@ -216,6 +220,7 @@ struct Plan {
     watch_interval: Duration,
     imds: Option<Imds>,
     aws_imds: Option<Imds>,
+    gcp_metadata: Option<Imds>,
     vm_name: Option<String>,
     imds_ack: bool,
     job: String,
@@ -316,6 +321,12 @@ impl Plan {
             .map(|u| Imds::new(u, Duration::from_secs(2)))
             .transpose()
             .map_err(|e| UsageError(format!("--aws-imds: {e}")))?;
+        let gcp_metadata = o
+            .gcp_metadata
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--gcp-metadata: {e}")))?;
         let job = o
             .job
             .clone()
@@ -351,6 +362,7 @@ impl Plan {
             watch_interval: secs("watch-interval", o.watch_interval)?,
             imds,
             aws_imds,
+            gcp_metadata,
             vm_name: o.vm_name.clone(),
             imds_ack: o.imds_ack,
             job,
@@ -640,6 +652,10 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     if let Some(imds) = plan.aws_imds.clone() {
         let tx = tx.clone();
         std::thread::spawn(move || poll_aws(&imds, &tx));
+    }
+    if let Some(md) = plan.gcp_metadata.clone() {
+        let tx = tx.clone();
+        std::thread::spawn(move || poll_gcp(&md, &tx));
     }
 
     let mut cmd = Command::new(&plan.command[0]);
@@ -1290,6 +1306,35 @@ fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
             }
         }
         std::thread::sleep(Duration::from_secs(2));
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
+}
+
+/// Polls GCP's preemption flag every second until it is set or the
+/// supervisor goes away. GCP powers the VM off 30 s after it is set.
+fn poll_gcp(md: &Imds, tx: &mpsc::Sender<Note>) {
+    let mut failing = false;
+    loop {
+        match md.gcp_preempted() {
+            Ok(true) => {
+                let _ = tx.send(Note::Evict {
+                    id: "gcp-preempted".to_owned(),
+                    kind: "GCP preemption".to_owned(),
+                    notice: Duration::from_secs(30),
+                });
+                return;
+            }
+            Ok(false) => failing = false,
+            Err(e) => {
+                if !failing {
+                    say(&format!("GCP preemption flag: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
         if tx.send(Note::Tick).is_err() {
             return;
         }

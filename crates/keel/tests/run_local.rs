@@ -688,3 +688,29 @@ fn an_aws_spot_notice_leads_to_a_committed_checkpoint() {
     assert!(stderr(&o).contains("AWS Spot terminate"), "{}", stderr(&o));
     assert!(job.latest_step().is_some());
 }
+
+#[test]
+fn a_gcp_preemption_leads_to_a_committed_checkpoint() {
+    let imds = FakeImds::start("vm-1").expect("fake metadata");
+    let job = Job::new();
+    let url = imds.base_url();
+    let child = job
+        .command(
+            &["--gcp-metadata", &url],
+            &[
+                ("TOY_STEPS", "100000"),
+                ("TOY_EVERY", "1000000"),
+                ("TOY_STEP_SECS", "0.05"),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+    wait_for("training", Duration::from_secs(20), || {
+        trained(&job.log()).len() >= 3
+    });
+    imds.set_gcp_preempted(true);
+    let o = child.wait_with_output().expect("wait");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+    assert!(stderr(&o).contains("GCP preemption"), "{}", stderr(&o));
+    assert!(job.latest_step().is_some());
+}
