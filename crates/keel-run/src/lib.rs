@@ -2,9 +2,10 @@
 //! running anything: the hang detector (heartbeats against a configured or
 //! learned timeout), the per-job failure history kept in a state file, the
 //! decision after a failure (which nodes to drain, which to exclude,
-//! whether to requeue), goodput accounting across requeues, and Azure
-//! Scheduled Events (parsing, filtering for this VM, polling an IMDS
-//! address and acknowledging).
+//! whether to requeue), goodput accounting across requeues, the
+//! supervisor's metrics text, and eviction notices: Azure Scheduled Events
+//! (parsing, filtering for this VM, polling an IMDS address and
+//! acknowledging), AWS Spot and GCP preemption.
 //!
 //! Time is always passed in: the detector and the accounting take
 //! monotonic offsets ([`std::time::Duration`] since an origin the caller
