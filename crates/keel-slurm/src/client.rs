@@ -151,6 +151,80 @@ impl Slurm {
         }
     }
 
+    /// The state of a job (`squeue -h -j ID -o %T`: `RUNNING`,
+    /// `CANCELLED`, ...); `None` when squeue no longer lists it.
+    pub fn job_state(&self, job: &str) -> Result<Option<String>, SlurmError> {
+        check_job(job)?;
+        let deadline = self.deadline();
+        let args = strings(&["-h", "-j", job, "-o", "%T"]);
+        let out = self.run("squeue", &args, deadline)?;
+        if !out.status.success() {
+            if out.stderr.contains("Invalid job id") {
+                return Ok(None);
+            }
+            return Err(self.failed("squeue", &args, &out));
+        }
+        Ok(out
+            .stdout
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .map(str::to_owned))
+    }
+
+    /// Requeues a job (the batch script starts again from the top with the
+    /// same job id), keeping it off `exclude`.
+    ///
+    /// Slurm changes `ExcNodeList` only on a pending job, and a running job
+    /// becomes pending only once its batch script (the caller) has exited.
+    /// So with nodes to exclude the job is requeued held (`scontrol
+    /// requeuehold`), and a detached shell that outlives the caller sets
+    /// `ExcNodeList` as soon as Slurm accepts it and then releases the job.
+    /// If that never succeeds (within ten minutes) the job stays held rather
+    /// than run on the suspect nodes.
+    pub fn requeue(&self, job: &str, exclude: &[String]) -> Result<(), SlurmError> {
+        check_job(job)?;
+        for n in exclude {
+            check_name(n)?;
+        }
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        if exclude.is_empty() {
+            let args = vec!["requeue".to_owned(), job.to_owned()];
+            self.run_ok("scontrol", &args, deadline)?;
+            return Ok(());
+        }
+        const RELEASE: &str = r#"trap '' HUP INT TERM
+i=0
+while [ $i -lt 1200 ]; do
+  if "$1" update "JobId=$2" "ExcNodeList=$3" >/dev/null 2>&1; then
+    exec "$1" release "$2"
+  fi
+  sleep 0.5
+  i=$((i + 1))
+done
+exit 1"#;
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", RELEASE, "keel-requeue"])
+            .arg(self.program("scontrol"))
+            .arg(job)
+            .arg(exclude.join(","))
+            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        // Not waited for: it must outlive the caller, which exits next.
+        #[allow(clippy::zombie_processes)]
+        cmd.spawn().map_err(|source| SlurmError::Io {
+            program: PathBuf::from("sh"),
+            source,
+        })?;
+        let args = vec!["requeuehold".to_owned(), job.to_owned()];
+        self.run_ok("scontrol", &args, deadline)?;
+        Ok(())
+    }
+
     fn update(&self, name: &str, changes: &[String]) -> Result<(), SlurmError> {
         let deadline = self.deadline();
         self.ping_by(deadline)?;
@@ -234,6 +308,21 @@ impl Slurm {
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A job id: digits, optionally `_` and an array index.
+fn check_job(job: &str) -> Result<(), SlurmError> {
+    let ok = !job.is_empty()
+        && job.len() <= 32
+        && job.chars().all(|c| c.is_ascii_digit() || c == '_')
+        && job.starts_with(|c: char| c.is_ascii_digit());
+    if ok {
+        Ok(())
+    } else {
+        Err(SlurmError::BadJob {
+            job: job.chars().take(40).collect(),
+        })
+    }
 }
 
 /// A node name scontrol and sinfo read as exactly one node.

@@ -35,6 +35,9 @@ pub enum SlurmError {
         output: String,
         reason: String,
     },
+    /// A job id that is not one (digits, `_` for an array task).
+    #[error("invalid Slurm job id {job:?}")]
+    BadJob { job: String },
     /// Slurm does not know the node.
     #[error("slurm has no node named {name:?}")]
     NoSuchNode { name: String },

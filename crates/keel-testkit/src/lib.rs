@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use keel_slurm::{Slurm, SlurmConfig};
 
 pub mod http;
+pub mod imds;
 pub mod objects;
 pub mod serve;
 pub mod tls;

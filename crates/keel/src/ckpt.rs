@@ -267,13 +267,13 @@ fn store_options(create_root: bool) -> StoreOptions {
     }
 }
 
-fn open(url: &str) -> anyhow::Result<Store> {
+pub(crate) fn open(url: &str) -> anyhow::Result<Store> {
     let u = StoreUrl::parse(url)?;
     Ok(Store::open(&u, &store_options(false))?)
 }
 
 /// Opens a store to write to: a missing `file://` directory is created.
-fn open_for_writing(url: &str) -> anyhow::Result<Store> {
+pub(crate) fn open_for_writing(url: &str) -> anyhow::Result<Store> {
     let u = StoreUrl::parse(url)?;
     Ok(Store::open(&u, &store_options(true))?)
 }
@@ -288,7 +288,7 @@ pub(crate) fn hostname() -> String {
         .unwrap_or_else(|| "unknown-host".into())
 }
 
-fn context() -> Context {
+pub(crate) fn context() -> Context {
     use std::hash::{BuildHasher, Hasher};
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)

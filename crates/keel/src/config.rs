@@ -354,6 +354,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "KEEL_EXPORTER_TOKEN",
         "keel cost idle --exporter: the bearer token (else --token-file)",
     ),
+    ("KEEL_RUN_STORE", "keel run --store"),
+    ("KEEL_RUN_NAME", "keel run --run"),
+    ("KEEL_RUN_STATE", "keel run --state"),
+    ("KEEL_RUN_IMDS", "keel run --imds"),
 ];
 
 /// Loads the file (if any) and applies the environment. `env` is the

@@ -23,6 +23,11 @@ pub enum Code {
     Io = 74,
     /// Object storage refused the credentials.
     NoPerm = 77,
+    /// `keel run`: the job should be requeued (preempted, or a failure
+    /// that another attempt may get past). EX_TEMPFAIL.
+    Requeue = 75,
+    /// `keel run`: do not requeue (the start-up retry budget is spent).
+    Stop = 93,
 }
 
 impl From<Code> for ExitCode {
@@ -76,6 +81,13 @@ pub fn classify(err: &anyhow::Error) -> Code {
         }
         if let Some(c) = e.downcast_ref::<keel_cuda::CudaError>() {
             return cuda_code(c);
+        }
+        if let Some(h) = e.downcast_ref::<keel_run::HistoryError>() {
+            use keel_run::HistoryError as H;
+            return match h {
+                H::Fs(_) => Code::Io,
+                H::Corrupt { .. } | H::Version { .. } | H::Encode(_) => Code::Data,
+            };
         }
         if let Some(c) = e.downcast_ref::<keel_ckpt::CkptError>() {
             return ckpt_code(c);

@@ -14,6 +14,7 @@ mod gpu;
 mod model;
 mod output;
 mod review;
+mod run;
 mod scratch;
 mod serve;
 mod slurm;
@@ -113,6 +114,11 @@ enum Command {
     /// NVML readings, HCA ports, XIDs, keel check's verdicts, the Slurm job
     /// holding each GPU, idle-GPU time per job.
     Exporter(Box<exporter::ExporterArgs>),
+    /// Supervise a training job: resume from the newest verified
+    /// checkpoint, push checkpoints as they complete, detect hangs, turn
+    /// preemption notices into a checkpoint and a requeue; `run report`
+    /// shows goodput.
+    Run(Box<run::RunArgs>),
 }
 
 fn main() -> ExitCode {
@@ -129,6 +135,11 @@ fn main() -> ExitCode {
             return code.into();
         }
     };
+    // The supervisor forwards the trainer's output to stdout line by line,
+    // so it does not hold stdout's lock.
+    if let Command::Run(args) = &cli.command {
+        return finish(run::run(args, cli.json)).into();
+    }
     let mut out = Out::stdout(cli.json);
     let result = match &cli.command {
         Command::Topo { command } => topo::run(&cli, command, &mut out),
@@ -142,18 +153,26 @@ fn main() -> ExitCode {
         Command::Review(args) => review::run(&cli, args, &mut out),
         Command::Cost(args) => cost::run(cli.json, args, &mut out),
         Command::Exporter(args) => exporter::run(&cli, args, &mut out),
+        Command::Run(_) => unreachable_run(),
     };
-    let code = match result {
+    finish(result).into()
+}
+
+fn unreachable_run() -> anyhow::Result<Code> {
+    Err(exit::UsageError("keel run is dispatched before output is set up".into()).into())
+}
+
+fn finish(result: anyhow::Result<Code>) -> Code {
+    match result {
         Ok(code) => code,
         Err(err) => {
             if exit::is_broken_pipe(&err) {
-                return Code::Ok.into();
+                return Code::Ok;
             }
             let code = exit::classify(&err);
             let mut stderr = std::io::stderr().lock();
             let _ = writeln!(stderr, "keel: error: {err:#}");
             code
         }
-    };
-    code.into()
+    }
 }

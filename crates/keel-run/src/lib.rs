@@ -1,0 +1,30 @@
+//! Supervision of a training job, as far as it can be decided without
+//! running anything: the hang detector (heartbeats against a configured or
+//! learned timeout), the per-job failure history kept in a state file, the
+//! decision after a failure (which nodes to drain, which to exclude,
+//! whether to requeue), goodput accounting across requeues, the
+//! supervisor's metrics text, and eviction notices: Azure Scheduled Events
+//! (parsing, filtering for this VM, polling an IMDS address and
+//! acknowledging), AWS Spot and GCP preemption.
+//!
+//! Time is always passed in: the detector and the accounting take
+//! monotonic offsets ([`std::time::Duration`] since an origin the caller
+//! chooses) or wall-clock milliseconds, never reading a clock themselves.
+//!
+//! It deliberately does not launch processes, send signals, run health
+//! checks, talk to Slurm or to checkpoint stores: the `keel` binary does,
+//! and feeds what it sees into these functions.
+
+#![forbid(unsafe_code)]
+
+pub mod decide;
+pub mod events;
+pub mod goodput;
+pub mod hang;
+pub mod history;
+pub mod metrics;
+
+pub use decide::{decide, Decision, NodeReport, Outcome, RunPolicy, Verdict};
+pub use goodput::{account, AttemptTimes, Goodput};
+pub use hang::{HangConfig, HangDetector, HangStatus, Phase, Timeout};
+pub use history::{Cause, FailureRecord, History, HistoryError, JobHistory};

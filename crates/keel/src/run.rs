@@ -1,0 +1,1503 @@
+//! `keel run`: supervise one attempt of a training job (single machine;
+//! inside an sbatch script it supervises the batch step), and `keel run
+//! report`. The decisions live in keel-run; this file starts the trainer,
+//! watches it and signals it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+use keel_ckpt::watch::{WatchEvent, Watcher};
+use keel_ckpt::{Ckpt, Selector};
+use keel_run::decide::Next;
+use keel_run::events::{Imds, Poller};
+use keel_run::goodput::Ended;
+use keel_run::{
+    account, decide, AttemptTimes, Cause, HangConfig, HangDetector, HangStatus, History, Outcome,
+    RunPolicy, Timeout,
+};
+use keel_store::TransferOptions;
+
+use crate::exit::{Code, UsageError};
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct RunArgs {
+    #[command(subcommand)]
+    sub: Option<RunSub>,
+    #[command(flatten)]
+    opts: RunOpts,
+    /// The trainer and its arguments, after `--`.
+    #[arg(last = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum RunSub {
+    /// Goodput of a job across its attempts, from the state file.
+    Report {
+        /// The run state file.
+        #[arg(long, env = "KEEL_RUN_STATE", value_name = "FILE")]
+        state: PathBuf,
+        /// The job (default: every job in the file).
+        #[arg(long, value_name = "ID")]
+        job: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+struct RunOpts {
+    /// Checkpoint store (file://, az://, s3://).
+    #[arg(long, env = "KEEL_RUN_STORE", value_name = "URL")]
+    store: Option<String>,
+    /// The run's name in the store.
+    #[arg(long, env = "KEEL_RUN_NAME", value_name = "NAME")]
+    run: Option<String>,
+    /// Where the trainer writes checkpoint directories (watched and
+    /// pushed as they complete); passed as KEEL_CKPT_DIR.
+    #[arg(long, value_name = "DIR")]
+    ckpt_dir: Option<PathBuf>,
+    /// Where a checkpoint is restored (default: DIR/.keel-resume under
+    /// --ckpt-dir).
+    #[arg(long, value_name = "DIR")]
+    restore_dir: Option<PathBuf>,
+    /// The failure history state file (default: keel-run.json in
+    /// --ckpt-dir). Put it on shared storage when attempts run on other
+    /// machines.
+    #[arg(long, env = "KEEL_RUN_STATE", value_name = "FILE")]
+    state: Option<PathBuf>,
+    /// A file that marks a checkpoint complete (default: the framework's
+    /// own rule, e.g. DCP's .metadata).
+    #[arg(long, value_name = "NAME")]
+    marker: Option<String>,
+    /// A file the trainer touches as a heartbeat; passed as
+    /// KEEL_HEARTBEAT_FILE.
+    #[arg(long, value_name = "FILE")]
+    heartbeat_file: Option<PathBuf>,
+    /// A directory where each node (or rank) touches a file of its own
+    /// name as its heartbeat (KEEL_HEARTBEAT_DIR; e.g. $SLURMD_NODENAME):
+    /// one that stops while others go on is a hang blamed on it.
+    #[arg(long, value_name = "DIR")]
+    heartbeat_dir: Option<PathBuf>,
+    /// A line of the trainer's stdout containing this is a heartbeat.
+    #[arg(long, value_name = "TEXT")]
+    heartbeat_pattern: Option<String>,
+    /// A fixed hang timeout in seconds (default: learned, the longest
+    /// interval between heartbeats times --safety-factor).
+    #[arg(long, value_name = "SECS")]
+    hang_timeout: Option<f64>,
+    /// The learned timeout's factor.
+    #[arg(long, default_value_t = 5.0, value_name = "X")]
+    safety_factor: f64,
+    /// Allowance from start to the first heartbeat, and the timeout
+    /// until one is learned.
+    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    startup_timeout: f64,
+    /// Added to the timeout while a checkpoint is being saved.
+    #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+    save_allowance: f64,
+    /// From SIGTERM to SIGKILL when the trainer is stopped.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    grace: f64,
+    /// The signal that tells the trainer to checkpoint now.
+    #[arg(long, default_value = "USR1", value_name = "SIGNAL")]
+    checkpoint_signal: String,
+    /// How long to wait for that checkpoint's commit.
+    #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+    checkpoint_deadline: f64,
+    /// Seconds between passes of the checkpoint watcher.
+    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    watch_interval: f64,
+    /// Poll Azure Scheduled Events at this IMDS address
+    /// (http://169.254.169.254 on Azure); off when not given.
+    #[arg(long, env = "KEEL_RUN_IMDS", value_name = "URL")]
+    imds: Option<String>,
+    /// Poll AWS EC2's Spot interruption notice at this IMDS address
+    /// (http://169.254.169.254 on EC2) every 2 s; off when not given.
+    #[arg(long, value_name = "URL")]
+    aws_imds: Option<String>,
+    /// Poll GCP's preemption flag at this metadata address
+    /// (http://metadata.google.internal) every second; off when not given.
+    #[arg(long, value_name = "URL")]
+    gcp_metadata: Option<String>,
+    /// This VM's name in Scheduled Events (default: asked from IMDS).
+    #[arg(long, value_name = "NAME")]
+    vm_name: Option<String>,
+    /// Acknowledge an event (StartRequests) once its checkpoint is
+    /// committed. Give it on one machine of a job only.
+    #[arg(long)]
+    imds_ack: bool,
+    /// The job the history is kept under (default: SLURM_JOB_ID, else
+    /// `local`).
+    #[arg(long, value_name = "ID")]
+    job: Option<String>,
+    /// Start-up failures in a row after which the job is not requeued.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    startup_retries: u32,
+    /// Failures of this job on one node after which it is excluded.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    exclude_after: u32,
+    /// Inside a Slurm batch job: check every node of the allocation
+    /// before training and after a failure (one task per node), and
+    /// requeue the job excluding suspect nodes.
+    #[arg(long)]
+    slurm: bool,
+    /// The health check run on each node (default: this keel's `check
+    /// --slurm`, which drains a failing node with a `keel:` reason).
+    #[arg(long, value_name = "COMMAND")]
+    check_command: Option<String>,
+    /// Longest one Slurm command may take.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    slurm_timeout: f64,
+    /// Serve Prometheus metrics at http://ADDR/metrics while supervising.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Longest the checks on all nodes may take.
+    #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+    check_timeout: f64,
+}
+
+pub fn run(args: &RunArgs, json: bool) -> anyhow::Result<Code> {
+    if let Some(RunSub::Report { state, job }) = &args.sub {
+        return report(state, job.as_deref(), json);
+    }
+    let plan = Plan::from_args(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(supervise(&plan, json))
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| UsageError(format!("--{name} must be a positive number of seconds")).into())
+}
+
+fn signal_named(name: &str) -> anyhow::Result<rustix::process::Signal> {
+    use rustix::process::Signal;
+    let n = name.trim().to_ascii_uppercase();
+    Ok(match n.strip_prefix("SIG").unwrap_or(&n) {
+        "USR1" => Signal::USR1,
+        "USR2" => Signal::USR2,
+        "TERM" => Signal::TERM,
+        "INT" => Signal::INT,
+        "HUP" => Signal::HUP,
+        "QUIT" => Signal::QUIT,
+        _ => {
+            let shown: String = name.chars().take(32).collect();
+            return Err(UsageError(format!(
+                "--checkpoint-signal {shown:?}: expected USR1, USR2, TERM, INT, HUP or QUIT"
+            ))
+            .into());
+        }
+    })
+}
+
+/// Everything an attempt needs, validated.
+#[derive(Debug)]
+struct Plan {
+    store: String,
+    run: String,
+    ckpt_dir: PathBuf,
+    restore_dir: PathBuf,
+    state: PathBuf,
+    marker: Option<String>,
+    heartbeat_file: Option<PathBuf>,
+    heartbeat_dir: Option<PathBuf>,
+    heartbeat_pattern: Option<String>,
+    hang: HangConfig,
+    grace: Duration,
+    checkpoint_signal: rustix::process::Signal,
+    checkpoint_deadline: Duration,
+    watch_interval: Duration,
+    imds: Option<Imds>,
+    aws_imds: Option<Imds>,
+    gcp_metadata: Option<Imds>,
+    vm_name: Option<String>,
+    imds_ack: bool,
+    job: String,
+    policy: RunPolicy,
+    command: Vec<String>,
+    slurm: Option<SlurmMode>,
+    metrics_listen: Option<std::net::SocketAddr>,
+}
+
+/// What Slurm mode needs.
+#[derive(Debug)]
+struct SlurmMode {
+    client: keel_slurm::Slurm,
+    nodes: Vec<String>,
+    check: Vec<String>,
+    check_timeout: Duration,
+}
+
+impl Plan {
+    fn from_args(args: &RunArgs) -> anyhow::Result<Self> {
+        let o = &args.opts;
+        let need = |v: &Option<String>, flag: &str| {
+            v.clone()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| UsageError(format!("keel run needs {flag}")))
+        };
+        let store = need(&o.store, "--store URL")?;
+        let run = need(&o.run, "--run NAME")?;
+        keel_ckpt::layout::check_run(&run)?;
+        let ckpt_dir = o
+            .ckpt_dir
+            .clone()
+            .ok_or_else(|| UsageError("keel run needs --ckpt-dir DIR".into()))?;
+        if args.command.is_empty() {
+            return Err(UsageError("keel run needs a command after `--`".into()).into());
+        }
+        if !(o.safety_factor.is_finite() && o.safety_factor >= 1.0) {
+            return Err(UsageError("--safety-factor must be at least 1".into()).into());
+        }
+        let startup = secs("startup-timeout", o.startup_timeout)?;
+        let timeout = match o.hang_timeout {
+            Some(t) => Timeout::Fixed(secs("hang-timeout", t)?),
+            None => Timeout::Learned {
+                safety_factor: o.safety_factor,
+                min_samples: 3,
+                floor: Duration::from_secs(1),
+                before_learned: startup,
+            },
+        };
+        let imds = o
+            .imds
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--imds: {e}")))?;
+        let slurm = if o.slurm {
+            let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+            if var("SLURM_JOB_ID").is_none() && o.job.is_none() {
+                return Err(UsageError(
+                    "--slurm runs inside a Slurm batch job (no SLURM_JOB_ID)".into(),
+                )
+                .into());
+            }
+            let list = var("SLURM_JOB_NODELIST")
+                .or_else(|| var("SLURM_NODELIST"))
+                .ok_or_else(|| UsageError("--slurm: no SLURM_JOB_NODELIST".into()))?;
+            let nodes = keel_slurm::expand_hostlist(&list)
+                .map_err(|e| UsageError(format!("SLURM_JOB_NODELIST: {e}")))?;
+            let check = match &o.check_command {
+                Some(c) => c.split_whitespace().map(str::to_owned).collect(),
+                None => vec![
+                    std::env::current_exe()
+                        .context("cannot find this keel")?
+                        .display()
+                        .to_string(),
+                    "check".into(),
+                    "--slurm".into(),
+                ],
+            };
+            if check.is_empty() {
+                return Err(UsageError("--check-command is empty".into()).into());
+            }
+            Some(SlurmMode {
+                client: keel_slurm::Slurm::new(keel_slurm::SlurmConfig {
+                    timeout: secs("slurm-timeout", o.slurm_timeout)?,
+                    ..Default::default()
+                }),
+                nodes,
+                check,
+                check_timeout: secs("check-timeout", o.check_timeout)?,
+            })
+        } else {
+            None
+        };
+        let aws_imds = o
+            .aws_imds
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--aws-imds: {e}")))?;
+        let gcp_metadata = o
+            .gcp_metadata
+            .as_deref()
+            .map(|u| Imds::new(u, Duration::from_secs(2)))
+            .transpose()
+            .map_err(|e| UsageError(format!("--gcp-metadata: {e}")))?;
+        let job = o
+            .job
+            .clone()
+            .or_else(|| std::env::var("SLURM_JOB_ID").ok())
+            .filter(|j| !j.is_empty())
+            .unwrap_or_else(|| "local".into());
+        Ok(Self {
+            restore_dir: o
+                .restore_dir
+                .clone()
+                .unwrap_or_else(|| ckpt_dir.join(".keel-resume")),
+            state: o
+                .state
+                .clone()
+                .unwrap_or_else(|| ckpt_dir.join("keel-run.json")),
+            store,
+            run,
+            ckpt_dir,
+            marker: o.marker.clone(),
+            heartbeat_file: o.heartbeat_file.clone(),
+            heartbeat_dir: o.heartbeat_dir.clone(),
+            heartbeat_pattern: o.heartbeat_pattern.clone().filter(|p| !p.is_empty()),
+            hang: HangConfig {
+                startup,
+                timeout,
+                save: Duration::try_from_secs_f64(o.save_allowance).map_err(|_| {
+                    UsageError("--save-allowance must be a number of seconds".into())
+                })?,
+            },
+            grace: secs("grace", o.grace)?,
+            checkpoint_signal: signal_named(&o.checkpoint_signal)?,
+            checkpoint_deadline: secs("checkpoint-deadline", o.checkpoint_deadline)?,
+            watch_interval: secs("watch-interval", o.watch_interval)?,
+            imds,
+            aws_imds,
+            gcp_metadata,
+            vm_name: o.vm_name.clone(),
+            imds_ack: o.imds_ack,
+            job,
+            policy: RunPolicy {
+                exclude_after: o.exclude_after.max(1),
+                startup_retries: o.startup_retries.max(1),
+                ..RunPolicy::default()
+            },
+            command: args.command.clone(),
+            slurm,
+            metrics_listen: o.metrics_listen,
+        })
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "keel run: {msg}");
+}
+
+/// Something the supervisor reacts to, from its helper threads and tasks.
+enum Note {
+    Heartbeat,
+    /// srun reported a task failing on this node.
+    TaskFailed(String),
+    /// Nothing: tells a helper thread whether the supervisor still listens.
+    Tick,
+    /// SIGTERM or SIGUSR1 to the supervisor.
+    Signal(&'static str),
+    /// A Scheduled Event that ends training on this VM.
+    Evict {
+        id: String,
+        kind: String,
+        /// Until the event may start (zero when it started or has no time).
+        notice: Duration,
+    },
+}
+
+fn pgid(child: &Child) -> Option<rustix::process::Pid> {
+    i32::try_from(child.id())
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+}
+
+fn signal_group(child: &Child, sig: rustix::process::Signal) {
+    if let Some(p) = pgid(child) {
+        let _ = rustix::process::kill_process_group(p, sig);
+    }
+}
+
+/// SIGTERM to the trainer's process group, SIGKILL after the grace.
+fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    if let Ok(Some(s)) = child.try_wait() {
+        return Some(s);
+    }
+    signal_group(child, rustix::process::Signal::TERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    say("the trainer ignored SIGTERM; sending SIGKILL");
+    signal_group(child, rustix::process::Signal::KILL);
+    child.wait().ok()
+}
+
+struct Attempt {
+    times: AttemptTimes,
+    commits: u64,
+    last_step: Option<u64>,
+}
+
+/// Whether a checkpoint newer than the last commit is being written: a
+/// step directory under `root` that is not complete yet.
+fn saving_now(root: &Path, marker: Option<&str>, last: Option<u64>) -> bool {
+    let Ok(done) = keel_ckpt::detect::completed(root, marker) else {
+        return false;
+    };
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return false;
+    };
+    rd.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        !name.starts_with('.')
+            && e.path().is_dir()
+            && keel_ckpt::detect::step_of(&name).is_some_and(|step| {
+                last.is_none_or(|l| step > l) && !done.iter().any(|c| c.step == step)
+            })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn push_pass(
+    watcher: &mut Watcher,
+    watcher_root: &Path,
+    marker: Option<&str>,
+    topts: &TransferOptions,
+    at: &mut Attempt,
+    det: &mut HangDetector,
+    origin: Instant,
+) -> anyhow::Result<()> {
+    let events = match watcher.pass(&crate::ckpt::context(), topts).await {
+        Ok(e) => e,
+        Err(e @ keel_ckpt::CkptError::Fenced { .. }) => return Err(e.into()),
+        Err(e) => {
+            say(&format!("checkpoint watcher: {e:#}; retrying"));
+            return Ok(());
+        }
+    };
+    let saving = saving_now(watcher_root, marker, at.last_step);
+    if saving && det.phase() == keel_run::Phase::Training {
+        det.save_started(origin.elapsed());
+    }
+    for ev in events {
+        match ev {
+            WatchEvent::Pushed { dir, report } => {
+                at.commits += 1;
+                at.last_step = Some(report.checkpoint.step);
+                // Work is safe from when the trainer finished writing the
+                // checkpoint (its directory's last change), not from when
+                // the push got to it.
+                let now = now_ms();
+                let written = mtime(&dir)
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map_or(now, |d| u64::try_from(d.as_millis()).unwrap_or(now))
+                    .min(now);
+                at.times.last_commit_ms =
+                    Some(at.times.last_commit_ms.map_or(written, |p| p.max(written)));
+                det.save_committed(origin.elapsed());
+                say(&format!(
+                    "committed step {} from {}",
+                    report.checkpoint.step,
+                    dir.display()
+                ));
+            }
+            WatchEvent::Skipped { .. } => {}
+            WatchEvent::Failed { dir, step, error } => say(&format!(
+                "push of {} (step {step}) failed, will retry: {error}",
+                dir.display()
+            )),
+        }
+    }
+    Ok(())
+}
+
+async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
+    let started = Instant::now();
+    let mut at = Attempt {
+        times: AttemptTimes {
+            started_ms: now_ms(),
+            ended_ms: 0,
+            preflight_ms: 0,
+            restore_ms: 0,
+            stall_ms: 0,
+            training_started_ms: None,
+            last_commit_ms: None,
+            ended: Ended::Failed,
+        },
+        commits: 0,
+        last_step: None,
+    };
+    // A corrupt state file stops everything before training starts.
+    let history = History::load(&plan.state)?.job(&plan.job);
+    let metrics = Arc::new(Mutex::new(keel_run::metrics::Snapshot {
+        job: plan.job.clone(),
+        phase: "start-up",
+        goodput: account(&history.attempts),
+        ..Default::default()
+    }));
+    if let Some(addr) = plan.metrics_listen {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
+        say(&format!(
+            "metrics on http://{}/metrics",
+            listener.local_addr().map_or(addr, |a| a)
+        ));
+        let m = metrics.clone();
+        std::thread::spawn(move || serve_metrics(&listener, &m));
+    }
+    std::fs::create_dir_all(&plan.ckpt_dir)
+        .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
+
+    if let Some(m) = &plan.slurm {
+        let t = Instant::now();
+        let reports = check_nodes(m);
+        at.times.preflight_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(0);
+        let bad: Vec<String> = reports
+            .iter()
+            .filter(|r| matches!(r.verdict, keel_run::Verdict::Unhealthy { .. }))
+            .map(|r| r.info.name.clone())
+            .collect();
+        if !bad.is_empty() {
+            say(&format!(
+                "pre-flight: the check failed on {}; not starting the trainer",
+                bad.join(",")
+            ));
+            let outcome = Outcome::Failed {
+                cause: Cause::Check,
+                nodes: Vec::new(),
+                during_startup: false,
+                detail: format!("pre-flight check failed on {}", bad.join(",")),
+            };
+            let mut d = decide(&outcome, &history, &reports, &plan.policy);
+            // A node failing its check is not the trainer failing to start.
+            d.startup_failures = history.startup_failures;
+            return conclude(plan, &outcome, d, at, None, json);
+        }
+        say(&format!("pre-flight: {} nodes passed", m.nodes.len()));
+    }
+
+    let (tx, rx) = mpsc::channel::<Note>();
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let name = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = usr1.recv() => "SIGUSR1",
+                };
+                if tx.send(Note::Signal(name)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    // Resume from the newest checkpoint that verifies.
+    let store = crate::ckpt::open_for_writing(&plan.store)?;
+    let ck = Ckpt::new(&store, &plan.run)?;
+    let topts = TransferOptions::default();
+    let restore_started = Instant::now();
+    let latest = ck
+        .latest()
+        .await
+        .with_context(|| format!("cannot read the checkpoints of {}", plan.run))?;
+    let mut resume: Option<(PathBuf, u64)> = None;
+    if latest.is_some() {
+        remove_earlier_restores(&plan.restore_dir);
+        let dir = plan
+            .restore_dir
+            .join(format!("attempt-{}", at.times.started_ms));
+        let r = ck
+            .pull(
+                Selector::Latest,
+                &dir,
+                false,
+                &crate::ckpt::context(),
+                &topts,
+            )
+            .await
+            .with_context(|| format!("cannot restore a checkpoint of {}", plan.run))?;
+        for f in &r.fell_back_from {
+            say(&format!(
+                "WARNING: step {} failed verification and was not used: {}",
+                f.checkpoint.step, f.error
+            ));
+        }
+        say(&format!(
+            "resuming from step {} ({})",
+            r.checkpoint.step,
+            r.dir.display()
+        ));
+        resume = Some((r.dir, r.checkpoint.step));
+    } else {
+        say("no checkpoint yet: starting fresh");
+    }
+    at.times.restore_ms = u64::try_from(restore_started.elapsed().as_millis()).unwrap_or(0);
+
+    // Scheduled Events, on their own thread: a failure there is logged
+    // and never ends training.
+    if let Some(imds) = plan.imds.clone() {
+        let tx = tx.clone();
+        let vm = plan.vm_name.clone();
+        std::thread::spawn(move || poll_imds(imds, vm, tx));
+    }
+    if let Some(imds) = plan.aws_imds.clone() {
+        let tx = tx.clone();
+        std::thread::spawn(move || poll_aws(&imds, &tx));
+    }
+    if let Some(md) = plan.gcp_metadata.clone() {
+        let tx = tx.clone();
+        std::thread::spawn(move || poll_gcp(&md, &tx));
+    }
+
+    let mut cmd = Command::new(&plan.command[0]);
+    cmd.args(&plan.command[1..])
+        .env("KEEL_CKPT_DIR", &plan.ckpt_dir)
+        .env_remove("KEEL_RESUME_DIR")
+        .env_remove("KEEL_RESUME_STEP")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    if let Some((dir, step)) = &resume {
+        cmd.env("KEEL_RESUME_DIR", dir)
+            .env("KEEL_RESUME_STEP", step.to_string());
+    }
+    if let Some(f) = &plan.heartbeat_file {
+        cmd.env("KEEL_HEARTBEAT_FILE", f);
+    }
+    if let Some(d) = &plan.heartbeat_dir {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+        cmd.env("KEEL_HEARTBEAT_DIR", d);
+    }
+    let mut child = cmd.spawn().map_err(|e| {
+        let shown: String = plan.command[0].chars().take(200).collect();
+        UsageError(format!("cannot start the trainer {shown:?}: {e}"))
+    })?;
+    at.times.training_started_ms = Some(now_ms());
+    if let Some(out) = child.stdout.take() {
+        let tx = tx.clone();
+        let pattern = plan.heartbeat_pattern.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut line = Vec::new();
+            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let _ = std::io::stdout().lock().write_all(&line);
+                if let Some(p) = &pattern {
+                    if keel_run::hang::line_is_heartbeat(&String::from_utf8_lossy(&line), p) {
+                        let _ = tx.send(Note::Heartbeat);
+                    }
+                }
+                line.clear();
+            }
+        });
+    }
+    if let Some(err) = child.stderr.take() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(err);
+            let mut line = Vec::new();
+            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let _ = std::io::stderr().lock().write_all(&line);
+                if let Some(node) = srun_failed_node(&String::from_utf8_lossy(&line)) {
+                    let _ = tx.send(Note::TaskFailed(node));
+                }
+                line.clear();
+            }
+        });
+    }
+    drop(tx);
+    let mut failed_nodes: Vec<String> = Vec::new();
+
+    let origin = started;
+    let mut det = HangDetector::new(plan.hang, origin.elapsed());
+    let mut watcher = Watcher::new(
+        ck,
+        &plan.ckpt_dir,
+        plan.marker.clone(),
+        format!("keel-run-{}", crate::ckpt::hostname()),
+    );
+    let mut heartbeat_mtime = plan.heartbeat_file.as_deref().and_then(mtime);
+    // Per node (or rank) of --heartbeat-dir: its last mtime and detector.
+    let mut per_name: std::collections::BTreeMap<String, (SystemTime, HangDetector)> =
+        std::collections::BTreeMap::new();
+    let mut commits_seen = 0u64;
+    let mut last_commit: Option<Duration> = None;
+    let mut next_pass = Instant::now();
+    // Set when asked to checkpoint now: the deadline, the commits seen
+    // when asked, and the event to acknowledge.
+    let mut draining: Option<(Instant, u64, Option<String>)> = None;
+    let mut cancelled = false;
+    let outcome;
+    loop {
+        if cancelled {
+            stop(&mut child, plan.grace);
+            outcome = Outcome::Cancelled;
+            break;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            // A last pass pushes what the trainer wrote before it exited.
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
+            // srun's last lines name the nodes whose tasks failed.
+            std::thread::sleep(Duration::from_millis(200));
+            while let Ok(note) = rx.try_recv() {
+                if let Note::TaskFailed(node) = note {
+                    if !failed_nodes.contains(&node) {
+                        failed_nodes.push(node);
+                    }
+                }
+            }
+            outcome = if draining.is_some() {
+                Outcome::Preempted
+            } else if status.success() {
+                Outcome::Completed
+            } else {
+                Outcome::Failed {
+                    cause: Cause::Crash,
+                    nodes: blame(plan, &failed_nodes),
+                    during_startup: det.beats() == 0 && at.commits == 0,
+                    detail: describe(status),
+                }
+            };
+            break;
+        }
+        while let Ok(note) = rx.try_recv() {
+            match note {
+                Note::Heartbeat => det.beat(origin.elapsed()),
+                Note::Tick => {}
+                Note::TaskFailed(node) => {
+                    if !failed_nodes.contains(&node) {
+                        failed_nodes.push(node);
+                    }
+                }
+                Note::Signal(name) => {
+                    if cancelled_by_user(plan) {
+                        say(&format!(
+                            "{name}: the job was cancelled; stopping the trainer without a checkpoint"
+                        ));
+                        cancelled = true;
+                    } else if draining.is_none() {
+                        say(&format!("{name}: asking the trainer to checkpoint now"));
+                        signal_group(&child, plan.checkpoint_signal);
+                        draining =
+                            Some((Instant::now() + plan.checkpoint_deadline, at.commits, None));
+                    }
+                }
+                Note::Evict { id, kind, notice } => {
+                    if draining.is_none() {
+                        // The event's NotBefore, less a second to stop the
+                        // trainer, caps the wait (when it is in the future).
+                        let wait = if notice.is_zero() {
+                            plan.checkpoint_deadline
+                        } else {
+                            plan.checkpoint_deadline
+                                .min(notice.saturating_sub(Duration::from_secs(1)))
+                        };
+                        say(&format!(
+                            "scheduled event {kind} ({id}) for this VM, {:.0} s notice: asking the trainer to checkpoint now",
+                            notice.as_secs_f64()
+                        ));
+                        signal_group(&child, plan.checkpoint_signal);
+                        draining = Some((Instant::now() + wait, at.commits, Some(id)));
+                    }
+                }
+            }
+        }
+        if let Some(f) = &plan.heartbeat_file {
+            let m = mtime(f);
+            if m.is_some() && m != heartbeat_mtime {
+                heartbeat_mtime = m;
+                det.beat(origin.elapsed());
+            }
+        }
+        if let Some(d) = &plan.heartbeat_dir {
+            let now = origin.elapsed();
+            for (name, m) in heartbeat_files(d) {
+                let room = per_name.len() < 4096;
+                match per_name.get_mut(&name) {
+                    Some((last, nd)) if *last != m => {
+                        *last = m;
+                        nd.beat(now);
+                        det.beat(now);
+                    }
+                    Some(_) => {}
+                    None if room => {
+                        let mut nd = HangDetector::new(plan.hang, now);
+                        nd.beat(now);
+                        per_name.insert(name, (m, nd));
+                        det.beat(now);
+                    }
+                    None => {}
+                }
+            }
+            // The nodes' own detectors know nothing of saves: they are
+            // not checked during one, nor for one timeout after a commit.
+            if at.commits > commits_seen {
+                last_commit = Some(now);
+            }
+            commits_seen = at.commits;
+        }
+        if Instant::now() >= next_pass {
+            let before = Instant::now();
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
+            if draining.is_some() {
+                at.times.stall_ms += u64::try_from(before.elapsed().as_millis()).unwrap_or(0);
+            }
+            next_pass = Instant::now() + plan.watch_interval;
+        }
+        if let Some((deadline, commits_then, event)) = &draining {
+            let committed = at.commits > *commits_then;
+            if committed || Instant::now() >= *deadline {
+                if committed {
+                    say("the checkpoint is committed; stopping the trainer");
+                } else {
+                    say("WARNING: no checkpoint was committed before the deadline; stopping the trainer");
+                }
+                stop(&mut child, plan.grace);
+                push_pass(
+                    &mut watcher,
+                    &plan.ckpt_dir,
+                    plan.marker.as_deref(),
+                    &topts,
+                    &mut at,
+                    &mut det,
+                    origin,
+                )
+                .await?;
+                if let (Some(id), Some(imds)) = (event, &plan.imds) {
+                    if plan.imds_ack {
+                        match imds.acknowledge(&[id]) {
+                            Ok(()) => say(&format!("acknowledged scheduled event {id}")),
+                            Err(e) => say(&format!("cannot acknowledge event {id}: {e}")),
+                        }
+                    }
+                }
+                outcome = Outcome::Preempted;
+                break;
+            }
+        } else if let Some((names, silent_for, timeout)) = (det.phase()
+            == keel_run::Phase::Training
+            && last_commit.is_none_or(|c| origin.elapsed() > c + det.training_timeout()))
+        .then(|| stopped_names(&per_name, origin.elapsed()))
+        .flatten()
+        {
+            say(&format!(
+                "no heartbeat from {} for {:.1} s (timeout {:.1} s) while others report: hung; stopping the trainer",
+                names.join(","),
+                silent_for.as_secs_f64(),
+                timeout.as_secs_f64()
+            ));
+            stop(&mut child, plan.grace);
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
+            outcome = Outcome::Failed {
+                cause: Cause::Hang,
+                nodes: if plan.slurm.is_some() {
+                    names.clone()
+                } else {
+                    blame(plan, &failed_nodes)
+                },
+                during_startup: false,
+                detail: format!(
+                    "no heartbeat from {} for {:.0} s",
+                    names.join(","),
+                    silent_for.as_secs_f64()
+                ),
+            };
+            break;
+        } else if let HangStatus::Hung {
+            phase,
+            silent_for,
+            timeout,
+        } = det.check(origin.elapsed())
+        {
+            say(&format!(
+                "no heartbeat for {:.1} s during {} (timeout {:.1} s): the trainer is hung; stopping it",
+                silent_for.as_secs_f64(),
+                phase.as_str(),
+                timeout.as_secs_f64()
+            ));
+            stop(&mut child, plan.grace);
+            push_pass(
+                &mut watcher,
+                &plan.ckpt_dir,
+                plan.marker.as_deref(),
+                &topts,
+                &mut at,
+                &mut det,
+                origin,
+            )
+            .await?;
+            outcome = Outcome::Failed {
+                cause: Cause::Hang,
+                nodes: blame(plan, &failed_nodes),
+                during_startup: det.beats() == 0,
+                detail: format!("no heartbeat for {:.0} s", silent_for.as_secs_f64()),
+            };
+            break;
+        }
+        {
+            let now = origin.elapsed();
+            let mut m = metrics.lock().unwrap_or_else(|e| e.into_inner());
+            m.phase = if draining.is_some() {
+                "draining"
+            } else {
+                det.phase().as_str()
+            };
+            m.heartbeats = det.beats();
+            m.commits = at.commits;
+            m.last_commit_step = at.last_step;
+            m.resumed_step = resume.as_ref().map(|r| r.1);
+            m.hang_timeout_s = det.timeout().as_secs_f64();
+            m.silent_s = now.saturating_sub(det.last()).as_secs_f64();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let mut outcome = outcome;
+    let mut reports = Vec::new();
+    if let Some(m) = &plan.slurm {
+        // A user's scancel ends the steps (the trainer fails) and marks
+        // the job cancelled: never requeued.
+        let ended_early = matches!(outcome, Outcome::Failed { .. } | Outcome::Preempted);
+        if ended_early && cancelled_by_user(plan) {
+            say("the job was cancelled (Slurm is ending it); it is not requeued");
+            outcome = Outcome::Cancelled;
+        } else if matches!(outcome, Outcome::Failed { .. }) {
+            reports = check_nodes(m);
+        }
+    }
+    let d = decide(&outcome, &history, &reports, &plan.policy);
+    conclude(plan, &outcome, d, at, resume.map(|r| r.1), json)
+}
+
+/// Records the attempt, carries out the decision and picks the exit code.
+fn conclude(
+    plan: &Plan,
+    outcome: &Outcome,
+    d: keel_run::Decision,
+    mut at: Attempt,
+    resumed: Option<u64>,
+    json: bool,
+) -> anyhow::Result<Code> {
+    at.times.ended_ms = now_ms();
+    at.times.ended = match outcome {
+        Outcome::Completed => Ended::Completed,
+        Outcome::Cancelled => Ended::Cancelled,
+        Outcome::Preempted => Ended::Preempted,
+        Outcome::Failed { .. } => Ended::Failed,
+    };
+    let times = at.times.clone();
+    let job = plan.job.clone();
+    let record = d.record.clone();
+    let startup_failures = d.startup_failures;
+    History::update(&plan.state, move |h| {
+        let j = h.jobs.entry(job).or_default();
+        for (n, c) in &record {
+            j.record_failure(n, *c);
+        }
+        j.startup_failures = startup_failures;
+        j.attempts.push(times);
+    })?;
+    let (mut code, mut what) = match (outcome, &d.next) {
+        (_, Next::Done) => (Code::Ok, "completed".to_owned()),
+        (_, Next::Stop { reason }) => (Code::Stop, reason.clone()),
+        (Outcome::Preempted, Next::Requeue) => (
+            Code::Requeue,
+            "preempted: requeue to resume from the committed checkpoint".to_owned(),
+        ),
+        (Outcome::Failed { detail, .. }, Next::Requeue) => (
+            Code::Failed,
+            format!("failed ({detail}); requeue to resume"),
+        ),
+        (_, Next::Requeue) => (Code::Requeue, "requeue".to_owned()),
+    };
+    if let Some(m) = &plan.slurm {
+        for (node, reason) in &d.drain {
+            match m.client.drain(node, reason) {
+                Ok(()) => say(&format!("drained {node}: {reason}")),
+                Err(e) => say(&format!("cannot drain {node}: {e}")),
+            }
+        }
+        if d.next == Next::Requeue {
+            let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+            let shown = if d.exclude.is_empty() {
+                "no node".to_owned()
+            } else {
+                d.exclude.join(",")
+            };
+            match m.client.requeue(&job, &d.exclude) {
+                Ok(()) => {
+                    what = format!("{what}; requeued job {job} excluding {shown}");
+                    code = Code::Requeue;
+                }
+                Err(e) => what = format!("{what}; cannot requeue job {job}: {e}"),
+            }
+        }
+    }
+    say(&what);
+    if json {
+        let body = serde_json::json!({
+            "version": 1,
+            "command": "run",
+            "job": plan.job,
+            "outcome": at.times.ended,
+            "result": what,
+            "exit_code": code as u8,
+            "resumed_from_step": resumed,
+            "commits": at.commits,
+            "exclude": d.exclude,
+            "drained": d.drain.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        });
+        let _ = writeln!(std::io::stdout().lock(), "{body}");
+    }
+    Ok(code)
+}
+
+/// Runs the health check on every node of the allocation (one task per
+/// node) and reads each node from Slurm afterwards: a node drained with
+/// keel's prefix failed its check. A check that cannot run changes nothing
+/// (fail open).
+fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
+    let n = m.nodes.len().to_string();
+    let mut cmd = Command::new("srun");
+    cmd.args(["--nodes", &n, "--ntasks", &n, "--ntasks-per-node=1"])
+        .args(["--kill-on-bad-exit=0", "--job-name=keel-check"])
+        .args(&m.check)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    match cmd.spawn() {
+        Ok(mut c) => {
+            let until = Instant::now() + m.check_timeout;
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    _ => {
+                        say("the node checks did not finish in time; stopping them");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+        }
+        Err(e) => say(&format!("cannot run the node checks with srun: {e}")),
+    }
+    let policy = keel_slurm::Policy::default();
+    let mut reports = Vec::new();
+    for node in &m.nodes {
+        match m.client.node(node) {
+            Ok(info) => {
+                let verdict = match info.reason.as_deref() {
+                    Some(r) if info.is_drained() && policy.owns(r) => {
+                        keel_run::Verdict::Unhealthy {
+                            reason: r.to_owned(),
+                        }
+                    }
+                    _ => keel_run::Verdict::Healthy { passed: Vec::new() },
+                };
+                reports.push(keel_run::NodeReport { info, verdict });
+            }
+            Err(e) => say(&format!("cannot read node {node} from Slurm: {e}")),
+        }
+    }
+    reports
+}
+
+/// The files of a heartbeat directory (names of at most 64 characters)
+/// with their mtimes.
+fn heartbeat_files(dir: &Path) -> Vec<(String, SystemTime)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            if name.starts_with('.') || name.len() > 64 {
+                return None;
+            }
+            let m = e.metadata().ok()?;
+            (m.is_file()).then_some(())?;
+            Some((name, m.modified().ok()?))
+        })
+        .collect()
+}
+
+/// The nodes (or ranks) that stopped while another still reports: each is
+/// silent past its own timeout. When all are silent, nobody is singled
+/// out (the job-wide detector reports that hang).
+fn stopped_names(
+    per_name: &std::collections::BTreeMap<String, (SystemTime, HangDetector)>,
+    now: Duration,
+) -> Option<(Vec<String>, Duration, Duration)> {
+    let mut hung = Vec::new();
+    let mut worst = (Duration::ZERO, Duration::ZERO);
+    for (name, (_, d)) in per_name {
+        if let HangStatus::Hung {
+            silent_for,
+            timeout,
+            ..
+        } = d.check(now)
+        {
+            hung.push(name.clone());
+            if silent_for > worst.0 {
+                worst = (silent_for, timeout);
+            }
+        }
+    }
+    (!hung.is_empty() && hung.len() < per_name.len()).then_some((hung, worst.0, worst.1))
+}
+
+/// Removes the checkpoints earlier attempts restored (`attempt-<ms>`
+/// directories keel made under the restore directory, and their hidden
+/// partial siblings); nothing else there is touched.
+fn remove_earlier_restores(root: &Path) {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let bare = name.trim_start_matches('.');
+        let ours = bare.strip_prefix("attempt-").is_some_and(|rest| {
+            rest.split('.')
+                .next()
+                .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
+        });
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if ours && is_dir {
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                say(&format!("cannot remove {}: {err}", e.path().display()));
+            }
+        }
+    }
+}
+
+/// Answers `GET /metrics` (anything else 404) until the process ends.
+fn serve_metrics(listener: &std::net::TcpListener, m: &Mutex<keel_run::metrics::Snapshot>) {
+    for conn in listener.incoming() {
+        let Ok(mut s) = conn else { continue };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut line = String::new();
+        let _ = BufReader::new(&s).read_line(&mut line);
+        let (status, body) =
+            if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics?") {
+                let snap = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                ("200 OK", keel_run::metrics::render(&snap))
+            } else {
+                ("404 Not Found", "not found\n".to_owned())
+            };
+        let _ = write!(
+            s,
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+}
+
+/// Under Slurm, whether Slurm is already ending the job (`COMPLETING` or
+/// `CANCELLED` while its batch script still runs): a user's `scancel`, or
+/// a preemption Slurm carries out itself. keel neither checkpoints nor
+/// requeues such a job; a preemption in `PreemptMode=REQUEUE` is requeued
+/// by Slurm. (Slurm's warning signal, `--signal=B:USR1@...`, and
+/// `scancel --batch --signal=TERM` leave the job running: those are
+/// checkpointed and requeued.)
+fn cancelled_by_user(plan: &Plan) -> bool {
+    let Some(m) = &plan.slurm else {
+        return false;
+    };
+    let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+    matches!(m.client.job_state(&job), Ok(Some(s)) if s.starts_with("CANCELLED") || s.starts_with("COMPLETING"))
+}
+
+/// The nodes a failure is recorded against: under Slurm those srun named
+/// (`srun: error: n2: task 1: Exited with exit code 1`), else this host.
+fn blame(plan: &Plan, failed: &[String]) -> Vec<String> {
+    if plan.slurm.is_some() {
+        failed.to_vec()
+    } else {
+        vec![crate::ckpt::hostname()]
+    }
+}
+
+/// The node of a line where srun reports a failed task.
+fn srun_failed_node(line: &str) -> Option<String> {
+    let rest = line.trim().strip_prefix("srun: error: ")?;
+    let (node, rest) = rest.split_once(": ")?;
+    let failed = rest.starts_with("task")
+        && (rest.contains("Exited with exit code")
+            || rest.contains("Killed")
+            || rest.contains("Terminated"));
+    (failed && keel_slurm::check_node_name(node).is_ok()).then(|| node.to_owned())
+}
+
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "ended".to_owned(),
+    }
+}
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// Polls AWS's Spot interruption notice every 2 s until one comes or the
+/// supervisor goes away; errors are logged once and never end training.
+fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
+    let mut failing = false;
+    loop {
+        match imds.aws_instance_action() {
+            Ok(Some(n)) => {
+                let notice = n
+                    .time
+                    .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                    .unwrap_or(Duration::ZERO);
+                let _ = tx.send(Note::Evict {
+                    id: format!("aws-spot-{}", n.action),
+                    kind: format!("AWS Spot {}", n.action),
+                    notice,
+                });
+                return;
+            }
+            Ok(None) => failing = false,
+            Err(e) => {
+                if !failing {
+                    say(&format!("AWS Spot notice: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
+}
+
+/// Polls GCP's preemption flag every second until it is set or the
+/// supervisor goes away. GCP powers the VM off 30 s after it is set.
+fn poll_gcp(md: &Imds, tx: &mpsc::Sender<Note>) {
+    let mut failing = false;
+    loop {
+        match md.gcp_preempted() {
+            Ok(true) => {
+                let _ = tx.send(Note::Evict {
+                    id: "gcp-preempted".to_owned(),
+                    kind: "GCP preemption".to_owned(),
+                    notice: Duration::from_secs(30),
+                });
+                return;
+            }
+            Ok(false) => failing = false,
+            Err(e) => {
+                if !failing {
+                    say(&format!("GCP preemption flag: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
+}
+
+/// Polls Scheduled Events once a second until the supervisor goes away.
+fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
+    let mut warned = false;
+    let vm = loop {
+        match vm.clone().map(Ok).unwrap_or_else(|| imds.vm_name()) {
+            Ok(v) => break v,
+            Err(e) => {
+                if !warned {
+                    say(&format!(
+                        "Scheduled Events: cannot learn this VM's name: {e}; retrying"
+                    ));
+                    warned = true;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    };
+    let mut poller = Poller::new(imds, &vm);
+    let mut failing = false;
+    loop {
+        match poller.poll() {
+            Ok(events) => {
+                if failing {
+                    say("Scheduled Events: IMDS answers again");
+                    failing = false;
+                }
+                for e in events {
+                    if e.kind.ends_training() {
+                        let note = Note::Evict {
+                            id: e.id.clone(),
+                            kind: e.kind.as_str().to_owned(),
+                            notice: e.notice(SystemTime::now()),
+                        };
+                        if tx.send(note).is_err() {
+                            return;
+                        }
+                    } else {
+                        say(&format!(
+                            "scheduled event {} ({}) for this VM: training continues",
+                            e.kind.as_str(),
+                            e.id
+                        ));
+                    }
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    say(&format!("Scheduled Events: {e}; training continues"));
+                    failing = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        // The supervisor is gone when nobody listens.
+        if tx.send(Note::Tick).is_err() {
+            return;
+        }
+    }
+}
+
+fn report(state: &Path, job: Option<&str>, json: bool) -> anyhow::Result<Code> {
+    if !state.exists() {
+        return Err(UsageError(format!("no run state file at {}", state.display())).into());
+    }
+    let h = History::load(state)?;
+    let jobs: Vec<(&String, &keel_run::JobHistory)> = h
+        .jobs
+        .iter()
+        .filter(|(k, _)| job.is_none_or(|j| j == k.as_str()))
+        .collect();
+    if jobs.is_empty() {
+        return Err(UsageError(format!(
+            "{} has no job {}",
+            state.display(),
+            job.unwrap_or("")
+        ))
+        .into());
+    }
+    let mut out = std::io::stdout().lock();
+    if json {
+        let body: Vec<_> = jobs
+            .iter()
+            .map(|(k, j)| {
+                serde_json::json!({"job": k, "goodput": account(&j.attempts),
+                    "failures": j.failures.iter().map(|f| serde_json::json!({"node": f.node, "cause": f.cause, "count": f.count})).collect::<Vec<_>>(),
+                    "startup_failures": j.startup_failures})
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({"version": 1, "command": "run report", "jobs": body})
+        )?;
+        return Ok(Code::Ok);
+    }
+    for (k, j) in jobs {
+        let g = account(&j.attempts);
+        let pct = |ms: u64| {
+            if g.wall_ms == 0 {
+                "-".to_owned()
+            } else {
+                #[allow(clippy::cast_precision_loss)]
+                let p = ms as f64 * 100.0 / g.wall_ms as f64;
+                format!("{p:.1}%")
+            }
+        };
+        writeln!(out, "job {k}: {} attempts", g.attempts)?;
+        writeln!(out, "  {:<20} {:>12} {:>7}", "bucket", "seconds", "share")?;
+        for (name, ms) in [
+            ("queue", g.queue_ms),
+            ("pre-flight", g.preflight_ms),
+            ("restore", g.restore_ms),
+            ("checkpoint stalls", g.stall_ms),
+            ("lost work", g.lost_ms),
+            ("productive", g.productive_ms),
+            ("wall", g.wall_ms),
+        ] {
+            #[allow(clippy::cast_precision_loss)]
+            let s = ms as f64 / 1000.0;
+            writeln!(out, "  {name:<20} {s:>12.1} {:>7}", pct(ms))?;
+        }
+        writeln!(
+            out,
+            "  effective training time ratio: {}",
+            g.ettr.map_or("-".to_owned(), |r| format!("{r:.3}"))
+        )?;
+        for f in &j.failures {
+            writeln!(
+                out,
+                "  failure: node {} {} x{}",
+                f.node,
+                f.cause.as_str(),
+                f.count
+            )?;
+        }
+    }
+    Ok(Code::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn srun_failure_lines_name_the_node() {
+        assert_eq!(
+            srun_failed_node("srun: error: n2: task 1: Exited with exit code 1\n"),
+            Some("n2".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: gpu-07: tasks 8-15: Killed"),
+            Some("gpu-07".to_owned())
+        );
+        assert_eq!(
+            srun_failed_node("srun: error: Timed out waiting for job step"),
+            None
+        );
+        assert_eq!(srun_failed_node("step 3 loss 0.1"), None);
+    }
+}
