@@ -23,14 +23,14 @@ pub enum Format {
 }
 
 #[derive(Debug, Args)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct CostArgs {
     #[command(subcommand)]
     command: Option<crate::cost_idle::CostCommand>,
     /// The price table (TOML: currency, source, [[price]] partition, sku,
     /// gpus_per_node, on_demand, spot; docs/review.md).
+    /// Needed unless a subcommand (`idle`) is given.
     #[arg(long, value_name = "FILE")]
-    prices: PathBuf,
+    prices: Option<PathBuf>,
     /// Read recorded `sacct -a -X -P -n --noconvert
     /// --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
     /// output instead of running sacct.
@@ -150,10 +150,17 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
             .transpose()?,
         requeue_safe_prefixes: args.requeue_safe.clone(),
     };
-    let price_text = std::fs::read_to_string(&args.prices)
-        .with_context(|| format!("cannot read {}", args.prices.display()))?;
+    let Some(prices_file) = &args.prices else {
+        return Err(UsageError(
+            "keel cost needs --prices FILE (a price table: docs/review.md), or a subcommand: keel cost idle"
+                .into(),
+        )
+        .into());
+    };
+    let price_text = std::fs::read_to_string(prices_file)
+        .with_context(|| format!("cannot read {}", prices_file.display()))?;
     let prices = PriceTable::parse(&price_text)
-        .map_err(|e| DataError(format!("{}: {e}", args.prices.display())))?;
+        .map_err(|e| DataError(format!("{}: {e}", prices_file.display())))?;
     let (file, text) = match &args.sacct_file {
         Some(p) => (
             p.display().to_string(),

@@ -565,6 +565,9 @@ fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
         let (code, out, err) = run(keel()
             .env("KEEL_IMDS_ENDPOINT", "127.0.0.1:1")
             .env_remove("KEEL_CONFIG")
+            // Without paths, review also reads $SLURM_CONF: this test is
+            // about the node alone.
+            .env_remove("SLURM_CONF")
             .env("HOME", dir.path())
             .arg("--root")
             .arg(&root)
