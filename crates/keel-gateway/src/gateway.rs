@@ -25,7 +25,9 @@ use crate::limits::{
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
-use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
+use crate::proxy::{
+    retry_after, summary_of_body, upstream_headers, SseFilter, TokenUsage, Upstream,
+};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
 use crate::traffic::{Backend, ModelRoute, Permit, RetryBudget, Rng, Traffic};
@@ -132,6 +134,8 @@ struct Inner {
     tasks: std::sync::atomic::AtomicUsize,
     /// Request and non-streamed response body bytes held now.
     bodies: BodyBudget,
+    /// Per-request samples of the models a rollout watches.
+    samples: crate::samples::SampleBook,
 }
 
 /// Counts a background task from spawn to end.
@@ -246,6 +250,12 @@ struct Ctx {
     usage: Option<TokenUsage>,
     /// `usage` is the gateway's estimate: the backend reported none.
     usage_estimated: bool,
+    /// The first choice's finish reason and visible characters, for the
+    /// canary analysis.
+    finish_reason: Option<keel_canary::analysis::FinishReason>,
+    answer_chars: Option<u32>,
+    /// A stream that ended without its end marker.
+    stream_aborted: bool,
     /// Prompt tokens as estimated from the request.
     prompt_estimate: u64,
     backend_time: Option<Duration>,
@@ -766,6 +776,7 @@ impl Gateway {
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
                 bodies: BodyBudget::default(),
+                samples: crate::samples::SampleBook::default(),
             }),
         };
         gw.start_background();
@@ -873,6 +884,22 @@ impl Gateway {
         if let Some(a) = &self.inner.audit {
             a.close();
         }
+    }
+
+    /// The per-request samples of the models a rollout watches.
+    pub fn samples(&self) -> &crate::samples::SampleBook {
+        &self.inner.samples
+    }
+
+    /// An attempt that a deployment failed (5xx or no answer), as a
+    /// sample of that deployment: the request may still be served by a
+    /// retry elsewhere.
+    fn failed_sample(&self, model: &str, deployment: &str, sent_at: Instant) {
+        self.inner.samples.record(
+            model,
+            deployment,
+            keel_canary::analysis::Sample::failed(sent_at.elapsed().as_secs_f64() * 1e3),
+        );
     }
 
     fn audit_event(&self, event: &str, mut m: Map<String, Value>) {
@@ -1076,6 +1103,24 @@ impl Gateway {
         );
         if let Some(u) = ctx.usage {
             m.tokens(model, deployment, key, u.prompt, u.completion);
+        }
+        if !deployment.is_empty() {
+            self.inner.samples.record(
+                model,
+                deployment,
+                keel_canary::analysis::Sample {
+                    error: ctx.status >= 500,
+                    latency_ms: Some(total.as_secs_f64() * 1e3),
+                    completion_tokens: ctx
+                        .usage
+                        .filter(|_| !ctx.usage_estimated)
+                        .map(|u| u.completion.try_into().unwrap_or(u32::MAX)),
+                    finish_reason: ctx.finish_reason,
+                    answer_chars: ctx.answer_chars,
+                    streamed: ctx.stream,
+                    stream_aborted: ctx.stream && ctx.stream_aborted,
+                },
+            );
         }
         if let Some(kind) = ctx.denied {
             m.error(ctx.route, kind);
@@ -1554,7 +1599,11 @@ impl Gateway {
         };
         let ok = parts.status.is_success();
         if ok && usage {
-            ctx.usage = usage_of_body(&bytes);
+            if let Some(a) = summary_of_body(&bytes) {
+                ctx.usage = a.usage;
+                ctx.finish_reason = a.finish_reason;
+                ctx.answer_chars = a.answer_chars;
+            }
         }
         match (ok, ctx.usage) {
             (false, _) => self.settle(reservation, 0).await,
@@ -1650,6 +1699,9 @@ impl Gateway {
             }
             ctx.backend_time = Some(sent_at.elapsed());
             ctx.usage = f.usage;
+            ctx.finish_reason = f.finish_reason;
+            ctx.answer_chars = Some(f.answer_chars);
+            ctx.stream_aborted = !ok || !f.done;
             match f.usage {
                 Some(u) => gw.settle(reservation.as_ref(), u.total()).await,
                 None if f.events == 0 => gw.settle(reservation.as_ref(), 0).await,
@@ -1876,6 +1928,9 @@ impl Gateway {
                         "{}: {} answered {status}",
                         c.model, c.deployment.name
                     ));
+                    if status.is_server_error() {
+                        self.failed_sample(&c.model, &c.deployment.name, sent_at);
+                    }
                     last_fail = Some(Fail::Upstream(status, ct, body, ra));
                 }
                 Ok(resp) => {
@@ -1894,6 +1949,7 @@ impl Gateway {
                     lease.done(false, None);
                     tracing::warn!(model = %c.model, deployment = %c.deployment.name, error = %e, "backend failed");
                     ctx.error = Some(format!("{}: {}: {e}", c.model, c.deployment.name));
+                    self.failed_sample(&c.model, &c.deployment.name, sent_at);
                     last_fail = None;
                 }
             }
