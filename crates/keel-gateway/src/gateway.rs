@@ -136,6 +136,8 @@ struct Inner {
     bodies: BodyBudget,
     /// Per-request samples of the models a rollout watches.
     samples: crate::samples::SampleBook,
+    /// The rollouts of the models that follow the registry.
+    rollouts: std::sync::OnceLock<crate::rollout::Rollouts>,
 }
 
 /// Counts a background task from spawn to end.
@@ -777,6 +779,7 @@ impl Gateway {
                 tasks: std::sync::atomic::AtomicUsize::new(0),
                 bodies: BodyBudget::default(),
                 samples: crate::samples::SampleBook::default(),
+                rollouts: std::sync::OnceLock::new(),
             }),
         };
         gw.start_background();
@@ -900,6 +903,27 @@ impl Gateway {
             deployment,
             keel_canary::analysis::Sample::failed(sent_at.elapsed().as_secs_f64() * 1e3),
         );
+    }
+
+    /// Records a rollout's event (weight change, verdict, promotion,
+    /// rollback) in the audit log.
+    pub(crate) fn audit_rollout(&self, event: &str, m: Map<String, Value>) {
+        self.audit_event(event, m);
+    }
+
+    /// The injected clock's time.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+
+    /// Gives the admin API the rollouts (once; later calls are ignored).
+    pub fn set_rollouts(&self, r: crate::rollout::Rollouts) {
+        let _ = self.inner.rollouts.set(r);
+    }
+
+    /// The rollouts, when models follow the registry.
+    pub fn rollouts(&self) -> Option<&crate::rollout::Rollouts> {
+        self.inner.rollouts.get()
     }
 
     fn audit_event(&self, event: &str, mut m: Map<String, Value>) {

@@ -38,6 +38,7 @@ pub mod redis;
 pub mod registry_follow;
 pub mod registry_source;
 pub mod request;
+pub mod rollout;
 pub mod samples;
 pub mod server;
 pub mod tls;
