@@ -749,20 +749,20 @@ mod tests {
         // An empty answer is 0 characters, not unknown; a completion's
         // `text` counts too; no choices at all is unknown.
         let b = br#"{"choices":[{"message":{"content":""},"finish_reason":"stop"}]}"#;
-        let s = summary_of_body(b).unwrap();
+        let s = summary_of_body(b).expect("summary");
         assert_eq!(
             (s.usage, s.finish_reason, s.answer_chars),
             (None, Some(FinishReason::Stop), Some(0))
         );
         let b = r#"{"choices":[{"text":"héllo","finish_reason":"content_filter"}]}"#.as_bytes();
-        let s = summary_of_body(b).unwrap();
+        let s = summary_of_body(b).expect("summary");
         assert_eq!(
             (s.finish_reason, s.answer_chars),
             (Some(FinishReason::Other), Some(5))
         );
         assert_eq!(
-            summary_of_body(br#"{"data":[]}"#).unwrap().answer_chars,
-            None
+            summary_of_body(br#"{"data":[]}"#).map(|s| s.answer_chars),
+            Some(None)
         );
         assert_eq!(summary_of_body(b"not json"), None);
     }

@@ -24,15 +24,18 @@ pub struct Window {
     pub dropped: u64,
 }
 
+/// A model's windows by deployment name.
+type Deployments = HashMap<Box<str>, Window>;
+
 /// The watched models' windows, by model and deployment name.
 #[derive(Debug, Default)]
 pub struct SampleBook {
     watched: AtomicUsize,
-    models: Mutex<HashMap<Box<str>, HashMap<Box<str>, Window>>>,
+    models: Mutex<HashMap<Box<str>, Deployments>>,
 }
 
 impl SampleBook {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, HashMap<Box<str>, Window>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Deployments>> {
         self.models.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -112,11 +115,11 @@ mod tests {
         b.record("m", "v1", s(false));
         b.record("m", "v2", s(true));
         b.record("other", "v1", s(false));
-        let w = b.take("m").unwrap();
+        let w = b.take("m").expect("watched");
         assert_eq!(w.len(), 2);
         assert_eq!(w["v1"].samples, vec![s(false)]);
         assert_eq!(w["v2"].samples, vec![s(true)]);
-        assert!(b.take("m").unwrap().is_empty());
+        assert_eq!(b.take("m").map(|w| w.len()), Some(0));
         assert_eq!(b.take("other"), None);
         b.unwatch("m");
         b.record("m", "v1", s(false));
@@ -130,7 +133,7 @@ mod tests {
         for _ in 0..MAX_SAMPLES + 3 {
             b.record("m", "v1", s(false));
         }
-        let w = b.take("m").unwrap();
+        let w = b.take("m").expect("watched");
         assert_eq!((w["v1"].samples.len(), w["v1"].dropped), (MAX_SAMPLES, 3));
     }
 }

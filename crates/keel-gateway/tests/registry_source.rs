@@ -254,18 +254,27 @@ async fn aliases_are_set_and_deleted_with_their_reason_by_a_writer_only() {
     // A read key cannot; a missing alias or version is the registry's
     // error, said.
     let r = RegistryClient::new(&s.url, &s.reader).expect("client");
-    let e = r.set_alias("chat", "canary", 1, "x").await.unwrap_err();
+    let e = r
+        .set_alias("chat", "canary", 1, "x")
+        .await
+        .expect_err("refused");
     assert!(
         matches!(e, RegistrySourceError::NoWriteRights { status: 403 }),
         "{e}"
     );
     assert!(e.to_string().contains("write rights"), "{e}");
-    let e = w.delete_alias("chat", "canary", "again").await.unwrap_err();
+    let e = w
+        .delete_alias("chat", "canary", "again")
+        .await
+        .expect_err("refused");
     assert!(
         matches!(e, RegistrySourceError::Status { status: 404, .. }),
         "{e}"
     );
-    let e = w.set_alias("chat", "canary", 99, "x").await.unwrap_err();
+    let e = w
+        .set_alias("chat", "canary", 99, "x")
+        .await
+        .expect_err("refused");
     assert!(
         matches!(e, RegistrySourceError::Status { status: 404, .. }),
         "{e}"

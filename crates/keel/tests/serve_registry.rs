@@ -584,7 +584,7 @@ fn a_healthy_canary_is_promoted_through_every_step() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let served = d.join().expect("driver");
         assert!(
-            served.get("v1").is_some() && served.get("v2").is_some(),
+            served.contains_key("v1") && served.contains_key("v2"),
             "{served:?}"
         );
         let id = st["id"].as_str().expect("id").to_owned();
