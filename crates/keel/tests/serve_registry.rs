@@ -528,6 +528,23 @@ fn audit_events(s: &RolloutSetup, id: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The rollout's audit events once `event` is among them (the audit log
+/// is written by a thread of its own, after the registry answered).
+fn audit_until(s: &RolloutSetup, id: &str, event: &str) -> Vec<serde_json::Value> {
+    let t0 = Instant::now();
+    loop {
+        let a = audit_events(s, id);
+        if a.iter().any(|e| e["event"] == event) {
+            return a;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no {event} in the audit log: {a:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn wait_phase(s: &RolloutSetup, phase: &str, within: Duration) -> serde_json::Value {
     let t0 = Instant::now();
     loop {
@@ -603,7 +620,8 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             reason.starts_with(&format!("rollout {id}: promoted, no check failed (50%: ")),
             "{reason}"
         );
-        let events: Vec<String> = audit_events(&s, &id)
+        let audit = audit_until(&s, &id, "rollout_promote");
+        let events: Vec<String> = audit
             .iter()
             .map(|e| e["event"].as_str().unwrap_or_default().to_owned())
             .collect();
@@ -618,7 +636,7 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             Some("rollout_promote"),
             "{events:?}"
         );
-        let promote = audit_events(&s, &id).pop().expect("promote");
+        let promote = audit.last().expect("promote");
         assert_eq!(
             (promote["ok"].as_bool(), promote["reason"].as_str()),
             (Some(true), Some(reason))
@@ -687,7 +705,7 @@ fn a_canary_with_empty_answers_is_aborted_and_rolled_back() {
         );
         assert!(reason.contains("empty_answer fail: canary 0.2"), "{reason}");
         // The gateway's audit log: the same id, the same reason.
-        let audit = audit_events(&s, &id);
+        let audit = audit_until(&s, &id, "rollout_rollback");
         let abort = audit
             .iter()
             .find(|e| e["event"] == "rollout_abort")
