@@ -728,3 +728,85 @@ fn a_canary_with_empty_answers_is_aborted_and_rolled_back() {
         assert!(err.contains("cannot abort"), "{err}");
     });
 }
+
+#[test]
+fn operators_pause_resume_and_abort_a_rollout() {
+    // No traffic: the step holds, giving the operator time.
+    let s = rollout_setup(&[], "steps = [10, 100]\ninterval_s = 1");
+    ok(model(
+        &s.db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "canary",
+            "2",
+            "--reason",
+            "candidate",
+        ],
+    ));
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has rollout ro-"), "{err}");
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["pause", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("phase     paused") && out.contains("weight    10%"),
+        "{out}"
+    );
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("phase     progressing"), "{out}");
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["--json", "abort", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let st: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(
+        (st["phase"].as_str(), st["weight"].as_u64()),
+        (Some("aborted"), Some(0))
+    );
+    let id = st["id"].as_str().expect("id").to_owned();
+    let audit = audit_until(&s, &id, "rollout_rollback");
+    let events: Vec<&str> = audit.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert_eq!(
+        events,
+        [
+            "rollout_start",
+            "rollout_weight",
+            "rollout_pause",
+            "rollout_resume",
+            "rollout_weight",
+            "rollout_abort",
+            "rollout_rollback"
+        ]
+    );
+    let h = alias_history(&s, "canary");
+    let ev = h.last().expect("event");
+    assert_eq!(ev["new_version"], serde_json::Value::Null, "{ev}");
+    assert_eq!(
+        ev["reason"],
+        format!("rollout {id}: aborted by an operator at 10%: the canary alias is rolled back")
+    );
+    // A model that does not follow the registry, and a bad admin token.
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "other"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("model \"other\" does not follow the registry"),
+        "{err}"
+    );
+    std::fs::write(s.t.path().join("bad.token"), "wrong").expect("token");
+    let o = Command::new(keel())
+        .args(["serve", "rollout", "status", "chat", "--admin"])
+        .arg(format!("http://{}", s.gw.admin.expect("admin")))
+        .arg("--token-file")
+        .arg(s.t.path().join("bad.token"))
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("keel");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("the admin token was refused"),
+        "{err}"
+    );
+}
