@@ -45,6 +45,8 @@ pub struct FileRegistry {
     pub poll_ms: Option<u64>,
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
+    pub drift_reference_requests: Option<usize>,
+    pub drift_window_requests: Option<usize>,
 }
 
 /// A registry-following model's progressive rollouts.
@@ -443,6 +445,11 @@ pub struct RegistryConfig {
     /// A file holding a registry API key with write rights: rollouts move
     /// and delete aliases with it.
     pub write_key_file: Option<PathBuf>,
+    /// Output drift of a registry version: the first this many answers
+    /// it serves are the reference...
+    pub drift_reference_requests: usize,
+    /// ...and the last this many the current window.
+    pub drift_window_requests: usize,
 }
 
 /// How a registry-following model's rollouts go (`[models.rollout]`).
@@ -1218,7 +1225,22 @@ fn registry_config(
         poll_ms,
         public_key_file: r.public_key_file.map(rel),
         write_key_file: r.write_key_file.map(rel),
+        drift_reference_requests: drift_size(
+            "drift_reference_requests",
+            r.drift_reference_requests,
+        )?,
+        drift_window_requests: drift_size("drift_window_requests", r.drift_window_requests)?,
     })
+}
+
+fn drift_size(key: &str, v: Option<usize>) -> Result<usize, GatewayError> {
+    let v = v.unwrap_or(1000);
+    if !(10..=1_000_000).contains(&v) {
+        return Err(GatewayError::Config(format!(
+            "registry.{key} {v} must be within 10..1000000"
+        )));
+    }
+    Ok(v)
 }
 
 fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayError> {
@@ -1480,6 +1502,22 @@ url = "http://127.0.0.1:8002/prefix"
             .expect_err(extra);
             assert!(e.to_string().contains(expect), "{e} lacks {expect}");
         }
+        assert_eq!(
+            c.registry
+                .as_ref()
+                .map(|r| (r.drift_reference_requests, r.drift_window_requests)),
+            Some((1000, 1000))
+        );
+        let e = GatewayConfig::from_toml(
+            &base.replace("[[models]]", "drift_window_requests = 5\n[[models]]"),
+            Path::new("/"),
+        )
+        .expect_err("too small");
+        assert!(
+            e.to_string()
+                .contains("registry.drift_window_requests 5 must be within 10..1000000"),
+            "{e}"
+        );
         let e = GatewayConfig::from_toml(
             &format!("{EXAMPLE}[models.rollout]\nsteps = [50, 100]\n"),
             Path::new("/"),

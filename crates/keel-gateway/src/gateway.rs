@@ -138,6 +138,8 @@ struct Inner {
     samples: crate::samples::SampleBook,
     /// The rollouts of the models that follow the registry.
     rollouts: std::sync::OnceLock<crate::rollout::Rollouts>,
+    /// Output drift of the registry-following models' versions.
+    drift: crate::drift::DriftBook,
 }
 
 /// Counts a background task from spawn to end.
@@ -756,6 +758,17 @@ impl Gateway {
             Duration::from_millis(cfg.traffic.connect_timeout_ms),
             &cfg.upstream_tls,
         )?;
+        let drift = crate::drift::DriftBook::new(
+            cfg.registry
+                .as_ref()
+                .map_or(1000, |r| r.drift_reference_requests),
+            cfg.registry
+                .as_ref()
+                .map_or(1000, |r| r.drift_window_requests),
+        );
+        for m in cfg.models.iter().filter(|m| m.registry.is_some()) {
+            drift.watch(&m.name);
+        }
         let (generation, _) = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
         let mut listener_tls = [None, None, None];
         for (slot, key) in listener_tls.iter_mut().zip(&generation.listener_keys) {
@@ -780,6 +793,7 @@ impl Gateway {
                 bodies: BodyBudget::default(),
                 samples: crate::samples::SampleBook::default(),
                 rollouts: std::sync::OnceLock::new(),
+                drift,
             }),
         };
         gw.start_background();
@@ -990,6 +1004,7 @@ impl Gateway {
             .collect();
         b.sort();
         let mut out = self.inner.metrics.render(&b);
+        self.inner.drift.render(&mut out);
         out.push_str(
             "# HELP keel_body_bytes_in_flight Request and response body bytes the gateway holds.\n\
              # TYPE keel_body_bytes_in_flight gauge\n",
@@ -1129,22 +1144,20 @@ impl Gateway {
             m.tokens(model, deployment, key, u.prompt, u.completion);
         }
         if !deployment.is_empty() {
-            self.inner.samples.record(
-                model,
-                deployment,
-                keel_canary::analysis::Sample {
-                    error: ctx.status >= 500,
-                    latency_ms: Some(total.as_secs_f64() * 1e3),
-                    completion_tokens: ctx
-                        .usage
-                        .filter(|_| !ctx.usage_estimated)
-                        .map(|u| u.completion.try_into().unwrap_or(u32::MAX)),
-                    finish_reason: ctx.finish_reason,
-                    answer_chars: ctx.answer_chars,
-                    streamed: ctx.stream,
-                    stream_aborted: ctx.stream && ctx.stream_aborted,
-                },
-            );
+            let sample = keel_canary::analysis::Sample {
+                error: ctx.status >= 500,
+                latency_ms: Some(total.as_secs_f64() * 1e3),
+                completion_tokens: ctx
+                    .usage
+                    .filter(|_| !ctx.usage_estimated)
+                    .map(|u| u.completion.try_into().unwrap_or(u32::MAX)),
+                finish_reason: ctx.finish_reason,
+                answer_chars: ctx.answer_chars,
+                streamed: ctx.stream,
+                stream_aborted: ctx.stream && ctx.stream_aborted,
+            };
+            self.inner.drift.record(model, deployment, &sample);
+            self.inner.samples.record(model, deployment, sample);
         }
         if let Some(kind) = ctx.denied {
             m.error(ctx.route, kind);

@@ -26,6 +26,7 @@ pub mod clock;
 pub mod config;
 pub mod conn;
 pub mod digits;
+pub mod drift;
 pub mod error;
 pub mod fnv;
 pub mod gateway;

@@ -467,7 +467,7 @@ fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
         t.path(),
         &url,
         "chat",
-        "write_key_file = \"rollouts.key\"\n[audit]\npath = \"audit.jsonl\"",
+        "write_key_file = \"rollouts.key\"\ndrift_reference_requests = 50\ndrift_window_requests = 50\n[audit]\npath = \"audit.jsonl\"",
         "",
     );
     let mut text = std::fs::read_to_string(&cfg).expect("read");
@@ -641,6 +641,27 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             (promote["ok"].as_bool(), promote["reason"].as_str()),
             (Some(true), Some(reason))
         );
+        // Output drift of each version, against its first 50 answers:
+        // identical backends, no drift.
+        let m = http::get(s.gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
+            .expect("metrics")
+            .text();
+        for v in ["v1", "v2"] {
+            let line = m
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!(
+                        "keel_drift_js{{model=\"chat\",version=\"{v}\",feature=\"finish_reason\"}} "
+                    ))
+                })
+                .unwrap_or_else(|| panic!("no drift gauge of {v}: {m}"));
+            let js: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .expect("value");
+            assert!(js < 0.01, "{line}");
+        }
         // The text status shows each step's verdict with its numbers.
         let (_, text, _) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
         assert!(text.contains("phase     promoted"), "{text}");
