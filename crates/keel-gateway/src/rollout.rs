@@ -81,7 +81,13 @@ impl RolloutError {
     pub fn status(&self) -> u16 {
         match self {
             RolloutError::NotFollowed { .. } | RolloutError::NoRollout { .. } => 404,
-            RolloutError::Registry { .. } => 502,
+            RolloutError::Registry {
+                source:
+                    RegistrySourceError::Unreachable { .. }
+                    | RegistrySourceError::Timeout { .. }
+                    | RegistrySourceError::Status { .. },
+                ..
+            } => 502,
             _ => 409,
         }
     }

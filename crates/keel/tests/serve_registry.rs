@@ -809,6 +809,26 @@ fn operators_pause_resume_and_abort_a_rollout() {
         ev["reason"],
         format!("rollout {id}: aborted by an operator at 10%: the canary alias is rolled back")
     );
+    // A canary alias on a version with no backend: refused at start.
+    let files = s.t.path().join("chat-v3");
+    std::fs::create_dir_all(&files).expect("mkdir");
+    std::fs::write(files.join("weights.bin"), "version 3").expect("write");
+    ok(model(
+        &s.db,
+        &["register", "chat", "--path", files.to_str().expect("utf8")],
+    ));
+    ok(model(
+        &s.db,
+        &[
+            "alias", "set", "chat", "canary", "3", "--reason", "untagged",
+        ],
+    ));
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("version 3 (alias \"canary\") names no backend") && err.contains("HTTP 409"),
+        "{err}"
+    );
     // A model that does not follow the registry, and a bad admin token.
     let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "other"]);
     assert_ne!(code, 0);
