@@ -2,7 +2,8 @@
 //! model and version (deployment `v<N>`), the first
 //! `registry.drift_reference_requests` answers are the reference and the
 //! last `registry.drift_window_requests` the current window, per feature:
-//! completion tokens, answer characters, latency and finish reason.
+//! completion tokens, answer characters, latency, finish reason and
+//! prompt tokens.
 //! [`DriftBook::render`] exports the Population Stability Index and the
 //! Jensen-Shannon divergence (`keel_canary::drift`) of every feature as
 //! Prometheus gauges once both windows are full:
@@ -25,11 +26,12 @@ use keel_canary::analysis::{FinishReason, Sample};
 use keel_canary::drift::{jensen_shannon, psi, Histogram, SlidingHistogram};
 
 /// The features, in the order of [`Features`]' arrays.
-pub const FEATURES: [&str; 4] = [
+pub const FEATURES: [&str; 5] = [
     "completion_tokens",
     "answer_chars",
     "latency_ms",
     "finish_reason",
+    "prompt_tokens",
 ];
 
 fn edges(feature: usize) -> Vec<f64> {
@@ -42,11 +44,15 @@ fn edges(feature: usize) -> Vec<f64> {
             10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
         ],
         // stop, length, other
-        _ => vec![0.5, 1.5],
+        3 => vec![0.5, 1.5],
+        _ => vec![
+            8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+            32768.0,
+        ],
     }
 }
 
-fn values(s: &Sample) -> [Option<f64>; 4] {
+fn values(s: &Sample, prompt_tokens: Option<u64>) -> [Option<f64>; 5] {
     [
         s.completion_tokens.map(f64::from),
         s.answer_chars.map(f64::from),
@@ -56,6 +62,7 @@ fn values(s: &Sample) -> [Option<f64>; 4] {
             FinishReason::Length => 1.0,
             FinishReason::Other => 2.0,
         }),
+        prompt_tokens.map(|p| p as f64),
     ]
 }
 
@@ -74,7 +81,8 @@ pub struct DriftBook {
     models: RwLock<HashSet<String>>,
     reference: usize,
     window: usize,
-    versions: Mutex<HashMap<(String, String), Windows>>,
+    /// By model, then version.
+    versions: Mutex<HashMap<String, HashMap<String, Windows>>>,
 }
 
 impl DriftBook {
@@ -99,8 +107,9 @@ impl DriftBook {
         self.on.store(true, Ordering::Release);
     }
 
-    /// Records an answered request of a watched model.
-    pub fn record(&self, model: &str, version: &str, sample: &Sample) {
+    /// Records an answered request of a watched model (`prompt_tokens`
+    /// as the backend counted them).
+    pub fn record(&self, model: &str, version: &str, sample: &Sample, prompt_tokens: Option<u64>) {
         if !self.on.load(Ordering::Acquire) || sample.error {
             return;
         }
@@ -113,7 +122,11 @@ impl DriftBook {
             return;
         }
         let mut v = self.versions.lock().unwrap_or_else(|p| p.into_inner());
-        let w = match v.get_mut(&(model.to_owned(), version.to_owned())) {
+        let versions = match v.get_mut(model) {
+            Some(m) => m,
+            None => v.entry(model.to_owned()).or_default(),
+        };
+        let w = match versions.get_mut(version) {
             Some(w) => w,
             None => {
                 let hist = |i| Histogram::new(edges(i));
@@ -124,15 +137,14 @@ impl DriftBook {
                 let (Ok(reference), Ok(current)) = (reference, current) else {
                     return;
                 };
-                v.entry((model.to_owned(), version.to_owned()))
-                    .or_insert(Windows {
-                        reference,
-                        reference_n: 0,
-                        current,
-                    })
+                versions.entry(version.to_owned()).or_insert(Windows {
+                    reference,
+                    reference_n: 0,
+                    current,
+                })
             }
         };
-        let x = values(sample);
+        let x = values(sample, prompt_tokens);
         if w.reference_n < self.reference {
             w.reference_n += 1;
             for (h, x) in w.reference.iter_mut().zip(x) {
@@ -154,7 +166,10 @@ impl DriftBook {
     pub fn measures(&self) -> Vec<(String, String, &'static str, f64, f64)> {
         let v = self.versions.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::new();
-        for ((model, version), w) in v.iter() {
+        for (model, version, w) in v
+            .iter()
+            .flat_map(|(m, vs)| vs.iter().map(move |(v, w)| (m, v, w)))
+        {
             if w.reference_n < self.reference {
                 continue;
             }
@@ -231,7 +246,7 @@ mod tests {
     #[test]
     fn same_outputs_do_not_drift_and_shifted_ones_do() {
         let b = DriftBook::new(100, 50);
-        b.record("chat", "v1", &s(20, 80, FinishReason::Stop));
+        b.record("chat", "v1", &s(20, 80, FinishReason::Stop), Some(30));
         assert!(b.measures().is_empty(), "not watched");
         b.watch("chat");
         for i in 0..100 {
@@ -239,17 +254,19 @@ mod tests {
                 "chat",
                 "v1",
                 &s(10 + i % 20, 60 + i % 40, FinishReason::Stop),
+                Some(30),
             );
             b.record(
                 "chat",
                 "v2",
                 &s(10 + i % 20, 60 + i % 40, FinishReason::Stop),
+                Some(30),
             );
         }
         assert!(b.measures().is_empty(), "no current window yet");
         // Failed requests are left out.
         for _ in 0..100 {
-            b.record("chat", "v1", &Sample::failed(5.0));
+            b.record("chat", "v1", &Sample::failed(5.0), Some(30));
         }
         assert!(b.measures().is_empty());
         for i in 0..50 {
@@ -257,15 +274,16 @@ mod tests {
                 "chat",
                 "v1",
                 &s(10 + (2 * i) % 20, 60 + (2 * i) % 40, FinishReason::Stop),
+                Some(30),
             );
             // v2 now answers long and cut at the limit.
-            b.record("chat", "v2", &s(1000, 4000, FinishReason::Length));
+            b.record("chat", "v2", &s(1000, 4000, FinishReason::Length), Some(30));
         }
         let m = b.measures();
-        assert_eq!(m.len(), 8, "{m:?}");
+        assert_eq!(m.len(), 10, "{m:?}");
         for (_, version, feature, p, j) in &m {
             match (version.as_str(), *feature) {
-                ("v1", _) | ("v2", "latency_ms") => {
+                ("v1", _) | ("v2", "latency_ms" | "prompt_tokens") => {
                     assert!(*p < 0.1 && *j < 0.05, "{version} {feature}: psi {p} js {j}")
                 }
                 _ => assert!(*p > 1.0 && *j > 0.9, "{version} {feature}: psi {p} js {j}"),

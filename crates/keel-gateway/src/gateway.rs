@@ -1156,7 +1156,12 @@ impl Gateway {
                 streamed: ctx.stream,
                 stream_aborted: ctx.stream && ctx.stream_aborted,
             };
-            self.inner.drift.record(model, deployment, &sample);
+            self.inner.drift.record(
+                model,
+                deployment,
+                &sample,
+                ctx.usage.filter(|_| !ctx.usage_estimated).map(|u| u.prompt),
+            );
             self.inner.samples.record(model, deployment, sample);
         }
         if let Some(kind) = ctx.denied {
