@@ -44,6 +44,19 @@ pub struct FileRegistry {
     pub key_file: PathBuf,
     pub poll_ms: Option<u64>,
     pub public_key_file: Option<PathBuf>,
+    pub write_key_file: Option<PathBuf>,
+    pub drift_reference_requests: Option<usize>,
+    pub drift_window_requests: Option<usize>,
+}
+
+/// A registry-following model's progressive rollouts.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRollout {
+    pub steps: Option<Vec<u32>>,
+    pub interval_s: Option<u64>,
+    pub min_canary_samples: Option<u64>,
+    pub max_intervals: Option<u32>,
 }
 
 /// A model's registry model and aliases.
@@ -202,6 +215,7 @@ pub struct FileModel {
     #[serde(default)]
     pub deployments: Vec<FileDeployment>,
     pub registry: Option<FileModelRegistry>,
+    pub rollout: Option<FileRollout>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -428,6 +442,38 @@ pub struct RegistryConfig {
     /// The trusted key (PEM) signatures of versions are checked against,
     /// for models with `require_signature`.
     pub public_key_file: Option<PathBuf>,
+    /// A file holding a registry API key with write rights: rollouts move
+    /// and delete aliases with it.
+    pub write_key_file: Option<PathBuf>,
+    /// Output drift of a registry version: the first this many answers
+    /// it serves are the reference...
+    pub drift_reference_requests: usize,
+    /// ...and the last this many the current window.
+    pub drift_window_requests: usize,
+}
+
+/// How a registry-following model's rollouts go (`[models.rollout]`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RolloutConfig {
+    /// Canary weights in percent, rising; 100 is the promotion.
+    pub steps: Vec<u32>,
+    /// Seconds between two analyses of a step.
+    pub interval_s: u64,
+    /// Canary requests a step needs to advance.
+    pub min_canary_samples: u64,
+    /// Intervals a step may lack its samples before the rollout pauses.
+    pub max_intervals: u32,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig {
+            steps: vec![1, 5, 25, 50, 100],
+            interval_s: 60,
+            min_canary_samples: 100,
+            max_intervals: 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -452,6 +498,8 @@ pub struct ModelConfig {
     /// has named the versions.
     pub deployments: Vec<DeploymentConfig>,
     pub registry: Option<ModelRegistryConfig>,
+    /// Rollouts of a model that follows the registry.
+    pub rollout: RolloutConfig,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -967,6 +1015,16 @@ impl GatewayConfig {
             if deployments.is_empty() {
                 return bad(format!("model {:?} has no deployments", m.name));
             }
+            let rollout = match m.rollout {
+                Some(_) if registry.is_none() => {
+                    return bad(format!(
+                        "model {:?}: [models.rollout] needs registry (a rollout moves registry aliases)",
+                        m.name
+                    ));
+                }
+                Some(r) => rollout_config(&m.name, r)?,
+                None => RolloutConfig::default(),
+            };
             if let Some(mi) = &m.mirror {
                 if !dnames.contains(&mi.deployment) {
                     return bad(format!(
@@ -1002,6 +1060,7 @@ impl GatewayConfig {
                 }),
                 deployments,
                 registry,
+                rollout,
             });
         }
         for m in &models {
@@ -1165,7 +1224,58 @@ fn registry_config(
         key_file: rel(r.key_file),
         poll_ms,
         public_key_file: r.public_key_file.map(rel),
+        write_key_file: r.write_key_file.map(rel),
+        drift_reference_requests: drift_size(
+            "drift_reference_requests",
+            r.drift_reference_requests,
+        )?,
+        drift_window_requests: drift_size("drift_window_requests", r.drift_window_requests)?,
     })
+}
+
+fn drift_size(key: &str, v: Option<usize>) -> Result<usize, GatewayError> {
+    let v = v.unwrap_or(1000);
+    if !(10..=1_000_000).contains(&v) {
+        return Err(GatewayError::Config(format!(
+            "registry.{key} {v} must be within 10..1000000"
+        )));
+    }
+    Ok(v)
+}
+
+fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayError> {
+    let d = RolloutConfig::default();
+    let c = RolloutConfig {
+        steps: r.steps.unwrap_or(d.steps),
+        interval_s: r.interval_s.unwrap_or(d.interval_s),
+        min_canary_samples: r.min_canary_samples.unwrap_or(d.min_canary_samples),
+        max_intervals: r.max_intervals.unwrap_or(d.max_intervals),
+    };
+    let bad = |m: String| {
+        Err(GatewayError::Config(format!(
+            "model {model:?}: rollout.{m}"
+        )))
+    };
+    let rising = c.steps.windows(2).all(|w| w[0] < w[1]);
+    if c.steps.is_empty() || !rising || c.steps[0] == 0 || c.steps.iter().any(|&s| s > 100) {
+        return bad(format!(
+            "steps {:?} must be weights in percent rising strictly within 1..=100, e.g. [1, 5, 25, 50, 100]",
+            c.steps.iter().take(20).collect::<Vec<_>>()
+        ));
+    }
+    if !(1..=86_400).contains(&c.interval_s) {
+        return bad(format!(
+            "interval_s {} must be within 1..86400",
+            c.interval_s
+        ));
+    }
+    if c.min_canary_samples == 0 {
+        return bad("min_canary_samples must be at least 1".into());
+    }
+    if c.max_intervals == 0 {
+        return bad("max_intervals must be at least 1".into());
+    }
+    Ok(c)
 }
 
 #[cfg(test)]
@@ -1347,6 +1457,76 @@ url = "http://127.0.0.1:8002/prefix"
         ] {
             assert!(doc.contains(k));
         }
+    }
+
+    #[test]
+    fn rollout_settings_are_checked() {
+        let base = "[server]\nlisten = \"127.0.0.1:1\"\n[auth]\nkeys_file = \"k\"\n[registry]\nurl = \"http://127.0.0.1:5000\"\nkey_file = \"r.key\"\nwrite_key_file = \"w.key\"\n[[models]]\nname = \"chat\"\nregistry = { model = \"chat\", canary = \"canary\" }\n";
+        let c = GatewayConfig::from_toml(base, Path::new("/etc/keel")).expect("valid");
+        assert_eq!(c.models[0].rollout, RolloutConfig::default());
+        assert_eq!(
+            c.registry.as_ref().and_then(|r| r.write_key_file.clone()),
+            Some(PathBuf::from("/etc/keel/w.key"))
+        );
+        let c = GatewayConfig::from_toml(
+            &format!("{base}[models.rollout]\nsteps = [50, 100]\ninterval_s = 1\n"),
+            Path::new("/"),
+        )
+        .expect("valid");
+        assert_eq!(
+            (
+                c.models[0].rollout.steps.clone(),
+                c.models[0].rollout.interval_s
+            ),
+            (vec![50, 100], 1)
+        );
+        for (extra, expect) in [
+            ("steps = []", "rollout.steps [] must be weights"),
+            ("steps = [5, 1]", "rising strictly"),
+            ("steps = [0, 100]", "rising strictly"),
+            ("steps = [50, 101]", "rising strictly"),
+            (
+                "interval_s = 0",
+                "rollout.interval_s 0 must be within 1..86400",
+            ),
+            (
+                "min_canary_samples = 0",
+                "rollout.min_canary_samples must be at least 1",
+            ),
+            ("bogus = 1", "bogus"),
+        ] {
+            let e = GatewayConfig::from_toml(
+                &format!("{base}[models.rollout]\n{extra}\n"),
+                Path::new("/"),
+            )
+            .expect_err(extra);
+            assert!(e.to_string().contains(expect), "{e} lacks {expect}");
+        }
+        assert_eq!(
+            c.registry
+                .as_ref()
+                .map(|r| (r.drift_reference_requests, r.drift_window_requests)),
+            Some((1000, 1000))
+        );
+        let e = GatewayConfig::from_toml(
+            &base.replace("[[models]]", "drift_window_requests = 5\n[[models]]"),
+            Path::new("/"),
+        )
+        .expect_err("too small");
+        assert!(
+            e.to_string()
+                .contains("registry.drift_window_requests 5 must be within 10..1000000"),
+            "{e}"
+        );
+        let e = GatewayConfig::from_toml(
+            &format!("{EXAMPLE}[models.rollout]\nsteps = [50, 100]\n"),
+            Path::new("/"),
+        )
+        .expect_err("no registry");
+        assert!(
+            e.to_string().contains("[models.rollout] needs registry"),
+            "{e}"
+        );
     }
 
     #[test]

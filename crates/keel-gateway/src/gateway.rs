@@ -25,7 +25,9 @@ use crate::limits::{
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
-use crate::proxy::{retry_after, upstream_headers, usage_of_body, SseFilter, TokenUsage, Upstream};
+use crate::proxy::{
+    retry_after, summary_of_body, upstream_headers, SseFilter, TokenUsage, Upstream,
+};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
 use crate::traffic::{Backend, ModelRoute, Permit, RetryBudget, Rng, Traffic};
@@ -132,6 +134,12 @@ struct Inner {
     tasks: std::sync::atomic::AtomicUsize,
     /// Request and non-streamed response body bytes held now.
     bodies: BodyBudget,
+    /// Per-request samples of the models a rollout watches.
+    samples: crate::samples::SampleBook,
+    /// The rollouts of the models that follow the registry.
+    rollouts: std::sync::OnceLock<crate::rollout::Rollouts>,
+    /// Output drift of the registry-following models' versions.
+    drift: crate::drift::DriftBook,
 }
 
 /// Counts a background task from spawn to end.
@@ -246,6 +254,12 @@ struct Ctx {
     usage: Option<TokenUsage>,
     /// `usage` is the gateway's estimate: the backend reported none.
     usage_estimated: bool,
+    /// The first choice's finish reason and visible characters, for the
+    /// canary analysis.
+    finish_reason: Option<keel_canary::analysis::FinishReason>,
+    answer_chars: Option<u32>,
+    /// A stream that ended without its end marker.
+    stream_aborted: bool,
     /// Prompt tokens as estimated from the request.
     prompt_estimate: u64,
     backend_time: Option<Duration>,
@@ -744,6 +758,17 @@ impl Gateway {
             Duration::from_millis(cfg.traffic.connect_timeout_ms),
             &cfg.upstream_tls,
         )?;
+        let drift = crate::drift::DriftBook::new(
+            cfg.registry
+                .as_ref()
+                .map_or(1000, |r| r.drift_reference_requests),
+            cfg.registry
+                .as_ref()
+                .map_or(1000, |r| r.drift_window_requests),
+        );
+        for m in cfg.models.iter().filter(|m| m.registry.is_some()) {
+            drift.watch(&m.name);
+        }
         let (generation, _) = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
         let mut listener_tls = [None, None, None];
         for (slot, key) in listener_tls.iter_mut().zip(&generation.listener_keys) {
@@ -766,6 +791,9 @@ impl Gateway {
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
                 bodies: BodyBudget::default(),
+                samples: crate::samples::SampleBook::default(),
+                rollouts: std::sync::OnceLock::new(),
+                drift,
             }),
         };
         gw.start_background();
@@ -875,6 +903,43 @@ impl Gateway {
         }
     }
 
+    /// The per-request samples of the models a rollout watches.
+    pub fn samples(&self) -> &crate::samples::SampleBook {
+        &self.inner.samples
+    }
+
+    /// An attempt that a deployment failed (5xx or no answer), as a
+    /// sample of that deployment: the request may still be served by a
+    /// retry elsewhere.
+    fn failed_sample(&self, model: &str, deployment: &str, sent_at: Instant) {
+        self.inner.samples.record(
+            model,
+            deployment,
+            keel_canary::analysis::Sample::failed(sent_at.elapsed().as_secs_f64() * 1e3),
+        );
+    }
+
+    /// Records a rollout's event (weight change, verdict, promotion,
+    /// rollback) in the audit log.
+    pub(crate) fn audit_rollout(&self, event: &str, m: Map<String, Value>) {
+        self.audit_event(event, m);
+    }
+
+    /// The injected clock's time.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+
+    /// Gives the admin API the rollouts (once; later calls are ignored).
+    pub fn set_rollouts(&self, r: crate::rollout::Rollouts) {
+        let _ = self.inner.rollouts.set(r);
+    }
+
+    /// The rollouts, when models follow the registry.
+    pub fn rollouts(&self) -> Option<&crate::rollout::Rollouts> {
+        self.inner.rollouts.get()
+    }
+
     fn audit_event(&self, event: &str, mut m: Map<String, Value>) {
         if let Some(a) = &self.inner.audit {
             m.insert("event".into(), event.into());
@@ -939,6 +1004,7 @@ impl Gateway {
             .collect();
         b.sort();
         let mut out = self.inner.metrics.render(&b);
+        self.inner.drift.render(&mut out);
         out.push_str(
             "# HELP keel_body_bytes_in_flight Request and response body bytes the gateway holds.\n\
              # TYPE keel_body_bytes_in_flight gauge\n",
@@ -1076,6 +1142,27 @@ impl Gateway {
         );
         if let Some(u) = ctx.usage {
             m.tokens(model, deployment, key, u.prompt, u.completion);
+        }
+        if !deployment.is_empty() {
+            let sample = keel_canary::analysis::Sample {
+                error: ctx.status >= 500,
+                latency_ms: Some(total.as_secs_f64() * 1e3),
+                completion_tokens: ctx
+                    .usage
+                    .filter(|_| !ctx.usage_estimated)
+                    .map(|u| u.completion.try_into().unwrap_or(u32::MAX)),
+                finish_reason: ctx.finish_reason,
+                answer_chars: ctx.answer_chars,
+                streamed: ctx.stream,
+                stream_aborted: ctx.stream && ctx.stream_aborted,
+            };
+            self.inner.drift.record(
+                model,
+                deployment,
+                &sample,
+                ctx.usage.filter(|_| !ctx.usage_estimated).map(|u| u.prompt),
+            );
+            self.inner.samples.record(model, deployment, sample);
         }
         if let Some(kind) = ctx.denied {
             m.error(ctx.route, kind);
@@ -1554,7 +1641,11 @@ impl Gateway {
         };
         let ok = parts.status.is_success();
         if ok && usage {
-            ctx.usage = usage_of_body(&bytes);
+            if let Some(a) = summary_of_body(&bytes) {
+                ctx.usage = a.usage;
+                ctx.finish_reason = a.finish_reason;
+                ctx.answer_chars = a.answer_chars;
+            }
         }
         match (ok, ctx.usage) {
             (false, _) => self.settle(reservation, 0).await,
@@ -1650,6 +1741,9 @@ impl Gateway {
             }
             ctx.backend_time = Some(sent_at.elapsed());
             ctx.usage = f.usage;
+            ctx.finish_reason = f.finish_reason;
+            ctx.answer_chars = Some(f.answer_chars);
+            ctx.stream_aborted = !ok || !f.done;
             match f.usage {
                 Some(u) => gw.settle(reservation.as_ref(), u.total()).await,
                 None if f.events == 0 => gw.settle(reservation.as_ref(), 0).await,
@@ -1876,6 +1970,9 @@ impl Gateway {
                         "{}: {} answered {status}",
                         c.model, c.deployment.name
                     ));
+                    if status.is_server_error() {
+                        self.failed_sample(&c.model, &c.deployment.name, sent_at);
+                    }
                     last_fail = Some(Fail::Upstream(status, ct, body, ra));
                 }
                 Ok(resp) => {
@@ -1894,6 +1991,7 @@ impl Gateway {
                     lease.done(false, None);
                     tracing::warn!(model = %c.model, deployment = %c.deployment.name, error = %e, "backend failed");
                     ctx.error = Some(format!("{}: {}: {e}", c.model, c.deployment.name));
+                    self.failed_sample(&c.model, &c.deployment.name, sent_at);
                     last_fail = None;
                 }
             }

@@ -419,6 +419,22 @@ pub fn usage_of(v: &Value) -> Option<TokenUsage> {
 /// `usage` of a whole JSON response body, read without building the
 /// rest of the document.
 pub fn usage_of_body(body: &[u8]) -> Option<TokenUsage> {
+    summary_of_body(body).and_then(|s| s.usage)
+}
+
+/// What the canary analysis reads from an answer: its usage, the first
+/// choice's finish reason and the non-whitespace characters of its text.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AnswerSummary {
+    pub usage: Option<TokenUsage>,
+    pub finish_reason: Option<keel_canary::analysis::FinishReason>,
+    pub answer_chars: Option<u32>,
+}
+
+/// `usage`, the first choice's finish reason and text length of a whole
+/// JSON response body, in one pass that builds none of the rest of the
+/// document.
+pub fn summary_of_body(body: &[u8]) -> Option<AnswerSummary> {
     #[derive(serde::Deserialize)]
     struct U {
         prompt_tokens: Option<u64>,
@@ -426,15 +442,59 @@ pub fn usage_of_body(body: &[u8]) -> Option<TokenUsage> {
         total_tokens: Option<u64>,
     }
     #[derive(serde::Deserialize)]
-    struct R {
-        usage: Option<U>,
+    struct Message<'a> {
+        #[serde(borrow)]
+        content: Option<std::borrow::Cow<'a, str>>,
     }
-    let u = serde_json::from_slice::<R>(body).ok()?.usage?;
-    let prompt = u.prompt_tokens.unwrap_or(0);
-    let completion = u
-        .completion_tokens
-        .unwrap_or_else(|| u.total_tokens.unwrap_or(prompt).saturating_sub(prompt));
-    Some(TokenUsage { prompt, completion })
+    #[derive(serde::Deserialize)]
+    struct Choice<'a> {
+        #[serde(borrow)]
+        message: Option<Message<'a>>,
+        #[serde(borrow)]
+        text: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        finish_reason: Option<std::borrow::Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct R<'a> {
+        usage: Option<U>,
+        #[serde(borrow)]
+        choices: Option<Vec<Choice<'a>>>,
+    }
+    let r = serde_json::from_slice::<R>(body).ok()?;
+    let usage = r.usage.map(|u| {
+        let prompt = u.prompt_tokens.unwrap_or(0);
+        let completion = u
+            .completion_tokens
+            .unwrap_or_else(|| u.total_tokens.unwrap_or(prompt).saturating_sub(prompt));
+        TokenUsage { prompt, completion }
+    });
+    let first = r.choices.and_then(|c| c.into_iter().next());
+    let (finish_reason, answer_chars) = match first {
+        Some(c) => {
+            let text = c.message.and_then(|m| m.content).or(c.text);
+            (
+                c.finish_reason
+                    .map(|f| keel_canary::analysis::FinishReason::parse(&f)),
+                Some(text.map_or(0, |t| visible_chars(&t))),
+            )
+        }
+        None => (None, None),
+    };
+    Some(AnswerSummary {
+        usage,
+        finish_reason,
+        answer_chars,
+    })
+}
+
+/// Non-whitespace characters of `s`.
+pub fn visible_chars(s: &str) -> u32 {
+    s.chars()
+        .filter(|c| !c.is_whitespace())
+        .count()
+        .try_into()
+        .unwrap_or(u32::MAX)
 }
 
 /// Splits an SSE stream into events as bytes arrive, forwarding each whole
@@ -451,6 +511,10 @@ pub struct SseFilter {
     /// `choices[].text`): the basis of an estimate when a stream ends
     /// without a usage chunk.
     pub content_bytes: u64,
+    /// Non-whitespace characters of the first choice's text.
+    pub answer_chars: u32,
+    /// The first choice's finish reason, once an event carried one.
+    pub finish_reason: Option<keel_canary::analysis::FinishReason>,
 }
 
 impl SseFilter {
@@ -488,8 +552,13 @@ impl SseFilter {
         if has(b"data: [DONE]") || has(b"data:[DONE]") {
             self.done = true;
         }
-        if has(b"\"content\"") || has(b"\"text\"") {
-            self.content_bytes += content_bytes(ev);
+        if has(b"\"content\"") || has(b"\"text\"") || has(b"\"finish_reason\"") {
+            let c = content_of(ev);
+            self.content_bytes += c.bytes;
+            self.answer_chars = self.answer_chars.saturating_add(c.chars);
+            if c.finish_reason.is_some() {
+                self.finish_reason = c.finish_reason;
+            }
         }
         if !has(b"\"usage\"") {
             out.extend_from_slice(ev);
@@ -541,8 +610,19 @@ impl SseFilter {
     }
 }
 
-/// Bytes of generated text in one SSE event's `data:` lines.
-fn content_bytes(ev: &[u8]) -> u64 {
+/// What one SSE event's `data:` lines carry of the answer.
+#[derive(Default)]
+struct Content {
+    /// Bytes of generated text (every choice).
+    bytes: u64,
+    /// Non-whitespace characters of the first choice's text.
+    chars: u32,
+    /// The first choice's finish reason.
+    finish_reason: Option<keel_canary::analysis::FinishReason>,
+}
+
+/// Generated text and finish reason in one SSE event's `data:` lines.
+fn content_of(ev: &[u8]) -> Content {
     #[derive(serde::Deserialize)]
     struct Delta<'a> {
         #[serde(borrow)]
@@ -550,33 +630,44 @@ fn content_bytes(ev: &[u8]) -> u64 {
     }
     #[derive(serde::Deserialize)]
     struct Choice<'a> {
+        #[serde(default)]
+        index: u32,
         #[serde(borrow)]
         delta: Option<Delta<'a>>,
         #[serde(borrow)]
         text: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        finish_reason: Option<std::borrow::Cow<'a, str>>,
     }
     #[derive(serde::Deserialize)]
     struct Chunk<'a> {
         #[serde(borrow)]
         choices: Option<Vec<Choice<'a>>>,
     }
-    let mut n = 0;
+    let mut c = Content::default();
     for line in ev.split(|b| *b == b'\n') {
         let Some(data) = line.strip_prefix(b"data:") else {
             continue;
         };
-        let Ok(c) = serde_json::from_slice::<Chunk>(data) else {
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
             continue;
         };
-        for ch in c.choices.unwrap_or_default() {
-            n += ch
-                .delta
-                .and_then(|d| d.content)
-                .map_or(0, |t| t.len() as u64);
-            n += ch.text.map_or(0, |t| t.len() as u64);
+        for ch in chunk.choices.unwrap_or_default() {
+            let text = ch.delta.and_then(|d| d.content).or(ch.text);
+            if let Some(t) = &text {
+                c.bytes += t.len() as u64;
+                if ch.index == 0 {
+                    c.chars = c.chars.saturating_add(visible_chars(t));
+                }
+            }
+            if ch.index == 0 {
+                if let Some(f) = ch.finish_reason {
+                    c.finish_reason = Some(keel_canary::analysis::FinishReason::parse(&f));
+                }
+            }
         }
     }
-    n
+    c
 }
 
 /// End of the first event: (offset of its blank line, separator length).
@@ -638,6 +729,62 @@ mod tests {
         );
         assert_eq!(usage_of_body(br#"{"usage":null}"#), None);
         assert_eq!(usage_of_body(b"not json"), None);
+    }
+
+    #[test]
+    fn answer_summaries_from_bodies() {
+        use keel_canary::analysis::FinishReason;
+        let b = br#"{"choices":[{"message":{"content":" a b\n c "},"finish_reason":"length"},{"message":{"content":"xxxx"}}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        assert_eq!(
+            summary_of_body(b),
+            Some(AnswerSummary {
+                usage: Some(TokenUsage {
+                    prompt: 3,
+                    completion: 4
+                }),
+                finish_reason: Some(FinishReason::Length),
+                answer_chars: Some(3),
+            })
+        );
+        // An empty answer is 0 characters, not unknown; a completion's
+        // `text` counts too; no choices at all is unknown.
+        let b = br#"{"choices":[{"message":{"content":""},"finish_reason":"stop"}]}"#;
+        let s = summary_of_body(b).expect("summary");
+        assert_eq!(
+            (s.usage, s.finish_reason, s.answer_chars),
+            (None, Some(FinishReason::Stop), Some(0))
+        );
+        let b = r#"{"choices":[{"text":"héllo","finish_reason":"content_filter"}]}"#.as_bytes();
+        let s = summary_of_body(b).expect("summary");
+        assert_eq!(
+            (s.finish_reason, s.answer_chars),
+            (Some(FinishReason::Other), Some(5))
+        );
+        assert_eq!(
+            summary_of_body(br#"{"data":[]}"#).map(|s| s.answer_chars),
+            Some(None)
+        );
+        assert_eq!(summary_of_body(b"not json"), None);
+    }
+
+    #[test]
+    fn sse_answer_length_and_finish_reason() {
+        use keel_canary::analysis::FinishReason;
+        let mut f = SseFilter::new(false);
+        for ev in [
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ab \"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"zzzz\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"c\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\n",
+        ] {
+            f.push(ev.as_bytes());
+        }
+        assert_eq!(
+            (f.answer_chars, f.finish_reason, f.done),
+            (3, Some(FinishReason::Length), false)
+        );
+        f.push(b"data: [DONE]\n\n");
+        assert!(f.done);
     }
 
     #[test]

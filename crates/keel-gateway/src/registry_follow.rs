@@ -94,19 +94,33 @@ pub fn client(cfg: &GatewayConfig) -> Result<Option<RegistryClient>, FollowError
     let Some(r) = &cfg.registry else {
         return Ok(None);
     };
-    let text = std::fs::read_to_string(&r.key_file).map_err(|source| FollowError::KeyFile {
-        path: r.key_file.clone(),
+    client_with(&r.url, &r.key_file).map(Some)
+}
+
+/// The registry client rollouts change aliases with: the key of
+/// `registry.write_key_file`; `None` without one.
+pub fn write_client(cfg: &GatewayConfig) -> Result<Option<RegistryClient>, FollowError> {
+    let Some(r) = &cfg.registry else {
+        return Ok(None);
+    };
+    let Some(path) = &r.write_key_file else {
+        return Ok(None);
+    };
+    client_with(&r.url, path).map(Some)
+}
+
+fn client_with(url: &str, path: &std::path::Path) -> Result<RegistryClient, FollowError> {
+    let text = std::fs::read_to_string(path).map_err(|source| FollowError::KeyFile {
+        path: path.to_owned(),
         source,
     })?;
     let key = text.lines().next().unwrap_or_default().trim();
     if key.is_empty() {
         return Err(FollowError::EmptyKey {
-            path: r.key_file.clone(),
+            path: path.to_owned(),
         });
     }
-    RegistryClient::new(&r.url, key)
-        .map(Some)
-        .map_err(FollowError::Client)
+    RegistryClient::new(url, key).map_err(FollowError::Client)
 }
 
 /// What one poll did.
@@ -128,6 +142,7 @@ pub struct Follower {
     follows: Vec<Follow>,
     shared: Shared,
     failing: bool,
+    wake: Arc<tokio::sync::Notify>,
 }
 
 /// What a reload needs: the configuration routes are laid over and the
@@ -208,6 +223,7 @@ impl Follower {
                 follows,
                 shared: Shared(Arc::new(Mutex::new((base, last)))),
                 failing: false,
+                wake: Arc::new(tokio::sync::Notify::new()),
             },
             cfg,
         ))
@@ -224,6 +240,22 @@ impl Follower {
                 .collect(),
             shared: self.shared.clone(),
         }
+    }
+
+    /// The followed models, with the canary shares a rollout moves.
+    pub fn follows(&self) -> &[Follow] {
+        &self.follows
+    }
+
+    /// The registry client the follower reads with.
+    pub fn client(&self) -> &RegistryClient {
+        &self.client
+    }
+
+    /// Notifying it makes [`Follower::run`] poll at once (a rollout that
+    /// changed a canary share).
+    pub fn waker(&self) -> Arc<tokio::sync::Notify> {
+        self.wake.clone()
     }
 
     /// The routing last applied for each followed model.
@@ -295,7 +327,8 @@ impl Follower {
         Poll::Applied
     }
 
-    /// Polls every `interval` until `shutdown` completes.
+    /// Polls every `interval`, and whenever woken ([`Follower::waker`]),
+    /// until `shutdown` completes.
     pub async fn run(
         mut self,
         gw: Gateway,
@@ -305,10 +338,12 @@ impl Follower {
         tokio::pin!(shutdown);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let wake = self.wake.clone();
         loop {
             tokio::select! {
                 _ = &mut shutdown => return,
                 _ = tick.tick() => { self.poll(&gw).await; }
+                _ = wake.notified() => { self.poll(&gw).await; }
             }
         }
     }

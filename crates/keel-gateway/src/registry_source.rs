@@ -43,6 +43,8 @@ pub enum RegistrySourceError {
     Unauthorized { status: u16 },
     #[error("the registry has no model {model:?}")]
     ModelNotFound { model: String },
+    #[error("the registry refused the change (HTTP {status}): it needs a registry API key with write rights (registry.write_key_file)")]
+    NoWriteRights { status: u16 },
     #[error("registry model {model:?} has no alias {alias:?} (set it with `keel model alias set {model} {alias} VERSION`)")]
     AliasNotFound { model: String, alias: String },
     #[error("registry model {model:?} version {version} (alias {alias:?}) is {status}, not READY")]
@@ -240,10 +242,23 @@ impl RegistryClient {
     }
 
     async fn get(&self, path_and_query: &str) -> Result<(u16, Bytes), RegistrySourceError> {
+        self.send(http::Method::GET, path_and_query, Bytes::new())
+            .await
+    }
+
+    async fn send(
+        &self,
+        method: http::Method,
+        path_and_query: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), RegistrySourceError> {
         let uri = format!("{}{}", self.base, path_and_query);
-        let req = http::Request::get(&uri)
+        let req = http::Request::builder()
+            .method(method)
+            .uri(&uri)
             .header(http::header::AUTHORIZATION, self.authorization.clone())
-            .body(Full::new(Bytes::new()))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
             .map_err(|_| RegistrySourceError::BadUrl {
                 url: truncate(&self.base),
             })?;
@@ -297,6 +312,51 @@ impl RegistryClient {
                 status,
                 message: truncate(
                     &serde_json::from_slice::<ErrorDoc>(&body)
+                        .map(|e| e.message)
+                        .unwrap_or_default(),
+                ),
+            }),
+        }
+    }
+
+    /// Moves `alias` of `model` to `version`, with `reason` in the alias's
+    /// history (a key with write rights).
+    pub async fn set_alias(
+        &self,
+        model: &str,
+        alias: &str,
+        version: u64,
+        reason: &str,
+    ) -> Result<(), RegistrySourceError> {
+        let body = serde_json::json!({"version": 1, "name": model, "alias": alias, "target": version, "reason": reason});
+        self.post("/api/v1/aliases/set", body).await
+    }
+
+    /// Deletes `alias` of `model`, with `reason` in the alias's history (a
+    /// key with write rights).
+    pub async fn delete_alias(
+        &self,
+        model: &str,
+        alias: &str,
+        reason: &str,
+    ) -> Result<(), RegistrySourceError> {
+        let body =
+            serde_json::json!({"version": 1, "name": model, "alias": alias, "reason": reason});
+        self.post("/api/v1/aliases/delete", body).await
+    }
+
+    async fn post(&self, path: &str, body: serde_json::Value) -> Result<(), RegistrySourceError> {
+        let (status, answer) = self
+            .send(http::Method::POST, path, Bytes::from(body.to_string()))
+            .await?;
+        match status {
+            200 => Ok(()),
+            401 | 403 => Err(RegistrySourceError::NoWriteRights { status }),
+            _ => Err(RegistrySourceError::Status {
+                path: path.to_owned(),
+                status,
+                message: truncate(
+                    &serde_json::from_slice::<ErrorDoc>(&answer)
                         .map(|e| e.message)
                         .unwrap_or_default(),
                 ),

@@ -418,7 +418,8 @@ fn json_ok(v: serde_json::Value) -> Response<GwBody> {
 }
 
 /// The admin API: `POST /admin/reload`, `GET /admin/status`,
-/// `GET /admin/usage/{scope}` (`key:ID` or `team:NAME`).
+/// `GET /admin/usage/{scope}` (`key:ID` or `team:NAME`), the rollouts
+/// (`GET /admin/rollouts/MODEL`, `POST /admin/rollouts/MODEL/start|pause|abort`).
 #[derive(Debug, Clone)]
 pub struct AdminService {
     pub gateway: Gateway,
@@ -454,6 +455,9 @@ impl Service<Request<Incoming>> for AdminService {
                     }
                 },
                 (Method::GET, "/admin/status") => json_ok(s.gateway.status()),
+                (method, p) if p.starts_with("/admin/rollouts/") => {
+                    rollout_route(&s.gateway, method, &p["/admin/rollouts/".len()..]).await
+                }
                 (Method::GET, p) if p.starts_with("/admin/usage/") => {
                     let scope = &p["/admin/usage/".len()..];
                     match s.gateway.limiter().usage(scope).await {
@@ -464,6 +468,56 @@ impl Service<Request<Incoming>> for AdminService {
                 _ => ApiError::not_found("no such admin route").into_response(),
             })
         })
+    }
+}
+
+/// `POST /admin/rollouts/MODEL/start|pause|abort`, `GET
+/// /admin/rollouts/MODEL`.
+async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwBody> {
+    let (model, action) = match rest.rsplit_once('/') {
+        Some((m, a)) if method == Method::POST => (m, Some(a)),
+        _ => (rest, None),
+    };
+    // Percent-encoded names are not expected; what the caller sent is
+    // repeated only in part.
+    let model: String = model.chars().take(200).collect();
+    let Some(r) = gw.rollouts() else {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no model follows the registry: there are no rollouts",
+        )
+        .into_response();
+    };
+    let res = match (method, action) {
+        (Method::GET, None) => r.status(&model),
+        (Method::POST, Some("start")) => r.start(gw, &model).await,
+        (Method::POST, Some("pause")) => r.pause(gw, &model),
+        (Method::POST, Some("abort")) => r.abort(gw, &model).await,
+        _ => {
+            return ApiError::not_found(
+                "rollout routes: GET /admin/rollouts/MODEL, POST /admin/rollouts/MODEL/start|pause|abort",
+            )
+            .into_response()
+        }
+    };
+    match res {
+        Ok(v) => json_ok(v),
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(x) = src {
+                msg.push_str(": ");
+                msg.push_str(&x.to_string());
+                src = x.source();
+            }
+            let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::CONFLICT);
+            text(
+                status,
+                "application/json",
+                json!({"error": {"type": "rollout_error", "message": msg}}).to_string(),
+            )
+        }
     }
 }
 

@@ -1297,3 +1297,71 @@ fn jwks_from_a_url() {
     assert_eq!(g.chat(&t, chat_body("chat")).status, 401, "unknown key id");
     g.stop();
 }
+
+#[test]
+fn a_watched_model_records_each_request_per_deployment() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A tenth of `b`'s answers are empty, a quarter (another run of them)
+    // ends with `length`, a fifth answers 500.
+    let a = TestBackend::start(&["--tokens", "6"]);
+    let b = TestBackend::start(&[
+        "--tokens",
+        "6",
+        "--empty-percent",
+        "10",
+        "--length-percent",
+        "25",
+        "--error-percent",
+        "20",
+    ]);
+    let cfg = format!(
+        "{}{}",
+        head(dir.path()).replace("retries = 2", "retries = 0"),
+        model("chat", "", &[("v1", a.url(), 1), ("v2", b.url(), 1)])
+    );
+    let (_, key) = add_key(dir.path(), "ops", &["ops"], None);
+    let g = Running::start(dir.path(), &cfg);
+    // Not watched: nothing kept.
+    g.chat(&key, chat_body("chat"));
+    assert_eq!(g.gw.samples().take("chat"), None);
+    g.gw.samples().watch("chat");
+    let pin = |d: &str, stream: bool| {
+        let mut body = chat_body("chat");
+        if stream {
+            body["stream"] = true.into();
+        }
+        g.chat_with(&key, body, &[("x-keel-deployment", d)])
+    };
+    for _ in 0..40 {
+        pin("v1", false);
+    }
+    for _ in 0..100 {
+        pin("v2", false);
+    }
+    for _ in 0..20 {
+        assert_eq!(pin("v1", true).status, 200);
+    }
+    let w = g.gw.samples().take("chat").expect("watched");
+    let v1 = &w["v1"].samples;
+    let v2 = &w["v2"].samples;
+    assert_eq!((v1.len(), v2.len()), (60, 100));
+    use keel_canary::analysis::FinishReason;
+    assert!(v1.iter().all(|s| !s.error && s.latency_ms.is_some()));
+    assert!(v1[..40].iter().all(|s| s.completion_tokens == Some(6)
+        && s.finish_reason == Some(FinishReason::Stop)
+        && s.answer_chars.is_some_and(|c| c > 3)
+        && !s.streamed));
+    assert!(v1[40..].iter().all(|s| s.streamed
+        && !s.stream_aborted
+        && s.finish_reason == Some(FinishReason::Stop)
+        && s.answer_chars.is_some_and(|c| c > 3)));
+    let count =
+        |f: &dyn Fn(&keel_canary::analysis::Sample) -> bool| v2.iter().filter(|s| f(s)).count();
+    assert_eq!(count(&|s| s.error), 20);
+    assert_eq!(count(&|s| s.answer_chars == Some(0)), 10);
+    assert_eq!(
+        count(&|s| s.finish_reason == Some(FinishReason::Length)),
+        25
+    );
+    g.stop();
+}

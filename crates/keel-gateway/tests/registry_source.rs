@@ -14,6 +14,7 @@ use keel_registry::{FixedClock, NewVersion, Registry, Role};
 struct Server {
     url: String,
     reader: String,
+    writer: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -47,6 +48,9 @@ async fn start() -> Server {
     let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
     let reader = keel_registry::auth::new_secret();
     reg.create_api_key("admin", "gateway", Role::Read, &reader)
+        .expect("key");
+    let writer = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "rollouts", Role::Write, &writer)
         .expect("key");
     for (i, backend) in [
         Some("http://127.0.0.1:9001"),
@@ -82,6 +86,7 @@ async fn start() -> Server {
     Server {
         url: format!("http://{addr}"),
         reader,
+        writer,
         stop: Some(tx),
         task,
     }
@@ -197,4 +202,82 @@ async fn bad_input_is_refused_with_what_to_fix() {
         .await
         .expect_err("refused");
     assert!(matches!(e, RegistrySourceError::Unreachable { .. }), "{e}");
+}
+
+/// The alias history of `chat`'s `alias`, as the registry's API shows it.
+async fn history(s: &Server, alias: &str) -> Vec<serde_json::Value> {
+    let addr: std::net::SocketAddr = s.url.trim_start_matches("http://").parse().expect("addr");
+    let auth = format!("Bearer {}", s.reader);
+    let path = format!("/api/v1/history?name=chat&alias={alias}");
+    let r = tokio::task::spawn_blocking(move || {
+        keel_testkit::http::request(addr, "GET", &path, &[("authorization", &auth)], b"")
+    })
+    .await
+    .expect("join")
+    .expect("history");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["events"].as_array().expect("events").clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_are_set_and_deleted_with_their_reason_by_a_writer_only() {
+    let s = start().await;
+    let w = RegistryClient::new(&s.url, &s.writer).expect("client");
+    w.set_alias("chat", "production", 2, "rollout r-1: promoted")
+        .await
+        .expect("set");
+    w.delete_alias(
+        "chat",
+        "canary",
+        "rollout r-2: aborted at 1%: empty_answer fail",
+    )
+    .await
+    .expect("delete");
+    let r = w
+        .resolve(&source("chat", "production", Some("canary")))
+        .await
+        .expect("resolve");
+    assert_eq!((r.stable.version, r.canary), (2, None));
+    let p = history(&s, "production").await;
+    let last = p.last().expect("event");
+    assert_eq!(
+        (last["new_version"].as_u64(), last["reason"].as_str()),
+        (Some(2), Some("rollout r-1: promoted"))
+    );
+    let c = history(&s, "canary").await;
+    let last = c.last().expect("event");
+    assert_eq!(last["new_version"], serde_json::Value::Null);
+    assert_eq!(
+        last["reason"],
+        "rollout r-2: aborted at 1%: empty_answer fail"
+    );
+    // A read key cannot; a missing alias or version is the registry's
+    // error, said.
+    let r = RegistryClient::new(&s.url, &s.reader).expect("client");
+    let e = r
+        .set_alias("chat", "canary", 1, "x")
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::NoWriteRights { status: 403 }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("write rights"), "{e}");
+    let e = w
+        .delete_alias("chat", "canary", "again")
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::Status { status: 404, .. }),
+        "{e}"
+    );
+    let e = w
+        .set_alias("chat", "canary", 99, "x")
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, RegistrySourceError::Status { status: 404, .. }),
+        "{e}"
+    );
+    s.stop().await;
 }

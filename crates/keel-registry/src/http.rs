@@ -9,7 +9,10 @@
 //!
 //! - keel's read API (`/api/v1/...`, JSON with a `version` field):
 //!   models, versions (with files, lineage and signature), aliases, alias
-//!   history, and the chain check; what the gateway reads.
+//!   history, and the chain check; what the gateway reads. Two writes:
+//!   `POST /api/v1/aliases/set` and `/api/v1/aliases/delete` set or
+//!   delete an alias with the reason its history records (what a gateway
+//!   rollout writes).
 //! - MLflow's model-registry API (`/api/2.0/mlflow/...`):
 //!   `registered-models/create|get|search|update|rename|delete|set-tag|
 //!   delete-tag|get-latest-versions`, `registered-models/alias` (POST set,
@@ -280,6 +283,8 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .route("/api/v1/versions/get", get(v1_version))
         .route("/api/v1/aliases", get(v1_aliases))
         .route("/api/v1/history", get(v1_history))
+        .route("/api/v1/aliases/set", post(v1_set_alias))
+        .route("/api/v1/aliases/delete", post(v1_delete_alias))
         .route("/api/v1/audit/verify", get(v1_audit_verify))
         .route(
             &format!("{m}/registered-models/create"),
@@ -551,6 +556,68 @@ async fn v1_aliases(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
 async fn v1_history(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
     let events = read(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
     Ok(with_version(json!({ "events": events })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AliasChange {
+    version: u32,
+    name: String,
+    alias: String,
+    /// `set` only.
+    #[serde(default)]
+    target: Option<u64>,
+    reason: String,
+}
+
+impl AliasChange {
+    fn check_version(&self) -> Result<(), ApiError> {
+        if self.version != 1 {
+            return Err(ApiError::invalid(format!(
+                "version {} of the alias change format is not known (1 is)",
+                self.version
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Sets an alias with a reason: `{"version": 1, "name", "alias",
+/// "target": N, "reason"}`.
+async fn v1_set_alias(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<AliasChange>,
+) -> ApiResult {
+    b.check_version()?;
+    let Some(v) = b.target else {
+        return Err(ApiError::invalid(
+            "target (the version the alias names) is missing",
+        ));
+    };
+    let ev = db(&st, move |r| {
+        r.set_alias(&id.actor, &b.name, &b.alias, v, &b.reason)
+    })
+    .await?;
+    Ok(with_version(json!({ "event": ev })))
+}
+
+/// Deletes an alias with a reason: `{"version": 1, "name", "alias",
+/// "reason"}`; an alias that is not set is 404.
+async fn v1_delete_alias(
+    State(st): State<AppState>,
+    Extension(id): Extension<Identity>,
+    Json(b): Json<AliasChange>,
+) -> ApiResult {
+    b.check_version()?;
+    if b.target.is_some() {
+        return Err(ApiError::invalid("delete takes no target"));
+    }
+    let ev = db(&st, move |r| {
+        r.delete_alias(&id.actor, &b.name, &b.alias, &b.reason)
+    })
+    .await?;
+    Ok(with_version(json!({ "event": ev })))
 }
 
 async fn v1_audit_verify(State(st): State<AppState>) -> ApiResult {

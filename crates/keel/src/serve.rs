@@ -53,6 +53,36 @@ enum ServeCommand {
     /// Make a random bearer token for the admin or metrics listener and
     /// print it with the SHA-256 that goes in the config file.
     Token,
+    /// Progressive rollouts of a registry-following model's canary, through
+    /// a running gateway's admin API.
+    Rollout {
+        #[command(subcommand)]
+        command: RolloutCommand,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+struct AdminArgs {
+    /// The gateway's admin listener, `http://host:port`.
+    #[arg(long, value_name = "URL", global = true)]
+    admin: Option<String>,
+    /// A file whose first line is the admin bearer token.
+    #[arg(long, value_name = "FILE", global = true)]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum RolloutCommand {
+    /// Start a rollout of MODEL's canary (or resume a paused one).
+    Start { model: String },
+    /// The rollout's phase, weight and each step's verdict with its numbers.
+    Status { model: String },
+    /// Hold the rollout at its weight; `start` resumes it.
+    Pause { model: String },
+    /// Canary weight 0 at once and the canary alias rolled back.
+    Abort { model: String },
 }
 
 #[derive(Debug, Args)]
@@ -229,6 +259,7 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
         Some(ServeCommand::Audit {
             command: AuditCommand::Verify { file, key },
         }) => verify(file, key.as_deref(), out),
+        Some(ServeCommand::Rollout { command, admin }) => rollout(command, admin, out),
         Some(ServeCommand::Token) => {
             let token = format!("keel-admin-{}", keel_gateway::keys::hex(&random::<24>()?));
             let sha = sha256_hex(token.as_bytes());
@@ -243,6 +274,197 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
             Ok(Code::Ok)
         }
     }
+}
+
+fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result<Code> {
+    let url = admin.admin.as_deref().ok_or_else(|| {
+        UsageError("give the gateway's admin listener: --admin http://host:port".into())
+    })?;
+    let token_file = admin.token_file.as_deref().ok_or_else(|| {
+        UsageError("give the admin token: --token-file FILE (its first line is the token)".into())
+    })?;
+    let token = std::fs::read_to_string(token_file)
+        .with_context(|| format!("cannot read the admin token file {}", token_file.display()))?;
+    let token = token.lines().next().unwrap_or_default().trim().to_owned();
+    if token.is_empty() {
+        return Err(UsageError(format!(
+            "the admin token file {} is empty",
+            token_file.display()
+        ))
+        .into());
+    }
+    let (method, model, action) = match cmd {
+        RolloutCommand::Start { model } => ("POST", model, Some("start")),
+        RolloutCommand::Status { model } => ("GET", model, None),
+        RolloutCommand::Pause { model } => ("POST", model, Some("pause")),
+        RolloutCommand::Abort { model } => ("POST", model, Some("abort")),
+    };
+    if model.is_empty()
+        || model.contains(['/', '?', '#', ' '])
+        || model.chars().any(char::is_control)
+    {
+        return Err(UsageError(format!(
+            "{:?} is not a model name",
+            model.chars().take(100).collect::<String>()
+        ))
+        .into());
+    }
+    let path = match action {
+        Some(a) => format!("/admin/rollouts/{model}/{a}"),
+        None => format!("/admin/rollouts/{model}"),
+    };
+    let (status, body) = admin_call(url, method, &path, &token)?;
+    let doc: serde_json::Value = serde_json::from_slice(&body).map_err(|_| {
+        anyhow::anyhow!(
+            "the gateway at {url} answered {path} with HTTP {status} and no JSON: is it keel serve's admin listener?"
+        )
+    })?;
+    if status != 200 {
+        let msg = doc
+            .pointer("/error/message")
+            .and_then(|m| m.as_str())
+            .unwrap_or("no message");
+        let e = anyhow::anyhow!("the gateway refused: {msg} (HTTP {status})");
+        return Err(match status {
+            401 | 403 => e.context("the admin token was refused"),
+            _ => e,
+        });
+    }
+    if out.json {
+        out.json("serve rollout", &doc)?;
+        return Ok(Code::Ok);
+    }
+    out.text(&rollout_text(&doc))?;
+    Ok(Code::Ok)
+}
+
+/// A rollout's status as text: the head, then one row per verdict with
+/// the numbers of every check.
+fn rollout_text(d: &serde_json::Value) -> String {
+    let s = |p: &str| match d.pointer(p) {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Null) | None => "-".into(),
+        Some(v) => v.to_string(),
+    };
+    let mut text = format!(
+        "rollout   {}\nmodel     {} (registry {}: {} v{} -> {} v{})\nphase     {}\nweight    {}%  steps {}  every {}s\n",
+        s("/id"),
+        s("/model"),
+        s("/registry_model"),
+        s("/stable/alias"),
+        s("/stable/version"),
+        s("/canary/alias"),
+        s("/canary/version"),
+        s("/phase"),
+        s("/weight"),
+        s("/steps"),
+        s("/interval_s"),
+    );
+    if let Some(r) = d.get("registry").filter(|r| !r.is_null()) {
+        let ok = r.get("ok").and_then(|v| v.as_bool()) == Some(true);
+        text.push_str(&format!(
+            "registry  {}: {}\n",
+            if ok {
+                "alias changed"
+            } else {
+                "alias change FAILED"
+            },
+            r.get("error")
+                .or_else(|| r.get("reason"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+        ));
+    }
+    let verdicts = d
+        .get("verdicts")
+        .and_then(|v| v.as_array())
+        .cloned()
+        .unwrap_or_default();
+    if verdicts.is_empty() {
+        text.push_str("no verdict yet\n");
+        return text;
+    }
+    let mut t = Table::new(&["STEP", "WEIGHT", "INTERVAL", "VERDICT", "CHECKS"]);
+    for v in &verdicts {
+        let checks: Vec<String> = v
+            .get("summary")
+            .and_then(|c| c.as_array())
+            .map(|c| {
+                c.iter()
+                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let at = |k: &str| {
+            v.get(k)
+                .map(|x| x.to_string().trim_matches('"').to_owned())
+                .unwrap_or_default()
+        };
+        t.row(vec![
+            (v.get("step").and_then(|x| x.as_u64()).unwrap_or(0) + 1).to_string(),
+            format!("{}%", at("weight")),
+            at("interval"),
+            at("decision"),
+            checks.join("; "),
+        ]);
+    }
+    text.push_str(&t.render());
+    text
+}
+
+/// One request to the admin listener (plain HTTP/1.1): the status and the
+/// body.
+fn admin_call(url: &str, method: &str, path: &str, token: &str) -> anyhow::Result<(u16, Vec<u8>)> {
+    use std::io::{Read, Write};
+    let authority = url
+        .strip_prefix("http://")
+        .map(|r| r.trim_end_matches('/'))
+        .filter(|a| !a.is_empty() && !a.contains('/'))
+        .ok_or_else(|| {
+            UsageError(format!(
+                "--admin {:?} must be http://host:port",
+                url.chars().take(200).collect::<String>()
+            ))
+        })?;
+    let mut conn = std::net::TcpStream::connect(authority)
+        .with_context(|| format!("cannot reach the gateway's admin listener at {authority}"))?;
+    let limit = Some(std::time::Duration::from_secs(30));
+    conn.set_read_timeout(limit)?;
+    conn.set_write_timeout(limit)?;
+    write!(
+        conn,
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    conn.take(16 << 20)
+        .read_to_end(&mut raw)
+        .with_context(|| format!("the gateway at {authority} did not answer"))?;
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("the gateway at {authority} sent no HTTP answer"))?;
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("the gateway at {authority} sent no HTTP status"))?;
+    let mut body = raw[end + 4..].to_vec();
+    if head.contains("transfer-encoding: chunked") {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        while let Some(i) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size =
+                usize::from_str_radix(String::from_utf8_lossy(&rest[..i]).trim(), 16).unwrap_or(0);
+            if size == 0 || rest.len() < i + 2 + size {
+                break;
+            }
+            out.extend_from_slice(&rest[i + 2..i + 2 + size]);
+            rest = &rest[(i + 4 + size).min(rest.len())..];
+        }
+        body = out;
+    }
+    Ok((status, body))
 }
 
 fn load_gateway_config(sc: &ServeConfig) -> anyhow::Result<(GatewayConfig, PathBuf)> {
@@ -307,7 +529,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         let listen_override = sc.listen;
         let reload_path = path.clone();
         let (cfg, follower) = follow_registry(cfg).await?;
-        let reroute = follower.as_ref().map(|(f, _)| f.reroute());
+        let reroute = follower.as_ref().map(|(f, ..)| f.reroute());
         let reload: keel_gateway::ReloadFn = Arc::new(move || {
             let mut c = GatewayConfig::load(&reload_path)?;
             if let Some(l) = listen_override {
@@ -335,7 +557,14 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
                 }
             })),
         }).await?;
-        if let Some((f, every)) = follower {
+        if let Some((f, every, writer, cfg)) = follower {
+            gw.set_rollouts(keel_gateway::rollout::Rollouts::new(
+                &cfg,
+                f.follows().to_vec(),
+                f.client().clone(),
+                writer,
+                f.waker(),
+            ));
             tokio::spawn(f.run(gw.clone(), every, std::future::pending()));
         }
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
@@ -401,17 +630,21 @@ impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
     }
 }
 
+/// The follower, its polling interval, the registry client rollouts
+/// write with, and the configuration.
+type Following = (
+    keel_gateway::registry_follow::Follower,
+    std::time::Duration,
+    Option<keel_gateway::registry_source::RegistryClient>,
+    GatewayConfig,
+);
+
 /// For a configuration whose models follow the registry: the routing the
 /// registry's aliases name now (an error at start for anything the
 /// registry refuses, never a fallback), and the follower that keeps it
 /// current with its polling interval.
-async fn follow_registry(
-    cfg: GatewayConfig,
-) -> anyhow::Result<(
-    GatewayConfig,
-    Option<(keel_gateway::registry_follow::Follower, std::time::Duration)>,
-)> {
-    use keel_gateway::registry_follow::{client, follows, Follower};
+async fn follow_registry(cfg: GatewayConfig) -> anyhow::Result<(GatewayConfig, Option<Following>)> {
+    use keel_gateway::registry_follow::{client, follows, write_client, Follower};
     let Some(mut c) = client(&cfg)? else {
         return Ok((cfg, None));
     };
@@ -428,6 +661,8 @@ async fn follow_registry(
     if f.is_empty() {
         return Ok((cfg, None));
     }
+    // A bad write key is an error at start, not at the first rollout.
+    let writer = write_client(&cfg)?;
     let (follower, routed) = Follower::new(c, f, cfg).await?;
     for (model, r, _) in follower.routing() {
         tracing::info!(
@@ -437,7 +672,8 @@ async fn follow_registry(
             "routing follows the registry"
         );
     }
-    Ok((routed, Some((follower, every))))
+    let cfg = routed.clone();
+    Ok((routed, Some((follower, every, writer, cfg))))
 }
 
 fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {

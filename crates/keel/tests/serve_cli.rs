@@ -534,3 +534,76 @@ fn https_listener_to_an_mtls_backend_with_sighup_certificate_renewal_and_tls_err
         "{err}"
     );
 }
+
+#[test]
+fn rollout_commands_refuse_bad_arguments_before_calling() {
+    let t = tempfile::tempdir().expect("tmp");
+    let token = t.path().join("admin.token");
+    std::fs::write(&token, "").expect("token");
+    let token = token.to_str().expect("utf8");
+    let keel_err = |args: &[&str]| {
+        let o = std::process::Command::new(keel())
+            .args(args)
+            .env_remove("KEEL_CONFIG")
+            .output()
+            .expect("keel");
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    for (args, expect) in [
+        (
+            vec!["serve", "rollout", "status", "chat"],
+            "--admin http://host:port",
+        ),
+        (
+            vec![
+                "serve",
+                "rollout",
+                "status",
+                "chat",
+                "--admin",
+                "http://127.0.0.1:1",
+            ],
+            "--token-file FILE",
+        ),
+        (
+            vec![
+                "serve",
+                "rollout",
+                "start",
+                "chat",
+                "--admin",
+                "http://127.0.0.1:1",
+                "--token-file",
+                token,
+            ],
+            "is empty",
+        ),
+    ] {
+        let (code, err) = keel_err(&args);
+        assert_eq!(code, 64, "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+    std::fs::write(t.path().join("admin.token"), "secret").expect("token");
+    for (admin, model, expect) in [
+        ("https://127.0.0.1:1", "chat", "must be http://host:port"),
+        ("http://127.0.0.1:1/x", "chat", "must be http://host:port"),
+        ("http://127.0.0.1:1", "a/b", "\"a/b\" is not a model name"),
+    ] {
+        let (code, err) = keel_err(&[
+            "serve",
+            "rollout",
+            "abort",
+            model,
+            "--admin",
+            admin,
+            "--token-file",
+            token,
+        ]);
+        assert_eq!(code, 64, "{admin} {model}: {err}");
+        assert!(err.contains(expect), "{admin} {model}: {err}");
+        assert!(!err.contains("secret"));
+    }
+}

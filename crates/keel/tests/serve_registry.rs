@@ -3,7 +3,12 @@
 //! tags); `keel model alias set` and `keel model rollback` reach the
 //! gateway within 2 s; a reload keeps the registry's routing; with the
 //! registry down the gateway keeps its last routing; a missing registry model, a version with no backend and a
-//! revoked key stop `keel serve` at start with an error.
+//! revoked key stop `keel serve` at start with an error. Rollouts through
+//! `keel serve rollout`: a healthy canary promoted (the stable alias moved),
+//! a canary with 20% empty answers aborted at its first step and its alias
+//! rolled back, both recorded under one rollout id in the gateway's audit
+//! log and the registry's alias history; a rollout without a canary
+//! refused.
 
 mod serve_common;
 
@@ -383,5 +388,466 @@ fn keel_serve_checks_signatures_against_the_trusted_key() {
             .contains("keel_errors_total{route=\"registry\",kind=\"registry_refused\"}"),
         "{}",
         m.text()
+    );
+}
+
+/// `keel serve rollout ARGS --admin .. --token-file ..`: (exit code,
+/// stdout, stderr).
+fn rollout_cli(gw: &GatewayProcess, dir: &Path, args: &[&str]) -> (i32, String, String) {
+    let token = dir.join("admin.token");
+    std::fs::write(&token, ADMIN_TOKEN).expect("token");
+    let admin = format!("http://{}", gw.admin.expect("admin"));
+    let o = Command::new(keel())
+        .args(["serve", "rollout"])
+        .args(args)
+        .args(["--admin", &admin, "--token-file"])
+        .arg(&token)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("keel serve rollout");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn rollout_status(gw: &GatewayProcess, dir: &Path) -> serde_json::Value {
+    let (code, out, err) = rollout_cli(gw, dir, &["--json", "status", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).expect("json")
+}
+
+/// A rollout's setting: registry `chat` v1 (`production`) on backend `v1`,
+/// v2 on a backend `v2` started with `v2_args`, a read and a write key,
+/// an audit log, `[models.rollout]` as given.
+struct RolloutSetup {
+    t: tempfile::TempDir,
+    db: std::path::PathBuf,
+    url: String,
+    _reg: Registry,
+    _b: (TestBackend, TestBackend),
+    gw: GatewayProcess,
+    key: String,
+}
+
+fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
+    let t = tempfile::tempdir().expect("tmp");
+    let db = t.path().join("registry.db");
+    let b1 = TestBackend::start(&["--name", "v1"]);
+    let mut a = vec!["--name", "v2"];
+    a.extend_from_slice(v2_args);
+    let b2 = TestBackend::start(&a);
+    register(t.path(), &db, &[Some(b1.url()), Some(b2.url())]);
+    ok(model(
+        &db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "production",
+            "1",
+            "--reason",
+            "first",
+        ],
+    ));
+    std::fs::write(t.path().join("registry.key"), read_key(&db, "gateway")).expect("key");
+    let w: serde_json::Value = serde_json::from_str(&ok(model(
+        &db,
+        &["--json", "keys", "create", "rollouts", "--role", "write"],
+    )))
+    .expect("json");
+    std::fs::write(
+        t.path().join("rollouts.key"),
+        w["secret"].as_str().expect("secret"),
+    )
+    .expect("key");
+    let (reg, url) = registry(&db);
+    let cfg = config_with(
+        t.path(),
+        &url,
+        "chat",
+        "write_key_file = \"rollouts.key\"\ndrift_reference_requests = 50\ndrift_window_requests = 50\n[audit]\npath = \"audit.jsonl\"",
+        "",
+    );
+    let mut text = std::fs::read_to_string(&cfg).expect("read");
+    text.push_str(&format!("[models.rollout]\n{rollout}\n"));
+    std::fs::write(&cfg, text).expect("write");
+    let (_, key) = create_key(&cfg, "alice", "user", None);
+    let gw = GatewayProcess::start(&keel(), &cfg);
+    RolloutSetup {
+        t,
+        db,
+        url,
+        _reg: reg,
+        _b: (b1, b2),
+        gw,
+        key,
+    }
+}
+
+/// Sends chat requests one after another until `stop`; counts who served.
+fn drive(
+    gw: &GatewayProcess,
+    key: &str,
+    stop: &std::sync::atomic::AtomicBool,
+) -> std::collections::BTreeMap<String, u64> {
+    let mut n = std::collections::BTreeMap::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if let Ok(r) = http::post_json(gw.public, "/v1/chat/completions", key, &chat_body()) {
+            let by = r.json()["system_fingerprint"]
+                .as_str()
+                .unwrap_or("error")
+                .to_owned();
+            *n.entry(by).or_default() += 1;
+        }
+    }
+    n
+}
+
+/// The events of `chat`'s `alias` in the registry's alias history.
+fn alias_history(s: &RolloutSetup, alias: &str) -> Vec<serde_json::Value> {
+    let addr = s.url.trim_start_matches("http://").parse().expect("addr");
+    let key = std::fs::read_to_string(s.t.path().join("registry.key")).expect("key");
+    let r = http::get(
+        addr,
+        &format!("/api/v1/history?name=chat&alias={alias}"),
+        key.trim(),
+    )
+    .expect("history");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["events"].as_array().expect("events").clone()
+}
+
+fn audit_events(s: &RolloutSetup, id: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(s.t.path().join("audit.jsonl"))
+        .expect("audit log")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["rollout_id"] == id)
+        .collect()
+}
+
+/// The rollout's audit events once `event` is among them (the audit log
+/// is written by a thread of its own, after the registry answered).
+fn audit_until(s: &RolloutSetup, id: &str, event: &str) -> Vec<serde_json::Value> {
+    let t0 = Instant::now();
+    loop {
+        let a = audit_events(s, id);
+        if a.iter().any(|e| e["event"] == event) {
+            return a;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no {event} in the audit log: {a:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_phase(s: &RolloutSetup, phase: &str, within: Duration) -> serde_json::Value {
+    let t0 = Instant::now();
+    loop {
+        let st = rollout_status(&s.gw, s.t.path());
+        if st["phase"] == phase {
+            return st;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "not {phase} after {within:?}: {st:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_healthy_canary_is_promoted_through_every_step() {
+    let s = rollout_setup(
+        &[],
+        "steps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 50",
+    );
+    // No canary alias yet: a clear error, nothing started.
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("registry model \"chat\" has no version under its canary alias \"canary\": set it first"),
+        "{err}"
+    );
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has no rollout"), "{err}");
+
+    ok(model(
+        &s.db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "canary",
+            "2",
+            "--reason",
+            "candidate",
+        ],
+    ));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let d = sc.spawn(|| drive(&s.gw, &s.key, &stop));
+        let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("weight    50%"), "{out}");
+        let st = wait_phase(&s, "promoted", Duration::from_secs(30));
+        // The stable alias moved to the canary's version: all traffic on v2.
+        wait_for(&s.gw, &s.key, "v2");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let served = d.join().expect("driver");
+        assert!(
+            served.contains_key("v1") && served.contains_key("v2"),
+            "{served:?}"
+        );
+        let id = st["id"].as_str().expect("id").to_owned();
+        let verdicts = st["verdicts"].as_array().expect("verdicts");
+        assert_eq!(
+            verdicts.last().expect("verdict")["decision"],
+            "advance",
+            "{st:#}"
+        );
+        assert_eq!(st["weight"], 100);
+        let h = alias_history(&s, "production");
+        let last = h.last().expect("event");
+        assert_eq!(last["new_version"], 2);
+        let reason = last["reason"].as_str().expect("reason");
+        assert!(
+            reason.starts_with(&format!("rollout {id}: promoted, no check failed (50%: ")),
+            "{reason}"
+        );
+        let audit = audit_until(&s, &id, "rollout_promote");
+        let events: Vec<String> = audit
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        assert_eq!(
+            events.first().map(String::as_str),
+            Some("rollout_start"),
+            "{events:?}"
+        );
+        assert!(events.contains(&"rollout_verdict".to_owned()), "{events:?}");
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("rollout_promote"),
+            "{events:?}"
+        );
+        let promote = audit.last().expect("promote");
+        assert_eq!(
+            (promote["ok"].as_bool(), promote["reason"].as_str()),
+            (Some(true), Some(reason))
+        );
+        // Output drift of each version, against its first 50 answers:
+        // identical backends, no drift.
+        let m = http::get(s.gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
+            .expect("metrics")
+            .text();
+        for v in ["v1", "v2"] {
+            let line = m
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!(
+                        "keel_drift_js{{model=\"chat\",version=\"{v}\",feature=\"finish_reason\"}} "
+                    ))
+                })
+                .unwrap_or_else(|| panic!("no drift gauge of {v}: {m}"));
+            let js: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .expect("value");
+            assert!(js < 0.01, "{line}");
+        }
+        // The text status shows each step's verdict with its numbers.
+        let (_, text, _) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+        assert!(text.contains("phase     promoted"), "{text}");
+        assert!(
+            text.contains("advance") && text.contains("empty_answer pass: canary"),
+            "{text}"
+        );
+    });
+}
+
+#[test]
+fn a_canary_with_empty_answers_is_aborted_and_rolled_back() {
+    let s = rollout_setup(
+        &["--empty-percent", "20"],
+        "steps = [25, 50, 100]\ninterval_s = 1",
+    );
+    ok(model(
+        &s.db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "canary",
+            "2",
+            "--reason",
+            "candidate",
+        ],
+    ));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let d = sc.spawn(|| drive(&s.gw, &s.key, &stop));
+        let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+        assert_eq!(code, 0, "{err}");
+        let st = wait_phase(&s, "aborted", Duration::from_secs(20));
+        // Weight 0 within one interval: every answer from v1.
+        let took = wait_for(&s.gw, &s.key, "v1");
+        assert!(
+            took < Duration::from_secs(1),
+            "canary still served after {took:?}"
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        d.join().expect("driver");
+        let id = st["id"].as_str().expect("id").to_owned();
+        assert_eq!(st["weight"], 0);
+        // At the first step.
+        let verdicts = st["verdicts"].as_array().expect("verdicts");
+        let last = verdicts.last().expect("verdict");
+        assert_eq!(
+            (last["decision"].as_str(), last["weight"].as_u64()),
+            (Some("abort"), Some(25)),
+            "{st:#}"
+        );
+        assert!(verdicts.iter().all(|v| v["weight"] == 25), "{st:#}");
+        // The registry: the canary alias deleted, with the failed check.
+        let h = alias_history(&s, "canary");
+        let ev = h.last().expect("event");
+        assert_eq!(ev["new_version"], serde_json::Value::Null, "{ev}");
+        let reason = ev["reason"].as_str().expect("reason");
+        assert!(
+            reason.starts_with(&format!("rollout {id}: aborted at 25% (interval ")),
+            "{reason}"
+        );
+        assert!(reason.contains("empty_answer fail: canary 0.2"), "{reason}");
+        // The gateway's audit log: the same id, the same reason.
+        let audit = audit_until(&s, &id, "rollout_rollback");
+        let abort = audit
+            .iter()
+            .find(|e| e["event"] == "rollout_abort")
+            .expect("abort event");
+        assert_eq!(
+            (abort["weight"].as_u64(), abort["reason"].as_str()),
+            (Some(0), Some(reason))
+        );
+        let rb = audit
+            .iter()
+            .find(|e| e["event"] == "rollout_rollback")
+            .expect("rollback event");
+        assert_eq!(
+            (rb["ok"].as_bool(), rb["reason"].as_str()),
+            (Some(true), Some(reason))
+        );
+        // Ended: another abort is refused, clearly.
+        let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["abort", "chat"]);
+        assert_ne!(code, 0);
+        assert!(err.contains("cannot abort"), "{err}");
+    });
+}
+
+#[test]
+fn operators_pause_resume_and_abort_a_rollout() {
+    // No traffic: the step holds, giving the operator time.
+    let s = rollout_setup(&[], "steps = [10, 100]\ninterval_s = 1");
+    ok(model(
+        &s.db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "canary",
+            "2",
+            "--reason",
+            "candidate",
+        ],
+    ));
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has rollout ro-"), "{err}");
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["pause", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("phase     paused") && out.contains("weight    10%"),
+        "{out}"
+    );
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("phase     progressing"), "{out}");
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["--json", "abort", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let st: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(
+        (st["phase"].as_str(), st["weight"].as_u64()),
+        (Some("aborted"), Some(0))
+    );
+    let id = st["id"].as_str().expect("id").to_owned();
+    let audit = audit_until(&s, &id, "rollout_rollback");
+    let events: Vec<&str> = audit.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert_eq!(
+        events,
+        [
+            "rollout_start",
+            "rollout_weight",
+            "rollout_pause",
+            "rollout_resume",
+            "rollout_weight",
+            "rollout_abort",
+            "rollout_rollback"
+        ]
+    );
+    let h = alias_history(&s, "canary");
+    let ev = h.last().expect("event");
+    assert_eq!(ev["new_version"], serde_json::Value::Null, "{ev}");
+    assert_eq!(
+        ev["reason"],
+        format!("rollout {id}: aborted by an operator at 10%: the canary alias is rolled back")
+    );
+    // A canary alias on a version with no backend: refused at start.
+    let files = s.t.path().join("chat-v3");
+    std::fs::create_dir_all(&files).expect("mkdir");
+    std::fs::write(files.join("weights.bin"), "version 3").expect("write");
+    ok(model(
+        &s.db,
+        &["register", "chat", "--path", files.to_str().expect("utf8")],
+    ));
+    ok(model(
+        &s.db,
+        &[
+            "alias", "set", "chat", "canary", "3", "--reason", "untagged",
+        ],
+    ));
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("version 3 (alias \"canary\") names no backend") && err.contains("HTTP 409"),
+        "{err}"
+    );
+    // A model that does not follow the registry, and a bad admin token.
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "other"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("model \"other\" does not follow the registry"),
+        "{err}"
+    );
+    std::fs::write(s.t.path().join("bad.token"), "wrong").expect("token");
+    let o = Command::new(keel())
+        .args(["serve", "rollout", "status", "chat", "--admin"])
+        .arg(format!("http://{}", s.gw.admin.expect("admin")))
+        .arg("--token-file")
+        .arg(s.t.path().join("bad.token"))
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("keel");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("the admin token was refused"),
+        "{err}"
     );
 }
