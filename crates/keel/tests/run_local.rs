@@ -548,7 +548,10 @@ fn bad_input_is_refused_with_a_clear_error() {
         .arg("--state")
         .arg(job.tmp.path().join("other.json"))
         .args(["--", "true"])
+        // Both spellings: the test services export AWS_ENDPOINT_URL for
+        // the live S3 server.
         .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
         .env("AWS_ALLOW_HTTP", "true")
         .env("AWS_ACCESS_KEY_ID", "x")
         .env("AWS_SECRET_ACCESS_KEY", "y")
