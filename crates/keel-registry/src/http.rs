@@ -424,7 +424,17 @@ async fn json_errors(r: Response) -> Response {
             text
         }
     };
-    ApiError::new(status, code, message).into_response()
+    let mut out = ApiError::new(status, code, message).into_response();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // The rest of the body was never read: the connection closes
+        // after this answer, and says so, so that a client does not send
+        // its next request on it.
+        out.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    out
 }
 
 async fn not_found() -> ApiError {

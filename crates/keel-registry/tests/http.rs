@@ -434,6 +434,21 @@ async fn every_error_has_mlflows_shape_and_code() {
     let auth = format!("api-key: {key}");
     let m = "/api/2.0/mlflow";
     let big = format!(r#"{{"name":"{}"}}"#, "x".repeat(10_000));
+    // A body over the limit is not read to its end: the answer says the
+    // connection closes, so a pooling client does not reuse it.
+    {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let req = format!(
+            "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\n{auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{big}",
+            big.len()
+        );
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut resp = Vec::new();
+        let _ = s.read_to_end(&mut resp).await;
+        let head = String::from_utf8_lossy(&resp).to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 413"), "{head}");
+        assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+    }
     let cases: Vec<(&str, String, String, u16, &str)> = vec![
         // 413: a body over the limit.
         (
