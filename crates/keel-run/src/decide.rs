@@ -13,10 +13,15 @@
 //!    Nodes are drained by keel-slurm's rules ([`keel_slurm::decide`]):
 //!    only for a failed check, never over someone else's drain, never a
 //!    node that is down. Nothing is ever resumed here.
-//! 4. The job is requeued excluding every node drained now and every node
-//!    that failed this job `exclude_after` times or more, even when its
-//!    checks pass (a "black hole" node that looks healthy).
-//! 5. A failure before the trainer's first heartbeat is a start-up failure;
+//! 4. A node Slurm reports down or not responding (`down`, `allocated*`)
+//!    after a failure is recorded as not responding and excluded from the
+//!    requeue at once. It is never drained or resumed: Slurm already keeps
+//!    it out of service, and its state may be an administrator's.
+//! 5. The job is requeued excluding every node drained now, every node down
+//!    or not responding, and every node that failed this job
+//!    `exclude_after` times or more, even when its checks pass (a "black
+//!    hole" node that looks healthy).
+//! 6. A failure before the trainer's first heartbeat is a start-up failure;
 //!    after `startup_retries` of them in a row the job stops with a reason
 //!    that says so. An attempt that reached training resets the count.
 
@@ -29,8 +34,17 @@ use crate::history::{Cause, JobHistory};
 /// What Slurm and the health check say about one of the job's nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeReport {
+    /// The node as Slurm reports it (state, flags, reason).
     pub info: keel_slurm::NodeInfo,
     pub verdict: Verdict,
+}
+
+impl NodeReport {
+    /// Slurm reports the node down or not responding (`down`, `idle*`,
+    /// `allocated*`): its check could not run there.
+    pub fn unreachable(&self) -> bool {
+        self.info.state == keel_slurm::NodeState::Down || self.info.flags.not_responding
+    }
 }
 
 /// How the attempt ended.
@@ -138,12 +152,22 @@ pub fn decide(
     };
     let mut seen = BTreeSet::new();
     let mut keel_drained = Vec::new();
+    let mut unreachable = Vec::new();
     for node in blamed {
         if seen.insert((node.clone(), cause)) {
             d.record.push((node.clone(), cause));
         }
     }
     for r in nodes {
+        if r.unreachable() {
+            // Slurm holds it down already: blame and exclude it, but
+            // leave its state (perhaps an administrator's) alone.
+            if seen.insert((r.info.name.clone(), Cause::NotResponding)) {
+                d.record.push((r.info.name.clone(), Cause::NotResponding));
+            }
+            unreachable.push(r.info.name.clone());
+            continue;
+        }
         if matches!(r.verdict, Verdict::Unhealthy { .. })
             && seen.insert((r.info.name.clone(), Cause::Check))
         {
@@ -166,6 +190,7 @@ pub fn decide(
     }
     let mut exclude = excluded(history, &d.record, policy.exclude_after);
     exclude.extend(keel_drained);
+    exclude.extend(unreachable);
     exclude.extend(d.drain.iter().map(|(n, _)| n.clone()));
     exclude.sort();
     exclude.dedup();
@@ -261,6 +286,68 @@ mod tests {
             vec![("n2".into(), Cause::Crash), ("n2".into(), Cause::Check)]
         );
         assert_eq!(d.next, Next::Requeue);
+    }
+
+    #[test]
+    fn a_node_slurm_reports_not_responding_or_down_is_excluded_and_never_drained() {
+        // The check cannot run on such a node: its verdict is whatever the
+        // check left, healthy or not; neither drains it.
+        for (state, reason, verdict) in [
+            ("allocated*", None, healthy()),
+            ("mixed*", None, unhealthy()),
+            ("down*", Some("Not responding"), healthy()),
+            ("down", Some("ops: bad PSU"), unhealthy()),
+            (
+                "IDLE+DRAIN+NOT_RESPONDING",
+                Some("ops: replacing a fan"),
+                unhealthy(),
+            ),
+        ] {
+            let d = decide(
+                &crash_on(&["n1"], false),
+                &JobHistory::default(),
+                &[
+                    node("n1", "allocated", None, healthy()),
+                    node("n2", state, reason, verdict),
+                ],
+                &RunPolicy::default(),
+            );
+            assert!(d.drain.is_empty(), "{state}: {d:?}");
+            assert_eq!(d.exclude, vec!["n2".to_owned()], "{state}");
+            assert_eq!(
+                d.record,
+                vec![
+                    ("n1".into(), Cause::Crash),
+                    ("n2".into(), Cause::NotResponding)
+                ],
+                "{state}"
+            );
+            assert_eq!(d.next, Next::Requeue, "{state}");
+        }
+    }
+
+    #[test]
+    fn a_responding_node_is_not_blamed_for_its_state_and_a_cancel_ignores_it() {
+        // Drained by an administrator, powered down, completing: all
+        // responding, none recorded or excluded.
+        let d = decide(
+            &crash_on(&[], false),
+            &JobHistory::default(),
+            &[
+                node("n2", "drained", Some("ops"), healthy()),
+                node("n3", "idle~", None, healthy()),
+                node("n4", "completing", None, healthy()),
+            ],
+            &RunPolicy::default(),
+        );
+        assert!(d.record.is_empty() && d.exclude.is_empty(), "{d:?}");
+        let d = decide(
+            &Outcome::Cancelled,
+            &JobHistory::default(),
+            &[node("n2", "down*", None, healthy())],
+            &RunPolicy::default(),
+        );
+        assert!(d.record.is_empty() && d.exclude.is_empty(), "{d:?}");
     }
 
     #[test]
