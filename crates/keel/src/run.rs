@@ -998,6 +998,13 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             outcome = Outcome::Cancelled;
         } else if matches!(outcome, Outcome::Failed { .. }) {
             reports = check_nodes(m);
+            for r in reports.iter().filter(|r| r.unreachable()) {
+                say(&format!(
+                    "node {} is {} in Slurm: recorded as not responding and excluded; its state is left alone",
+                    r.info.name,
+                    slurm_state(&r.info)
+                ));
+            }
         }
     }
     let d = decide(&outcome, &history, &reports, &plan.policy);
@@ -1089,8 +1096,10 @@ fn conclude(
 
 /// Runs the health check on every node of the allocation (one task per
 /// node) and reads each node from Slurm afterwards: a node drained with
-/// keel's prefix failed its check. A check that cannot run changes nothing
-/// (fail open).
+/// keel's prefix failed its check, and one Slurm reports down or not
+/// responding is a suspect the check could not reach (decided in
+/// [`keel_run::decide`]). A check that cannot run changes nothing (fail
+/// open).
 fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
     let n = m.nodes.len().to_string();
     let mut cmd = Command::new("srun");
@@ -1138,6 +1147,16 @@ fn check_nodes(m: &SlurmMode) -> Vec<keel_run::NodeReport> {
         }
     }
     reports
+}
+
+/// A node's state as Slurm's long form writes it: `down`,
+/// `allocated+not_responding`.
+fn slurm_state(info: &keel_slurm::NodeInfo) -> String {
+    if info.flags.not_responding {
+        format!("{}+not_responding", info.state)
+    } else {
+        info.state.to_string()
+    }
 }
 
 /// The files of a heartbeat directory (names of at most 64 characters)

@@ -497,6 +497,96 @@ fn a_checkpoint_that_fails_verification_is_skipped_on_resume() {
     assert!(err.contains("resuming from step 5"), "{err}");
 }
 
+/// `keel run --slurm` with scripts on PATH standing in for Slurm's
+/// clients (`scontrol`, `sinfo`, `squeue`, `srun`), each recording its
+/// arguments: after the trainer fails, a node Slurm reports not responding
+/// (`allocated*`) and one that is down (an administrator's) are recorded
+/// as not responding and excluded from the requeue, and neither is
+/// drained nor resumed.
+#[test]
+fn under_slurm_nodes_down_or_not_responding_are_excluded_and_left_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let job = Job::new();
+    let bin = job.tmp.path().join("bin");
+    std::fs::create_dir(&bin).expect("mkdir");
+    let calls = job.tmp.path().join("calls");
+    let script = |name: &str, body: &str| {
+        let path = bin.join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "#!/bin/sh\necho \"{name} $*\" >>'{}'\n{body}",
+                calls.display()
+            ),
+        )
+        .expect("write");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    };
+    script(
+        "scontrol",
+        "case \"$1\" in\n  ping) echo 'Slurmctld(primary) at ctl is UP' ;;\n  show) exit 1 ;;\nesac\n",
+    );
+    script(
+        "sinfo",
+        "case \"$*\" in\n  *' -n n1 '*) echo 'n1|allocated|gpu:8|none' ;;\n  *' -n n2 '*) echo 'n2|allocated*|gpu:8|none' ;;\n  *' -n n3 '*) echo 'n3|down|gpu:8|ops: replacing a PSU' ;;\nesac\n",
+    );
+    script("squeue", "echo RUNNING\n");
+    script("srun", "exit 0\n");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let o = job
+        .command_of(
+            &["--slurm", "--check-command", "true"],
+            &[
+                ("PATH", &path),
+                ("SLURM_JOB_ID", "4242"),
+                ("SLURM_JOB_NODELIST", "n[1-3]"),
+            ],
+            &["sh", "-c", "exit 1"],
+        )
+        .output()
+        .expect("run keel");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("node n2 is allocated+not_responding in Slurm"),
+        "{err}"
+    );
+    assert!(err.contains("node n3 is down in Slurm"), "{err}");
+    assert!(err.contains("requeued job 4242 excluding n2,n3"), "{err}");
+    let s = job.state();
+    let failures = s["jobs"]["7"]["failures"].as_array().expect("failures");
+    let mut blamed: Vec<(&str, &str)> = failures
+        .iter()
+        .map(|f| {
+            (
+                f["node"].as_str().unwrap_or(""),
+                f["cause"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    blamed.sort_unstable();
+    assert_eq!(blamed, [("n2", "not-responding"), ("n3", "not-responding")]);
+    // The detached shell sets ExcNodeList and releases the held job.
+    let read = || std::fs::read_to_string(&calls).unwrap_or_default();
+    wait_for("the release", Duration::from_secs(20), || {
+        read().contains("scontrol release 4242")
+    });
+    let log = read();
+    assert!(log.contains("scontrol requeuehold 4242\n"), "{log}");
+    assert!(
+        log.contains("scontrol update JobId=4242 ExcNodeList=n2,n3\n"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("NodeName="),
+        "no node is drained or resumed: {log}"
+    );
+}
+
 #[test]
 fn bad_input_is_refused_with_a_clear_error() {
     let job = Job::new();
