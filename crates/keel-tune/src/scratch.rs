@@ -574,6 +574,15 @@ pub fn measure(
     let block = opts.block.max(4096) / 4096 * 4096;
     let blocks = (opts.bytes_per_stream / block as u64).max(1);
     let streams = opts.streams.max(1);
+    if !dir.is_dir() {
+        return Err(ScratchError::Io {
+            path: dir.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no such directory: give a directory on the scratch filesystem",
+            ),
+        });
+    }
     let work = dir.join(format!(".keel-scratch-verify.{}", std::process::id()));
     std::fs::create_dir(&work).map_err(io_err(&work))?;
     let result = (|| {

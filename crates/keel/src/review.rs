@@ -236,7 +236,20 @@ pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> 
     }
     if inputs.is_empty() {
         if !args.paths.is_empty() {
-            return Err(DataError("none of the files given could be reviewed".into()).into());
+            let why: Vec<String> = diags
+                .iter()
+                .map(|d| format!("{}: {}", d.location.file, d.message))
+                .take(5)
+                .collect();
+            return Err(DataError(format!(
+                "none of the files given could be reviewed{}",
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", why.join("; "))
+                }
+            ))
+            .into());
         }
         out.text("keel review: nothing to review (no slurm.conf, keel config or gateway file found; give paths)\n")?;
         return Ok(Code::Unknown);
