@@ -161,7 +161,9 @@ pub fn oip_inputs(body: &Value) -> InputValues {
             Some(&[rows, cols]) if cols > 0 => {
                 let used = (cols as usize).min(room);
                 let mut cs: Vec<Vec<f64>> = vec![Vec::new(); used];
-                let n = (rows as usize).min(MAX_INPUT_ROWS) * cols as usize;
+                let n = (rows as usize)
+                    .min(MAX_INPUT_ROWS)
+                    .saturating_mul(cols as usize);
                 leaves(data, n, &mut |i, x| {
                     let c = i % cols as usize;
                     if c < used {
@@ -903,6 +905,43 @@ mod tests {
         assert!(v.iter().all(|(_, xs)| xs.len() == MAX_INPUT_ROWS));
         assert_eq!(v[3].1[..2], [3.0, 103.0]);
         assert!(oip_inputs(&json!({"inputs": "x"})).0.is_empty());
+        // A shape that does not fit the data (or memory) is read as far as
+        // the data goes.
+        let huge = json!({"inputs": [{"name": "h", "shape": [u64::MAX, u64::MAX / 2], "datatype": "FP32", "data": [1, 2, 3]}]});
+        assert_eq!(
+            oip_inputs(&huge).0,
+            vec![
+                ("input.h.0".into(), vec![1.0]),
+                ("input.h.1".into(), vec![2.0]),
+                ("input.h.2".into(), vec![3.0]),
+            ]
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn oip_inputs_stay_bounded(
+            shape in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..4),
+            data in proptest::collection::vec(-1e9f64..1e9, 0..300),
+            nested in proptest::prelude::any::<bool>(),
+            tensors in 1usize..40,
+            dt in proptest::sample::select(vec!["FP32", "INT8", "UINT64", "BYTES", "BOOL", ""]),
+        ) {
+            let data = if nested {
+                json!(data.chunks(3).map(|c| c.to_vec()).collect::<Vec<_>>())
+            } else {
+                json!(data)
+            };
+            let inputs: Vec<Value> = (0..tensors)
+                .map(|i| json!({"name": format!("t{i}"), "shape": shape, "datatype": dt, "data": data}))
+                .collect();
+            let v = oip_inputs(&json!({"inputs": inputs}));
+            proptest::prop_assert!(v.0.len() <= MAX_INPUT_FEATURES);
+            for (name, xs) in &v.0 {
+                proptest::prop_assert!(xs.len() <= MAX_INPUT_ROWS, "{name}: {}", xs.len());
+                proptest::prop_assert!(valid_input_label(&name["input.".len()..]), "{name}");
+            }
+        }
     }
 
     #[test]
