@@ -275,6 +275,40 @@ fn a_recorded_baseline_is_the_reference_of_a_restarted_gateway() {
             "{err}"
         );
         assert!(!base.exists());
+        // The admin route refuses what it cannot read, and models it does
+        // not watch.
+        let admin = gw.admin.expect("admin");
+        for (path, status, want) in [
+            (
+                "/admin/drift/chat/baseline",
+                400,
+                "give the registry version",
+            ),
+            (
+                "/admin/drift/chat/baseline?version=1&window=all",
+                400,
+                "window \"all\": give reference or current",
+            ),
+            (
+                "/admin/drift/other",
+                404,
+                "model \"other\" is not watched for drift",
+            ),
+        ] {
+            let r = http::get(admin, path, ADMIN_TOKEN).expect("admin");
+            assert_eq!(r.status, status, "{path}: {}", r.text());
+            let msg = r.json()["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(msg.contains(want), "{path}: {msg}");
+        }
+        assert_eq!(
+            http::get(admin, "/admin/drift/chat", "wrong")
+                .expect("admin")
+                .status,
+            401
+        );
         for _ in 0..40 {
             chat(&gw, &key);
         }
