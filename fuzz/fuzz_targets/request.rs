@@ -1,5 +1,6 @@
-//! Request parsing on arbitrary bytes: routes, OpenAI bodies, the SSE
-//! filter, and audit lines. None may panic. The proptests in
+//! Request parsing on arbitrary bytes: routes, OpenAI bodies, OIP input
+//! tensors (drift features), drift baselines, the SSE filter, and audit
+//! lines. None may panic. The proptests in
 //! keel-gateway (`request::tests`, `proxy::tests`) run the same parsers in CI.
 #![no_main]
 
@@ -25,4 +26,11 @@ fuzz_target!(|data: &[u8]| {
         let _ = f.finish();
     }
     let _ = keel_gateway::audit::verify(data);
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) {
+        let inputs = keel_gateway::drift::oip_inputs(&v);
+        assert!(inputs.0.len() <= keel_gateway::drift::MAX_INPUT_FEATURES);
+        if let Ok(f) = serde_json::from_value(v) {
+            let _ = keel_gateway::drift_baseline::Baseline::check(f, "m");
+        }
+    }
 });

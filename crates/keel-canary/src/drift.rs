@@ -14,6 +14,12 @@
 //! - JS = ½ KL(ref ‖ m) + ½ KL(cur ‖ m) with m the average, in bits:
 //!   symmetric, 0 for equal proportions, at most 1 (disjoint). 0.1 is the
 //!   common alert threshold.
+//!
+//! A feature whose range is not known in advance (an input column of a
+//! tabular model) gets its edges from its reference values:
+//! [`quantile_edges`] cuts them into bins of equal shares. Whether a drift
+//! lasts is [`Sustained`]'s call: a threshold crossed on a number of
+//! consecutive conclusive evaluations.
 
 use thiserror::Error;
 
@@ -61,6 +67,20 @@ impl Histogram {
         }
         let counts = vec![0; edges.len() + 1];
         Ok(Histogram { edges, counts })
+    }
+
+    /// A histogram over `edges` holding `counts` (one more than the
+    /// edges), as recorded earlier.
+    pub fn with_counts(edges: Vec<f64>, counts: Vec<u64>) -> Result<Self, DriftError> {
+        let mut h = Histogram::new(edges)?;
+        if counts.len() != h.counts.len() {
+            return Err(DriftError::BinMismatch {
+                reference: h.counts.len(),
+                current: counts.len(),
+            });
+        }
+        h.counts = counts;
+        Ok(h)
     }
 
     /// `bins` equal-width bins between `lo` and `hi` (plus the two open
@@ -136,6 +156,10 @@ impl SlidingHistogram {
         self.hist.counts()
     }
 
+    pub fn edges(&self) -> &[f64] {
+        self.hist.edges()
+    }
+
     pub fn len(&self) -> usize {
         self.recent.len()
     }
@@ -146,6 +170,86 @@ impl SlidingHistogram {
 
     pub fn is_full(&self) -> bool {
         self.recent.len() == self.capacity
+    }
+}
+
+/// Edges that cut `values` into `bins` bins of (nearly) equal shares:
+/// the values at ranks `i·n/bins` for `i` in `1..bins`, duplicates merged,
+/// so that `Histogram::new` accepts them. Values that are not finite are
+/// ignored; with no finite value the result is [`DriftError::Empty`].
+/// With `n` distinct values each bin of the resulting histogram holds
+/// `⌊n/bins⌋` to `⌈n/bins⌉` of them.
+pub fn quantile_edges(values: &[f64], bins: usize) -> Result<Vec<f64>, DriftError> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return Err(DriftError::Empty {
+            window: "reference",
+        });
+    }
+    v.sort_by(f64::total_cmp);
+    let bins = bins.max(2);
+    let n = v.len();
+    let mut edges: Vec<f64> = (1..bins).map(|i| v[i * n / bins]).collect();
+    edges.dedup();
+    if edges.is_empty() {
+        edges.push(v[0]);
+    }
+    Ok(edges)
+}
+
+/// One evaluation of a drift measure.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Evaluation {
+    /// Too few observations to say (a window not yet full, or nothing new
+    /// since the previous evaluation): neither drift nor its absence.
+    Inconclusive,
+    /// The measure's value.
+    Measured(f64),
+}
+
+/// A drift that lasts: the measure above `threshold` on `needed`
+/// consecutive conclusive evaluations. An inconclusive evaluation neither
+/// counts nor breaks the run; one at or below the threshold breaks it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sustained {
+    threshold: f64,
+    needed: u32,
+    streak: u32,
+}
+
+impl Sustained {
+    pub fn new(threshold: f64, needed: u32) -> Self {
+        Sustained {
+            threshold,
+            needed: needed.max(1),
+            streak: 0,
+        }
+    }
+
+    /// Takes one evaluation; `true` exactly once per run, on the
+    /// evaluation that makes it `needed` long.
+    pub fn observe(&mut self, e: Evaluation) -> bool {
+        match e {
+            Evaluation::Inconclusive => false,
+            Evaluation::Measured(x) if x > self.threshold => {
+                self.streak = self.streak.saturating_add(1);
+                self.streak == self.needed
+            }
+            Evaluation::Measured(_) => {
+                self.streak = 0;
+                false
+            }
+        }
+    }
+
+    /// Consecutive conclusive evaluations above the threshold so far.
+    pub fn streak(&self) -> u32 {
+        self.streak
+    }
+
+    /// Forgets the run (the watched version changed).
+    pub fn reset(&mut self) {
+        self.streak = 0;
     }
 }
 
@@ -254,6 +358,45 @@ mod tests {
                 window: "reference"
             })
         );
+    }
+
+    #[test]
+    fn quantile_edges_split_the_reference_evenly() {
+        let v: Vec<f64> = (0..100).map(f64::from).collect();
+        let e = quantile_edges(&v, 4).unwrap();
+        assert_eq!(e, vec![25.0, 50.0, 75.0]);
+        let mut h = Histogram::new(e).unwrap();
+        v.iter().for_each(|&x| h.add(x));
+        assert_eq!(h.counts(), &[25, 25, 25, 25]);
+        // One value repeated: one edge, everything in the upper bin.
+        assert_eq!(quantile_edges(&[3.0; 10], 10).unwrap(), vec![3.0]);
+        assert_eq!(
+            quantile_edges(&[f64::NAN], 10),
+            Err(DriftError::Empty {
+                window: "reference"
+            })
+        );
+    }
+
+    #[test]
+    fn a_drift_must_last_and_inconclusive_evaluations_never_count() {
+        use Evaluation::{Inconclusive as I, Measured as M};
+        let mut s = Sustained::new(0.25, 3);
+        let fired: Vec<bool> = [M(0.3), I, M(0.4), M(0.1), M(0.3), M(0.3), I, M(0.3), M(0.9)]
+            .into_iter()
+            .map(|e| s.observe(e))
+            .collect();
+        assert_eq!(
+            fired,
+            [false, false, false, false, false, false, false, true, false]
+        );
+        assert_eq!(s.streak(), 4);
+        s.reset();
+        assert_eq!(s.streak(), 0);
+        let mut s = Sustained::new(0.25, 1);
+        assert!(!(0..100).any(|_| s.observe(I)));
+        assert!(!s.observe(M(0.25)), "at the threshold is not above it");
+        assert!(s.observe(M(0.26)));
     }
 
     #[test]

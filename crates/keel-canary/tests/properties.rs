@@ -2,7 +2,7 @@
 //! calibration under identical distributions and power against shifts.
 
 use keel_canary::analysis::{analyse, FinishReason, Sample, Thresholds};
-use keel_canary::drift::{jensen_shannon, psi};
+use keel_canary::drift::{jensen_shannon, psi, quantile_edges, Evaluation, Histogram, Sustained};
 use keel_canary::stats::{fisher_greater, mann_whitney, Count};
 use proptest::prelude::*;
 
@@ -105,6 +105,55 @@ proptest! {
         let scaled: Vec<u64> = r.iter().map(|v| v * k).collect();
         prop_assert!(jensen_shannon(r, &scaled).unwrap() < 1e-12);
         prop_assert!(psi(r, &scaled).unwrap() < 1e-12);
+    }
+
+    #[test]
+    fn quantile_edges_give_bins_of_equal_shares(
+        raw in prop::collection::btree_set(-1_000_000i64..1_000_000, 1..400),
+        bins in 2usize..20,
+    ) {
+        let v: Vec<f64> = raw.iter().map(|&x| x as f64 / 7.0).collect();
+        let edges = quantile_edges(&v, bins).unwrap();
+        prop_assert!(edges.windows(2).all(|w| w[0] < w[1]));
+        let mut h = Histogram::new(edges).unwrap();
+        v.iter().for_each(|&x| h.add(x));
+        prop_assert_eq!(h.total(), v.len() as u64);
+        let n = v.len() as u64;
+        let b = bins as u64;
+        if n >= b {
+            prop_assert_eq!(h.counts().len(), bins);
+            for &c in h.counts() {
+                prop_assert!(c >= n / b && c <= n.div_ceil(b), "{:?} of {}", h.counts(), n);
+            }
+        }
+        // The reference against itself has no drift.
+        prop_assert!(psi(h.counts(), h.counts()).unwrap() < 1e-12);
+    }
+
+    #[test]
+    fn a_sustained_drift_fires_once_only_after_enough_conclusive_breaches(
+        evals in prop::collection::vec(prop::option::of(0f64..1.0), 0..60),
+        needed in 1u32..6,
+    ) {
+        let mut s = Sustained::new(0.5, needed);
+        let mut run = 0u32;
+        for e in &evals {
+            let fired = s.observe(match e {
+                Some(x) => Evaluation::Measured(*x),
+                None => Evaluation::Inconclusive,
+            });
+            match e {
+                Some(x) if *x > 0.5 => run += 1,
+                Some(_) => run = 0,
+                None => {}
+            }
+            let breach = matches!(e, Some(x) if *x > 0.5);
+            prop_assert_eq!(fired, breach && run == needed);
+            prop_assert_eq!(s.streak(), run);
+        }
+        // Inconclusive evaluations alone never fire.
+        let mut s = Sustained::new(0.0, 1);
+        prop_assert!(!(0..evals.len()).any(|_| s.observe(Evaluation::Inconclusive)));
     }
 
     #[test]

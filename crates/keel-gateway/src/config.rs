@@ -59,6 +59,28 @@ pub struct FileRollout {
     pub max_intervals: Option<u32>,
 }
 
+/// A registry-following model's drift reference and action.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileModelDrift {
+    pub baseline_file: Option<PathBuf>,
+    pub action: Option<DriftAction>,
+    pub fallback_version: Option<u64>,
+    pub psi_threshold: Option<f64>,
+    pub consecutive: Option<u32>,
+    pub interval_s: Option<u64>,
+}
+
+/// What the gateway does when a stable version's drift lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriftAction {
+    /// A log line, an audit event and a metric.
+    Notify,
+    /// As notify, and the stable alias moves to `fallback_version`.
+    Fallback,
+}
+
 /// A model's registry model and aliases.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,6 +238,7 @@ pub struct FileModel {
     pub deployments: Vec<FileDeployment>,
     pub registry: Option<FileModelRegistry>,
     pub rollout: Option<FileRollout>,
+    pub drift: Option<FileModelDrift>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -500,6 +523,42 @@ pub struct ModelConfig {
     pub registry: Option<ModelRegistryConfig>,
     /// Rollouts of a model that follows the registry.
     pub rollout: RolloutConfig,
+    /// Drift reference and action of a model that follows the registry.
+    pub drift: DriftConfig,
+}
+
+/// A registry-following model's drift reference and action
+/// (`[models.drift]`).
+#[derive(Debug, Clone, Serialize)]
+pub struct DriftConfig {
+    /// A recorded baseline: the reference of every version's drift.
+    pub baseline_file: Option<PathBuf>,
+    pub action: DriftAction,
+    /// The registry version the stable alias moves to (`fallback`).
+    pub fallback_version: Option<u64>,
+    /// The largest PSI of a version's features above this is a breach.
+    pub psi_threshold: f64,
+    /// Consecutive conclusive breaches before the action.
+    pub consecutive: u32,
+    /// Seconds between two evaluations.
+    pub interval_s: u64,
+    /// The baseline read from `baseline_file`.
+    #[serde(skip)]
+    pub baseline: Option<std::sync::Arc<crate::drift_baseline::Baseline>>,
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        DriftConfig {
+            baseline_file: None,
+            action: DriftAction::Notify,
+            fallback_version: None,
+            psi_threshold: 0.25,
+            consecutive: 3,
+            interval_s: 60,
+            baseline: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1025,6 +1084,23 @@ impl GatewayConfig {
                 Some(r) => rollout_config(&m.name, r)?,
                 None => RolloutConfig::default(),
             };
+            let drift = match m.drift {
+                Some(_) if registry.is_none() => {
+                    return bad(format!(
+                        "model {:?}: [models.drift] needs registry (drift is watched on registry versions)",
+                        m.name
+                    ));
+                }
+                Some(d) => drift_config(
+                    &m.name,
+                    d,
+                    &rel,
+                    f.registry
+                        .as_ref()
+                        .is_some_and(|r| r.write_key_file.is_some()),
+                )?,
+                None => DriftConfig::default(),
+            };
             if let Some(mi) = &m.mirror {
                 if !dnames.contains(&mi.deployment) {
                     return bad(format!(
@@ -1061,6 +1137,7 @@ impl GatewayConfig {
                 deployments,
                 registry,
                 rollout,
+                drift,
             });
         }
         for m in &models {
@@ -1241,6 +1318,67 @@ fn drift_size(key: &str, v: Option<usize>) -> Result<usize, GatewayError> {
         )));
     }
     Ok(v)
+}
+
+fn drift_config(
+    model: &str,
+    d: FileModelDrift,
+    rel: &impl Fn(PathBuf) -> PathBuf,
+    have_write_key: bool,
+) -> Result<DriftConfig, GatewayError> {
+    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: drift.{m}")));
+    let def = DriftConfig::default();
+    let action = d.action.unwrap_or(def.action);
+    match (action, d.fallback_version) {
+        (DriftAction::Fallback, None) => {
+            return bad("action = \"fallback\" needs fallback_version, the registry version the stable alias moves to".into())
+        }
+        (DriftAction::Notify, Some(_)) => {
+            return bad("fallback_version is used only with action = \"fallback\"".into())
+        }
+        (DriftAction::Fallback, Some(_)) if !have_write_key => {
+            return bad("action = \"fallback\" moves the stable alias and needs registry.write_key_file (a registry key with write rights)".into())
+        }
+        _ => {}
+    }
+    let psi_threshold = d.psi_threshold.unwrap_or(def.psi_threshold);
+    if !(psi_threshold > 0.0 && psi_threshold <= 100.0) {
+        return bad(format!(
+            "psi_threshold {psi_threshold} must be above 0 and at most 100"
+        ));
+    }
+    let consecutive = d.consecutive.unwrap_or(def.consecutive);
+    if !(1..=1000).contains(&consecutive) {
+        return bad(format!("consecutive {consecutive} must be within 1..1000"));
+    }
+    let interval_s = d.interval_s.unwrap_or(def.interval_s);
+    if !(1..=86_400).contains(&interval_s) {
+        return bad(format!("interval_s {interval_s} must be within 1..86400"));
+    }
+    let baseline_file = d.baseline_file.map(rel);
+    let baseline = match &baseline_file {
+        Some(p) => Some(std::sync::Arc::new(
+            crate::drift_baseline::Baseline::read(p, model).map_err(|e| {
+                let mut msg = format!("model {model:?}: drift.baseline_file: {e}");
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    msg.push_str(&format!(": {s}"));
+                    src = s.source();
+                }
+                GatewayError::Config(msg)
+            })?,
+        )),
+        None => None,
+    };
+    Ok(DriftConfig {
+        baseline_file,
+        action,
+        fallback_version: d.fallback_version,
+        psi_threshold,
+        consecutive,
+        interval_s,
+        baseline,
+    })
 }
 
 fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayError> {
@@ -1443,6 +1581,12 @@ url = "http://127.0.0.1:8002/prefix"
             "weight",
             "url",
             "health_path",
+            "drift.baseline_file",
+            "drift.action",
+            "drift.fallback_version",
+            "drift.psi_threshold",
+            "drift.consecutive",
+            "drift.interval_s",
         ] {
             assert!(
                 doc.contains(&format!(".{k}`")) || doc.contains(&format!("[].{k}")),
@@ -1457,6 +1601,75 @@ url = "http://127.0.0.1:8002/prefix"
         ] {
             assert!(doc.contains(k));
         }
+    }
+
+    #[test]
+    fn drift_settings_are_checked() {
+        let t = tempfile::tempdir().expect("tmp");
+        let base = "[server]\nlisten = \"127.0.0.1:1\"\n[auth]\nkeys_file = \"k\"\n[registry]\nurl = \"http://127.0.0.1:5000\"\nkey_file = \"r.key\"\n[[models]]\nname = \"chat\"\nregistry = { model = \"chat\" }\n";
+        let c = GatewayConfig::from_toml(base, t.path()).expect("valid");
+        let d = &c.models[0].drift;
+        assert_eq!(
+            (d.action, d.psi_threshold, d.consecutive, d.interval_s),
+            (DriftAction::Notify, 0.25, 3, 60)
+        );
+        let check = |base: &str, drift: &str| {
+            GatewayConfig::from_toml(&format!("{base}[models.drift]\n{drift}\n"), t.path())
+        };
+        std::fs::write(
+            t.path().join("b.json"),
+            r#"{"version": 1, "model": "chat", "recorded_from": "v1", "window": "reference", "recorded_at": "x", "features": [{"name": "latency_ms", "edges": [10.0], "counts": [3, 1]}]}"#,
+        )
+        .expect("write");
+        let c = check(base, "baseline_file = \"b.json\"\npsi_threshold = 0.5").expect("valid");
+        let d = &c.models[0].drift;
+        assert_eq!(d.psi_threshold, 0.5);
+        assert_eq!(
+            d.baseline
+                .as_ref()
+                .and_then(|b| b.get("latency_ms"))
+                .map(|h| h.total()),
+            Some(4)
+        );
+        for (drift, want) in [
+            (
+                "baseline_file = \"none.json\"",
+                "drift.baseline_file: cannot read the drift baseline",
+            ),
+            ("action = \"fallback\"", "needs fallback_version"),
+            (
+                "fallback_version = 1",
+                "fallback_version is used only with action = \"fallback\"",
+            ),
+            (
+                "action = \"fallback\"\nfallback_version = 1",
+                "needs registry.write_key_file",
+            ),
+            ("action = \"rollback\"", "unknown variant"),
+            ("psi_threshold = 0.0", "psi_threshold 0 must be above 0"),
+            ("consecutive = 0", "consecutive 0 must be within 1..1000"),
+            ("interval_s = 0", "interval_s 0 must be within 1..86400"),
+            ("colour = 1", "unknown field"),
+        ] {
+            let e = check(base, drift).expect_err(drift).to_string();
+            assert!(e.contains(want), "{drift}: {e}");
+        }
+        let with_key = base.replace(
+            "key_file = \"r.key\"",
+            "key_file = \"r.key\"\nwrite_key_file = \"w.key\"",
+        );
+        let c = check(&with_key, "action = \"fallback\"\nfallback_version = 1").expect("valid");
+        assert_eq!(c.models[0].drift.fallback_version, Some(1));
+        let e = check(
+            &base.replace(
+                "registry = { model = \"chat\" }\n",
+                "[[models.deployments]]\nname = \"a\"\nurl = \"http://127.0.0.1:2\"\n",
+            ),
+            "",
+        )
+        .expect_err("no registry")
+        .to_string();
+        assert!(e.contains("[models.drift] needs registry"), "{e}");
     }
 
     #[test]

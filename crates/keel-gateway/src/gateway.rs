@@ -260,6 +260,9 @@ struct Ctx {
     answer_chars: Option<u32>,
     /// A stream that ended without its end marker.
     stream_aborted: bool,
+    /// Sampled numeric inputs of an OIP inference request of a model
+    /// watched for drift.
+    oip_inputs: Option<Box<crate::drift::InputValues>>,
     /// Prompt tokens as estimated from the request.
     prompt_estimate: u64,
     backend_time: Option<Duration>,
@@ -767,7 +770,7 @@ impl Gateway {
                 .map_or(1000, |r| r.drift_window_requests),
         );
         for m in cfg.models.iter().filter(|m| m.registry.is_some()) {
-            drift.watch(&m.name);
+            drift.watch(&m.name, m.drift.baseline.clone());
         }
         let (generation, _) = build_generation(cfg.clone(), None, &upstream, &opts.clock).await?;
         let mut listener_tls = [None, None, None];
@@ -903,6 +906,11 @@ impl Gateway {
         }
     }
 
+    /// The drift windows of the registry-following models' versions.
+    pub fn drift(&self) -> &crate::drift::DriftBook {
+        &self.inner.drift
+    }
+
     /// The per-request samples of the models a rollout watches.
     pub fn samples(&self) -> &crate::samples::SampleBook {
         &self.inner.samples
@@ -922,6 +930,11 @@ impl Gateway {
     /// Records a rollout's event (weight change, verdict, promotion,
     /// rollback) in the audit log.
     pub(crate) fn audit_rollout(&self, event: &str, m: Map<String, Value>) {
+        self.audit_event(event, m);
+    }
+
+    /// Records a drift alarm or action in the audit log.
+    pub(crate) fn audit_drift(&self, event: &str, m: Map<String, Value>) {
         self.audit_event(event, m);
     }
 
@@ -1162,6 +1175,9 @@ impl Gateway {
                 &sample,
                 ctx.usage.filter(|_| !ctx.usage_estimated).map(|u| u.prompt),
             );
+            if let Some(inputs) = ctx.oip_inputs.as_deref().filter(|_| !sample.error) {
+                self.inner.drift.record_inputs(model, deployment, inputs);
+            }
             self.inner.samples.record(model, deployment, sample);
         }
         if let Some(kind) = ctx.denied {
@@ -1821,13 +1837,18 @@ impl Gateway {
         } else {
             (Bytes::new(), None)
         };
-        if action == "/infer"
-            && serde_json::from_slice::<Value>(&bytes)
-                .map(|v| !v.is_object())
-                .unwrap_or(true)
-        {
-            let e = ApiError::bad_request("the inference request must be a JSON object");
-            return Err(self.refuse(gen, &ident, ctx, e).await);
+        if action == "/infer" {
+            match serde_json::from_slice::<Value>(&bytes) {
+                Ok(v) if v.is_object() => {
+                    if self.inner.drift.watches(&m.name) {
+                        ctx.oip_inputs = Some(Box::new(crate::drift::oip_inputs(&v)));
+                    }
+                }
+                _ => {
+                    let e = ApiError::bad_request("the inference request must be a JSON object");
+                    return Err(self.refuse(gen, &ident, ctx, e).await);
+                }
+            }
         }
         if gen.cfg.audit.include_content && !bytes.is_empty() {
             ctx.request_body = Some(bytes.clone());

@@ -27,6 +27,8 @@ pub mod config;
 pub mod conn;
 pub mod digits;
 pub mod drift;
+pub mod drift_action;
+pub mod drift_baseline;
 pub mod error;
 pub mod fnv;
 pub mod gateway;

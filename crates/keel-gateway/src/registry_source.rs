@@ -398,6 +398,18 @@ impl RegistryClient {
         Ok(Routing { stable, canary })
     }
 
+    /// `version` of `src`'s model with its backend, checked as an alias's
+    /// version is (READY, signature when required, backend tag);
+    /// `purpose` names what it is for in errors.
+    pub async fn route_version(
+        &self,
+        src: &ModelSource,
+        purpose: &str,
+        version: u64,
+    ) -> Result<VersionRoute, RegistrySourceError> {
+        self.version_route(src, purpose, version).await
+    }
+
     async fn version_route(
         &self,
         src: &ModelSource,

@@ -419,7 +419,8 @@ fn json_ok(v: serde_json::Value) -> Response<GwBody> {
 
 /// The admin API: `POST /admin/reload`, `GET /admin/status`,
 /// `GET /admin/usage/{scope}` (`key:ID` or `team:NAME`), the rollouts
-/// (`GET /admin/rollouts/MODEL`, `POST /admin/rollouts/MODEL/start|pause|abort`).
+/// (`GET /admin/rollouts/MODEL`, `POST /admin/rollouts/MODEL/start|pause|abort`),
+/// drift (`GET /admin/drift/MODEL`, `GET /admin/drift/MODEL/baseline?version=N&window=reference|current`).
 #[derive(Debug, Clone)]
 pub struct AdminService {
     pub gateway: Gateway,
@@ -458,6 +459,11 @@ impl Service<Request<Incoming>> for AdminService {
                 (method, p) if p.starts_with("/admin/rollouts/") => {
                     rollout_route(&s.gateway, method, &p["/admin/rollouts/".len()..]).await
                 }
+                (Method::GET, p) if p.starts_with("/admin/drift/") => drift_route(
+                    &s.gateway,
+                    &p["/admin/drift/".len()..],
+                    req.uri().query().unwrap_or(""),
+                ),
                 (Method::GET, p) if p.starts_with("/admin/usage/") => {
                     let scope = &p["/admin/usage/".len()..];
                     match s.gateway.limiter().usage(scope).await {
@@ -518,6 +524,72 @@ async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwB
                 json!({"error": {"type": "rollout_error", "message": msg}}).to_string(),
             )
         }
+    }
+}
+
+/// `GET /admin/drift/MODEL`: the drift windows, measures and alarms of
+/// the model's versions; `GET /admin/drift/MODEL/baseline?version=N
+/// [&window=reference|current]`: a window of version N as a baseline file
+/// (`keel serve drift baseline save`).
+fn drift_route(gw: &Gateway, rest: &str, query: &str) -> Response<GwBody> {
+    use crate::drift::WindowKind;
+    let err = |status: StatusCode, msg: String| {
+        text(
+            status,
+            "application/json",
+            json!({"error": {"type": "drift_error", "message": msg}}).to_string(),
+        )
+    };
+    let reflect = |s: &str| s.chars().take(100).collect::<String>();
+    let (model, baseline) = match rest.strip_suffix("/baseline") {
+        Some(m) => (m, true),
+        None => (rest, false),
+    };
+    if !baseline {
+        return match gw.drift().status(model) {
+            Some(v) => json_ok(v),
+            None => err(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "model {:?} is not watched for drift (only models that follow the registry are)",
+                    reflect(model)
+                ),
+            ),
+        };
+    }
+    let mut version = None;
+    let mut window = WindowKind::Reference;
+    for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+        match (k, v) {
+            ("version", v) => version = Some(v.trim_start_matches('v')),
+            ("window", "reference") => window = WindowKind::Reference,
+            ("window", "current") => window = WindowKind::Current,
+            ("window", w) => {
+                return err(
+                    StatusCode::BAD_REQUEST,
+                    format!("window {:?}: give reference or current", reflect(w)),
+                )
+            }
+            _ => {}
+        }
+    }
+    let Some(version) = version.filter(|v| v.parse::<u64>().is_ok()) else {
+        return err(
+            StatusCode::BAD_REQUEST,
+            "give the registry version: ?version=N".into(),
+        );
+    };
+    match gw.drift().snapshot(
+        model,
+        &format!("v{version}"),
+        window,
+        crate::clock::rfc3339(gw.now_ms()),
+    ) {
+        Ok(f) => json_ok(serde_json::to_value(f).unwrap_or_default()),
+        Err(e @ crate::drift::SnapshotError::NotFull { .. }) => {
+            err(StatusCode::CONFLICT, e.to_string())
+        }
+        Err(e) => err(StatusCode::NOT_FOUND, e.to_string()),
     }
 }
 

@@ -61,6 +61,53 @@ enum ServeCommand {
         #[command(flatten)]
         admin: AdminArgs,
     },
+    /// Output and input drift of a registry-following model's versions,
+    /// and its recorded baselines.
+    Drift {
+        #[command(subcommand)]
+        command: DriftCommand,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DriftCommand {
+    /// Each version's features: windows, PSI, JS, breaches and actions.
+    Status { model: String },
+    /// Recorded baselines: a version's window kept in a file, the
+    /// reference of `drift.baseline_file`.
+    Baseline {
+        #[command(subcommand)]
+        command: BaselineCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BaselineCommand {
+    /// Record a window of MODEL's registry version to a file (mode 0600,
+    /// replaced atomically).
+    Save {
+        model: String,
+        /// The registry version whose window is recorded.
+        #[arg(long, value_name = "N")]
+        model_version: u64,
+        /// `reference` (the version's first answers, or its baseline) or
+        /// `current` (its last answers).
+        #[arg(long, default_value = "reference", value_parser = ["reference", "current"])]
+        window: String,
+        /// The baseline file to write.
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+    /// Check a baseline file and show its features.
+    Show {
+        file: PathBuf,
+        /// The gateway model it must be recorded for (default: the one it
+        /// names).
+        #[arg(long)]
+        model: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -260,6 +307,7 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
             command: AuditCommand::Verify { file, key },
         }) => verify(file, key.as_deref(), out),
         Some(ServeCommand::Rollout { command, admin }) => rollout(command, admin, out),
+        Some(ServeCommand::Drift { command, admin }) => drift(command, admin, out),
         Some(ServeCommand::Token) => {
             let token = format!("keel-admin-{}", keel_gateway::keys::hex(&random::<24>()?));
             let sha = sha256_hex(token.as_bytes());
@@ -276,7 +324,8 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
     }
 }
 
-fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result<Code> {
+/// The admin listener's URL and the token of `--token-file`.
+fn admin_access(admin: &AdminArgs) -> anyhow::Result<(&str, String)> {
     let url = admin.admin.as_deref().ok_or_else(|| {
         UsageError("give the gateway's admin listener: --admin http://host:port".into())
     })?;
@@ -293,6 +342,191 @@ fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Re
         ))
         .into());
     }
+    Ok((url, token))
+}
+
+/// A model name that goes into an admin path as it is.
+fn check_model_name(model: &str) -> anyhow::Result<()> {
+    if model.is_empty()
+        || model.contains(['/', '?', '#', ' ', '&', '%'])
+        || model.chars().any(char::is_control)
+    {
+        return Err(UsageError(format!(
+            "{:?} is not a model name",
+            model.chars().take(100).collect::<String>()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// An admin call's JSON answer, or the gateway's refusal as an error.
+fn admin_json(
+    url: &str,
+    method: &str,
+    path: &str,
+    token: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let (status, body) = admin_call(url, method, path, token)?;
+    let doc: serde_json::Value = serde_json::from_slice(&body).map_err(|_| {
+        anyhow::anyhow!(
+            "the gateway at {url} answered {path} with HTTP {status} and no JSON: is it keel serve's admin listener?"
+        )
+    })?;
+    if status != 200 {
+        let msg = doc
+            .pointer("/error/message")
+            .and_then(|m| m.as_str())
+            .unwrap_or("no message");
+        let e = anyhow::anyhow!("the gateway refused: {msg} (HTTP {status})");
+        return Err(match status {
+            401 | 403 => e.context("the admin token was refused"),
+            _ => e,
+        });
+    }
+    Ok(doc)
+}
+
+fn drift(cmd: &DriftCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result<Code> {
+    use keel_gateway::drift_baseline::Baseline;
+    if let DriftCommand::Baseline {
+        command: BaselineCommand::Show { file, model },
+    } = cmd
+    {
+        let b = match model {
+            Some(m) => Baseline::read(file, m)?,
+            None => {
+                let bytes = std::fs::read(file).with_context(|| {
+                    format!("cannot read the drift baseline {}", file.display())
+                })?;
+                let name = serde_json::from_slice::<serde_json::Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_owned))
+                    .unwrap_or_default();
+                Baseline::read(file, &name)?
+            }
+        };
+        if out.json {
+            out.json("serve drift baseline show", &serde_json::to_value(&b.file)?)?;
+            return Ok(Code::Ok);
+        }
+        out.text(&baseline_text(&b))?;
+        return Ok(Code::Ok);
+    }
+    let (url, token) = admin_access(admin)?;
+    match cmd {
+        DriftCommand::Status { model } => {
+            check_model_name(model)?;
+            let doc = admin_json(url, "GET", &format!("/admin/drift/{model}"), &token)?;
+            if out.json {
+                out.json("serve drift status", &doc)?;
+            } else {
+                out.text(&drift_text(&doc))?;
+            }
+        }
+        DriftCommand::Baseline {
+            command:
+                BaselineCommand::Save {
+                    model,
+                    model_version: version,
+                    window,
+                    out: file,
+                },
+        } => {
+            check_model_name(model)?;
+            let doc = admin_json(
+                url,
+                "GET",
+                &format!("/admin/drift/{model}/baseline?version={version}&window={window}"),
+                &token,
+            )?;
+            // What is written is what a gateway will read.
+            let f: keel_gateway::drift_baseline::BaselineFile = serde_json::from_value(doc)
+                .context("the gateway's baseline is not a baseline file")?;
+            let b = Baseline::check(f, model)
+                .map_err(|m| anyhow::anyhow!("the gateway's baseline is not valid: {m}"))?;
+            let mut bytes = serde_json::to_vec_pretty(&b.file)?;
+            bytes.push(b'\n');
+            keel_fs::write_atomic(file, &bytes, 0o600)
+                .with_context(|| format!("cannot write the baseline {}", file.display()))?;
+            if out.json {
+                out.json(
+                    "serve drift baseline save",
+                    &serde_json::json!({"file": file, "baseline": b.file}),
+                )?;
+            } else {
+                out.text(&format!("wrote {}\n{}", file.display(), baseline_text(&b)))?;
+            }
+        }
+        DriftCommand::Baseline { .. } => {}
+    }
+    Ok(Code::Ok)
+}
+
+/// A baseline as text: where it comes from, then a row per feature.
+fn baseline_text(b: &keel_gateway::drift_baseline::Baseline) -> String {
+    let f = &b.file;
+    let mut text = format!(
+        "model     {}\nrecorded  {} window of {} at {}\n\n",
+        f.model, f.window, f.recorded_from, f.recorded_at
+    );
+    let mut t = Table::new(&["FEATURE", "BINS", "OBSERVATIONS"]);
+    for (name, h) in &b.histograms {
+        t.row(vec![
+            name.clone(),
+            h.counts().len().to_string(),
+            h.total().to_string(),
+        ]);
+    }
+    text.push_str(&t.render());
+    text
+}
+
+/// A model's drift as text: one row per version and feature.
+fn drift_text(d: &serde_json::Value) -> String {
+    let mut text = format!(
+        "model     {}\nbaseline  {}\n\n",
+        d["model"].as_str().unwrap_or_default(),
+        match &d["baseline"] {
+            serde_json::Value::Null => "none (each version's first answers)".to_owned(),
+            b => format!(
+                "{} window of {}",
+                b["window"].as_str().unwrap_or_default(),
+                b["recorded_from"].as_str().unwrap_or_default()
+            ),
+        }
+    );
+    let mut t = Table::new(&[
+        "VERSION",
+        "FEATURE",
+        "REFERENCE",
+        "CURRENT",
+        "PSI",
+        "JS",
+        "BREACHES",
+    ]);
+    let num = |v: &serde_json::Value| v.as_f64().map_or("-".to_owned(), |x| format!("{x:.4}"));
+    if let Some(vs) = d["versions"].as_object() {
+        for (version, v) in vs {
+            for f in v["features"].as_array().into_iter().flatten() {
+                t.row(vec![
+                    version.clone(),
+                    f["name"].as_str().unwrap_or_default().to_owned(),
+                    f["reference"].to_string(),
+                    f["current"].to_string(),
+                    num(&f["psi"]),
+                    num(&f["js"]),
+                    v["streak"].to_string(),
+                ]);
+            }
+        }
+    }
+    text.push_str(&t.render());
+    text
+}
+
+fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result<Code> {
+    let (url, token) = admin_access(admin)?;
     let (method, model, action) = match cmd {
         RolloutCommand::Start { model } => ("POST", model, Some("start")),
         RolloutCommand::Status { model } => ("GET", model, None),
@@ -557,7 +791,8 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
                 }
             })),
         }).await?;
-        if let Some((f, every, writer, cfg)) = follower {
+        if let Some((f, every, writer, cfg, drift)) = follower {
+            drift.spawn(&gw);
             gw.set_rollouts(keel_gateway::rollout::Rollouts::new(
                 &cfg,
                 f.follows().to_vec(),
@@ -631,12 +866,13 @@ impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
 }
 
 /// The follower, its polling interval, the registry client rollouts
-/// write with, and the configuration.
+/// write with, the configuration, and the drift watches.
 type Following = (
     keel_gateway::registry_follow::Follower,
     std::time::Duration,
     Option<keel_gateway::registry_source::RegistryClient>,
     GatewayConfig,
+    keel_gateway::drift_action::DriftActions,
 );
 
 /// For a configuration whose models follow the registry: the routing the
@@ -672,8 +908,18 @@ async fn follow_registry(cfg: GatewayConfig) -> anyhow::Result<(GatewayConfig, O
             "routing follows the registry"
         );
     }
+    let drift = keel_gateway::drift_action::DriftActions::new(
+        &routed,
+        follower.follows(),
+        follower.client().clone(),
+        writer.clone(),
+        follower.waker(),
+    );
+    // A fallback version that cannot take the traffic is an error at
+    // start, not at the first drift.
+    drift.check().await?;
     let cfg = routed.clone();
-    Ok((routed, Some((follower, every, writer, cfg))))
+    Ok((routed, Some((follower, every, writer, cfg, drift))))
 }
 
 fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {
