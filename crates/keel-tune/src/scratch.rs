@@ -541,11 +541,56 @@ pub struct Throughput {
     pub read_gbps: f64,
 }
 
-/// A buffer of `len` bytes aligned to 4096 for direct I/O, inside `store`.
-fn aligned(store: &mut Vec<u8>, len: usize) -> &mut [u8] {
-    store.resize(len + 4096, 0);
-    let off = store.as_ptr().align_offset(4096);
-    &mut store[off..off + len]
+/// A buffer for direct I/O: a mapping of its own (page-aligned), in base
+/// pages, never in transparent huge pages, whatever the global allocator
+/// does.
+///
+/// The kernel hands a direct request's buffer to the device as a list of
+/// physically contiguous segments. In base pages a 1 MiB request is up to
+/// 256 segments; in a huge page, one. Devices that pay per segment then
+/// give more with huge pages: a virtio disk without indirect descriptors
+/// takes one slot of its ring (256 on Firecracker) per segment, so one
+/// request in base pages fills the ring and the other streams' requests
+/// wait their turn, while in huge pages every stream's request is in
+/// flight at once (on this project's build VM: 2.1 times the read figure;
+/// see `docs/results/2026-11-26-scratch-buffers.md`). fio's buffers
+/// (`iomem=malloc`, the default) and most applications' are in base
+/// pages, so `verify` measures with base pages too: its figures then
+/// describe the storage, not how the buffer happened to be allocated
+/// (mimalloc, keel's allocator, backs large allocations with huge pages).
+pub struct DirectBuf {
+    map: memmap2::MmapMut,
+}
+
+impl DirectBuf {
+    /// `len` bytes (a multiple of 4096 for direct I/O), zeroed, every page
+    /// present.
+    pub fn new(len: usize) -> std::io::Result<Self> {
+        let mut map = memmap2::MmapMut::map_anon(len.max(1))?;
+        // Before the first touch, so that no huge page is ever faulted in.
+        map.advise(memmap2::Advice::NoHugePage)?;
+        // Touch every page now, outside any timed phase.
+        map.fill(0);
+        Ok(Self { map })
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map[..]
+    }
+
+    /// The address of its first byte (page-aligned).
+    pub fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+}
+
+impl std::fmt::Debug for DirectBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectBuf")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.map.len())
+            .finish()
+    }
 }
 
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> ScratchError + '_ {
@@ -632,14 +677,25 @@ fn phase(
                 o.read(true);
             }
             let opened = o.open(&path);
+            // The buffer is made (and filled) before the clock starts, as
+            // fio makes its buffers before a job's run time starts.
+            let made = DirectBuf::new(block).map_err(|source| ScratchError::Io {
+                path: path.clone(),
+                source,
+            });
+            let made = made.map(|mut b| {
+                if write {
+                    fill_random(b.as_mut_slice(), i as u64);
+                }
+                b
+            });
             // Wait for every stream even when this one failed to open, so
             // that the barrier releases.
             start.wait();
             let mut f = opened.map_err(io_err(&path))?;
-            let mut store = Vec::new();
-            let buf = aligned(&mut store, block);
+            let mut made = made?;
+            let buf = made.as_mut_slice();
             if write {
-                fill_random(buf, i as u64);
                 for n in 0..blocks {
                     stamp(buf, i as u64, n);
                     f.write_all(buf).map_err(io_err(&path))?;

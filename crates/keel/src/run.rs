@@ -516,6 +516,52 @@ async fn push_pass(
     Ok(())
 }
 
+/// A hang found by the supervision loop: what is said, whom it is
+/// blamed on, what is recorded.
+struct Hung {
+    /// Said before the trainer is stopped.
+    message: String,
+    nodes: Vec<String>,
+    detail: String,
+    /// Whether a trainer that never sent a heartbeat failed during
+    /// startup (the heartbeats are counted after the last push, whose
+    /// commit counts as one).
+    startup_if_no_beats: bool,
+}
+
+/// Stops a hung trainer, pushes the checkpoints it wrote, and gives the
+/// attempt's outcome: failed by a hang.
+#[allow(clippy::too_many_arguments)]
+async fn stop_hung(
+    hung: Hung,
+    child: &mut Child,
+    plan: &Plan,
+    watcher: &mut Watcher,
+    topts: &TransferOptions,
+    at: &mut Attempt,
+    det: &mut HangDetector,
+    origin: Instant,
+) -> anyhow::Result<Outcome> {
+    say(&hung.message);
+    stop(child, plan.grace);
+    push_pass(
+        watcher,
+        &plan.ckpt_dir,
+        plan.marker.as_deref(),
+        topts,
+        at,
+        det,
+        origin,
+    )
+    .await?;
+    Ok(Outcome::Failed {
+        cause: Cause::Hang,
+        nodes: hung.nodes,
+        during_startup: hung.startup_if_no_beats && det.beats() == 0,
+        detail: hung.detail,
+    })
+}
+
 async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     let started = Instant::now();
     let mut at = Attempt {
@@ -906,37 +952,36 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         .then(|| stopped_names(&per_name, origin.elapsed()))
         .flatten()
         {
-            say(&format!(
-                "no heartbeat from {} for {:.1} s (timeout {:.1} s) while others report: hung; stopping the trainer",
-                names.join(","),
-                silent_for.as_secs_f64(),
-                timeout.as_secs_f64()
-            ));
-            stop(&mut child, plan.grace);
-            push_pass(
+            let hung = Hung {
+                message: format!(
+                    "no heartbeat from {} for {:.1} s (timeout {:.1} s) while others report: hung; stopping the trainer",
+                    names.join(","),
+                    silent_for.as_secs_f64(),
+                    timeout.as_secs_f64()
+                ),
+                nodes: if plan.slurm.is_some() {
+                    names.clone()
+                } else {
+                    blame(plan, &failed_nodes)
+                },
+                detail: format!(
+                    "no heartbeat from {} for {:.0} s",
+                    names.join(","),
+                    silent_for.as_secs_f64()
+                ),
+                startup_if_no_beats: false,
+            };
+            outcome = stop_hung(
+                hung,
+                &mut child,
+                plan,
                 &mut watcher,
-                &plan.ckpt_dir,
-                plan.marker.as_deref(),
                 &topts,
                 &mut at,
                 &mut det,
                 origin,
             )
             .await?;
-            outcome = Outcome::Failed {
-                cause: Cause::Hang,
-                nodes: if plan.slurm.is_some() {
-                    names.clone()
-                } else {
-                    blame(plan, &failed_nodes)
-                },
-                during_startup: false,
-                detail: format!(
-                    "no heartbeat from {} for {:.0} s",
-                    names.join(","),
-                    silent_for.as_secs_f64()
-                ),
-            };
             break;
         } else if let HangStatus::Hung {
             phase,
@@ -944,29 +989,28 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             timeout,
         } = det.check(origin.elapsed())
         {
-            say(&format!(
-                "no heartbeat for {:.1} s during {} (timeout {:.1} s): the trainer is hung; stopping it",
-                silent_for.as_secs_f64(),
-                phase.as_str(),
-                timeout.as_secs_f64()
-            ));
-            stop(&mut child, plan.grace);
-            push_pass(
+            let hung = Hung {
+                message: format!(
+                    "no heartbeat for {:.1} s during {} (timeout {:.1} s): the trainer is hung; stopping it",
+                    silent_for.as_secs_f64(),
+                    phase.as_str(),
+                    timeout.as_secs_f64()
+                ),
+                nodes: blame(plan, &failed_nodes),
+                detail: format!("no heartbeat for {:.0} s", silent_for.as_secs_f64()),
+                startup_if_no_beats: true,
+            };
+            outcome = stop_hung(
+                hung,
+                &mut child,
+                plan,
                 &mut watcher,
-                &plan.ckpt_dir,
-                plan.marker.as_deref(),
                 &topts,
                 &mut at,
                 &mut det,
                 origin,
             )
             .await?;
-            outcome = Outcome::Failed {
-                cause: Cause::Hang,
-                nodes: blame(plan, &failed_nodes),
-                during_startup: det.beats() == 0,
-                detail: format!("no heartbeat for {:.0} s", silent_for.as_secs_f64()),
-            };
             break;
         }
         {
