@@ -107,7 +107,8 @@ fn sarif_is_valid_against_the_sarif_2_1_0_schema() {
 #[test]
 fn the_schema_rejects_broken_sarif() {
     let doc = sarif();
-    let breaks: [(&str, fn(&mut Value)); 5] = [
+    type Break = (&'static str, fn(&mut Value));
+    let breaks: [Break; 5] = [
         ("version", |d| d["version"] = "2.0.0".into()),
         ("level", |d| {
             d["runs"][0]["results"][0]["level"] = "fatal".into()
