@@ -376,7 +376,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_EXPORTER_TOKEN_SHA256", "exporter.token_sha256"),
     (
         "KEEL_EXPORTER_TOKEN",
-        "keel cost idle --exporter: the bearer token (else --token-file)",
+        "keel cost [idle] --exporter: the bearer token (else --token-file, --exporter-token-file)",
     ),
     ("KEEL_RUN_STORE", "keel run --store"),
     ("KEEL_RUN_NAME", "keel run --run"),
