@@ -416,6 +416,64 @@ fn review_of_the_test_cluster_and_the_test_gateways() {
     insta::assert_snapshot!("review-test-cluster-and-gateways", out);
 }
 
+/// The gateways the registry-following tests run (serve_registry.rs):
+/// routing to whatever version the production alias names fails the
+/// signature rule, a high finding; with `require_signature` and the
+/// trusted key it passes.
+#[test]
+fn review_of_the_registry_following_test_gateways() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (unsigned, signed) = (dir.path().join("unsigned"), dir.path().join("signed"));
+    std::fs::create_dir(&unsigned).expect("mkdir");
+    std::fs::create_dir(&signed).expect("mkdir");
+    let url = "http://127.0.0.1:18470";
+    serve_common::registry_config(&unsigned, url, "chat", "", "");
+    serve_common::registry_config(
+        &signed,
+        url,
+        "chat",
+        "public_key_file = \"a.pub\"",
+        ", require_signature = true",
+    );
+    let review = |cfg: &Path| {
+        let (code, out, err) = run(keel().args(["--json", "review"]).arg(cfg));
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {err}"));
+        let status = v["rules"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .find(|r| r["rule"] == "KEEL-SEC-013")
+            .map(|r| r["status"].as_str().unwrap_or("").to_owned())
+            .expect("rule");
+        let findings: Vec<String> = v["findings"]
+            .as_array()
+            .expect("findings")
+            .iter()
+            .filter(|f| f["rule"] == "KEEL-SEC-013")
+            .map(|f| {
+                format!(
+                    "{}: {}",
+                    f["location"]["line"],
+                    f["message"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        (code, status, findings)
+    };
+    let (code, status, findings) = review(&unsigned.join("gateway.toml"));
+    assert_eq!((code, status.as_str()), (2, "fail"));
+    assert_eq!(
+        findings,
+        vec!["22: model chat serves registry model chat@production without registry.require_signature = true"]
+    );
+    let (_, status, findings) = review(&signed.join("gateway.toml"));
+    assert_eq!((status.as_str(), findings.len()), ("pass", 0));
+    // A gateway with fixed deployments only: the rule does not apply.
+    serve_common::config(dir.path(), "http://127.0.0.1:18000", "");
+    let (_, status, _) = review(&dir.path().join("gateway.toml"));
+    assert_eq!(status, "not_applicable");
+}
+
 fn cost_fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/cost")
