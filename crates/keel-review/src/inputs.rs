@@ -924,6 +924,74 @@ mod tests {
         assert_eq!(diags[0].location.line, 3);
     }
 
+    fn prometheus(text: &str) -> (Option<PromConfig>, Vec<Diagnostic>) {
+        let mut diags = Vec::new();
+        let c = parse_prometheus(
+            Path::new("prometheus.yml"),
+            text,
+            &crate::slurm::FsLoader,
+            &mut diags,
+        );
+        (c, diags)
+    }
+
+    #[test]
+    fn prometheus_configs_malformed_and_unknown_keys_are_reported_with_lines() {
+        let (c, d) = prometheus(
+            "global:\n  scrape_interval: 15s\nscrape_configs:\n  - job_name: [unclosed\n",
+        );
+        assert!(c.is_none());
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+        assert!(d[0].location.line >= 4, "{d:?}");
+
+        let (c, d) = prometheus(
+            "scrape_config:\n  - job_name: keel\nrule_files:\n  - a.yml\n  - /etc/prometheus/keel-alerts.yml\nscrape_configs:\n  - job_name: \"keel-exporter\"\n    static_configs:\n      - targets: ['gpu1:9400']\n",
+        );
+        let c = c.expect("config");
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::UnknownKey);
+        assert_eq!(d[0].location.line, 1);
+        assert_eq!(
+            c.jobs,
+            vec![ScrapeJob {
+                name: "keel-exporter".into(),
+                line: 7,
+                targets: vec!["gpu1:9400".into()],
+                discovery: false,
+            }]
+        );
+        assert_eq!(c.rule_files_line, 3);
+        let rf: Vec<_> = c
+            .rule_files
+            .iter()
+            .map(|r| (r.path.as_str(), r.line, r.keel_alerts))
+            .collect();
+        assert_eq!(
+            rf,
+            vec![
+                ("a.yml", 4, false),
+                ("/etc/prometheus/keel-alerts.yml", 5, true)
+            ]
+        );
+
+        let (c, d) = prometheus("- a\n- b\n");
+        assert!(c.is_none());
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn prometheus_parser_never_panics(text in "[ -~\n]{0,200}") {
+            let (c, d) = prometheus(&text);
+            // A file that yields no input says why.
+            proptest::prop_assert!(c.is_some() || !d.is_empty());
+            for diag in d {
+                proptest::prop_assert!(diag.location.line >= 1);
+            }
+        }
+    }
+
     #[test]
     fn sbatch_directives_short_and_long() {
         let s = parse_sbatch(
