@@ -533,7 +533,11 @@ fn parse_prometheus(
                 DiagnosticKind::Malformed,
                 Location {
                     file,
-                    line: u32::try_from(e.marker().line()).unwrap_or(1).max(1),
+                    // An error at the end of the text is on its last line.
+                    line: u32::try_from(e.marker().line()).unwrap_or(1).clamp(
+                        1,
+                        u32::try_from(text.lines().count().max(1)).unwrap_or(u32::MAX),
+                    ),
                 },
                 format!("not YAML: {}", cut(e.info())),
             ));
@@ -986,8 +990,9 @@ mod tests {
             let (c, d) = prometheus(&text);
             // A file that yields no input says why.
             proptest::prop_assert!(c.is_some() || !d.is_empty());
+            let lines = u32::try_from(text.lines().count().max(1)).unwrap_or(u32::MAX);
             for diag in d {
-                proptest::prop_assert!(diag.location.line >= 1);
+                proptest::prop_assert!(diag.location.line >= 1 && diag.location.line <= lines);
             }
         }
     }
