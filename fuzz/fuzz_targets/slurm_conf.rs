@@ -1,5 +1,5 @@
-//! slurm.conf, gres.conf and sacct text: parsing never panics, and every
-//! diagnostic points at a line of the input.
+//! slurm.conf, gres.conf, sacct text and Prometheus configs: parsing never
+//! panics, and every diagnostic points at a line of the input.
 #![no_main]
 
 use std::path::Path;
@@ -26,4 +26,14 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = parse_gres_conf(Path::new("gres.conf"), text);
     let _ = keel_review::cost::parse_sacct("sacct", text);
+    let mut diags = Vec::new();
+    let source = keel_review::Source {
+        path: Path::new("prometheus.yml"),
+        text,
+        kind: keel_review::Kind::Prometheus,
+    };
+    let _ = keel_review::inputs::parse(source, &NoIncludes, &mut diags);
+    for d in &diags {
+        assert!(d.location.line >= 1 && d.location.line <= lines);
+    }
 });

@@ -292,6 +292,149 @@ pub struct CostReport {
     pub by_user: Vec<Group>,
     pub by_partition: Vec<Group>,
     pub total: Group,
+    /// Idle GPU-hours from the exporters' accounting, priced with the same
+    /// table; `None` when no source was given or it could not be read.
+    pub idle: Option<IdleReport>,
+    /// Why `idle` is `None`.
+    pub idle_unknown: Option<String>,
+}
+
+/// One job's idle GPU time as the exporters' accounting counts it
+/// (`keel_job_gpu_idle_seconds_total`); user and partition may be empty
+/// where the exporter could not tell them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdleJob {
+    pub job_id: String,
+    pub user: String,
+    pub partition: String,
+    pub idle_gpu_hours: f64,
+}
+
+/// A job's idle GPU-hours and what they cost.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct IdleJobCost {
+    pub job_id: String,
+    pub user: String,
+    pub partition: String,
+    pub idle_gpu_hours: f64,
+    /// At the partition's on-demand price; `None` when it has none.
+    pub cost: Option<f64>,
+    /// The job is among the accounting rows of the period.
+    pub in_accounting: bool,
+}
+
+/// Idle GPU-hours summed by user, by partition or in total.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct IdleGroup {
+    pub key: String,
+    pub jobs: usize,
+    pub idle_gpu_hours: f64,
+    pub cost: f64,
+    pub unpriced_idle_gpu_hours: f64,
+}
+
+impl IdleGroup {
+    fn new(key: &str) -> Self {
+        Self {
+            key: key.to_owned(),
+            jobs: 0,
+            idle_gpu_hours: 0.0,
+            cost: 0.0,
+            unpriced_idle_gpu_hours: 0.0,
+        }
+    }
+
+    fn add(&mut self, j: &IdleJobCost) {
+        self.jobs += 1;
+        self.idle_gpu_hours += j.idle_gpu_hours;
+        match j.cost {
+            Some(c) => self.cost += c,
+            None => self.unpriced_idle_gpu_hours += j.idle_gpu_hours,
+        }
+    }
+}
+
+/// Idle GPU-hours of a period, by job, user and partition.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct IdleReport {
+    /// Where they were read (`exporter URL, since it started`,
+    /// `prometheus URL over 2026-09-01T00:00:00..2026-10-01T00:00:00`).
+    pub source: String,
+    pub jobs: Vec<IdleJobCost>,
+    pub by_user: Vec<IdleGroup>,
+    pub by_partition: Vec<IdleGroup>,
+    pub total: IdleGroup,
+}
+
+/// Joins the exporters' idle rows to the report: a row's empty user or
+/// partition is taken from the accounting row of the same job id, and its
+/// idle GPU-hours are priced at that partition's on-demand price.
+pub fn add_idle(
+    report: &mut CostReport,
+    source: String,
+    rows: &[IdleJob],
+    jobs: &[SacctJob],
+    prices: &PriceTable,
+) {
+    let mut out = Vec::new();
+    for r in rows {
+        let acct = jobs.iter().find(|j| j.job_id == r.job_id);
+        let pick = |own: &str, from: Option<&str>| {
+            if own.is_empty() {
+                from.unwrap_or("").to_owned()
+            } else {
+                own.to_owned()
+            }
+        };
+        let user = pick(&r.user, acct.map(|j| j.user.as_str()));
+        let partition = pick(&r.partition, acct.map(|j| j.partition.as_str()));
+        let cost = prices
+            .for_partition(&partition)
+            .map(|p| r.idle_gpu_hours * p.on_demand / f64::from(p.gpus_per_node));
+        out.push(IdleJobCost {
+            job_id: r.job_id.clone(),
+            user,
+            partition,
+            idle_gpu_hours: r.idle_gpu_hours,
+            cost,
+            in_accounting: report.jobs.iter().any(|j| j.job_id == r.job_id),
+        });
+    }
+    out.sort_by(|a, b| {
+        b.idle_gpu_hours
+            .total_cmp(&a.idle_gpu_hours)
+            .then(a.job_id.cmp(&b.job_id))
+    });
+    let group = |key: fn(&IdleJobCost) -> &str| {
+        let mut m: BTreeMap<String, IdleGroup> = BTreeMap::new();
+        for j in &out {
+            let k = if key(j).is_empty() { "-" } else { key(j) };
+            m.entry(k.to_owned())
+                .or_insert_with(|| IdleGroup::new(k))
+                .add(j);
+        }
+        let mut v: Vec<IdleGroup> = m.into_values().collect();
+        v.sort_by(|a, b| {
+            b.idle_gpu_hours
+                .total_cmp(&a.idle_gpu_hours)
+                .then(a.key.cmp(&b.key))
+        });
+        v
+    };
+    let by_user = group(|j| &j.user);
+    let by_partition = group(|j| &j.partition);
+    let mut total = IdleGroup::new("total");
+    for j in &out {
+        total.add(j);
+    }
+    report.idle = Some(IdleReport {
+        source,
+        jobs: out,
+        by_user,
+        by_partition,
+        total,
+    });
+    report.idle_unknown = None;
 }
 
 /// Prices `jobs` with `prices`; jobs without GPUs or outside the period
@@ -359,6 +502,8 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
         by_user,
         by_partition,
         total,
+        idle: None,
+        idle_unknown: Some("no exporter or Prometheus source given".to_owned()),
     }
 }
 
@@ -427,6 +572,55 @@ impl CostReport {
                 );
             }
         }
+        match (&self.idle, &self.idle_unknown) {
+            (Some(idle), _) => {
+                let _ = writeln!(
+                    s,
+                    "\nidle: {:.1} GPU-hours, {:.2} {c} on demand{} (from {})",
+                    idle.total.idle_gpu_hours,
+                    idle.total.cost,
+                    idle_unpriced(&idle.total),
+                    idle.source
+                );
+                for (title, groups) in [("partition", &idle.by_partition), ("user", &idle.by_user)]
+                {
+                    let _ = writeln!(s, "\nidle by {title}:");
+                    let _ = writeln!(
+                        s,
+                        "  {:<16} {:>6} {:>12} {:>14}",
+                        title,
+                        "jobs",
+                        "idle GPU-h",
+                        format!("cost {c}")
+                    );
+                    for g in groups.iter() {
+                        let cost = if g.unpriced_idle_gpu_hours > 0.0
+                            && g.unpriced_idle_gpu_hours >= g.idle_gpu_hours
+                        {
+                            "unknown".to_owned()
+                        } else {
+                            format!("{:.2}", g.cost)
+                        };
+                        let _ = writeln!(
+                            s,
+                            "  {:<16} {:>6} {:>12.2} {:>14}{}",
+                            cut(&g.key),
+                            g.jobs,
+                            g.idle_gpu_hours,
+                            cost,
+                            idle_unpriced(g)
+                        );
+                    }
+                }
+            }
+            (None, reason) => {
+                let _ = writeln!(
+                    s,
+                    "\nidle GPU-hours: unknown ({})",
+                    reason.as_deref().unwrap_or("not read")
+                );
+            }
+        }
         let safe = self.jobs.iter().filter(|j| j.requeue_safe).count();
         let _ = writeln!(
             s,
@@ -439,9 +633,25 @@ impl CostReport {
     /// One CSV row a job, with a header.
     pub fn csv(&self) -> String {
         let mut s = String::from(
-            "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,currency\n",
+            "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,idle_gpu_hours,idle_cost,currency\n",
         );
+        let idle_of = |id: &str| -> [String; 2] {
+            // Empty when unknown: no idle source, or a job the exporters
+            // did not see.
+            let row = self
+                .idle
+                .as_ref()
+                .and_then(|i| i.jobs.iter().find(|r| r.job_id == id));
+            match row {
+                Some(r) => [
+                    format!("{:.4}", r.idle_gpu_hours),
+                    r.cost.map_or(String::new(), |c| format!("{c:.4}")),
+                ],
+                None => [String::new(), String::new()],
+            }
+        };
         for j in &self.jobs {
+            let [idle_hours, idle_cost] = idle_of(&j.job_id);
             let fields = [
                 csv_field(&j.job_id),
                 csv_field(&j.name),
@@ -454,12 +664,52 @@ impl CostReport {
                 j.cost.map_or(String::new(), |c| format!("{c:.4}")),
                 j.requeue_safe.to_string(),
                 j.spot_saving.map_or(String::new(), |c| format!("{c:.4}")),
+                idle_hours,
+                idle_cost,
+                csv_field(&self.currency),
+            ];
+            s.push_str(&fields.join(","));
+            s.push('\n');
+        }
+        // Idle jobs outside the period's accounting rows: their own line,
+        // with what the exporters know of them.
+        for r in self
+            .idle
+            .iter()
+            .flat_map(|i| i.jobs.iter())
+            .filter(|r| !r.in_accounting)
+        {
+            let fields = [
+                csv_field(&r.job_id),
+                String::new(),
+                csv_field(&r.user),
+                String::new(),
+                csv_field(&r.partition),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                format!("{:.4}", r.idle_gpu_hours),
+                r.cost.map_or(String::new(), |c| format!("{c:.4}")),
                 csv_field(&self.currency),
             ];
             s.push_str(&fields.join(","));
             s.push('\n');
         }
         s
+    }
+}
+
+fn idle_unpriced(g: &IdleGroup) -> String {
+    if g.unpriced_idle_gpu_hours > 0.0 {
+        format!(
+            " ({:.2} idle GPU-hours unpriced)",
+            g.unpriced_idle_gpu_hours
+        )
+    } else {
+        String::new()
     }
 }
 
@@ -534,6 +784,90 @@ mod tests {
             ..CostOptions::default()
         };
         assert_eq!(clipped_seconds(&j, &opts), 0);
+    }
+
+    #[test]
+    fn idle_rows_join_the_accounting_and_are_priced() {
+        let job = |id: &str, partition: &str| SacctJob {
+            job_id: id.into(),
+            name: "n".into(),
+            user: "alice".into(),
+            account: "a".into(),
+            partition: partition.into(),
+            gpus: 8,
+            elapsed_s: 3600,
+            state: "COMPLETED".into(),
+            start: None,
+            end: None,
+        };
+        let jobs = vec![job("1", "gpu"), job("2", "cpu")];
+        let prices = PriceTable {
+            currency: "USD".into(),
+            source: "t".into(),
+            price: vec![Price {
+                partition: "gpu".into(),
+                sku: "s".into(),
+                gpus_per_node: 8,
+                on_demand: 16.0,
+                spot: None,
+            }],
+        };
+        let mut r = cost(&jobs, &prices, &CostOptions::default());
+        assert!(r.idle.is_none() && r.idle_unknown.is_some());
+        let rows = [
+            IdleJob {
+                job_id: "1".into(),
+                user: String::new(),
+                partition: String::new(),
+                idle_gpu_hours: 3.0,
+            },
+            IdleJob {
+                job_id: "2".into(),
+                user: "bob".into(),
+                partition: String::new(),
+                idle_gpu_hours: 1.0,
+            },
+            IdleJob {
+                job_id: "9".into(),
+                user: "carol".into(),
+                partition: "gpu".into(),
+                idle_gpu_hours: 0.5,
+            },
+        ];
+        add_idle(&mut r, "exporter x".into(), &rows, &jobs, &prices);
+        let idle = r.idle.as_ref().expect("idle");
+        assert!(r.idle_unknown.is_none());
+        let got: Vec<_> = idle
+            .jobs
+            .iter()
+            .map(|j| {
+                (
+                    j.job_id.as_str(),
+                    j.user.as_str(),
+                    j.partition.as_str(),
+                    j.cost,
+                    j.in_accounting,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("1", "alice", "gpu", Some(6.0), true),
+                ("2", "bob", "cpu", None, true),
+                ("9", "carol", "gpu", Some(1.0), false),
+            ]
+        );
+        assert_eq!(idle.total.idle_gpu_hours, 4.5);
+        assert_eq!(idle.total.cost, 7.0);
+        assert_eq!(idle.total.unpriced_idle_gpu_hours, 1.0);
+        let csv = r.csv();
+        assert!(
+            csv.contains("\n9,,carol,,gpu,,,,,,,0.5000,1.0000,USD\n"),
+            "{csv}"
+        );
+        assert!(csv.contains(",3.0000,6.0000,USD\n"), "{csv}");
+        assert!(r.text().contains("idle: 4.5 GPU-hours, 7.00 USD on demand (1.00 idle GPU-hours unpriced) (from exporter x)"), "{}", r.text());
     }
 
     proptest::proptest! {

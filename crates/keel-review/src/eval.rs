@@ -5,7 +5,7 @@
 use keel_store::Bandwidth;
 
 use crate::catalogue::{Params, Rule};
-use crate::inputs::{EnvVar, GatewayInput, Input, Kind, NodeFacts, Sbatch, TomlDoc};
+use crate::inputs::{EnvVar, GatewayInput, Input, Kind, NodeFacts, PromConfig, Sbatch, TomlDoc};
 use crate::slurm::{GresConf, RecordKind, SlurmConf};
 use crate::{cut, Location};
 
@@ -59,7 +59,11 @@ const CHECKS: &[&str] = &[
     "gateway.quota",
     "gateway.fallback",
     "gateway.redundant",
+    "gateway.registry_signatures",
     "keel.set",
+    "keel.durable_registry_db",
+    "prometheus.scrapes_keel",
+    "prometheus.keel_alerts",
     "sbatch.option",
     "sbatch.runs",
     "sbatch.ckpt_cap",
@@ -116,7 +120,10 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
             }
         }
         _ => {
-            for input in inputs.iter().filter(|i| i.kind() == rule.target) {
+            for input in inputs
+                .iter()
+                .filter(|i| i.kind() == rule.target && applies(&rule.check, i))
+            {
                 applied = true;
                 let f = match input {
                     Input::Slurm(c) => slurm_check(&rule.check, p, c),
@@ -125,6 +132,7 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
                     Input::Keel(d) => keel_check(&rule.check, p, d),
                     Input::Sbatch(s) => sbatch_check(&rule.check, p, s, opts),
                     Input::Node(n) => node_check(&rule.check, n),
+                    Input::Prometheus(c) => prometheus_check(&rule.check, c),
                     Input::Env(..) => Vec::new(),
                 };
                 failures.extend(f);
@@ -137,6 +145,19 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
         Outcome::Pass
     } else {
         Outcome::Fail(failures)
+    }
+}
+
+/// Whether a check has anything to look at in `input`: a rule on the
+/// models that follow the registry does not apply to a gateway without
+/// one, nor a registry rule to a keel config without `[model]`.
+fn applies(check: &str, input: &Input) -> bool {
+    match (check, input) {
+        ("gateway.registry_signatures", Input::Gateway(g)) => {
+            models(&g.doc).iter().any(|m| m.get("registry").is_some())
+        }
+        ("keel.durable_registry_db", Input::Keel(d)) => d.get("model").is_some(),
+        _ => true,
     }
 }
 
@@ -485,6 +506,23 @@ fn gateway_check(check: &str, p: &Params, g: &GatewayInput) -> Vec<Failure> {
                 fail(toml_loc(d, key), format!("{key} is not set"))
             }
         }
+        "keel.durable_registry_db" => match d.str("model.db") {
+            None => fail(
+                toml_loc(d, "model.db"),
+                "model.db is not set: the registry is in the home directory of whoever runs keel model"
+                    .to_owned(),
+            ),
+            Some(db) => match EPHEMERAL_PREFIXES.iter().find(|p| db.starts_with(*p)) {
+                Some(prefix) => fail(
+                    toml_loc(d, "model.db"),
+                    format!(
+                        "model.db {} is under {prefix}, which a reboot or a deallocation wipes",
+                        cut(db)
+                    ),
+                ),
+                None => Vec::new(),
+            },
+        },
         "gateway.unset" => match d.get(key) {
             Some(v) => fail(toml_loc(d, key), format!("{key} = {}", cut(&v.to_string()))),
             None => Vec::new(),
@@ -585,6 +623,97 @@ fn gateway_check(check: &str, p: &Params, g: &GatewayInput) -> Vec<Failure> {
             }
             out
         }
+        "gateway.registry_signatures" => {
+            let mut out = Vec::new();
+            for (i, m) in models(d).into_iter().enumerate() {
+                let Some(r) = m.get("registry") else {
+                    continue;
+                };
+                let stable = r
+                    .get("stable")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("production");
+                if r.get("require_signature").and_then(|v| v.as_bool()) != Some(true) {
+                    out.push(Failure {
+                        location: d.location("models", i, "registry"),
+                        message: format!(
+                            "model {} serves registry model {}@{} without registry.require_signature = true",
+                            model_name(m),
+                            cut(r.get("model").and_then(|v| v.as_str()).unwrap_or("?")),
+                            cut(stable)
+                        ),
+                    });
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Path prefixes of storage a reboot or a VM's deallocation wipes: tmpfs
+/// and the node-local disks of Azure's GPU VMs (the resource disk, local
+/// NVMe) and of scratch set-ups (`keel scratch`).
+const EPHEMERAL_PREFIXES: &[&str] = &[
+    "/tmp/",
+    "/var/tmp/",
+    "/dev/shm/",
+    "/run/",
+    "/mnt/resource",
+    "/mnt/nvme",
+    "/mnt/scratch",
+    "/mnt/local",
+    "/scratch/",
+    "/local/",
+    "/nvme",
+];
+
+fn prometheus_check(check: &str, c: &PromConfig) -> Vec<Failure> {
+    let at = |line: u32| Location {
+        file: c.file.clone(),
+        line,
+    };
+    match check {
+        "prometheus.scrapes_keel" => {
+            let keel = c.jobs.iter().find(|j| {
+                j.name.to_ascii_lowercase().contains("keel")
+                    && (!j.targets.is_empty() || j.discovery)
+            });
+            if keel.is_some() {
+                return Vec::new();
+            }
+            let names: Vec<String> = c.jobs.iter().map(|j| cut(&j.name)).collect();
+            let found = if names.is_empty() {
+                "no scrape job".to_owned()
+            } else {
+                format!("scrape jobs: {}", names.join(", "))
+            };
+            fail(
+                at(c.jobs_line),
+                format!(
+                    "no scrape job for keel's exporter (a job_name with keel and targets); {found}"
+                ),
+            )
+        }
+        "prometheus.keel_alerts" => {
+            if c.rule_files.iter().any(|r| r.keel_alerts) {
+                return Vec::new();
+            }
+            let globs = c
+                .rule_files
+                .iter()
+                .any(|r| r.path.contains(['*', '?', '[']));
+            let mut message = if c.rule_files.is_empty() {
+                "rule_files loads no rule file".to_owned()
+            } else {
+                let files: Vec<String> = c.rule_files.iter().map(|r| cut(&r.path)).collect();
+                format!("rule_files loads no keel-alerts.yml: {}", files.join(", "))
+            };
+            if globs {
+                message.push_str(" (globs are not expanded: name keel-alerts.yml)");
+            }
+            fail(at(c.rule_files_line), message)
+        }
         _ => Vec::new(),
     }
 }
@@ -599,6 +728,23 @@ fn keel_check(check: &str, p: &Params, d: &TomlDoc) -> Vec<Failure> {
                 fail(toml_loc(d, key), format!("{key} is not set"))
             }
         }
+        "keel.durable_registry_db" => match d.str("model.db") {
+            None => fail(
+                toml_loc(d, "model.db"),
+                "model.db is not set: the registry is in the home directory of whoever runs keel model"
+                    .to_owned(),
+            ),
+            Some(db) => match EPHEMERAL_PREFIXES.iter().find(|p| db.starts_with(*p)) {
+                Some(prefix) => fail(
+                    toml_loc(d, "model.db"),
+                    format!(
+                        "model.db {} is under {prefix}, which a reboot or a deallocation wipes",
+                        cut(db)
+                    ),
+                ),
+                None => Vec::new(),
+            },
+        },
         _ => Vec::new(),
     }
 }

@@ -22,10 +22,11 @@ pub enum Kind {
     Sbatch,
     Env,
     Node,
+    Prometheus,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Slurm,
         Kind::Gres,
         Kind::Gateway,
@@ -33,6 +34,7 @@ impl Kind {
         Kind::Sbatch,
         Kind::Env,
         Kind::Node,
+        Kind::Prometheus,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,6 +46,7 @@ impl Kind {
             Kind::Sbatch => "sbatch",
             Kind::Env => "env",
             Kind::Node => "node",
+            Kind::Prometheus => "prometheus",
         }
     }
 
@@ -246,6 +249,41 @@ pub fn scratch_mounts(mounts: &str) -> Vec<String> {
         .collect()
 }
 
+/// One `scrape_configs` job of a Prometheus configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeJob {
+    pub name: String,
+    pub line: u32,
+    /// `static_configs` targets.
+    pub targets: Vec<String>,
+    /// Some `*_sd_configs` finds its targets.
+    pub discovery: bool,
+}
+
+/// One `rule_files` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleFile {
+    pub path: String,
+    pub line: u32,
+    /// keel's alert rules: the file is named `keel-alerts.yml` (or
+    /// `.yaml`), or, read beside the configuration, holds their `keel-gpu`
+    /// group.
+    pub keel_alerts: bool,
+}
+
+/// A Prometheus configuration file (`prometheus.yml`): its scrape jobs and
+/// rule files.
+#[derive(Debug, Clone)]
+pub struct PromConfig {
+    pub file: String,
+    pub jobs: Vec<ScrapeJob>,
+    /// The line of `scrape_configs:` (1 when absent).
+    pub jobs_line: u32,
+    pub rule_files: Vec<RuleFile>,
+    /// The line of `rule_files:` (1 when absent).
+    pub rule_files_line: u32,
+}
+
 /// A parsed input.
 #[derive(Debug, Clone)]
 pub enum Input {
@@ -256,6 +294,7 @@ pub enum Input {
     Sbatch(Sbatch),
     Env(Vec<EnvVar>, String),
     Node(NodeFacts),
+    Prometheus(PromConfig),
 }
 
 impl Input {
@@ -268,6 +307,7 @@ impl Input {
             Input::Sbatch(_) => Kind::Sbatch,
             Input::Env(..) => Kind::Env,
             Input::Node(_) => Kind::Node,
+            Input::Prometheus(_) => Kind::Prometheus,
         }
     }
 
@@ -281,6 +321,7 @@ impl Input {
             Input::Sbatch(s) => &s.file,
             Input::Env(_, f) => f,
             Input::Node(n) => &n.host,
+            Input::Prometheus(p) => &p.file,
         }
     }
 }
@@ -303,13 +344,23 @@ pub fn detect(path: &Path, text: &str) -> Option<Kind> {
     if name == "keel.toml" {
         return Some(Kind::Keel);
     }
+    if name == "prometheus.yml" || name == "prometheus.yaml" {
+        return Some(Kind::Prometheus);
+    }
+    if (name.ends_with(".yml") || name.ends_with(".yaml"))
+        && text
+            .lines()
+            .any(|l| l.starts_with("scrape_configs:") || l.starts_with("rule_files:"))
+    {
+        return Some(Kind::Prometheus);
+    }
     if name.ends_with(".toml") {
         // A file that is not TOML is read as a gateway file, whose parse
         // reports the line.
         let Ok(table) = toml::from_str::<toml::Table>(text) else {
             return Some(Kind::Gateway);
         };
-        let keel_tables = ["check", "bench", "serve", "model"];
+        let keel_tables = ["check", "bench", "serve", "model", "exporter", "cost"];
         if !table.is_empty() && table.keys().all(|k| keel_tables.contains(&k.as_str())) {
             return Some(Kind::Keel);
         }
@@ -421,6 +472,9 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
             Some(Input::Sbatch(s))
         }
         Kind::Env => Some(Input::Env(parse_env(&file, src.text, diags), file)),
+        Kind::Prometheus => {
+            parse_prometheus(src.path, src.text, loader, diags).map(Input::Prometheus)
+        }
         Kind::Node => match serde_json::from_str::<NodeFacts>(src.text) {
             Ok(n) => Some(Input::Node(n)),
             Err(e) => {
@@ -436,6 +490,150 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
             }
         },
     }
+}
+
+/// The top-level keys of Prometheus's configuration file
+/// (prometheus.io/docs/prometheus/latest/configuration/configuration/).
+const PROMETHEUS_KEYS: &[&str] = &[
+    "global",
+    "runtime",
+    "rule_files",
+    "scrape_config_files",
+    "scrape_configs",
+    "alerting",
+    "remote_write",
+    "remote_read",
+    "storage",
+    "tracing",
+    "otlp",
+];
+
+/// The 1-based line of the first line at or after `from` (0-based) that
+/// `pred` accepts; else `fallback`.
+fn find_line(text: &str, from: usize, fallback: u32, pred: impl Fn(&str) -> bool) -> u32 {
+    text.lines()
+        .enumerate()
+        .skip(from)
+        .find(|(_, l)| pred(l))
+        .map_or(fallback, |(i, _)| u32::try_from(i + 1).unwrap_or(u32::MAX))
+}
+
+fn parse_prometheus(
+    path: &Path,
+    text: &str,
+    loader: &dyn Loader,
+    diags: &mut Vec<Diagnostic>,
+) -> Option<PromConfig> {
+    use yaml_rust2::{Yaml, YamlLoader};
+    let file = path.display().to_string();
+    let docs = match YamlLoader::load_from_str(text) {
+        Ok(d) => d,
+        Err(e) => {
+            diags.push(Diagnostic::new(
+                DiagnosticKind::Malformed,
+                Location {
+                    file,
+                    // An error at the end of the text is on its last line.
+                    line: u32::try_from(e.marker().line()).unwrap_or(1).clamp(
+                        1,
+                        u32::try_from(text.lines().count().max(1)).unwrap_or(u32::MAX),
+                    ),
+                },
+                format!("not YAML: {}", cut(e.info())),
+            ));
+            return None;
+        }
+    };
+    let empty = Yaml::Null;
+    let doc = docs.first().unwrap_or(&empty);
+    if let Some(h) = doc.as_hash() {
+        for k in h.keys() {
+            let k = k.as_str().unwrap_or("");
+            if !PROMETHEUS_KEYS.contains(&k) {
+                let line = find_line(text, 0, 1, |l| l.starts_with(&format!("{k}:")));
+                diags.push(Diagnostic::new(
+                    DiagnosticKind::UnknownKey,
+                    Location {
+                        file: file.clone(),
+                        line,
+                    },
+                    format!("unknown key {}", cut(k)),
+                ));
+            }
+        }
+    } else if !doc.is_null() {
+        diags.push(Diagnostic::new(
+            DiagnosticKind::Malformed,
+            Location { file, line: 1 },
+            "not a Prometheus configuration: expected a mapping of keys".to_owned(),
+        ));
+        return None;
+    }
+    let jobs_line = find_line(text, 0, 1, |l| l.starts_with("scrape_configs:"));
+    let mut jobs = Vec::new();
+    for job in doc["scrape_configs"]
+        .as_vec()
+        .map_or(&[][..], Vec::as_slice)
+    {
+        let name = job["job_name"].as_str().unwrap_or("").to_owned();
+        let line = find_line(text, 0, jobs_line, |l| {
+            l.contains("job_name") && l.contains(name.as_str())
+        });
+        let targets = job["static_configs"]
+            .as_vec()
+            .map(|v| {
+                v.iter()
+                    .flat_map(|sc| sc["targets"].as_vec().cloned().unwrap_or_default())
+                    .filter_map(|t| t.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let discovery = job.as_hash().is_some_and(|h| {
+            h.iter().any(|(k, v)| {
+                k.as_str().is_some_and(|k| k.ends_with("_sd_configs")) && !v.is_null()
+            })
+        });
+        jobs.push(ScrapeJob {
+            name,
+            line,
+            targets,
+            discovery,
+        });
+    }
+    let rule_files_line = find_line(text, 0, 1, |l| l.starts_with("rule_files:"));
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut rule_files = Vec::new();
+    for entry in doc["rule_files"].as_vec().map_or(&[][..], Vec::as_slice) {
+        let Some(p) = entry.as_str() else { continue };
+        let from = usize::try_from(rule_files_line)
+            .unwrap_or(0)
+            .saturating_sub(1);
+        let line = find_line(text, from, rule_files_line, |l| l.contains(p));
+        let name = Path::new(p)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let keel_alerts = name == "keel-alerts.yml"
+            || name == "keel-alerts.yaml"
+            || (!p.contains(['*', '?', '[']) && {
+                let full = base.join(p);
+                loader
+                    .load(&full)
+                    .is_ok_and(|t| t.contains("- name: keel-gpu"))
+            });
+        rule_files.push(RuleFile {
+            path: p.to_owned(),
+            line,
+            keel_alerts,
+        });
+    }
+    Some(PromConfig {
+        file,
+        jobs,
+        jobs_line,
+        rule_files,
+        rule_files_line,
+    })
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -494,8 +692,30 @@ const KEEL_KEYS: &[(&str, &[&str])] = &[
             "public_key",
             "listen",
             "serve_token_sha256",
+            "tracking_uri",
         ],
     ),
+    (
+        "exporter",
+        &[
+            "listen",
+            "token_sha256",
+            "no_auth",
+            "gpu_snapshots",
+            "replay_step_s",
+            "nvml_library",
+            "deadline_s",
+            "check_textfile",
+            "job_mapping_dir",
+            "jobs_from_processes",
+            "device_file_pattern",
+            "dcgm_names",
+            "max_connections",
+            "idle_threshold_percent",
+            "idle_minutes",
+        ],
+    ),
+    ("cost", &["prometheus", "exporter", "exporter_token_file"]),
 ];
 
 fn keel_unknown_keys(doc: &TomlDoc, diags: &mut Vec<Diagnostic>) {
@@ -706,6 +926,75 @@ mod tests {
         assert_eq!(diags.len(), 1);
         assert_eq!(diags[0].kind, DiagnosticKind::Malformed);
         assert_eq!(diags[0].location.line, 3);
+    }
+
+    fn prometheus(text: &str) -> (Option<PromConfig>, Vec<Diagnostic>) {
+        let mut diags = Vec::new();
+        let c = parse_prometheus(
+            Path::new("prometheus.yml"),
+            text,
+            &crate::slurm::FsLoader,
+            &mut diags,
+        );
+        (c, diags)
+    }
+
+    #[test]
+    fn prometheus_configs_malformed_and_unknown_keys_are_reported_with_lines() {
+        let (c, d) = prometheus(
+            "global:\n  scrape_interval: 15s\nscrape_configs:\n  - job_name: [unclosed\n",
+        );
+        assert!(c.is_none());
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+        assert!(d[0].location.line >= 4, "{d:?}");
+
+        let (c, d) = prometheus(
+            "scrape_config:\n  - job_name: keel\nrule_files:\n  - a.yml\n  - /etc/prometheus/keel-alerts.yml\nscrape_configs:\n  - job_name: \"keel-exporter\"\n    static_configs:\n      - targets: ['gpu1:9400']\n",
+        );
+        let c = c.expect("config");
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::UnknownKey);
+        assert_eq!(d[0].location.line, 1);
+        assert_eq!(
+            c.jobs,
+            vec![ScrapeJob {
+                name: "keel-exporter".into(),
+                line: 7,
+                targets: vec!["gpu1:9400".into()],
+                discovery: false,
+            }]
+        );
+        assert_eq!(c.rule_files_line, 3);
+        let rf: Vec<_> = c
+            .rule_files
+            .iter()
+            .map(|r| (r.path.as_str(), r.line, r.keel_alerts))
+            .collect();
+        assert_eq!(
+            rf,
+            vec![
+                ("a.yml", 4, false),
+                ("/etc/prometheus/keel-alerts.yml", 5, true)
+            ]
+        );
+
+        let (c, d) = prometheus("- a\n- b\n");
+        assert!(c.is_none());
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn prometheus_parser_never_panics(text in "[ -~\n]{0,200}") {
+            let (c, d) = prometheus(&text);
+            // A file that yields no input says why.
+            proptest::prop_assert!(c.is_some() || !d.is_empty());
+            let lines = u32::try_from(text.lines().count().max(1)).unwrap_or(u32::MAX);
+            for diag in d {
+                proptest::prop_assert!(diag.location.line >= 1 && diag.location.line <= lines);
+            }
+        }
     }
 
     #[test]

@@ -22,6 +22,30 @@ pub struct FileConfig {
     pub model: FileModel,
     #[serde(default)]
     pub exporter: FileExporter,
+    #[serde(default)]
+    pub cost: FileCost,
+}
+
+/// `[cost]`: where `keel cost` reads idle GPU-hours (docs/config.md).
+#[derive(Debug, Default, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileCost {
+    /// A Prometheus server that scrapes keel exporters.
+    pub prometheus: Option<String>,
+    /// One keel exporter.
+    pub exporter: Option<String>,
+    /// The bearer token for `exporter`.
+    pub exporter_token_file: Option<PathBuf>,
+}
+
+/// Loads `[cost]` from the config file (`KEEL_CONFIG`, else
+/// `~/.config/keel/keel.toml`); flags are applied by the caller.
+pub fn load_cost(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<FileCost> {
+    let (file, _) = load_file(explicit, env)?;
+    Ok(file.cost)
 }
 
 /// `[exporter]`: `keel exporter`'s settings (docs/monitoring.md).
@@ -352,7 +376,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_EXPORTER_TOKEN_SHA256", "exporter.token_sha256"),
     (
         "KEEL_EXPORTER_TOKEN",
-        "keel cost idle --exporter: the bearer token (else --token-file)",
+        "keel cost [idle] --exporter: the bearer token (else --token-file, --exporter-token-file)",
     ),
     ("KEEL_RUN_STORE", "keel run --store"),
     ("KEEL_RUN_NAME", "keel run --run"),
@@ -786,6 +810,13 @@ mod tests {
         }
         for (var, _) in ENV_VARS {
             assert!(doc.contains(var), "docs/config.md does not document {var}");
+        }
+        let cost = serde_json::to_value(FileCost::default()).expect("serialises");
+        for k in cost.as_object().expect("object").keys() {
+            assert!(
+                doc.contains(&format!("`{k}`")),
+                "docs/config.md does not document cost.{k}"
+            );
         }
         let serve = serde_json::to_value(ServeConfig::default()).expect("serialises");
         for k in serve.as_object().expect("object").keys() {

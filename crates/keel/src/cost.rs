@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use keel_review::cost::{cost, parse_sacct, parse_time, CostOptions, PriceTable, SACCT_FORMAT};
+use keel_review::cost::{
+    add_idle, cost, parse_sacct, parse_time, CostOptions, IdleJob, PriceTable, SACCT_FORMAT,
+};
 use serde_json::json;
 
 use crate::exit::{Code, DataError, UsageError};
@@ -54,6 +56,161 @@ pub struct CostArgs {
     /// Seconds sacct may take.
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
     sacct_timeout: u64,
+    /// Idle GPU-hours of the period from a Prometheus server that scrapes
+    /// keel exporters (http://HOST:PORT; else `cost.prometheus`).
+    #[arg(long, value_name = "URL", conflicts_with = "exporter")]
+    prometheus: Option<String>,
+    /// Idle GPU-hours from one keel exporter's own accounting, since it
+    /// started (http://HOST:PORT; else `cost.exporter`).
+    #[arg(long, value_name = "URL")]
+    exporter: Option<String>,
+    /// A file holding the bearer token for --exporter (else
+    /// `cost.exporter_token_file`, else KEEL_EXPORTER_TOKEN).
+    #[arg(long, value_name = "FILE")]
+    exporter_token_file: Option<PathBuf>,
+    /// Seconds each request for idle GPU-hours may take.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    idle_timeout_s: f64,
+}
+
+/// Where idle GPU-hours come from.
+enum IdleSource {
+    Prometheus(String),
+    Exporter { url: String, token: Option<String> },
+}
+
+/// Days since 1970-01-01 to a civil date (proleptic Gregorian).
+fn civil(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// Seconds since the epoch as YYYY-MM-DDTHH:MM:SS.
+fn timestamp(t: i64) -> String {
+    let (y, m, d) = civil(t.div_euclid(86_400));
+    let s = t.rem_euclid(86_400);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}",
+        s / 3600,
+        s / 60 % 60,
+        s % 60
+    )
+}
+
+/// The period's idle rows from `source`: Prometheus answers for the
+/// period (`increase` over it, evaluated at its end); an exporter for its
+/// own lifetime.
+fn read_idle(
+    source: &IdleSource,
+    since: i64,
+    until: i64,
+    timeout: Duration,
+) -> anyhow::Result<(String, Vec<IdleJob>)> {
+    use keel_exporter::cost as ec;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let (label, rows) = rt.block_on(async {
+        match source {
+            IdleSource::Prometheus(p) => {
+                let base = p.trim_end_matches('/');
+                let range = format!("{}s", (until - since).max(1));
+                let mut bodies = Vec::new();
+                for q in ec::prometheus_queries(&range) {
+                    let url = format!("{base}/api/v1/query?query={}&time={until}", ec::encode(&q));
+                    bodies.push(ec::http_get(&url, None, timeout).await?);
+                }
+                let rows = ec::from_prometheus(base, &bodies[0], &bodies[1], &bodies[2])?;
+                anyhow::Ok((
+                    format!(
+                        "prometheus {base} over {}..{} UTC",
+                        timestamp(since),
+                        timestamp(until)
+                    ),
+                    rows,
+                ))
+            }
+            IdleSource::Exporter { url, token } => {
+                let base = url.trim_end_matches('/');
+                let text =
+                    ec::http_get(&format!("{base}/metrics"), token.as_deref(), timeout).await?;
+                anyhow::Ok((
+                    format!("exporter {base}, since it started"),
+                    ec::from_exposition(&text),
+                ))
+            }
+        }
+    })?;
+    Ok((
+        label,
+        rows.into_iter()
+            .map(|r| IdleJob {
+                job_id: r.job,
+                user: r.user,
+                partition: r.partition,
+                idle_gpu_hours: r.idle_gpu_hours,
+            })
+            .collect(),
+    ))
+}
+
+/// The idle source from the flags, else `[cost]` of the config file.
+fn idle_source(args: &CostArgs) -> anyhow::Result<Option<IdleSource>> {
+    let env = |k: &str| std::env::var(k).ok();
+    let file = crate::config::load_cost(None, &env)?;
+    let check_url = |flag: &str, url: &str| -> anyhow::Result<()> {
+        if url.starts_with("http://") && url.len() > "http://".len() {
+            Ok(())
+        } else {
+            Err(UsageError(format!(
+                "{flag}: expected http://HOST:PORT, not {:?}",
+                url.chars().take(64).collect::<String>()
+            ))
+            .into())
+        }
+    };
+    let (prometheus, exporter) = match (&args.prometheus, &args.exporter) {
+        (None, None) => (file.prometheus, file.exporter),
+        (p, e) => (p.clone(), e.clone()),
+    };
+    if let Some(p) = prometheus {
+        check_url("--prometheus", &p)?;
+        return Ok(Some(IdleSource::Prometheus(p)));
+    }
+    let Some(url) = exporter else {
+        return Ok(None);
+    };
+    check_url("--exporter", &url)?;
+    let token_file = args
+        .exporter_token_file
+        .clone()
+        .or(file.exporter_token_file);
+    let token = match token_file {
+        Some(f) => Some(
+            std::fs::read_to_string(&f)
+                .with_context(|| format!("cannot read the token file {}", f.display()))?
+                .trim()
+                .to_owned(),
+        ),
+        None => env("KEEL_EXPORTER_TOKEN"),
+    };
+    Ok(Some(IdleSource::Exporter { url, token }))
+}
+
+/// Now, in seconds since the epoch.
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 fn time_arg(flag: &str, s: &str) -> anyhow::Result<i64> {
@@ -161,6 +318,8 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
         .with_context(|| format!("cannot read {}", prices_file.display()))?;
     let prices = PriceTable::parse(&price_text)
         .map_err(|e| DataError(format!("{}: {e}", prices_file.display())))?;
+    crate::config::check_seconds("--idle-timeout-s", args.idle_timeout_s)?;
+    let idle_from = idle_source(args)?;
     let (file, text) = match &args.sacct_file {
         Some(p) => (
             p.display().to_string(),
@@ -178,7 +337,21 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
     if jobs.is_empty() && !diags.is_empty() {
         return Err(DataError(format!("{file}: no sacct row could be read")).into());
     }
-    let report = cost(&jobs, &prices, &opts);
+    let mut report = cost(&jobs, &prices, &opts);
+    if let Some(source) = &idle_from {
+        // sacct's default period: from midnight today to now.
+        let until = opts.until.unwrap_or_else(now);
+        let since = opts.since.unwrap_or(until - until.rem_euclid(86_400));
+        let timeout = Duration::from_secs_f64(args.idle_timeout_s);
+        match read_idle(source, since, until, timeout) {
+            Ok((label, rows)) => add_idle(&mut report, label, &rows, &jobs, &prices),
+            Err(e) => {
+                let why = format!("{e:#}");
+                eprintln!("keel: warning: idle GPU-hours unknown: {why}");
+                report.idle_unknown = Some(why);
+            }
+        }
+    }
     match format {
         Format::Text => out.text(&report.text())?,
         Format::Csv => out.text(&report.csv())?,

@@ -286,31 +286,90 @@ fn docs_review_md_is_the_generated_catalogue() {
 }
 
 /// The test cluster's slurm.conf as scripts/slurm-cluster writes it (its
-/// own `write_conf`, run on DIR=/tmp/keel-slurm), and its gres.conf.
-fn write_test_cluster_conf(dir: &Path) {
+/// own `write_conf`, run on DIR=/tmp/keel-slurm), with slurmdbd accounting
+/// or without (where slurmdbd or MariaDB cannot run), and its gres.conf.
+fn write_test_cluster_conf(dir: &Path, accounting: bool) {
     let script = repo().join("scripts/slurm-cluster");
     let status = Command::new("bash")
         .arg("-c")
         .arg(
             r#"set -euo pipefail
-eval "$(grep -E '^(NODES|FIRST_PORT|CTLD_PORT)=' "$1")"
+eval "$(grep -E '^(NODES|FIRST_PORT|CTLD_PORT|DBD_PORT|DB_PORT)=' "$1")"
 eval "$(sed -n '/^write_conf() {/,/^}/p' "$1")"
 unset KEEL_TEST_SLURM_HEALTHCHECK
-write_conf /tmp/keel-slurm "$2/slurm.conf"
+write_conf /tmp/keel-slurm "$2/slurm.conf" "$3"
 printf 'NodeName=%s Name=gpu File=%s/dev/gpu[0-7]\n' "${NODES[-1]}" /tmp/keel-slurm >"$2/gres.conf""#,
         )
         .arg("bash")
         .arg(&script)
         .arg(dir)
+        .arg(if accounting { "1" } else { "0" })
         .status()
         .expect("bash");
     assert!(status.success());
 }
 
+/// The review of the test cluster's own slurm.conf and gres.conf, with
+/// and without accounting: `(rule, status)` of every rule that applies.
+fn review_test_cluster(accounting: bool) -> Vec<(String, String)> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_test_cluster_conf(dir.path(), accounting);
+    let (code, out, err) = run(keel().current_dir(dir.path()).args([
+        "--json",
+        "review",
+        "--fail-on",
+        "never",
+        "slurm.conf",
+        "gres.conf",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["diagnostics"], serde_json::json!([]), "{out}");
+    v["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .filter(|r| r["status"] != "not_applicable")
+        .map(|r| {
+            (
+                r["rule"].as_str().unwrap_or("").to_owned(),
+                r["status"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The accounting scripts/slurm-cluster sets up with slurmdbd is what the
+/// accounting rules ask for; without it they fail, and nothing else
+/// changes.
+#[test]
+fn review_of_the_test_cluster_with_and_without_accounting() {
+    let with = review_test_cluster(true);
+    let without = review_test_cluster(false);
+    let differ: Vec<(&str, &str, &str)> = with
+        .iter()
+        .zip(&without)
+        .filter(|(a, b)| a != b)
+        .map(|((id, a), (id_b, b))| {
+            assert_eq!(id, id_b);
+            (id.as_str(), a.as_str(), b.as_str())
+        })
+        .collect();
+    assert_eq!(with.len(), without.len());
+    assert_eq!(
+        differ,
+        vec![
+            ("KEEL-COST-003", "pass", "fail"),
+            ("KEEL-COST-004", "pass", "fail"),
+            ("KEEL-COST-005", "pass", "fail"),
+        ]
+    );
+}
+
 #[test]
 fn review_of_the_test_cluster_and_the_test_gateways() {
     let dir = tempfile::tempdir().expect("tempdir");
-    write_test_cluster_conf(dir.path());
+    write_test_cluster_conf(dir.path(), true);
     // The gateway the `keel serve` CLI tests run, and the one
     // scripts/bench-serve measures (keel, FULL=1).
     serve_common::config(dir.path(), "http://127.0.0.1:18000", "");
@@ -355,6 +414,64 @@ fn review_of_the_test_cluster_and_the_test_gateways() {
     ]));
     assert_eq!(code, 0, "{err}");
     insta::assert_snapshot!("review-test-cluster-and-gateways", out);
+}
+
+/// The gateways the registry-following tests run (serve_registry.rs):
+/// routing to whatever version the production alias names fails the
+/// signature rule, a high finding; with `require_signature` and the
+/// trusted key it passes.
+#[test]
+fn review_of_the_registry_following_test_gateways() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (unsigned, signed) = (dir.path().join("unsigned"), dir.path().join("signed"));
+    std::fs::create_dir(&unsigned).expect("mkdir");
+    std::fs::create_dir(&signed).expect("mkdir");
+    let url = "http://127.0.0.1:18470";
+    serve_common::registry_config(&unsigned, url, "chat", "", "");
+    serve_common::registry_config(
+        &signed,
+        url,
+        "chat",
+        "public_key_file = \"a.pub\"",
+        ", require_signature = true",
+    );
+    let review = |cfg: &Path| {
+        let (code, out, err) = run(keel().args(["--json", "review"]).arg(cfg));
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {err}"));
+        let status = v["rules"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .find(|r| r["rule"] == "KEEL-SEC-013")
+            .map(|r| r["status"].as_str().unwrap_or("").to_owned())
+            .expect("rule");
+        let findings: Vec<String> = v["findings"]
+            .as_array()
+            .expect("findings")
+            .iter()
+            .filter(|f| f["rule"] == "KEEL-SEC-013")
+            .map(|f| {
+                format!(
+                    "{}: {}",
+                    f["location"]["line"],
+                    f["message"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        (code, status, findings)
+    };
+    let (code, status, findings) = review(&unsigned.join("gateway.toml"));
+    assert_eq!((code, status.as_str()), (2, "fail"));
+    assert_eq!(
+        findings,
+        vec!["22: model chat serves registry model chat@production without registry.require_signature = true"]
+    );
+    let (_, status, findings) = review(&signed.join("gateway.toml"));
+    assert_eq!((status.as_str(), findings.len()), ("pass", 0));
+    // A gateway with fixed deployments only: the rule does not apply.
+    serve_common::config(dir.path(), "http://127.0.0.1:18000", "");
+    let (_, status, _) = review(&dir.path().join("gateway.toml"));
+    assert_eq!(status, "not_applicable");
 }
 
 fn cost_fixture(name: &str) -> PathBuf {
@@ -470,15 +587,16 @@ fn cost_text_and_csv() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines[0],
-        "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,currency"
+        "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,idle_gpu_hours,idle_cost,currency"
     );
     assert_eq!(lines.len(), 7);
     assert!(
-        lines.contains(&"1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,320.6019,USD"),
+        lines
+            .contains(&"1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,320.6019,,,USD"),
         "{out}"
     );
     assert!(
-        lines.contains(&"1006,sweep,dave,ml,h200,COMPLETED,8,8.0000,,false,,USD"),
+        lines.contains(&"1006,sweep,dave,ml,h200,COMPLETED,8,8.0000,,false,,,,USD"),
         "{out}"
     );
 }

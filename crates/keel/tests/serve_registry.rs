@@ -17,7 +17,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use serve_common::{chat_body, create_key, http, keel, sha256, GatewayProcess, TestBackend};
+use serve_common::{chat_body, create_key, http, keel, GatewayProcess, TestBackend};
 use serve_common::{ADMIN_TOKEN, METRICS_TOKEN};
 
 fn model(db: &Path, args: &[&str]) -> Output {
@@ -107,36 +107,13 @@ fn config_with(
     registry_extra: &str,
     model_extra: &str,
 ) -> std::path::PathBuf {
-    let text = format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_grace_s = 10
-[admin]
-listen = "127.0.0.1:0"
-token_sha256 = "{}"
-[metrics]
-listen = "127.0.0.1:0"
-token_sha256 = "{}"
-[auth]
-keys_file = "keys.json"
-[roles.user]
-models = ["chat"]
-operations = ["chat", "models"]
-[registry]
-url = "{registry_url}"
-key_file = "registry.key"
-{registry_extra}
-[[models]]
-name = "chat"
-registry = {{ model = "{registry_model}", stable = "production", canary = "canary"{model_extra} }}
-"#,
-        sha256(ADMIN_TOKEN),
-        sha256(METRICS_TOKEN)
-    );
-    let p = dir.join("gateway.toml");
-    std::fs::write(&p, text).expect("write config");
-    p
+    serve_common::registry_config(
+        dir,
+        registry_url,
+        registry_model,
+        registry_extra,
+        model_extra,
+    )
 }
 
 fn served_by(gw: &GatewayProcess, key: &str) -> String {

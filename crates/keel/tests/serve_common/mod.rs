@@ -55,6 +55,49 @@ url = "{backend}"
     p
 }
 
+/// The config of the registry-following tests (serve_registry.rs): model
+/// `chat` follows `registry_model`'s production and canary aliases, with
+/// more `[registry]` keys and more keys in the model's `registry` table
+/// (`, key = value`).
+pub fn registry_config(
+    dir: &Path,
+    registry_url: &str,
+    registry_model: &str,
+    registry_extra: &str,
+    model_extra: &str,
+) -> PathBuf {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_grace_s = 10
+[admin]
+listen = "127.0.0.1:0"
+token_sha256 = "{}"
+[metrics]
+listen = "127.0.0.1:0"
+token_sha256 = "{}"
+[auth]
+keys_file = "keys.json"
+[roles.user]
+models = ["chat"]
+operations = ["chat", "models"]
+[registry]
+url = "{registry_url}"
+key_file = "registry.key"
+{registry_extra}
+[[models]]
+name = "chat"
+registry = {{ model = "{registry_model}", stable = "production", canary = "canary"{model_extra} }}
+"#,
+        sha256(ADMIN_TOKEN),
+        sha256(METRICS_TOKEN)
+    );
+    let p = dir.join("gateway.toml");
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
 /// Sets `server.workers` in a config file [`config`] wrote (1 serves on
 /// a single-threaded runtime, more on a multi-threaded one).
 pub fn set_workers(cfg: &Path, workers: usize) {
