@@ -91,6 +91,7 @@ impl Version {
             answer_chars: Some(chars),
             streamed,
             stream_aborted,
+            output_mean: None,
         }
     }
 }

@@ -31,8 +31,17 @@
 //! | `length_finish` | answers with a finish reason; event: `length` | Fisher exact, canary higher | increase >= 0.05, n >= 50 |
 //! | `empty_answer` | answers with text; event: fewer than 3 non-space characters | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
 //! | `stream_abort` | streamed requests; event: the stream ended without its end marker | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `output_mean` | OIP v2 answers: the mean of the first output tensor's numeric values | Mann-Whitney, either way | A >= 0.64 or <= 0.36, n >= 30 |
+//!
+//! `output_mean` is for models whose outputs are numbers, where a ratio
+//! means nothing (values near 0, of either sign): its effect size is the
+//! probability of superiority A = U / (n_canary n_stable), the chance that
+//! a canary answer's value exceeds a stable one's (ties count half); 0.5
+//! is no shift, and 0.64 or 0.36 is what Vargha and Delaney call a medium
+//! effect (about 0.5 standard deviations between two normal
+//! distributions). The compared statistics shown are the windows' medians.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::stats::{self, Count};
 
@@ -79,6 +88,9 @@ pub struct Sample {
     pub streamed: bool,
     /// A streamed answer that ended without its end marker.
     pub stream_aborted: bool,
+    /// OIP v2: the mean of the first output tensor's numeric values (the
+    /// gateway reads a bounded number of them).
+    pub output_mean: Option<f64>,
 }
 
 impl Sample {
@@ -92,6 +104,7 @@ impl Sample {
             answer_chars: None,
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 }
@@ -116,6 +129,17 @@ pub struct RatioThreshold {
     pub max_ratio: f64,
 }
 
+/// A check's minimum sample size and effect threshold for a shift of a
+/// distribution either way, as the probability of superiority.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SuperiorityThreshold {
+    /// Fewer samples than this in either window: inconclusive.
+    pub min_samples: u64,
+    /// A = P(canary > stable) + P(equal) / 2 must reach this, or fall to
+    /// `1 - max_superiority`, to fail (0.5 < max_superiority < 1).
+    pub max_superiority: f64,
+}
+
 /// Thresholds of every check; [`Thresholds::default`] holds the documented
 /// defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -135,6 +159,8 @@ pub struct Thresholds {
     /// empty or very short.
     pub short_answer_chars: u32,
     pub stream_abort: RateThreshold,
+    /// OIP v2 output values, either way.
+    pub output_mean: SuperiorityThreshold,
 }
 
 impl Default for Thresholds {
@@ -167,12 +193,16 @@ impl Default for Thresholds {
                 min_samples: 50,
                 min_increase: 0.02,
             },
+            output_mean: SuperiorityThreshold {
+                min_samples: 30,
+                max_superiority: 0.64,
+            },
         }
     }
 }
 
 /// The checks, in the order [`analyse`] reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Check {
     ErrorRate,
@@ -181,16 +211,18 @@ pub enum Check {
     LengthFinish,
     EmptyAnswer,
     StreamAbort,
+    OutputMean,
 }
 
 impl Check {
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 7] = [
         Check::ErrorRate,
         Check::Latency,
         Check::CompletionTokens,
         Check::LengthFinish,
         Check::EmptyAnswer,
         Check::StreamAbort,
+        Check::OutputMean,
     ];
 
     pub fn name(self) -> &'static str {
@@ -201,6 +233,7 @@ impl Check {
             Check::LengthFinish => "length_finish",
             Check::EmptyAnswer => "empty_answer",
             Check::StreamAbort => "stream_abort",
+            Check::OutputMean => "output_mean",
         }
     }
 }
@@ -211,7 +244,7 @@ impl std::fmt::Display for Check {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Pass,
@@ -221,7 +254,7 @@ pub enum Outcome {
 }
 
 /// One check's result with its numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CheckResult {
     pub check: Check,
     pub outcome: Outcome,
@@ -266,7 +299,7 @@ impl std::fmt::Display for CheckResult {
 }
 
 /// The checks of one window.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Analysis {
     pub checks: Vec<CheckResult>,
 }
@@ -335,6 +368,14 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             canary,
             |s| s.streamed.then_some(s.stream_aborted),
             t.stream_abort,
+            t.alpha,
+        ),
+        superiority_check(
+            Check::OutputMean,
+            stable,
+            canary,
+            |s| s.output_mean,
+            t.output_mean,
             t.alpha,
         ),
     ];
@@ -469,6 +510,54 @@ fn shift_check(
     r
 }
 
+/// A shift of the canary's values either way, judged by the probability
+/// of superiority (two one-sided Mann-Whitney tests at `alpha / 2` each).
+fn superiority_check(
+    check: Check,
+    stable: &[Sample],
+    canary: &[Sample],
+    value: impl Fn(&Sample) -> Option<f64>,
+    th: SuperiorityThreshold,
+    alpha: f64,
+) -> CheckResult {
+    let finite = |w: &[Sample]| -> Vec<f64> {
+        w.iter()
+            .filter_map(&value)
+            .filter(|v| v.is_finite())
+            .collect()
+    };
+    let (s, c) = (finite(stable), finite(canary));
+    let mut r = CheckResult {
+        check,
+        outcome: Outcome::Inconclusive,
+        stable_n: s.len() as u64,
+        canary_n: c.len() as u64,
+        stable_value: statistic(&s, Stat::Median),
+        canary_value: statistic(&c, Stat::Median),
+        p_value: None,
+        threshold: th.max_superiority,
+        alpha,
+    };
+    let min = th.min_samples.max(1) as usize;
+    if s.len() < min || c.len() < min {
+        return r;
+    }
+    let Some(mw) = stats::mann_whitney(&c, &s) else {
+        return r;
+    };
+    let a = mw.u / (mw.n_a as f64 * mw.n_b as f64);
+    let up = mw.p_greater < alpha / 2.0 && a >= th.max_superiority;
+    let down = mw.p_less < alpha / 2.0 && a <= 1.0 - th.max_superiority;
+    let p = (mw.p_greater.min(mw.p_less) * 2.0).min(1.0);
+    r.p_value = Some(p);
+    r.outcome = if up || down {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    };
+    r
+}
+
 fn statistic(v: &[f64], stat: Stat) -> Option<f64> {
     if v.is_empty() {
         return None;
@@ -508,7 +597,7 @@ impl Default for StepPolicy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepDecision {
     /// No check failed and the step has its samples: next weight.
@@ -576,6 +665,7 @@ mod tests {
             answer_chars: Some(chars),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 
@@ -688,6 +778,70 @@ mod tests {
         let a = analyse(&stable, &canary, &Thresholds::default());
         assert_eq!(outcome(&a, Check::CompletionTokens).outcome, Outcome::Fail);
         assert_eq!(outcome(&a, Check::Latency).outcome, Outcome::Pass);
+    }
+
+    /// An OIP answer: no text, no tokens; its output's mean.
+    fn oip(mean: f64) -> Sample {
+        Sample {
+            error: false,
+            latency_ms: Some(10.0),
+            completion_tokens: None,
+            finish_reason: None,
+            answer_chars: None,
+            streamed: false,
+            stream_aborted: false,
+            output_mean: Some(mean),
+        }
+    }
+
+    #[test]
+    fn shifted_oip_outputs_fail_either_way_and_identical_ones_pass() {
+        // Values around 0 of either sign, where a ratio would mean
+        // nothing: stable uniform on -0.5..0.5.
+        let spread = |i: usize, n: usize| (i as f64 + 0.5) / n as f64 - 0.5;
+        let stable: Vec<_> = (0..400).map(|i| oip(spread(i, 400))).collect();
+        let t = Thresholds::default();
+        for shift in [0.4, -0.4] {
+            let canary: Vec<_> = (0..100).map(|i| oip(spread(i, 100) + shift)).collect();
+            let a = analyse(&stable, &canary, &t);
+            let c = outcome(&a, Check::OutputMean);
+            assert_eq!(c.outcome, Outcome::Fail, "{shift}: {c}");
+            assert_eq!(a.failures().count(), 1, "{a:?}");
+            assert!(c.p_value.unwrap() < 1e-6, "{c}");
+            assert_eq!(c.threshold, 0.64);
+            assert!(
+                c.to_string().starts_with("output_mean fail: canary "),
+                "{c}"
+            );
+        }
+        // The same values: pass; a small shift (A about 0.57),
+        // significant on large windows, is under the threshold: pass.
+        let same: Vec<_> = (0..100).map(|i| oip(spread(i, 100))).collect();
+        assert_eq!(
+            outcome(&analyse(&stable, &same, &t), Check::OutputMean).outcome,
+            Outcome::Pass
+        );
+        let big: Vec<_> = (0..20_000).map(|i| oip(spread(i, 20_000))).collect();
+        let small: Vec<_> = (0..20_000).map(|i| oip(spread(i, 20_000) + 0.07)).collect();
+        let c = outcome(&analyse(&big, &small, &t), Check::OutputMean);
+        assert!(c.p_value.unwrap() < 1e-6, "{c}");
+        assert_eq!(c.outcome, Outcome::Pass, "{c}");
+        // Constant outputs, equal: no evidence either way; moved: a fail.
+        let ones = vec![oip(1.0); 100];
+        let c = outcome(&analyse(&ones, &ones, &t), Check::OutputMean);
+        assert_eq!((c.outcome, c.p_value), (Outcome::Pass, Some(1.0)));
+        let twos = vec![oip(2.0); 40];
+        let c = outcome(&analyse(&ones, &twos, &t), Check::OutputMean);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        // Too few answers, or answers without outputs (OpenAI): inconclusive.
+        let c = outcome(
+            &analyse(&stable, &vec![oip(9.0); 29], &t),
+            Check::OutputMean,
+        );
+        assert_eq!(c.outcome, Outcome::Inconclusive);
+        let chat = vec![ok(100.0, 50, 200); 200];
+        let c = outcome(&analyse(&chat, &chat, &t), Check::OutputMean);
+        assert_eq!((c.outcome, c.stable_n), (Outcome::Inconclusive, 0));
     }
 
     #[test]
