@@ -15,6 +15,17 @@
 //! inconclusive, which is not a failure: the step holds and the windows
 //! keep growing.
 //!
+//! The rate checks (`error_rate`, `length_finish`, `empty_answer`,
+//! `stream_abort`) of a step after the first also count the canary's
+//! requests of the steps before it, each step a stratum compared with the
+//! stable requests of that step ([`analyse_after`]: the exact stratified
+//! test, the Mantel-Haenszel difference as the effect, the minimum sample
+//! sizes on all the steps' requests). A rate only a little higher (stream
+//! aborts from 0.5% to 5%, where only streamed requests count) is then
+//! seen over several steps instead of being inconclusive in each; the
+//! stratification keeps a rate that changes over time in both versions
+//! from passing for a difference between them.
+//!
 //! A step is analysed at the end of every interval, so a held step is
 //! looked at several times. Looks before the step has its
 //! [`StepPolicy::min_canary_samples`] use the stricter
@@ -25,7 +36,7 @@
 //!
 //! | check | samples | test | fails when (defaults) |
 //! |---|---|---|---|
-//! | `error_rate` | every request; event: 5xx or no answer | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `error_rate` | every request; event: 5xx or no answer | Fisher exact (stratified by step after the first), canary higher | increase >= 0.02, n >= 50 |
 //! | `latency` | answered requests, ms | Mann-Whitney, canary slower | median ratio >= 1.2, n >= 30 |
 //! | `completion_tokens` | answers with a usage count | Mann-Whitney, either way | mean ratio >= 1.25 or <= 1/1.25, n >= 30 |
 //! | `length_finish` | answers with a finish reason; event: `length` | Fisher exact, canary higher | increase >= 0.05, n >= 50 |
@@ -315,16 +326,76 @@ impl Analysis {
     }
 }
 
+/// The rate checks' counts of one window pair, `[stable, canary]` each:
+/// what a finished step leaves for the steps after it
+/// ([`analyse_after`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StepCounts {
+    pub error_rate: [Count; 2],
+    pub length_finish: [Count; 2],
+    pub empty_answer: [Count; 2],
+    pub stream_abort: [Count; 2],
+}
+
+fn is_error(s: &Sample) -> Option<bool> {
+    Some(s.error)
+}
+
+fn is_length(s: &Sample) -> Option<bool> {
+    s.finish_reason.map(|r| r == FinishReason::Length)
+}
+
+fn is_aborted(s: &Sample) -> Option<bool> {
+    s.streamed.then_some(s.stream_aborted)
+}
+
+/// The counts of a step's windows.
+pub fn step_counts(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> StepCounts {
+    let short = t.short_answer_chars;
+    let empty = |s: &Sample| s.answer_chars.map(|c| c < short);
+    StepCounts {
+        error_rate: [count(stable, is_error), count(canary, is_error)],
+        length_finish: [count(stable, is_length), count(canary, is_length)],
+        empty_answer: [count(stable, empty), count(canary, empty)],
+        stream_abort: [count(stable, is_aborted), count(canary, is_aborted)],
+    }
+}
+
 /// Compares the canary's window with the stable window of the same
 /// period, every check of [`Check::ALL`].
 pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis {
+    analyse_after(stable, canary, &[], t)
+}
+
+/// [`analyse`] of a step that follows the finished steps `earlier`: the
+/// rate checks (`error_rate`, `length_finish`, `empty_answer`,
+/// `stream_abort`) test the canary on all its requests since the rollout
+/// started, stratified by step (each step one stratum, compared with the
+/// stable requests of the same step: [`stats::stratified_exact_greater`]),
+/// their effect being the Mantel-Haenszel risk difference, and the rates
+/// and counts they show being those of all the steps together. A rate
+/// that stays a little higher needs the requests of several steps to be
+/// seen (stream aborts: only the streamed requests count); with no
+/// earlier step this is [`analyse`]. The other checks compare the
+/// current step's windows only (latency and answer lengths shift with
+/// the load, which each step changes).
+pub fn analyse_after(
+    stable: &[Sample],
+    canary: &[Sample],
+    earlier: &[StepCounts],
+    t: &Thresholds,
+) -> Analysis {
     let short = t.short_answer_chars;
+    let strata = |pick: fn(&StepCounts) -> [Count; 2]| -> Vec<[Count; 2]> {
+        earlier.iter().map(pick).collect()
+    };
     let checks = vec![
         rate_check(
             Check::ErrorRate,
             stable,
             canary,
-            |s| Some(s.error),
+            &strata(|c| c.error_rate),
+            is_error,
             t.error_rate,
             t.alpha,
         ),
@@ -350,7 +421,8 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::LengthFinish,
             stable,
             canary,
-            |s| s.finish_reason.map(|r| r == FinishReason::Length),
+            &strata(|c| c.length_finish),
+            is_length,
             t.length_finish,
             t.alpha,
         ),
@@ -358,6 +430,7 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::EmptyAnswer,
             stable,
             canary,
+            &strata(|c| c.empty_answer),
             |s| s.answer_chars.map(|c| c < short),
             t.empty_answer,
             t.alpha,
@@ -366,7 +439,8 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::StreamAbort,
             stable,
             canary,
-            |s| s.streamed.then_some(s.stream_aborted),
+            &strata(|c| c.stream_abort),
+            is_aborted,
             t.stream_abort,
             t.alpha,
         ),
@@ -392,16 +466,25 @@ fn count(samples: &[Sample], event: impl Fn(&Sample) -> Option<bool>) -> Count {
         })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rate_check(
     check: Check,
     stable: &[Sample],
     canary: &[Sample],
+    earlier: &[[Count; 2]],
     event: impl Fn(&Sample) -> Option<bool>,
     th: RateThreshold,
     alpha: f64,
 ) -> CheckResult {
-    let s = count(stable, &event);
-    let c = count(canary, &event);
+    let now = [count(stable, &event), count(canary, &event)];
+    let all: Vec<[Count; 2]> = earlier.iter().copied().chain([now]).collect();
+    let sum = |i: usize| {
+        all.iter().fold(Count::default(), |acc, x| Count {
+            events: acc.events + x[i].events,
+            trials: acc.trials + x[i].trials,
+        })
+    };
+    let (s, c) = (sum(0), sum(1));
     let mut r = CheckResult {
         check,
         outcome: Outcome::Inconclusive,
@@ -416,15 +499,46 @@ fn rate_check(
     if s.trials < th.min_samples.max(1) || c.trials < th.min_samples.max(1) {
         return r;
     }
-    let p = stats::fisher_greater(c, s);
+    let (p, increase) = if earlier.is_empty() {
+        (
+            stats::fisher_greater(c, s),
+            c.rate().unwrap_or(0.0) - s.rate().unwrap_or(0.0),
+        )
+    } else {
+        let strata: Vec<(Count, Count)> = all.iter().map(|x| (x[1], x[0])).collect();
+        (
+            stats::stratified_exact_greater(&strata),
+            mh_difference(&all),
+        )
+    };
     r.p_value = p;
-    let increase = c.rate().unwrap_or(0.0) - s.rate().unwrap_or(0.0);
     r.outcome = match p {
         Some(p) if p < alpha && increase >= th.min_increase => Outcome::Fail,
         Some(_) => Outcome::Pass,
         None => Outcome::Inconclusive,
     };
     r
+}
+
+/// The Mantel-Haenszel estimate of the canary's rate minus the stable
+/// rate over strata `[stable, canary]`: each stratum's difference weighted
+/// by n_stable n_canary / (n_stable + n_canary). 0 without information.
+fn mh_difference(strata: &[[Count; 2]]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for [s, c] in strata {
+        let (n0, n1) = (s.trials as f64, c.trials as f64);
+        if n0 == 0.0 || n1 == 0.0 {
+            continue;
+        }
+        let n = n0 + n1;
+        num += (c.events as f64 * n0 - s.events as f64 * n1) / n;
+        den += n0 * n1 / n;
+    }
+    if den > 0.0 {
+        num / den
+    } else {
+        0.0
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -613,12 +727,14 @@ pub enum StepDecision {
 }
 
 /// Analyses a step at the end of one of its intervals and decides:
-/// [`analyse`] at [`Thresholds::interim_alpha`] while the canary has fewer
+/// [`analyse_after`] the finished steps `earlier` at
+/// [`Thresholds::interim_alpha`] while the step's canary window has fewer
 /// than `policy.min_canary_samples` requests, at [`Thresholds::alpha`]
 /// from then on, then [`decide_step`].
 pub fn evaluate_step(
     stable: &[Sample],
     canary: &[Sample],
+    earlier: &[StepCounts],
     t: &Thresholds,
     policy: &StepPolicy,
     intervals: u32,
@@ -627,22 +743,23 @@ pub fn evaluate_step(
     if (canary.len() as u64) < policy.min_canary_samples {
         t.alpha = t.interim_alpha.min(t.alpha);
     }
-    let a = analyse(stable, canary, &t);
-    let d = decide_step(&a, intervals, policy);
+    let a = analyse_after(stable, canary, earlier, &t);
+    let d = decide_step(&a, canary.len() as u64, intervals, policy);
     (a, d)
 }
 
-/// The decision at the end of an interval of a step: `intervals` is how
-/// many intervals the step has run, counting this one.
-pub fn decide_step(analysis: &Analysis, intervals: u32, policy: &StepPolicy) -> StepDecision {
+/// The decision at the end of an interval of a step: `canary_requests` is
+/// the step's canary window, `intervals` how many intervals the step has
+/// run, counting this one.
+pub fn decide_step(
+    analysis: &Analysis,
+    canary_requests: u64,
+    intervals: u32,
+    policy: &StepPolicy,
+) -> StepDecision {
     if analysis.failed() {
         return StepDecision::Abort;
     }
-    let canary_requests = analysis
-        .checks
-        .iter()
-        .find(|c| c.check == Check::ErrorRate)
-        .map_or(0, |c| c.canary_n);
     if canary_requests >= policy.min_canary_samples {
         StepDecision::Advance
     } else if intervals >= policy.max_intervals {
@@ -685,11 +802,11 @@ mod tests {
         assert_eq!(e.canary_value, Some(1.0));
         assert!(!a.failed());
         assert_eq!(
-            decide_step(&a, 1, &StepPolicy::default()),
+            decide_step(&a, 20, 1, &StepPolicy::default()),
             StepDecision::Hold
         );
         assert_eq!(
-            decide_step(&a, 20, &StepPolicy::default()),
+            decide_step(&a, 20, 20, &StepPolicy::default()),
             StepDecision::Pause
         );
     }
@@ -716,7 +833,7 @@ mod tests {
             "{text}"
         );
         assert_eq!(
-            decide_step(&a, 1, &StepPolicy::default()),
+            decide_step(&a, 100, 1, &StepPolicy::default()),
             StepDecision::Abort
         );
     }
@@ -739,7 +856,7 @@ mod tests {
             .unwrap();
         assert!(p > t.interim_alpha && p < t.alpha, "{p}");
         let policy = StepPolicy::default();
-        let (a, d) = evaluate_step(&stable, &canary, &t, &policy, 1);
+        let (a, d) = evaluate_step(&stable, &canary, &[], &t, &policy, 1);
         assert_eq!(d, StepDecision::Hold);
         assert_eq!(outcome(&a, Check::ErrorRate).alpha, t.interim_alpha);
         // With the step's samples, the same rate fails.
@@ -748,7 +865,7 @@ mod tests {
             *s = Sample::failed(5.0);
         }
         assert_eq!(
-            evaluate_step(&stable, &canary, &t, &policy, 2).1,
+            evaluate_step(&stable, &canary, &[], &t, &policy, 2).1,
             StepDecision::Abort
         );
     }
@@ -778,6 +895,58 @@ mod tests {
         let a = analyse(&stable, &canary, &Thresholds::default());
         assert_eq!(outcome(&a, Check::CompletionTokens).outcome, Outcome::Fail);
         assert_eq!(outcome(&a, Check::Latency).outcome, Outcome::Pass);
+    }
+
+    fn streamed(aborted: bool) -> Sample {
+        Sample {
+            streamed: true,
+            stream_aborted: aborted,
+            ..ok(100.0, 50, 200)
+        }
+    }
+
+    /// `n` streamed requests, every `every`-th one aborted.
+    fn streams(n: usize, every: usize) -> Vec<Sample> {
+        (0..n).map(|i| streamed(i % every == every - 1)).collect()
+    }
+
+    #[test]
+    fn rate_checks_add_up_the_evidence_of_earlier_steps() {
+        let t = Thresholds::default();
+        // One step: 5 aborted streams in 100 against 2 in 400 is not
+        // enough at alpha 0.001.
+        let (stable, canary) = (streams(400, 200), streams(100, 20));
+        let one = outcome(&analyse(&stable, &canary, &t), Check::StreamAbort);
+        assert_eq!(one.outcome, Outcome::Pass, "{one}");
+        // The same rate over three steps: the canary's 300 streams
+        // together are.
+        let step = step_counts(&stable, &canary, &t);
+        assert_eq!(step.stream_abort, [Count::new(2, 400), Count::new(5, 100)]);
+        let three = analyse_after(&stable, &canary, &[step, step], &t);
+        let c = outcome(&three, Check::StreamAbort);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        assert_eq!((c.canary_n, c.stable_n), (300, 1200));
+        assert!(c.p_value.unwrap() < one.p_value.unwrap() / 100.0, "{c}");
+        // Earlier steps as healthy as the stable version dilute a rate
+        // that is high only now: the increase (Mantel-Haenszel) is under
+        // the threshold.
+        let healthy = step_counts(&stable, &streams(100, 200), &t);
+        let diluted = analyse_after(&stable, &canary, &[healthy; 6], &t);
+        assert_eq!(outcome(&diluted, Check::StreamAbort).outcome, Outcome::Pass);
+        // With no earlier step, analyse_after is analyse.
+        assert_eq!(
+            analyse_after(&stable, &canary, &[], &t),
+            analyse(&stable, &canary, &t)
+        );
+        // The stable group is compared step by step: a stable rate that
+        // rose in the last step does not make the canary's steady rate
+        // look low, nor an earlier low stable rate make it look high.
+        let early = step_counts(&streams(400, 400), &streams(100, 20), &t);
+        let late = analyse_after(&streams(400, 20), &streams(100, 20), &[early], &t);
+        assert!(
+            outcome(&late, Check::StreamAbort).p_value.unwrap() > 0.001,
+            "{late:?}"
+        );
     }
 
     /// An OIP answer: no text, no tokens; its output's mean.

@@ -15,7 +15,9 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::analysis::{evaluate_step, Analysis, Sample, StepDecision, StepPolicy, Thresholds};
+use crate::analysis::{
+    evaluate_step, step_counts, Analysis, Sample, StepCounts, StepDecision, StepPolicy, Thresholds,
+};
 
 /// Longest reason an action carries (the registry keeps reasons short).
 pub const MAX_REASON: usize = 900;
@@ -96,6 +98,9 @@ pub struct Verdict {
     pub weight: u32,
     /// The interval of the step this verdict ends (1 for the first).
     pub interval: u32,
+    /// The step's canary requests so far.
+    #[serde(default)]
+    pub canary_requests: u64,
     pub decision: StepDecision,
     pub analysis: Analysis,
 }
@@ -110,6 +115,9 @@ pub struct Rollout {
     pub step: usize,
     intervals: u32,
     pub verdicts: Vec<Verdict>,
+    /// The rate checks' counts of each finished step, which the later
+    /// steps' rate checks include ([`crate::analysis::analyse_after`]).
+    pub earlier: Vec<StepCounts>,
 }
 
 impl Rollout {
@@ -123,6 +131,7 @@ impl Rollout {
             step: 0,
             intervals: 0,
             verdicts: Vec::new(),
+            earlier: Vec::new(),
         };
         let action = match r.plan.analysed().first() {
             Some(&w) => Action::SetWeight { weight: w },
@@ -133,15 +142,16 @@ impl Rollout {
     }
 
     /// A rollout as it was recorded (after a restart of the process that
-    /// ran it): at `step` of `plan` in `phase` with its `verdicts`. The
-    /// step starts a new interval count: its analysis starts from new
-    /// windows.
+    /// ran it): at `step` of `plan` in `phase` with its `verdicts` and the
+    /// counts of its finished steps. The step starts a new interval count:
+    /// its analysis starts from new windows.
     pub fn restore(
         id: impl Into<String>,
         plan: Plan,
         phase: Phase,
         step: usize,
         verdicts: Vec<Verdict>,
+        earlier: Vec<StepCounts>,
     ) -> Result<Self, RolloutError> {
         plan.validate()?;
         let live = matches!(phase, Phase::Progressing | Phase::Paused);
@@ -158,6 +168,7 @@ impl Rollout {
             step,
             intervals: 0,
             verdicts,
+            earlier,
         })
     }
 
@@ -193,6 +204,7 @@ impl Rollout {
         let (analysis, decision) = evaluate_step(
             stable,
             canary,
+            &self.earlier,
             &self.plan.thresholds,
             &self.plan.policy,
             self.intervals,
@@ -202,6 +214,7 @@ impl Rollout {
             step: self.step,
             weight,
             interval: self.intervals,
+            canary_requests: canary.len() as u64,
             decision,
             analysis,
         });
@@ -233,6 +246,8 @@ impl Rollout {
                 }
             }
             StepDecision::Advance => {
+                self.earlier
+                    .push(step_counts(stable, canary, &self.plan.thresholds));
                 self.step += 1;
                 self.intervals = 0;
                 match self.plan.analysed().get(self.step) {
@@ -296,7 +311,7 @@ impl Rollout {
         let mut steps = Vec::new();
         for (i, &w) in self.plan.analysed().iter().enumerate() {
             if let Some(v) = self.verdicts.iter().rev().find(|v| v.step == i) {
-                let n = v.analysis.checks.first().map_or(0, |c| c.canary_n);
+                let n = v.canary_requests;
                 let passed = v
                     .analysis
                     .checks
@@ -435,6 +450,7 @@ mod tests {
             r.phase,
             r.step,
             r.verdicts.clone(),
+            r.earlier.clone(),
         )
         .unwrap();
         assert_eq!((back.weight(), back.verdicts.len()), (50, 2));
@@ -448,16 +464,19 @@ mod tests {
         // A step past the plan is refused; a finished rollout is restored
         // as it ended.
         assert_eq!(
-            Rollout::restore("x", plan(&[10, 100]), Phase::Progressing, 1, vec![]).unwrap_err(),
+            Rollout::restore("x", plan(&[10, 100]), Phase::Progressing, 1, vec![], vec![])
+                .unwrap_err(),
             RolloutError::BadStep {
                 step: 1,
                 steps: vec![10, 100]
             }
         );
-        let done = Rollout::restore("x", plan(&[10, 100]), Phase::Promoted, 1, vec![]).unwrap();
+        let done =
+            Rollout::restore("x", plan(&[10, 100]), Phase::Promoted, 1, vec![], vec![]).unwrap();
         assert_eq!(done.weight(), 100);
         // Stopped: weight 0, and no second end.
-        let mut s = Rollout::restore("r6", plan(&[10, 100]), Phase::Paused, 0, vec![]).unwrap();
+        let mut s =
+            Rollout::restore("r6", plan(&[10, 100]), Phase::Paused, 0, vec![], vec![]).unwrap();
         assert_eq!(
             s.stop("the canary alias was deleted").unwrap(),
             "rollout r6: stopped at 10%: the canary alias was deleted"

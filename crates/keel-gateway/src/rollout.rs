@@ -61,7 +61,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_canary::analysis::{Sample, StepPolicy, Thresholds};
+use keel_canary::analysis::{Sample, StepCounts, StepPolicy, Thresholds};
 use keel_canary::rollout::{Action, Phase, Plan, Rollout, Verdict};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -221,6 +221,8 @@ struct Record {
     /// step and phase on reading).
     weight: u32,
     verdicts: Vec<Verdict>,
+    /// The rate checks' counts of the finished steps.
+    earlier: Vec<StepCounts>,
     registry: Option<Value>,
     end_reason: Option<String>,
     registry_pending: bool,
@@ -246,6 +248,7 @@ fn record(r: &Run) -> Record {
         step: r.rollout.step,
         weight: r.rollout.weight(),
         verdicts: r.rollout.verdicts.clone(),
+        earlier: r.rollout.earlier.clone(),
         registry: r.registry.clone(),
         end_reason: r.end_reason.clone(),
         registry_pending: r.registry_pending,
@@ -281,8 +284,15 @@ fn load(path: &std::path::Path) -> Result<HashMap<String, Arc<Mutex<Run>>>, Roll
         if rec.interval_s == 0 {
             return Err(corrupt(format!("rollout {}: interval_s is 0", rec.id)));
         }
-        let rollout = Rollout::restore(rec.id.clone(), plan, rec.phase, rec.step, rec.verdicts)
-            .map_err(|e| corrupt(format!("rollout {}: {e}", rec.id)))?;
+        let rollout = Rollout::restore(
+            rec.id.clone(),
+            plan,
+            rec.phase,
+            rec.step,
+            rec.verdicts,
+            rec.earlier,
+        )
+        .map_err(|e| corrupt(format!("rollout {}: {e}", rec.id)))?;
         let run = Run {
             rollout,
             model: rec.model.clone(),

@@ -981,6 +981,12 @@ fn a_rollout_survives_a_gateway_restart_and_is_promoted() {
         "{f:#}"
     );
     let verdicts_before = rec["verdicts"].as_array().expect("verdicts").len();
+    // The first step's counts, which the second step's rate checks include.
+    assert_eq!(rec["earlier"].as_array().map(Vec::len), Some(1), "{f:#}");
+    assert!(
+        rec["earlier"][0]["error_rate"][1]["trials"].as_u64() >= Some(40),
+        "{f:#}"
+    );
     assert!(verdicts_before >= 1, "{f:#}");
 
     kill_and_restart(&mut s);
