@@ -365,6 +365,14 @@ fn rollout_text(d: &serde_json::Value) -> String {
         s("/steps"),
         s("/interval_s"),
     );
+    // A rollout that ended without an alias change (stopped after a
+    // restart): why.
+    if let (Some(reason), None) = (
+        d.get("reason").and_then(|v| v.as_str()),
+        d.get("registry").filter(|r| !r.is_null()),
+    ) {
+        text.push_str(&format!("ended     {reason}\n"));
+    }
     if let Some(r) = d.get("registry").filter(|r| !r.is_null()) {
         let ok = r.get("ok").and_then(|v| v.as_bool()) == Some(true);
         text.push_str(&format!(

@@ -1110,6 +1110,8 @@ fn a_rollout_whose_aliases_changed_while_the_gateway_was_down_stops() {
         (st["phase"].as_str(), st["reason"].as_str()),
         (Some("aborted"), Some(reason))
     );
+    let (_, text, _) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert!(text.contains(&format!("ended     {reason}\n")), "{text}");
     canary_set(&s);
     let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
     assert_eq!(code, 0, "{err}");
