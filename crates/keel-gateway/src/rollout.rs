@@ -106,8 +106,12 @@ pub enum RolloutError {
     StateCorrupt { path: PathBuf, reason: String },
     #[error("cannot read the rollout state file")]
     StateRead(#[source] keel_fs::FsError),
-    #[error("cannot record the rollout's state: nothing was started")]
-    StateWrite(#[source] keel_fs::FsError),
+    #[error("cannot write the rollout state file {path}: the rollout was not started")]
+    NotRecorded {
+        path: PathBuf,
+        #[source]
+        source: keel_fs::FsError,
+    },
     #[error("model {model:?} has rollout {id} in progress")]
     Running { model: String, id: String },
     #[error("model {model:?} has no rollout")]
@@ -133,7 +137,7 @@ impl RolloutError {
                 ..
             } => 502,
             RolloutError::WriteRefused { .. } => 403,
-            RolloutError::StateRead(_) | RolloutError::StateWrite(_) => 500,
+            RolloutError::StateRead(_) | RolloutError::NotRecorded { .. } => 500,
             _ => 409,
         }
     }
@@ -521,11 +525,11 @@ impl Rollouts {
     /// change).
     fn save(&self) {
         if let Err(e) = self.try_save() {
-            tracing::error!(error = %chain(&e), "the rollout state file could not be written");
+            tracing::error!(path = ?self.0.state_path, error = %chain(&e), "the rollout state file could not be written");
         }
     }
 
-    fn try_save(&self) -> Result<(), RolloutError> {
+    fn try_save(&self) -> Result<(), keel_fs::FsError> {
         let Some(path) = &self.0.state_path else {
             return Ok(());
         };
@@ -539,7 +543,7 @@ impl Rollouts {
         };
         let mut bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
         bytes.push(b'\n');
-        keel_fs::write_atomic(path, &bytes, 0o600).map_err(RolloutError::StateWrite)
+        keel_fs::write_atomic(path, &bytes, 0o600)
     }
 
     fn follow(&self, model: &str) -> Result<&Follow, RolloutError> {
@@ -700,13 +704,16 @@ impl Rollouts {
         };
         // Recorded before any weight changes: a rollout whose state cannot
         // be kept does not start.
-        if let Err(e) = self.try_save() {
+        if let Err(source) = self.try_save() {
             let mut runs = lock(&self.0.runs);
             match before {
                 Some(b) => runs.insert(model.to_owned(), b),
                 None => runs.remove(model),
             };
-            return Err(e);
+            return Err(RolloutError::NotRecorded {
+                path: self.0.state_path.clone().unwrap_or_default(),
+                source,
+            });
         }
         gw.samples().watch(model);
         {

@@ -77,7 +77,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
             use keel_gateway::rollout::RolloutError as R;
             return match r {
                 R::StateCorrupt { .. } => Code::Data,
-                R::StateRead(_) | R::StateWrite(_) => Code::Io,
+                R::StateRead(_) | R::NotRecorded { .. } => Code::Io,
                 R::WriteRefused { .. } => Code::NoPerm,
                 _ => Code::Usage,
             };

@@ -1257,3 +1257,37 @@ fn an_oip_canary_with_shifted_outputs_is_aborted_on_output_mean() {
         );
     });
 }
+
+#[test]
+fn a_rollout_whose_state_cannot_be_recorded_does_not_start() {
+    let mut s = rollout_setup(&[], "steps = [25, 100]\ninterval_s = 1");
+    // A state file in a directory that does not exist: nothing to read at
+    // start, nothing can be written.
+    let text = std::fs::read_to_string(&s.cfg).expect("read");
+    std::fs::write(
+        &s.cfg,
+        text.replace(
+            "write_key_file = \"rollouts.key\"\n",
+            "write_key_file = \"rollouts.key\"\nrollout_state_file = \"missing/rollouts.json\"\n",
+        ),
+    )
+    .expect("write");
+    kill_and_restart(&mut s);
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&format!(
+            "cannot write the rollout state file {}: the rollout was not started",
+            s.t.path().join("missing/rollouts.json").display()
+        )) && err.contains("HTTP 500"),
+        "{err}"
+    );
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has no rollout"), "{err}");
+    let served: Vec<String> = (0..20).map(|_| served_by(&s.gw, &s.key)).collect();
+    assert!(served.iter().all(|b| b == "v1"), "{served:?}");
+    let log = std::fs::read_to_string(s.t.path().join("audit.jsonl")).unwrap_or_default();
+    assert!(!log.contains("rollout_start"), "{log}");
+}
