@@ -480,6 +480,11 @@ impl Rollouts {
             Ok(()) => {
                 let weight = {
                     let r = lock(&run);
+                    // An operator may have ended it while the registry was
+                    // being asked.
+                    if !matches!(r.rollout.phase, Phase::Progressing | Phase::Paused) {
+                        return;
+                    }
                     let mut m = Map::new();
                     m.insert("phase".into(), json!(r.rollout.phase));
                     m.insert("step".into(), r.rollout.step.into());
