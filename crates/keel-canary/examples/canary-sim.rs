@@ -10,7 +10,7 @@
 //!       [--steps 1,5,25,50] [--seed N]
 
 use keel_canary::analysis::{
-    evaluate_step, FinishReason, Sample, StepDecision, StepPolicy, Thresholds,
+    evaluate_step, step_counts, FinishReason, Sample, StepDecision, StepPolicy, Thresholds,
 };
 
 /// SplitMix64.
@@ -91,6 +91,7 @@ impl Version {
             answer_chars: Some(chars),
             streamed,
             stream_aborted,
+            output_mean: None,
         }
     }
 }
@@ -119,6 +120,7 @@ enum End {
 fn rollout(steps: &[f64], canary: &Version, setup: &Setup, rng: &mut Rng) -> End {
     let per_interval = (setup.rate * setup.interval_s).round() as u64;
     let (mut requests, mut canary_requests, mut intervals_total) = (0u64, 0u64, 0u64);
+    let mut earlier = Vec::new();
     for (i, &weight) in steps.iter().enumerate() {
         let (mut stable_w, mut canary_w) = (Vec::new(), Vec::new());
         let mut intervals = 0;
@@ -137,12 +139,16 @@ fn rollout(steps: &[f64], canary: &Version, setup: &Setup, rng: &mut Rng) -> End
             let (a, decision) = evaluate_step(
                 &stable_w,
                 &canary_w,
+                &earlier,
                 &setup.thresholds,
                 &setup.policy,
                 intervals,
             );
             match decision {
-                StepDecision::Advance => break,
+                StepDecision::Advance => {
+                    earlier.push(step_counts(&stable_w, &canary_w, &setup.thresholds));
+                    break;
+                }
                 StepDecision::Hold => continue,
                 StepDecision::Pause => return End::Paused,
                 StepDecision::Abort => {

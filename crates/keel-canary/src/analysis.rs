@@ -15,6 +15,17 @@
 //! inconclusive, which is not a failure: the step holds and the windows
 //! keep growing.
 //!
+//! The rate checks (`error_rate`, `length_finish`, `empty_answer`,
+//! `stream_abort`) of a step after the first also count the canary's
+//! requests of the steps before it, each step a stratum compared with the
+//! stable requests of that step ([`analyse_after`]: the exact stratified
+//! test, the Mantel-Haenszel difference as the effect, the minimum sample
+//! sizes on all the steps' requests). A rate only a little higher (stream
+//! aborts from 0.5% to 5%, where only streamed requests count) is then
+//! seen over several steps instead of being inconclusive in each; the
+//! stratification keeps a rate that changes over time in both versions
+//! from passing for a difference between them.
+//!
 //! A step is analysed at the end of every interval, so a held step is
 //! looked at several times. Looks before the step has its
 //! [`StepPolicy::min_canary_samples`] use the stricter
@@ -25,14 +36,23 @@
 //!
 //! | check | samples | test | fails when (defaults) |
 //! |---|---|---|---|
-//! | `error_rate` | every request; event: 5xx or no answer | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `error_rate` | every request; event: 5xx or no answer | Fisher exact (stratified by step after the first), canary higher | increase >= 0.02, n >= 50 |
 //! | `latency` | answered requests, ms | Mann-Whitney, canary slower | median ratio >= 1.2, n >= 30 |
 //! | `completion_tokens` | answers with a usage count | Mann-Whitney, either way | mean ratio >= 1.25 or <= 1/1.25, n >= 30 |
 //! | `length_finish` | answers with a finish reason; event: `length` | Fisher exact, canary higher | increase >= 0.05, n >= 50 |
 //! | `empty_answer` | answers with text; event: fewer than 3 non-space characters | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
 //! | `stream_abort` | streamed requests; event: the stream ended without its end marker | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
+//! | `output_mean` | OIP v2 answers: the mean of the first output tensor's numeric values | Mann-Whitney, either way | A >= 0.64 or <= 0.36, n >= 30 |
+//!
+//! `output_mean` is for models whose outputs are numbers, where a ratio
+//! means nothing (values near 0, of either sign): its effect size is the
+//! probability of superiority A = U / (n_canary n_stable), the chance that
+//! a canary answer's value exceeds a stable one's (ties count half); 0.5
+//! is no shift, and 0.64 or 0.36 is what Vargha and Delaney call a medium
+//! effect (about 0.5 standard deviations between two normal
+//! distributions). The compared statistics shown are the windows' medians.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::stats::{self, Count};
 
@@ -79,6 +99,9 @@ pub struct Sample {
     pub streamed: bool,
     /// A streamed answer that ended without its end marker.
     pub stream_aborted: bool,
+    /// OIP v2: the mean of the first output tensor's numeric values (the
+    /// gateway reads a bounded number of them).
+    pub output_mean: Option<f64>,
 }
 
 impl Sample {
@@ -92,6 +115,7 @@ impl Sample {
             answer_chars: None,
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 }
@@ -116,6 +140,17 @@ pub struct RatioThreshold {
     pub max_ratio: f64,
 }
 
+/// A check's minimum sample size and effect threshold for a shift of a
+/// distribution either way, as the probability of superiority.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SuperiorityThreshold {
+    /// Fewer samples than this in either window: inconclusive.
+    pub min_samples: u64,
+    /// A = P(canary > stable) + P(equal) / 2 must reach this, or fall to
+    /// `1 - max_superiority`, to fail (0.5 < max_superiority < 1).
+    pub max_superiority: f64,
+}
+
 /// Thresholds of every check; [`Thresholds::default`] holds the documented
 /// defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -135,6 +170,8 @@ pub struct Thresholds {
     /// empty or very short.
     pub short_answer_chars: u32,
     pub stream_abort: RateThreshold,
+    /// OIP v2 output values, either way.
+    pub output_mean: SuperiorityThreshold,
 }
 
 impl Default for Thresholds {
@@ -167,12 +204,16 @@ impl Default for Thresholds {
                 min_samples: 50,
                 min_increase: 0.02,
             },
+            output_mean: SuperiorityThreshold {
+                min_samples: 30,
+                max_superiority: 0.64,
+            },
         }
     }
 }
 
 /// The checks, in the order [`analyse`] reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Check {
     ErrorRate,
@@ -181,16 +222,18 @@ pub enum Check {
     LengthFinish,
     EmptyAnswer,
     StreamAbort,
+    OutputMean,
 }
 
 impl Check {
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 7] = [
         Check::ErrorRate,
         Check::Latency,
         Check::CompletionTokens,
         Check::LengthFinish,
         Check::EmptyAnswer,
         Check::StreamAbort,
+        Check::OutputMean,
     ];
 
     pub fn name(self) -> &'static str {
@@ -201,6 +244,7 @@ impl Check {
             Check::LengthFinish => "length_finish",
             Check::EmptyAnswer => "empty_answer",
             Check::StreamAbort => "stream_abort",
+            Check::OutputMean => "output_mean",
         }
     }
 }
@@ -211,7 +255,7 @@ impl std::fmt::Display for Check {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Pass,
@@ -221,7 +265,7 @@ pub enum Outcome {
 }
 
 /// One check's result with its numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CheckResult {
     pub check: Check,
     pub outcome: Outcome,
@@ -266,7 +310,7 @@ impl std::fmt::Display for CheckResult {
 }
 
 /// The checks of one window.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Analysis {
     pub checks: Vec<CheckResult>,
 }
@@ -282,16 +326,76 @@ impl Analysis {
     }
 }
 
+/// The rate checks' counts of one window pair, `[stable, canary]` each:
+/// what a finished step leaves for the steps after it
+/// ([`analyse_after`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StepCounts {
+    pub error_rate: [Count; 2],
+    pub length_finish: [Count; 2],
+    pub empty_answer: [Count; 2],
+    pub stream_abort: [Count; 2],
+}
+
+fn is_error(s: &Sample) -> Option<bool> {
+    Some(s.error)
+}
+
+fn is_length(s: &Sample) -> Option<bool> {
+    s.finish_reason.map(|r| r == FinishReason::Length)
+}
+
+fn is_aborted(s: &Sample) -> Option<bool> {
+    s.streamed.then_some(s.stream_aborted)
+}
+
+/// The counts of a step's windows.
+pub fn step_counts(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> StepCounts {
+    let short = t.short_answer_chars;
+    let empty = |s: &Sample| s.answer_chars.map(|c| c < short);
+    StepCounts {
+        error_rate: [count(stable, is_error), count(canary, is_error)],
+        length_finish: [count(stable, is_length), count(canary, is_length)],
+        empty_answer: [count(stable, empty), count(canary, empty)],
+        stream_abort: [count(stable, is_aborted), count(canary, is_aborted)],
+    }
+}
+
 /// Compares the canary's window with the stable window of the same
 /// period, every check of [`Check::ALL`].
 pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis {
+    analyse_after(stable, canary, &[], t)
+}
+
+/// [`analyse`] of a step that follows the finished steps `earlier`: the
+/// rate checks (`error_rate`, `length_finish`, `empty_answer`,
+/// `stream_abort`) test the canary on all its requests since the rollout
+/// started, stratified by step (each step one stratum, compared with the
+/// stable requests of the same step: [`stats::stratified_exact_greater`]),
+/// their effect being the Mantel-Haenszel risk difference, and the rates
+/// and counts they show being those of all the steps together. A rate
+/// that stays a little higher needs the requests of several steps to be
+/// seen (stream aborts: only the streamed requests count); with no
+/// earlier step this is [`analyse`]. The other checks compare the
+/// current step's windows only (latency and answer lengths shift with
+/// the load, which each step changes).
+pub fn analyse_after(
+    stable: &[Sample],
+    canary: &[Sample],
+    earlier: &[StepCounts],
+    t: &Thresholds,
+) -> Analysis {
     let short = t.short_answer_chars;
+    let strata = |pick: fn(&StepCounts) -> [Count; 2]| -> Vec<[Count; 2]> {
+        earlier.iter().map(pick).collect()
+    };
     let checks = vec![
         rate_check(
             Check::ErrorRate,
             stable,
             canary,
-            |s| Some(s.error),
+            &strata(|c| c.error_rate),
+            is_error,
             t.error_rate,
             t.alpha,
         ),
@@ -317,7 +421,8 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::LengthFinish,
             stable,
             canary,
-            |s| s.finish_reason.map(|r| r == FinishReason::Length),
+            &strata(|c| c.length_finish),
+            is_length,
             t.length_finish,
             t.alpha,
         ),
@@ -325,6 +430,7 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::EmptyAnswer,
             stable,
             canary,
+            &strata(|c| c.empty_answer),
             |s| s.answer_chars.map(|c| c < short),
             t.empty_answer,
             t.alpha,
@@ -333,8 +439,17 @@ pub fn analyse(stable: &[Sample], canary: &[Sample], t: &Thresholds) -> Analysis
             Check::StreamAbort,
             stable,
             canary,
-            |s| s.streamed.then_some(s.stream_aborted),
+            &strata(|c| c.stream_abort),
+            is_aborted,
             t.stream_abort,
+            t.alpha,
+        ),
+        superiority_check(
+            Check::OutputMean,
+            stable,
+            canary,
+            |s| s.output_mean,
+            t.output_mean,
             t.alpha,
         ),
     ];
@@ -351,16 +466,25 @@ fn count(samples: &[Sample], event: impl Fn(&Sample) -> Option<bool>) -> Count {
         })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rate_check(
     check: Check,
     stable: &[Sample],
     canary: &[Sample],
+    earlier: &[[Count; 2]],
     event: impl Fn(&Sample) -> Option<bool>,
     th: RateThreshold,
     alpha: f64,
 ) -> CheckResult {
-    let s = count(stable, &event);
-    let c = count(canary, &event);
+    let now = [count(stable, &event), count(canary, &event)];
+    let all: Vec<[Count; 2]> = earlier.iter().copied().chain([now]).collect();
+    let sum = |i: usize| {
+        all.iter().fold(Count::default(), |acc, x| Count {
+            events: acc.events + x[i].events,
+            trials: acc.trials + x[i].trials,
+        })
+    };
+    let (s, c) = (sum(0), sum(1));
     let mut r = CheckResult {
         check,
         outcome: Outcome::Inconclusive,
@@ -375,15 +499,46 @@ fn rate_check(
     if s.trials < th.min_samples.max(1) || c.trials < th.min_samples.max(1) {
         return r;
     }
-    let p = stats::fisher_greater(c, s);
+    let (p, increase) = if earlier.is_empty() {
+        (
+            stats::fisher_greater(c, s),
+            c.rate().unwrap_or(0.0) - s.rate().unwrap_or(0.0),
+        )
+    } else {
+        let strata: Vec<(Count, Count)> = all.iter().map(|x| (x[1], x[0])).collect();
+        (
+            stats::stratified_exact_greater(&strata),
+            mh_difference(&all),
+        )
+    };
     r.p_value = p;
-    let increase = c.rate().unwrap_or(0.0) - s.rate().unwrap_or(0.0);
     r.outcome = match p {
         Some(p) if p < alpha && increase >= th.min_increase => Outcome::Fail,
         Some(_) => Outcome::Pass,
         None => Outcome::Inconclusive,
     };
     r
+}
+
+/// The Mantel-Haenszel estimate of the canary's rate minus the stable
+/// rate over strata `[stable, canary]`: each stratum's difference weighted
+/// by n_stable n_canary / (n_stable + n_canary). 0 without information.
+fn mh_difference(strata: &[[Count; 2]]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for [s, c] in strata {
+        let (n0, n1) = (s.trials as f64, c.trials as f64);
+        if n0 == 0.0 || n1 == 0.0 {
+            continue;
+        }
+        let n = n0 + n1;
+        num += (c.events as f64 * n0 - s.events as f64 * n1) / n;
+        den += n0 * n1 / n;
+    }
+    if den > 0.0 {
+        num / den
+    } else {
+        0.0
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -469,6 +624,54 @@ fn shift_check(
     r
 }
 
+/// A shift of the canary's values either way, judged by the probability
+/// of superiority (two one-sided Mann-Whitney tests at `alpha / 2` each).
+fn superiority_check(
+    check: Check,
+    stable: &[Sample],
+    canary: &[Sample],
+    value: impl Fn(&Sample) -> Option<f64>,
+    th: SuperiorityThreshold,
+    alpha: f64,
+) -> CheckResult {
+    let finite = |w: &[Sample]| -> Vec<f64> {
+        w.iter()
+            .filter_map(&value)
+            .filter(|v| v.is_finite())
+            .collect()
+    };
+    let (s, c) = (finite(stable), finite(canary));
+    let mut r = CheckResult {
+        check,
+        outcome: Outcome::Inconclusive,
+        stable_n: s.len() as u64,
+        canary_n: c.len() as u64,
+        stable_value: statistic(&s, Stat::Median),
+        canary_value: statistic(&c, Stat::Median),
+        p_value: None,
+        threshold: th.max_superiority,
+        alpha,
+    };
+    let min = th.min_samples.max(1) as usize;
+    if s.len() < min || c.len() < min {
+        return r;
+    }
+    let Some(mw) = stats::mann_whitney(&c, &s) else {
+        return r;
+    };
+    let a = mw.u / (mw.n_a as f64 * mw.n_b as f64);
+    let up = mw.p_greater < alpha / 2.0 && a >= th.max_superiority;
+    let down = mw.p_less < alpha / 2.0 && a <= 1.0 - th.max_superiority;
+    let p = (mw.p_greater.min(mw.p_less) * 2.0).min(1.0);
+    r.p_value = Some(p);
+    r.outcome = if up || down {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    };
+    r
+}
+
 fn statistic(v: &[f64], stat: Stat) -> Option<f64> {
     if v.is_empty() {
         return None;
@@ -508,7 +711,7 @@ impl Default for StepPolicy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepDecision {
     /// No check failed and the step has its samples: next weight.
@@ -524,12 +727,14 @@ pub enum StepDecision {
 }
 
 /// Analyses a step at the end of one of its intervals and decides:
-/// [`analyse`] at [`Thresholds::interim_alpha`] while the canary has fewer
+/// [`analyse_after`] the finished steps `earlier` at
+/// [`Thresholds::interim_alpha`] while the step's canary window has fewer
 /// than `policy.min_canary_samples` requests, at [`Thresholds::alpha`]
 /// from then on, then [`decide_step`].
 pub fn evaluate_step(
     stable: &[Sample],
     canary: &[Sample],
+    earlier: &[StepCounts],
     t: &Thresholds,
     policy: &StepPolicy,
     intervals: u32,
@@ -538,22 +743,23 @@ pub fn evaluate_step(
     if (canary.len() as u64) < policy.min_canary_samples {
         t.alpha = t.interim_alpha.min(t.alpha);
     }
-    let a = analyse(stable, canary, &t);
-    let d = decide_step(&a, intervals, policy);
+    let a = analyse_after(stable, canary, earlier, &t);
+    let d = decide_step(&a, canary.len() as u64, intervals, policy);
     (a, d)
 }
 
-/// The decision at the end of an interval of a step: `intervals` is how
-/// many intervals the step has run, counting this one.
-pub fn decide_step(analysis: &Analysis, intervals: u32, policy: &StepPolicy) -> StepDecision {
+/// The decision at the end of an interval of a step: `canary_requests` is
+/// the step's canary window, `intervals` how many intervals the step has
+/// run, counting this one.
+pub fn decide_step(
+    analysis: &Analysis,
+    canary_requests: u64,
+    intervals: u32,
+    policy: &StepPolicy,
+) -> StepDecision {
     if analysis.failed() {
         return StepDecision::Abort;
     }
-    let canary_requests = analysis
-        .checks
-        .iter()
-        .find(|c| c.check == Check::ErrorRate)
-        .map_or(0, |c| c.canary_n);
     if canary_requests >= policy.min_canary_samples {
         StepDecision::Advance
     } else if intervals >= policy.max_intervals {
@@ -576,6 +782,7 @@ mod tests {
             answer_chars: Some(chars),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 
@@ -595,11 +802,11 @@ mod tests {
         assert_eq!(e.canary_value, Some(1.0));
         assert!(!a.failed());
         assert_eq!(
-            decide_step(&a, 1, &StepPolicy::default()),
+            decide_step(&a, 20, 1, &StepPolicy::default()),
             StepDecision::Hold
         );
         assert_eq!(
-            decide_step(&a, 20, &StepPolicy::default()),
+            decide_step(&a, 20, 20, &StepPolicy::default()),
             StepDecision::Pause
         );
     }
@@ -626,7 +833,7 @@ mod tests {
             "{text}"
         );
         assert_eq!(
-            decide_step(&a, 1, &StepPolicy::default()),
+            decide_step(&a, 100, 1, &StepPolicy::default()),
             StepDecision::Abort
         );
     }
@@ -649,7 +856,7 @@ mod tests {
             .unwrap();
         assert!(p > t.interim_alpha && p < t.alpha, "{p}");
         let policy = StepPolicy::default();
-        let (a, d) = evaluate_step(&stable, &canary, &t, &policy, 1);
+        let (a, d) = evaluate_step(&stable, &canary, &[], &t, &policy, 1);
         assert_eq!(d, StepDecision::Hold);
         assert_eq!(outcome(&a, Check::ErrorRate).alpha, t.interim_alpha);
         // With the step's samples, the same rate fails.
@@ -658,7 +865,7 @@ mod tests {
             *s = Sample::failed(5.0);
         }
         assert_eq!(
-            evaluate_step(&stable, &canary, &t, &policy, 2).1,
+            evaluate_step(&stable, &canary, &[], &t, &policy, 2).1,
             StepDecision::Abort
         );
     }
@@ -688,6 +895,122 @@ mod tests {
         let a = analyse(&stable, &canary, &Thresholds::default());
         assert_eq!(outcome(&a, Check::CompletionTokens).outcome, Outcome::Fail);
         assert_eq!(outcome(&a, Check::Latency).outcome, Outcome::Pass);
+    }
+
+    fn streamed(aborted: bool) -> Sample {
+        Sample {
+            streamed: true,
+            stream_aborted: aborted,
+            ..ok(100.0, 50, 200)
+        }
+    }
+
+    /// `n` streamed requests, every `every`-th one aborted.
+    fn streams(n: usize, every: usize) -> Vec<Sample> {
+        (0..n).map(|i| streamed(i % every == every - 1)).collect()
+    }
+
+    #[test]
+    fn rate_checks_add_up_the_evidence_of_earlier_steps() {
+        let t = Thresholds::default();
+        // One step: 5 aborted streams in 100 against 2 in 400 is not
+        // enough at alpha 0.001.
+        let (stable, canary) = (streams(400, 200), streams(100, 20));
+        let one = outcome(&analyse(&stable, &canary, &t), Check::StreamAbort);
+        assert_eq!(one.outcome, Outcome::Pass, "{one}");
+        // The same rate over three steps: the canary's 300 streams
+        // together are.
+        let step = step_counts(&stable, &canary, &t);
+        assert_eq!(step.stream_abort, [Count::new(2, 400), Count::new(5, 100)]);
+        let three = analyse_after(&stable, &canary, &[step, step], &t);
+        let c = outcome(&three, Check::StreamAbort);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        assert_eq!((c.canary_n, c.stable_n), (300, 1200));
+        assert!(c.p_value.unwrap() < one.p_value.unwrap() / 100.0, "{c}");
+        // Earlier steps as healthy as the stable version dilute a rate
+        // that is high only now: the increase (Mantel-Haenszel) is under
+        // the threshold.
+        let healthy = step_counts(&stable, &streams(100, 200), &t);
+        let diluted = analyse_after(&stable, &canary, &[healthy; 6], &t);
+        assert_eq!(outcome(&diluted, Check::StreamAbort).outcome, Outcome::Pass);
+        // With no earlier step, analyse_after is analyse.
+        assert_eq!(
+            analyse_after(&stable, &canary, &[], &t),
+            analyse(&stable, &canary, &t)
+        );
+        // The stable group is compared step by step: a stable rate that
+        // rose in the last step does not make the canary's steady rate
+        // look low, nor an earlier low stable rate make it look high.
+        let early = step_counts(&streams(400, 400), &streams(100, 20), &t);
+        let late = analyse_after(&streams(400, 20), &streams(100, 20), &[early], &t);
+        assert!(
+            outcome(&late, Check::StreamAbort).p_value.unwrap() > 0.001,
+            "{late:?}"
+        );
+    }
+
+    /// An OIP answer: no text, no tokens; its output's mean.
+    fn oip(mean: f64) -> Sample {
+        Sample {
+            error: false,
+            latency_ms: Some(10.0),
+            completion_tokens: None,
+            finish_reason: None,
+            answer_chars: None,
+            streamed: false,
+            stream_aborted: false,
+            output_mean: Some(mean),
+        }
+    }
+
+    #[test]
+    fn shifted_oip_outputs_fail_either_way_and_identical_ones_pass() {
+        // Values around 0 of either sign, where a ratio would mean
+        // nothing: stable uniform on -0.5..0.5.
+        let spread = |i: usize, n: usize| (i as f64 + 0.5) / n as f64 - 0.5;
+        let stable: Vec<_> = (0..400).map(|i| oip(spread(i, 400))).collect();
+        let t = Thresholds::default();
+        for shift in [0.4, -0.4] {
+            let canary: Vec<_> = (0..100).map(|i| oip(spread(i, 100) + shift)).collect();
+            let a = analyse(&stable, &canary, &t);
+            let c = outcome(&a, Check::OutputMean);
+            assert_eq!(c.outcome, Outcome::Fail, "{shift}: {c}");
+            assert_eq!(a.failures().count(), 1, "{a:?}");
+            assert!(c.p_value.unwrap() < 1e-6, "{c}");
+            assert_eq!(c.threshold, 0.64);
+            assert!(
+                c.to_string().starts_with("output_mean fail: canary "),
+                "{c}"
+            );
+        }
+        // The same values: pass; a small shift (A about 0.57),
+        // significant on large windows, is under the threshold: pass.
+        let same: Vec<_> = (0..100).map(|i| oip(spread(i, 100))).collect();
+        assert_eq!(
+            outcome(&analyse(&stable, &same, &t), Check::OutputMean).outcome,
+            Outcome::Pass
+        );
+        let big: Vec<_> = (0..20_000).map(|i| oip(spread(i, 20_000))).collect();
+        let small: Vec<_> = (0..20_000).map(|i| oip(spread(i, 20_000) + 0.07)).collect();
+        let c = outcome(&analyse(&big, &small, &t), Check::OutputMean);
+        assert!(c.p_value.unwrap() < 1e-6, "{c}");
+        assert_eq!(c.outcome, Outcome::Pass, "{c}");
+        // Constant outputs, equal: no evidence either way; moved: a fail.
+        let ones = vec![oip(1.0); 100];
+        let c = outcome(&analyse(&ones, &ones, &t), Check::OutputMean);
+        assert_eq!((c.outcome, c.p_value), (Outcome::Pass, Some(1.0)));
+        let twos = vec![oip(2.0); 40];
+        let c = outcome(&analyse(&ones, &twos, &t), Check::OutputMean);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        // Too few answers, or answers without outputs (OpenAI): inconclusive.
+        let c = outcome(
+            &analyse(&stable, &vec![oip(9.0); 29], &t),
+            Check::OutputMean,
+        );
+        assert_eq!(c.outcome, Outcome::Inconclusive);
+        let chat = vec![ok(100.0, 50, 200); 200];
+        let c = outcome(&analyse(&chat, &chat, &t), Check::OutputMean);
+        assert_eq!((c.outcome, c.stable_n), (Outcome::Inconclusive, 0));
     }
 
     #[test]

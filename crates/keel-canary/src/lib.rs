@@ -8,7 +8,8 @@
 //!   completion tokens, finish reason, answer length, stream abort); a
 //!   canary window compared with a stable window over the same period,
 //!   check by check ([`analysis::analyse`]), each check with a documented
-//!   threshold and minimum sample size; and the rollout step decision
+//!   threshold and minimum sample size, the OIP v2 output mean among them;
+//!   and the rollout step decision
 //!   ([`analysis::decide_step`]): advance, hold, abort or pause.
 //! - [`rollout`]: a progressive rollout as a state machine over those
 //!   decisions: weight steps, abort, pause, promotion, each action with

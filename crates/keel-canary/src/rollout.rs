@@ -12,10 +12,12 @@
 //! (the failed checks, or each step's verdict), meant for the registry's
 //! alias history and the gateway's audit log alike.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::analysis::{evaluate_step, Analysis, Sample, StepDecision, StepPolicy, Thresholds};
+use crate::analysis::{
+    evaluate_step, step_counts, Analysis, Sample, StepCounts, StepDecision, StepPolicy, Thresholds,
+};
 
 /// Longest reason an action carries (the registry keeps reasons short).
 pub const MAX_REASON: usize = 900;
@@ -28,6 +30,8 @@ pub enum RolloutError {
     BadSteps { steps: Vec<u32> },
     #[error("the rollout is {phase:?}: it cannot {what}")]
     Finished { phase: Phase, what: &'static str },
+    #[error("step {step} is past the plan's analysed steps {steps:?}")]
+    BadStep { step: usize, steps: Vec<u32> },
 }
 
 /// Steps, thresholds and the step policy.
@@ -62,7 +66,7 @@ impl Plan {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     Progressing,
@@ -88,12 +92,15 @@ pub enum Action {
 }
 
 /// One interval's verdict, kept for the status.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
     pub step: usize,
     pub weight: u32,
     /// The interval of the step this verdict ends (1 for the first).
     pub interval: u32,
+    /// The step's canary requests so far.
+    #[serde(default)]
+    pub canary_requests: u64,
     pub decision: StepDecision,
     pub analysis: Analysis,
 }
@@ -108,6 +115,9 @@ pub struct Rollout {
     pub step: usize,
     intervals: u32,
     pub verdicts: Vec<Verdict>,
+    /// The rate checks' counts of each finished step, which the later
+    /// steps' rate checks include ([`crate::analysis::analyse_after`]).
+    pub earlier: Vec<StepCounts>,
 }
 
 impl Rollout {
@@ -121,6 +131,7 @@ impl Rollout {
             step: 0,
             intervals: 0,
             verdicts: Vec::new(),
+            earlier: Vec::new(),
         };
         let action = match r.plan.analysed().first() {
             Some(&w) => Action::SetWeight { weight: w },
@@ -128,6 +139,50 @@ impl Rollout {
             None => return Ok(r.promote()),
         };
         Ok((r, action))
+    }
+
+    /// A rollout as it was recorded (after a restart of the process that
+    /// ran it): at `step` of `plan` in `phase` with its `verdicts` and the
+    /// counts of its finished steps. The step starts a new interval count:
+    /// its analysis starts from new windows.
+    pub fn restore(
+        id: impl Into<String>,
+        plan: Plan,
+        phase: Phase,
+        step: usize,
+        verdicts: Vec<Verdict>,
+        earlier: Vec<StepCounts>,
+    ) -> Result<Self, RolloutError> {
+        plan.validate()?;
+        let live = matches!(phase, Phase::Progressing | Phase::Paused);
+        if live && step >= plan.analysed().len() || step > plan.analysed().len() {
+            return Err(RolloutError::BadStep {
+                step,
+                steps: plan.steps.clone(),
+            });
+        }
+        Ok(Rollout {
+            id: id.into(),
+            plan,
+            phase,
+            step,
+            intervals: 0,
+            verdicts,
+            earlier,
+        })
+    }
+
+    /// Ends a running or paused rollout that can no longer go on (its
+    /// registry aliases changed under it): canary weight 0, and unlike
+    /// [`Rollout::abort`] nothing to roll back. Returns the reason.
+    pub fn stop(&mut self, why: &str) -> Result<String, RolloutError> {
+        self.live("stop")?;
+        let weight = self.weight();
+        self.phase = Phase::Aborted;
+        Ok(cut(format!(
+            "rollout {}: stopped at {weight}%: {why}",
+            self.id
+        )))
     }
 
     /// The canary's weight now, in percent.
@@ -149,6 +204,7 @@ impl Rollout {
         let (analysis, decision) = evaluate_step(
             stable,
             canary,
+            &self.earlier,
             &self.plan.thresholds,
             &self.plan.policy,
             self.intervals,
@@ -158,6 +214,7 @@ impl Rollout {
             step: self.step,
             weight,
             interval: self.intervals,
+            canary_requests: canary.len() as u64,
             decision,
             analysis,
         });
@@ -189,6 +246,8 @@ impl Rollout {
                 }
             }
             StepDecision::Advance => {
+                self.earlier
+                    .push(step_counts(stable, canary, &self.plan.thresholds));
                 self.step += 1;
                 self.intervals = 0;
                 match self.plan.analysed().get(self.step) {
@@ -252,7 +311,7 @@ impl Rollout {
         let mut steps = Vec::new();
         for (i, &w) in self.plan.analysed().iter().enumerate() {
             if let Some(v) = self.verdicts.iter().rev().find(|v| v.step == i) {
-                let n = v.analysis.checks.first().map_or(0, |c| c.canary_n);
+                let n = v.canary_requests;
                 let passed = v
                     .analysis
                     .checks
@@ -296,6 +355,7 @@ mod tests {
             answer_chars: Some(chars),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 
@@ -318,7 +378,7 @@ mod tests {
             match r.on_interval(&stable, &canary) {
                 Action::SetWeight { weight } => weights.push(weight),
                 Action::Promote { reason } => {
-                    assert!(reason.starts_with("rollout r1: promoted, no check failed (1%: 150 canary requests, 5 checks passed, 1 inconclusive; 5%"), "{reason}");
+                    assert!(reason.starts_with("rollout r1: promoted, no check failed (1%: 150 canary requests, 5 checks passed, 2 inconclusive; 5%"), "{reason}");
                     break;
                 }
                 other => panic!("{other:?}"),
@@ -373,6 +433,56 @@ mod tests {
         assert_eq!(r.on_interval(&[], &[]), Action::Continue);
         assert!(matches!(r.on_interval(&[], &[]), Action::Pause { .. }));
         assert_eq!(r.phase, Phase::Paused);
+    }
+
+    #[test]
+    fn a_restored_rollout_continues_at_its_step_with_new_windows() {
+        let (mut r, _) = Rollout::start("r5", plan(&[10, 50, 100])).unwrap();
+        let stable = vec![ok(200); 2000];
+        assert_eq!(r.on_interval(&stable, &[ok(200); 10]), Action::Continue);
+        assert_eq!(
+            r.on_interval(&stable, &[ok(200); 150]),
+            Action::SetWeight { weight: 50 }
+        );
+        let mut back = Rollout::restore(
+            r.id.clone(),
+            r.plan.clone(),
+            r.phase,
+            r.step,
+            r.verdicts.clone(),
+            r.earlier.clone(),
+        )
+        .unwrap();
+        assert_eq!((back.weight(), back.verdicts.len()), (50, 2));
+        // The first look of the restored step is its interval 1.
+        assert_eq!(back.on_interval(&stable, &[ok(200); 10]), Action::Continue);
+        assert_eq!(back.verdicts.last().map(|v| v.interval), Some(1));
+        assert!(matches!(
+            back.on_interval(&stable, &[ok(200); 150]),
+            Action::Promote { .. }
+        ));
+        // A step past the plan is refused; a finished rollout is restored
+        // as it ended.
+        assert_eq!(
+            Rollout::restore("x", plan(&[10, 100]), Phase::Progressing, 1, vec![], vec![])
+                .unwrap_err(),
+            RolloutError::BadStep {
+                step: 1,
+                steps: vec![10, 100]
+            }
+        );
+        let done =
+            Rollout::restore("x", plan(&[10, 100]), Phase::Promoted, 1, vec![], vec![]).unwrap();
+        assert_eq!(done.weight(), 100);
+        // Stopped: weight 0, and no second end.
+        let mut s =
+            Rollout::restore("r6", plan(&[10, 100]), Phase::Paused, 0, vec![], vec![]).unwrap();
+        assert_eq!(
+            s.stop("the canary alias was deleted").unwrap(),
+            "rollout r6: stopped at 10%: the canary alias was deleted"
+        );
+        assert_eq!((s.phase, s.weight()), (Phase::Aborted, 0));
+        assert!(s.stop("again").is_err());
     }
 
     #[test]

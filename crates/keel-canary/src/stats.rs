@@ -11,7 +11,7 @@
 //! uses the exact conditional test; the z statistic is not computed.
 
 /// Events out of trials in one group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Count {
     pub events: u64,
     pub trials: u64,
@@ -61,6 +61,66 @@ pub fn fisher_greater(a: Count, b: Count) -> Option<f64> {
     }
     let sum: f64 = log_terms.iter().map(|t| (t - max).exp()).sum();
     Some((max + sum.ln()).exp().clamp(0.0, 1.0))
+}
+
+/// The exact stratified version of [`fisher_greater`] (the exact
+/// conditional test of no association in several 2x2 tables, as for a
+/// common odds ratio of 1): each stratum `(a, b)` is one period in which
+/// both groups were observed; within each, given its margins, the events
+/// of `a` are hypergeometric when both groups have the same rate, and the
+/// p-value is the upper tail of their sum over the strata (the
+/// convolution of the strata's distributions) at the observed sum. With
+/// one stratum it is [`fisher_greater`]. Strata in which a group has no
+/// trials carry no information and are left out; `None` when none is
+/// left or a count is impossible.
+pub fn stratified_exact_greater(strata: &[(Count, Count)]) -> Option<f64> {
+    if strata
+        .iter()
+        .any(|(a, b)| a.events > a.trials || b.events > b.trials)
+    {
+        return None;
+    }
+    let used: Vec<&(Count, Count)> = strata
+        .iter()
+        .filter(|(a, b)| a.trials > 0 && b.trials > 0)
+        .collect();
+    if used.is_empty() {
+        return None;
+    }
+    // The distribution of the sum so far, from `offset`.
+    let mut dist = vec![1.0f64];
+    let mut offset = 0u64;
+    let mut observed = 0u64;
+    for (a, b) in used {
+        let n = a.trials + b.trials;
+        let k = a.events + b.events;
+        let draws = a.trials;
+        let lo = draws.saturating_sub(n - k);
+        let hi = k.min(draws);
+        let denom = ln_choose(n, draws);
+        let logs: Vec<f64> = (lo..=hi)
+            .map(|x| ln_choose(k, x) + ln_choose(n - k, draws - x) - denom)
+            .collect();
+        let max = logs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut pmf: Vec<f64> = logs.iter().map(|l| (l - max).exp()).collect();
+        let total: f64 = pmf.iter().sum();
+        pmf.iter_mut().for_each(|p| *p /= total);
+        let mut next = vec![0.0; dist.len() + pmf.len() - 1];
+        for (i, d) in dist.iter().enumerate() {
+            if *d == 0.0 {
+                continue;
+            }
+            for (j, p) in pmf.iter().enumerate() {
+                next[i + j] += d * p;
+            }
+        }
+        dist = next;
+        offset += lo;
+        observed += a.events;
+    }
+    let from = observed.saturating_sub(offset) as usize;
+    let p: f64 = dist.iter().skip(from).sum();
+    Some(p.clamp(0.0, 1.0))
 }
 
 /// The Mann-Whitney U test of two samples.
@@ -252,6 +312,46 @@ mod tests {
         assert_eq!(fisher_greater(Count::new(1, 0), Count::new(0, 5)), None);
         assert_eq!(fisher_greater(Count::new(6, 5), Count::new(0, 5)), None);
         assert_eq!(fisher_greater(Count::new(0, 5), Count::new(0, 0)), None);
+    }
+
+    #[test]
+    fn the_stratified_test_matches_a_hand_count_and_fisher_on_one_stratum() {
+        // Stratum 1: 2 of 3 against 0 of 3, P(x) = 0.2, 0.6, 0.2 for x =
+        // 0, 1, 2; stratum 2: 1 of 2 against 1 of 2, P(x) = 1/6, 4/6, 1/6.
+        // P(sum >= 3) = (0.2 * 4 + 0.2 * 1 + 0.6 * 1) / 6.
+        let s1 = (Count::new(2, 3), Count::new(0, 3));
+        let s2 = (Count::new(1, 2), Count::new(1, 2));
+        let p = stratified_exact_greater(&[s1, s2]).unwrap();
+        assert!((p - 1.6 / 6.0).abs() < 1e-12, "{p}");
+        for (a, b) in [
+            (Count::new(2, 50), Count::new(5, 1000)),
+            (Count::new(0, 10), Count::new(3, 30)),
+            (Count::new(20, 100), Count::new(0, 1000)),
+            (Count::new(7, 7), Count::new(7, 7)),
+        ] {
+            let f = fisher_greater(a, b).unwrap();
+            let s = stratified_exact_greater(&[(a, b)]).unwrap();
+            assert!(
+                (f - s).abs() < 1e-12 * f.max(1e-300).max(1.0),
+                "{a:?} {b:?}: {f} {s}"
+            );
+        }
+        // A stratum with an empty group carries nothing; impossible
+        // counts and no information at all are None.
+        let empty = (Count::new(0, 0), Count::new(3, 10));
+        assert_eq!(stratified_exact_greater(&[s1, s2, empty]), Some(p));
+        assert_eq!(stratified_exact_greater(&[empty]), None);
+        assert_eq!(stratified_exact_greater(&[]), None);
+        assert_eq!(
+            stratified_exact_greater(&[s1, (Count::new(3, 2), Count::new(0, 2))]),
+            None
+        );
+        // Evidence adds up over strata: one extra event in each of three
+        // small strata is weak alone, strong together.
+        let st = (Count::new(3, 40), Count::new(4, 400));
+        let one = stratified_exact_greater(&[st]).unwrap();
+        let three = stratified_exact_greater(&[st, st, st]).unwrap();
+        assert!(three < one / 10.0, "{one} {three}");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Properties of the tests and distances: bounds, symmetry, invariance,
 //! calibration under identical distributions and power against shifts.
 
-use keel_canary::analysis::{analyse, FinishReason, Sample, Thresholds};
+use keel_canary::analysis::{
+    analyse, analyse_after, step_counts, FinishReason, Sample, Thresholds,
+};
 use keel_canary::drift::{jensen_shannon, psi, quantile_edges, Evaluation, Histogram, Sustained};
 use keel_canary::stats::{fisher_greater, mann_whitney, Count};
 use proptest::prelude::*;
@@ -168,8 +170,15 @@ proptest! {
             answer_chars: Some(chars),
             streamed,
             stream_aborted: streamed && chars % 7 == 0,
+            // OIP output means of either sign, on some requests.
+            output_mean: (chars % 3 != 0).then_some(lat - 2500.0),
         }).collect();
         let a = analyse(&samples, &samples, &Thresholds::default());
+        prop_assert!(!a.failed(), "{:?}", a.failures().collect::<Vec<_>>());
+        // Nor with earlier steps that were identical too.
+        let t = Thresholds::default();
+        let step = step_counts(&samples, &samples, &t);
+        let a = analyse_after(&samples, &samples, &[step, step, step], &t);
         prop_assert!(!a.failed(), "{:?}", a.failures().collect::<Vec<_>>());
     }
 
@@ -241,6 +250,7 @@ mod rollouts {
             answer_chars: Some(chars),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 

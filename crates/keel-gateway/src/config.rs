@@ -45,6 +45,7 @@ pub struct FileRegistry {
     pub poll_ms: Option<u64>,
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
+    pub rollout_state_file: Option<PathBuf>,
     pub drift_reference_requests: Option<usize>,
     pub drift_window_requests: Option<usize>,
 }
@@ -468,6 +469,8 @@ pub struct RegistryConfig {
     /// A file holding a registry API key with write rights: rollouts move
     /// and delete aliases with it.
     pub write_key_file: Option<PathBuf>,
+    /// Where the rollouts' state is kept across restarts.
+    pub rollout_state_file: PathBuf,
     /// Output drift of a registry version: the first this many answers
     /// it serves are the reference...
     pub drift_reference_requests: usize,
@@ -1302,6 +1305,9 @@ fn registry_config(
         poll_ms,
         public_key_file: r.public_key_file.map(rel),
         write_key_file: r.write_key_file.map(rel),
+        rollout_state_file: rel(r
+            .rollout_state_file
+            .unwrap_or_else(|| PathBuf::from("rollouts.json"))),
         drift_reference_requests: drift_size(
             "drift_reference_requests",
             r.drift_reference_requests,

@@ -809,6 +809,7 @@ mod tests {
             answer_chars: Some(chars),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 

@@ -26,7 +26,8 @@ use crate::limits::{
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
 use crate::proxy::{
-    retry_after, summary_of_body, upstream_headers, SseFilter, TokenUsage, Upstream,
+    oip_output_mean, retry_after, summary_of_body, upstream_headers, SseFilter, TokenUsage,
+    Upstream,
 };
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
@@ -234,6 +235,18 @@ pub(crate) const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static(
 const X_KEEL_MODEL: http::HeaderName = http::HeaderName::from_static("x-keel-model");
 const X_KEEL_DEPLOYMENT: http::HeaderName = http::HeaderName::from_static("x-keel-deployment");
 
+/// What [`Gateway::deliver`] reads of a whole answer for the metrics and
+/// the canary analysis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Summary {
+    /// An OpenAI answer: usage, finish reason, answer length.
+    Answer,
+    /// An OIP v2 inference answer: its first output's mean, while a
+    /// rollout watches the model.
+    OipOutput,
+    Nothing,
+}
+
 /// What is known about a request as it goes.
 #[derive(Debug, Clone, Default)]
 struct Ctx {
@@ -258,6 +271,8 @@ struct Ctx {
     /// canary analysis.
     finish_reason: Option<keel_canary::analysis::FinishReason>,
     answer_chars: Option<u32>,
+    /// OIP v2: the mean of the first output tensor's values.
+    output_mean: Option<f64>,
     /// A stream that ended without its end marker.
     stream_aborted: bool,
     /// Sampled numeric inputs of an OIP inference request of a model
@@ -1166,6 +1181,7 @@ impl Gateway {
                     .map(|u| u.completion.try_into().unwrap_or(u32::MAX)),
                 finish_reason: ctx.finish_reason,
                 answer_chars: ctx.answer_chars,
+                output_mean: ctx.output_mean,
                 streamed: ctx.stream,
                 stream_aborted: ctx.stream && ctx.stream_aborted,
             };
@@ -1610,7 +1626,7 @@ impl Gateway {
                 true,
             ));
         }
-        self.deliver(gen, served, reservation.as_ref(), ctx, true)
+        self.deliver(gen, served, reservation.as_ref(), ctx, Summary::Answer)
             .await
             .map(|r| (r, false))
     }
@@ -1622,7 +1638,7 @@ impl Gateway {
         served: Served,
         reservation: Option<&Reservation>,
         ctx: &mut Ctx,
-        usage: bool,
+        summary: Summary,
     ) -> Result<Response<GwBody>, Fail> {
         let (parts, body) = served.resp.into_parts();
         // Counted in the body budget as it arrives, so that responses being
@@ -1656,12 +1672,27 @@ impl Gateway {
             }
         };
         let ok = parts.status.is_success();
-        if ok && usage {
-            if let Some(a) = summary_of_body(&bytes) {
-                ctx.usage = a.usage;
-                ctx.finish_reason = a.finish_reason;
-                ctx.answer_chars = a.answer_chars;
+        match summary {
+            Summary::Answer if ok => {
+                if let Some(a) = summary_of_body(&bytes) {
+                    ctx.usage = a.usage;
+                    ctx.finish_reason = a.finish_reason;
+                    ctx.answer_chars = a.answer_chars;
+                }
             }
+            // Read only while a rollout watches the model.
+            Summary::OipOutput
+                if ok
+                    && self.inner.samples.watching(
+                        ctx.served_model
+                            .as_deref()
+                            .or(ctx.model.as_deref())
+                            .unwrap_or(""),
+                    ) =>
+            {
+                ctx.output_mean = oip_output_mean(&bytes);
+            }
+            _ => {}
         }
         match (ok, ctx.usage) {
             (false, _) => self.settle(reservation, 0).await,
@@ -1871,7 +1902,12 @@ impl Gateway {
         let served = self
             .forward(gen, &model, pin.as_deref(), &payload, (&ident, op), ctx)
             .await?;
-        self.deliver(gen, served, reservation.as_ref(), ctx, false)
+        let summary = if action == "/infer" {
+            Summary::OipOutput
+        } else {
+            Summary::Nothing
+        };
+        self.deliver(gen, served, reservation.as_ref(), ctx, summary)
             .await
     }
 

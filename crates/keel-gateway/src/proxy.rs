@@ -488,6 +488,145 @@ pub fn summary_of_body(body: &[u8]) -> Option<AnswerSummary> {
     })
 }
 
+/// Values of an OIP output tensor the canary analysis reads at most: a
+/// larger tensor's mean is that of its first values.
+pub const MAX_OUTPUT_VALUES: u32 = 4096;
+
+/// The mean of the first output tensor's numeric values in an OIP v2
+/// inference response (`{"outputs": [{"data": [...]}, ...]}`), flat or
+/// nested, reading at most [`MAX_OUTPUT_VALUES`] of them and keeping none
+/// of the document; `None` for a body that is not such a response or an
+/// output with no number (`BYTES` tensors).
+pub fn oip_output_mean(body: &[u8]) -> Option<f64> {
+    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::fmt;
+
+    #[derive(Default)]
+    struct Acc {
+        sum: f64,
+        n: u32,
+    }
+    /// Adds the numbers of a value (an array, nested arrays) to `Acc`.
+    struct Values<'a>(&'a mut Acc);
+    impl<'de> DeserializeSeed<'de> for Values<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Values<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("tensor data")
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
+            if self.0.n < MAX_OUTPUT_VALUES && v.is_finite() {
+                self.0.sum += v;
+                self.0.n += 1;
+            }
+            Ok(())
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
+            self.visit_f64(v as f64)
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+            self.visit_f64(v as f64)
+        }
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let acc = self.0;
+            loop {
+                if acc.n >= MAX_OUTPUT_VALUES {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    return Ok(());
+                }
+                if seq.next_element_seed(Values(acc))?.is_none() {
+                    return Ok(());
+                }
+            }
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(())
+        }
+    }
+    /// One output object: only its `data` is read.
+    struct Output<'a>(&'a mut Acc);
+    impl<'de> DeserializeSeed<'de> for Output<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Output<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an output tensor")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(k) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if k == "data" {
+                    map.next_value_seed(Values(&mut *self.0))?;
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(())
+        }
+    }
+    /// `outputs`: the first one read, the others skipped.
+    struct Outputs<'a>(&'a mut Acc);
+    impl<'de> DeserializeSeed<'de> for Outputs<'_> {
+        type Value = bool;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Outputs<'_> {
+        type Value = bool;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a list of output tensors")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+            let first = seq.next_element_seed(Output(self.0))?.is_some();
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(first)
+        }
+    }
+    /// The response: only `outputs` is read.
+    struct Response<'a>(&'a mut Acc);
+    impl<'de> Visitor<'de> for Response<'_> {
+        type Value = bool;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an inference response")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+            let mut found = false;
+            while let Some(k) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if k == "outputs" && !found {
+                    found = map.next_value_seed(Outputs(&mut *self.0))?;
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+    let mut acc = Acc::default();
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let found = de.deserialize_map(Response(&mut acc)).ok()?;
+    de.end().ok()?;
+    (found && acc.n > 0).then(|| acc.sum / f64::from(acc.n))
+}
+
 /// Non-whitespace characters of `s`.
 pub fn visible_chars(s: &str) -> u32 {
     s.chars()
@@ -729,6 +868,31 @@ mod tests {
         );
         assert_eq!(usage_of_body(br#"{"usage":null}"#), None);
         assert_eq!(usage_of_body(b"not json"), None);
+    }
+
+    #[test]
+    fn oip_output_means_read_the_first_output_only_and_a_bounded_part() {
+        let body = br#"{"model_name":"m","id":"1","outputs":[{"name":"o0","shape":[4],"datatype":"FP32","data":[1.0,2,3.5,-0.5]},{"name":"o1","data":[100]}],"parameters":{"x":[1]}}"#;
+        assert_eq!(oip_output_mean(body), Some(1.5));
+        // Nested data, keys in any order.
+        let body = br#"{"outputs":[{"data":[[1,2],[3,4]],"name":"o","shape":[2,2]}]}"#;
+        assert_eq!(oip_output_mean(body), Some(2.5));
+        // Only the first MAX_OUTPUT_VALUES values count.
+        let mut data: Vec<f64> = vec![1.0; MAX_OUTPUT_VALUES as usize];
+        data.extend([1000.0; 10]);
+        let body = serde_json::json!({"outputs": [{"data": data}]}).to_string();
+        assert_eq!(oip_output_mean(body.as_bytes()), Some(1.0));
+        // No number, no outputs, not JSON, an OpenAI answer: unknown.
+        for b in [
+            &br#"{"outputs":[{"datatype":"BYTES","data":["a","b"]}]}"#[..],
+            br#"{"outputs":[]}"#,
+            br#"{"error":"no"}"#,
+            b"not json",
+            br#"{"outputs":[{"data":[1]}]} trailing"#,
+            br#"{"choices":[{"message":{"content":"hi"}}]}"#,
+        ] {
+            assert_eq!(oip_output_mean(b), None, "{}", String::from_utf8_lossy(b));
+        }
     }
 
     #[test]

@@ -345,6 +345,23 @@ impl RegistryClient {
         self.post("/api/v1/aliases/delete", body).await
     }
 
+    /// Whether this key may set `alias` of `model` to `version` and
+    /// delete `alias2` (what a rollout's promotion and rollback do), asked
+    /// with the registry's dry run: the registry checks the key's rights,
+    /// the model, the version and the alias, and changes nothing.
+    pub async fn may_change_aliases(
+        &self,
+        model: &str,
+        set: (&str, u64),
+        delete: &str,
+    ) -> Result<(), RegistrySourceError> {
+        let reason = "rollout start: may this key change the aliases";
+        let body = serde_json::json!({"version": 1, "name": model, "alias": set.0, "target": set.1, "reason": reason, "dry_run": true});
+        self.post("/api/v1/aliases/set", body).await?;
+        let body = serde_json::json!({"version": 1, "name": model, "alias": delete, "reason": reason, "dry_run": true});
+        self.post("/api/v1/aliases/delete", body).await
+    }
+
     async fn post(&self, path: &str, body: serde_json::Value) -> Result<(), RegistrySourceError> {
         let (status, answer) = self
             .send(http::Method::POST, path, Bytes::from(body.to_string()))

@@ -16,22 +16,54 @@
 //! - promotion: the stable alias moves to the canary's version with the
 //!   evidence as its reason, and the canary share returns to 0.
 //!
+//! Before anything changes, `start` asks the registry (a dry run of both
+//! alias changes) whether the write key may move the stable alias to the
+//! canary's version and delete the canary alias: a key without those
+//! rights is [`RolloutError::WriteRefused`] (HTTP 403 from the admin API).
+//!
 //! Every weight change, verdict, promotion and rollback is an audit event
 //! (`rollout_start`, `rollout_weight`, `rollout_verdict`, `rollout_pause`,
 //! `rollout_resume`, `rollout_abort`, `rollout_rollback`,
-//! `rollout_promote`) carrying `rollout_id`, the id that also opens the
+//! `rollout_promote`, and after a restart `rollout_recover` or
+//! `rollout_stop`) carrying `rollout_id`, the id that also opens the
 //! reason recorded in the registry's alias history.
+//!
+//! ## Across restarts
+//!
+//! Every change of a rollout's state (start, verdict, step, pause, end,
+//! the registry's answer) rewrites `registry.rollout_state_file`
+//! atomically (mode 0600): id, models and aliases, the versions, the plan,
+//! phase, step, every verdict, the reason it ended, and whether an alias
+//! change the registry has not yet answered is owed. At start
+//! ([`Rollouts::new`]) the file is read back (a file that cannot be read
+//! is an error naming it, never a silent reset) and [`Rollouts::recover`]
+//! takes each rollout up again:
+//!
+//! - one in progress or paused is checked against the registry first: if
+//!   the stable alias still names its stable version and the canary alias
+//!   its canary version, it continues at its step and weight, the step's
+//!   analysis starting from new windows (samples are not kept across a
+//!   restart); if the aliases changed while the gateway was down (say the
+//!   canary alias was deleted by hand), it stops (`rollout_stop`, phase
+//!   `aborted`, weight 0) with the reason recorded, and changes no alias;
+//!   while the registry cannot be reached the check is retried and the
+//!   canary gets no traffic;
+//! - one that ended but whose alias change was never answered (the
+//!   gateway stopped in between) makes that change again;
+//! - a finished one is shown by `status` as it ended.
 
 // Errors are returned per admin call: their size does not matter.
 #![allow(clippy::result_large_err)]
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_canary::analysis::{Sample, StepPolicy, Thresholds};
-use keel_canary::rollout::{Action, Phase, Plan, Rollout};
+use keel_canary::analysis::{Sample, StepCounts, StepPolicy, Thresholds};
+use keel_canary::rollout::{Action, Phase, Plan, Rollout, Verdict};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use crate::config::RolloutConfig;
@@ -64,6 +96,22 @@ pub enum RolloutError {
     },
     #[error("rollouts move registry aliases and need registry.write_key_file (a registry key with write rights)")]
     NoWriteKey,
+    #[error("the registry refused the gateway's write key (registry.write_key_file) the alias changes of registry model {registry_model:?}: nothing was changed; give the gateway a key with write rights (keel model keys create NAME --role write)")]
+    WriteRefused {
+        registry_model: String,
+        #[source]
+        source: RegistrySourceError,
+    },
+    #[error("the rollout state file {path} is not what keel writes ({reason}): nothing was reset; repair it or move it away")]
+    StateCorrupt { path: PathBuf, reason: String },
+    #[error("cannot read the rollout state file")]
+    StateRead(#[source] keel_fs::FsError),
+    #[error("cannot write the rollout state file {path}: the rollout was not started")]
+    NotRecorded {
+        path: PathBuf,
+        #[source]
+        source: keel_fs::FsError,
+    },
     #[error("model {model:?} has rollout {id} in progress")]
     Running { model: String, id: String },
     #[error("model {model:?} has no rollout")]
@@ -88,7 +136,18 @@ impl RolloutError {
                     | RegistrySourceError::Status { .. },
                 ..
             } => 502,
+            RolloutError::WriteRefused { .. } => 403,
+            RolloutError::StateRead(_) | RolloutError::NotRecorded { .. } => 500,
             _ => 409,
+        }
+    }
+
+    /// The admin API's error type: `registry_write_refused` when the
+    /// registry refused the write key, else `rollout_error`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RolloutError::WriteRefused { .. } => "registry_write_refused",
+            _ => "rollout_error",
         }
     }
 }
@@ -106,6 +165,11 @@ struct Inner {
     wake: Arc<tokio::sync::Notify>,
     runs: Mutex<HashMap<String, Arc<Mutex<Run>>>>,
     seq: AtomicU64,
+    /// `registry.rollout_state_file`; `None`: nothing is kept.
+    state_path: Option<PathBuf>,
+    /// Held from a snapshot of the runs to its write, so that an older
+    /// snapshot never replaces a newer one.
+    save_lock: Mutex<()>,
 }
 
 /// One rollout and what it needs to act.
@@ -124,6 +188,147 @@ struct Run {
     /// What the registry said to the last alias change.
     registry: Option<Value>,
     started: String,
+    /// Why it ended (abort, promotion, stop).
+    end_reason: Option<String>,
+    /// An abort or promotion whose alias change the registry has not
+    /// answered yet.
+    registry_pending: bool,
+}
+
+/// `registry.rollout_state_file`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StateFile {
+    version: u32,
+    rollouts: Vec<Record>,
+}
+
+/// One rollout in the state file.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Record {
+    id: String,
+    model: String,
+    registry_model: String,
+    stable_alias: String,
+    canary_alias: String,
+    stable_version: u64,
+    canary_version: u64,
+    interval_s: u64,
+    started: String,
+    steps: Vec<u32>,
+    min_canary_samples: u64,
+    max_intervals: u32,
+    phase: Phase,
+    step: usize,
+    /// The canary's weight when written (for a reader; derived from the
+    /// step and phase on reading).
+    weight: u32,
+    verdicts: Vec<Verdict>,
+    /// The rate checks' counts of the finished steps.
+    earlier: Vec<StepCounts>,
+    registry: Option<Value>,
+    end_reason: Option<String>,
+    registry_pending: bool,
+}
+
+const STATE_VERSION: u32 = 1;
+
+fn record(r: &Run) -> Record {
+    Record {
+        id: r.rollout.id.clone(),
+        model: r.model.clone(),
+        registry_model: r.registry_model.clone(),
+        stable_alias: r.stable_alias.clone(),
+        canary_alias: r.canary_alias.clone(),
+        stable_version: r.stable_version,
+        canary_version: r.canary_version,
+        interval_s: r.interval_s,
+        started: r.started.clone(),
+        steps: r.rollout.plan.steps.clone(),
+        min_canary_samples: r.rollout.plan.policy.min_canary_samples,
+        max_intervals: r.rollout.plan.policy.max_intervals,
+        phase: r.rollout.phase,
+        step: r.rollout.step,
+        weight: r.rollout.weight(),
+        verdicts: r.rollout.verdicts.clone(),
+        earlier: r.rollout.earlier.clone(),
+        registry: r.registry.clone(),
+        end_reason: r.end_reason.clone(),
+        registry_pending: r.registry_pending,
+    }
+}
+
+/// The rollouts of a state file, by model.
+fn load(path: &std::path::Path) -> Result<HashMap<String, Arc<Mutex<Run>>>, RolloutError> {
+    let Some(bytes) = keel_fs::read_optional(path).map_err(RolloutError::StateRead)? else {
+        return Ok(HashMap::new());
+    };
+    let corrupt = |reason: String| RolloutError::StateCorrupt {
+        path: path.to_owned(),
+        reason,
+    };
+    let doc: StateFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    if doc.version != STATE_VERSION {
+        return Err(corrupt(format!(
+            "version {} is not known ({STATE_VERSION} is)",
+            doc.version
+        )));
+    }
+    let mut runs = HashMap::new();
+    for rec in doc.rollouts {
+        let plan = Plan {
+            steps: rec.steps,
+            thresholds: Thresholds::default(),
+            policy: StepPolicy {
+                min_canary_samples: rec.min_canary_samples,
+                max_intervals: rec.max_intervals,
+            },
+        };
+        if rec.interval_s == 0 {
+            return Err(corrupt(format!("rollout {}: interval_s is 0", rec.id)));
+        }
+        let rollout = Rollout::restore(
+            rec.id.clone(),
+            plan,
+            rec.phase,
+            rec.step,
+            rec.verdicts,
+            rec.earlier,
+        )
+        .map_err(|e| corrupt(format!("rollout {}: {e}", rec.id)))?;
+        let run = Run {
+            rollout,
+            model: rec.model.clone(),
+            registry_model: rec.registry_model,
+            stable_alias: rec.stable_alias,
+            canary_alias: rec.canary_alias,
+            stable_version: rec.stable_version,
+            canary_version: rec.canary_version,
+            interval_s: rec.interval_s,
+            stable: Vec::new(),
+            canary: Vec::new(),
+            registry: rec.registry,
+            started: rec.started,
+            end_reason: rec.end_reason,
+            registry_pending: rec.registry_pending,
+        };
+        if runs
+            .insert(rec.model.clone(), Arc::new(Mutex::new(run)))
+            .is_some()
+        {
+            return Err(corrupt(format!("model {:?} has two rollouts", rec.model)));
+        }
+    }
+    Ok(runs)
+}
+
+/// Notes the end an action brings: its reason, and the alias change owed.
+fn note_end(r: &mut Run, action: &Action) {
+    if let Action::Abort { reason } | Action::Promote { reason } = action {
+        r.end_reason = Some(reason.clone());
+        r.registry_pending = true;
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -133,28 +338,217 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Rollouts {
     /// `reader` resolves aliases, `writer` (a key with write rights)
     /// changes them; `wake` makes the follower apply a new canary share at
-    /// once.
+    /// once. The rollouts recorded in `registry.rollout_state_file` are
+    /// read back (see [`Rollouts::recover`]); a file that cannot be read
+    /// or parsed is an error naming it.
     pub fn new(
         cfg: &crate::GatewayConfig,
         follows: Vec<Follow>,
         reader: RegistryClient,
         writer: Option<RegistryClient>,
         wake: Arc<tokio::sync::Notify>,
-    ) -> Self {
+    ) -> Result<Self, RolloutError> {
         let configs = cfg
             .models
             .iter()
             .map(|m| (m.name.clone(), m.rollout.clone()))
             .collect();
-        Rollouts(Arc::new(Inner {
+        let state_path = cfg.registry.as_ref().map(|r| r.rollout_state_file.clone());
+        let runs = match &state_path {
+            Some(p) => load(p)?,
+            None => HashMap::new(),
+        };
+        Ok(Rollouts(Arc::new(Inner {
             reader,
             writer,
             follows,
             configs,
             wake,
-            runs: Mutex::new(HashMap::new()),
-            seq: AtomicU64::new(0),
-        }))
+            seq: AtomicU64::new(runs.len() as u64),
+            runs: Mutex::new(runs),
+            state_path,
+            save_lock: Mutex::new(()),
+        })))
+    }
+
+    /// Takes up the rollouts read at start: those in progress or paused
+    /// continue once the registry confirms their aliases (or stop if the
+    /// aliases changed), and ended ones owing an alias change make it.
+    pub fn recover(&self, gw: &Gateway) {
+        let runs: Vec<_> = lock(&self.0.runs).values().cloned().collect();
+        for run in runs {
+            let due = {
+                let r = lock(&run);
+                r.registry_pending || matches!(r.rollout.phase, Phase::Progressing | Phase::Paused)
+            };
+            if due {
+                let me = self.clone();
+                let gw = gw.clone();
+                tokio::spawn(async move { me.recover_one(gw, run).await });
+            }
+        }
+    }
+
+    async fn recover_one(self, gw: Gateway, run: Arc<Mutex<Run>>) {
+        let (model, registry_model, stable_alias, canary_alias, stable_version, canary_version) = {
+            let r = lock(&run);
+            (
+                r.model.clone(),
+                r.registry_model.clone(),
+                r.stable_alias.clone(),
+                r.canary_alias.clone(),
+                r.stable_version,
+                r.canary_version,
+            )
+        };
+        let pending = {
+            let r = lock(&run);
+            match (r.registry_pending, r.rollout.phase, &r.end_reason) {
+                (true, Phase::Aborted, Some(reason)) => Some(Action::Abort {
+                    reason: reason.clone(),
+                }),
+                (true, Phase::Promoted, Some(reason)) => Some(Action::Promote {
+                    reason: reason.clone(),
+                }),
+                _ => None,
+            }
+        };
+        if let Some(action) = pending {
+            tracing::warn!(model = %model, "a rollout ended before the registry answered its alias change: making it again");
+            self.act(&gw, &run, action).await;
+            return;
+        }
+        let every = Duration::from_secs(lock(&run).interval_s.clamp(1, 5));
+        let mut warned = false;
+        let checked: Result<(), String> = loop {
+            let follow = match self.follow(&model) {
+                Ok(f) => f.clone(),
+                Err(_) => break Err(format!("model {model:?} no longer follows the registry")),
+            };
+            let src = &follow.source;
+            if src.model != registry_model
+                || src.stable_alias != stable_alias
+                || src.canary_alias.as_deref() != Some(canary_alias.as_str())
+            {
+                break Err(format!(
+                    "the configuration changed: model {model:?} now follows {:?} with aliases {:?} and {:?}, the rollout {registry_model:?} with {stable_alias:?} and {canary_alias:?}",
+                    src.model, src.stable_alias, src.canary_alias
+                ));
+            }
+            match self.0.reader.resolve(src).await {
+                Ok(routing) => {
+                    if routing.stable.version != stable_version {
+                        break Err(format!(
+                            "the registry's aliases changed while the gateway was down: {stable_alias:?} names version {}, not {stable_version}",
+                            routing.stable.version
+                        ));
+                    }
+                    match routing.canary.map(|c| c.version) {
+                        None => {
+                            break Err(format!(
+                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} was deleted"
+                            ))
+                        }
+                        Some(v) if v != canary_version => {
+                            break Err(format!(
+                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} names version {v}, not {canary_version}"
+                            ))
+                        }
+                        Some(_) => break Ok(()),
+                    }
+                }
+                Err(
+                    e @ (RegistrySourceError::Unreachable { .. }
+                    | RegistrySourceError::Timeout { .. }
+                    | RegistrySourceError::Status { .. }),
+                ) => {
+                    if !warned {
+                        tracing::warn!(model = %model, error = %chain(&e), "a rollout waits for the registry to confirm its aliases before it continues");
+                        warned = true;
+                    }
+                    tokio::time::sleep(every).await;
+                }
+                Err(e) => {
+                    break Err(format!(
+                        "the registry refuses the rollout's versions: {}",
+                        chain(&e)
+                    ))
+                }
+            }
+        };
+        match checked {
+            Ok(()) => {
+                let weight = {
+                    let r = lock(&run);
+                    // An operator may have ended it while the registry was
+                    // being asked.
+                    if !matches!(r.rollout.phase, Phase::Progressing | Phase::Paused) {
+                        return;
+                    }
+                    let mut m = Map::new();
+                    m.insert("phase".into(), json!(r.rollout.phase));
+                    m.insert("step".into(), r.rollout.step.into());
+                    m.insert("weight".into(), r.rollout.weight().into());
+                    m.insert(
+                        "reason".into(),
+                        "the gateway restarted: the step goes on with new windows".into(),
+                    );
+                    audit(&gw, "rollout_recover", &r, m);
+                    r.rollout.weight()
+                };
+                tracing::info!(model = %model, weight, "rollout taken up after a restart");
+                gw.samples().watch(&model);
+                self.act(&gw, &run, Action::SetWeight { weight }).await;
+                self.drive(gw, run).await;
+            }
+            Err(why) => {
+                let reason = {
+                    let mut r = lock(&run);
+                    let Ok(reason) = r.rollout.stop(&why) else {
+                        return;
+                    };
+                    r.end_reason = Some(reason.clone());
+                    let mut m = Map::new();
+                    m.insert("weight".into(), 0.into());
+                    m.insert("reason".into(), reason.clone().into());
+                    audit(&gw, "rollout_stop", &r, m);
+                    reason
+                };
+                if let Ok(f) = self.follow(&model) {
+                    f.canary_percent.store(0, Ordering::SeqCst);
+                    self.0.wake.notify_one();
+                }
+                gw.samples().unwatch(&model);
+                self.save();
+                tracing::warn!(model = %model, %reason, "rollout stopped after a restart");
+            }
+        }
+    }
+
+    /// Rewrites the state file from every rollout; a failure is logged
+    /// (the rollout goes on; its state is written again at its next
+    /// change).
+    fn save(&self) {
+        if let Err(e) = self.try_save() {
+            tracing::error!(path = ?self.0.state_path, error = %chain(&e), "the rollout state file could not be written");
+        }
+    }
+
+    fn try_save(&self) -> Result<(), keel_fs::FsError> {
+        let Some(path) = &self.0.state_path else {
+            return Ok(());
+        };
+        let _g = lock(&self.0.save_lock);
+        let runs: Vec<_> = lock(&self.0.runs).values().cloned().collect();
+        let mut rollouts: Vec<Record> = runs.iter().map(|r| record(&lock(r))).collect();
+        rollouts.sort_by(|a, b| a.model.cmp(&b.model));
+        let doc = StateFile {
+            version: STATE_VERSION,
+            rollouts,
+        };
+        let mut bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
+        bytes.push(b'\n');
+        keel_fs::write_atomic(path, &bytes, 0o600)
     }
 
     fn follow(&self, model: &str) -> Result<&Follow, RolloutError> {
@@ -202,6 +596,7 @@ impl Rollouts {
                 }
             };
             if let Some(action) = resumed {
+                self.save();
                 self.act(gw, &run, action).await;
                 let s = status(&lock(&run));
                 return Ok(s);
@@ -237,6 +632,26 @@ impl Rollouts {
                 alias: canary_alias,
                 version: canary.version,
             });
+        }
+        // The write key's rights, asked without changing anything: a
+        // rollout that could neither promote nor roll back never starts.
+        if let Some(w) = &self.0.writer {
+            w.may_change_aliases(
+                &registry_model,
+                (&follow.source.stable_alias, canary.version),
+                &canary_alias,
+            )
+            .await
+            .map_err(|source| match source {
+                RegistrySourceError::NoWriteRights { .. } => RolloutError::WriteRefused {
+                    registry_model: registry_model.clone(),
+                    source,
+                },
+                source => RolloutError::Registry {
+                    registry_model: registry_model.clone(),
+                    source,
+                },
+            })?;
         }
         let cfg = self.0.configs.get(model).cloned().unwrap_or_default();
         let plan = Plan {
@@ -276,8 +691,10 @@ impl Rollouts {
             canary: Vec::new(),
             registry: None,
             started: crate::clock::rfc3339(now),
+            end_reason: None,
+            registry_pending: false,
         }));
-        {
+        let before = {
             let mut runs = lock(&self.0.runs);
             if let Some(r) = runs.get(model) {
                 let r = lock(r);
@@ -288,7 +705,20 @@ impl Rollouts {
                     });
                 }
             }
-            runs.insert(model.to_owned(), run.clone());
+            runs.insert(model.to_owned(), run.clone())
+        };
+        // Recorded before any weight changes: a rollout whose state cannot
+        // be kept does not start.
+        if let Err(source) = self.try_save() {
+            let mut runs = lock(&self.0.runs);
+            match before {
+                Some(b) => runs.insert(model.to_owned(), b),
+                None => runs.remove(model),
+            };
+            return Err(RolloutError::NotRecorded {
+                path: self.0.state_path.clone().unwrap_or_default(),
+                source,
+            });
         }
         gw.samples().watch(model);
         {
@@ -318,7 +748,10 @@ impl Rollouts {
         let mut m = Map::new();
         m.insert("reason".into(), "paused by an operator".into());
         audit(gw, "rollout_pause", &r, m);
-        Ok(status(&r))
+        let s = status(&r);
+        drop(r);
+        self.save();
+        Ok(s)
     }
 
     /// An operator's abort: canary weight 0, canary alias deleted.
@@ -327,10 +760,14 @@ impl Rollouts {
         let action = {
             let mut r = lock(&run);
             let id = r.rollout.id.clone();
-            r.rollout
+            let action = r
+                .rollout
                 .abort("the canary alias is rolled back")
-                .map_err(|source| RolloutError::State { id, source })?
+                .map_err(|source| RolloutError::State { id, source })?;
+            note_end(&mut r, &action);
+            action
         };
+        self.save();
         self.act(gw, &run, action).await;
         let s = status(&lock(&run));
         Ok(s)
@@ -392,8 +829,11 @@ impl Rollouts {
                     );
                     audit(&gw, "rollout_verdict", &r, m);
                 }
+                note_end(&mut r, &action);
                 action
             };
+            // Every verdict is kept, the held steps' ones included.
+            self.save();
             self.act(&gw, &run, action).await;
         }
     }
@@ -507,7 +947,10 @@ impl Rollouts {
             m.insert("error".into(), msg.into());
         }
         r.registry = Some(Value::Object(m.clone()));
+        r.registry_pending = false;
         audit(gw, event, &r, m);
+        drop(r);
+        self.save();
     }
 }
 
@@ -544,6 +987,7 @@ fn status(r: &Run) -> Value {
         "interval_s": r.interval_s,
         "samples": {"stable": r.stable.len(), "canary": r.canary.len()},
         "registry": r.registry,
+        "reason": r.end_reason,
         "verdicts": r.rollout.verdicts.iter().map(|v| json!({
             "step": v.step,
             "weight": v.weight,

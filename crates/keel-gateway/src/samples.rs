@@ -55,6 +55,12 @@ impl SampleBook {
         self.watched.store(m.len(), Ordering::Release);
     }
 
+    /// Whether `model`'s samples are kept (one atomic load when no model
+    /// is).
+    pub fn watching(&self, model: &str) -> bool {
+        self.watched.load(Ordering::Acquire) != 0 && self.lock().contains_key(model)
+    }
+
     /// Records one request to `deployment` of `model` if the model is
     /// watched.
     pub fn record(&self, model: &str, deployment: &str, sample: Sample) {
@@ -103,6 +109,7 @@ mod tests {
             answer_chars: Some(5),
             streamed: false,
             stream_aborted: false,
+            output_mean: None,
         }
     }
 
@@ -111,7 +118,9 @@ mod tests {
         let b = SampleBook::default();
         b.record("m", "v1", s(false));
         assert_eq!(b.take("m"), None);
+        assert!(!b.watching("m"));
         b.watch("m");
+        assert!(b.watching("m") && !b.watching("other"));
         b.record("m", "v1", s(false));
         b.record("m", "v2", s(true));
         b.record("other", "v1", s(false));

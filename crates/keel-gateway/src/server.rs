@@ -521,7 +521,7 @@ async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwB
             text(
                 status,
                 "application/json",
-                json!({"error": {"type": "rollout_error", "message": msg}}).to_string(),
+                json!({"error": {"type": e.kind(), "message": msg}}).to_string(),
             )
         }
     }

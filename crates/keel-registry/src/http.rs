@@ -12,7 +12,9 @@
 //!   history, and the chain check; what the gateway reads. Two writes:
 //!   `POST /api/v1/aliases/set` and `/api/v1/aliases/delete` set or
 //!   delete an alias with the reason its history records (what a gateway
-//!   rollout writes).
+//!   rollout writes); with `"dry_run": true` they answer whether the
+//!   change would be made (the key's rights, the model, the version, the
+//!   alias) and change nothing.
 //! - MLflow's model-registry API (`/api/2.0/mlflow/...`):
 //!   `registered-models/create|get|search|update|rename|delete|set-tag|
 //!   delete-tag|get-latest-versions`, `registered-models/alias` (POST set,
@@ -578,6 +580,9 @@ struct AliasChange {
     #[serde(default)]
     target: Option<u64>,
     reason: String,
+    /// Check the change (rights included) and make none.
+    #[serde(default)]
+    dry_run: bool,
 }
 
 impl AliasChange {
@@ -605,6 +610,13 @@ async fn v1_set_alias(
             "target (the version the alias names) is missing",
         ));
     };
+    if b.dry_run {
+        read(&st, move |r| {
+            r.check_alias_change(&b.name, &b.alias, Some(v), &b.reason)
+        })
+        .await?;
+        return Ok(with_version(json!({ "dry_run": true, "allowed": true })));
+    }
     let ev = db(&st, move |r| {
         r.set_alias(&id.actor, &b.name, &b.alias, v, &b.reason)
     })
@@ -622,6 +634,13 @@ async fn v1_delete_alias(
     b.check_version()?;
     if b.target.is_some() {
         return Err(ApiError::invalid("delete takes no target"));
+    }
+    if b.dry_run {
+        read(&st, move |r| {
+            r.check_alias_change(&b.name, &b.alias, None, &b.reason)
+        })
+        .await?;
+        return Ok(with_version(json!({ "dry_run": true, "allowed": true })));
     }
     let ev = db(&st, move |r| {
         r.delete_alias(&id.actor, &b.name, &b.alias, &b.reason)

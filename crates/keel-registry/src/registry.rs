@@ -985,6 +985,43 @@ impl Registry {
         Ok(ev)
     }
 
+    /// Checks an alias change without making it: what [`Self::set_alias`]
+    /// (`target` given) or [`Self::delete_alias`] (`None`) would refuse,
+    /// refused the same way; nothing is written.
+    pub fn check_alias_change(
+        &self,
+        model: &str,
+        alias: &str,
+        target: Option<u64>,
+        reason: &str,
+    ) -> Result<()> {
+        check_len("reason", reason, limits::REASON)?;
+        let m = self.model(model)?;
+        match target {
+            Some(version) => {
+                check_alias(alias)?;
+                let v = self.version(model, version)?;
+                if v.status != crate::types::Status::Ready {
+                    return Err(RegistryError::WrongStatus {
+                        name: model.to_owned(),
+                        version,
+                        status: v.status.as_str().to_owned(),
+                        expected: "READY",
+                    });
+                }
+            }
+            None => {
+                if !m.aliases.iter().any(|a| a.alias == alias) {
+                    return Err(RegistryError::UnknownAlias {
+                        name: model.to_owned(),
+                        alias: alias.to_owned(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Moves an alias back to what it pointed at before its last change.
     /// Rollbacks undo changes one at a time, like a stack: after `set 1`,
     /// `set 2`, `set 3`, rollbacks go to 2, then 1, then refuse.

@@ -10,6 +10,7 @@
 //!                  [--usage asked|always|never] [--threads N]
 //!                  [--length-fields F1,F2,...]
 //!                  [--empty-percent P] [--length-percent P] [--error-percent P]
+//!                  [--oip-shift X]
 //!                  [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 //! ```
 //!
@@ -39,6 +40,11 @@
 //! answers are `--latency-ms`; longer or shorter ones `--tokens`. All are
 //! also `/_control` keys (`empty_percent`, `length_percent`,
 //! `error_percent`).
+//!
+//! An OIP inference answers one `FP32` output `output0` with one value per
+//! input: `1.0 + (7k + j mod 10) / 10` for input j of the k-th inference,
+//! so that each answer's mean varies between 1.0 and 1.9; `--oip-shift X`
+//! (`/_control` key `oip_shift`) adds X to every value.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -77,6 +83,9 @@ struct State {
     empty_percent: AtomicU64,
     length_percent: AtomicU64,
     error_percent: AtomicU64,
+    /// The bits of the f64 added to OIP output values.
+    oip_shift: AtomicU64,
+    oip_infers: AtomicU64,
     stats: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -259,6 +268,9 @@ impl State {
                         a.store(p.min(100), Ordering::Relaxed);
                     }
                 }
+                if let Some(x) = v.get("oip_shift").and_then(Value::as_f64) {
+                    self.oip_shift.store(x.to_bits(), Ordering::Relaxed);
+                }
                 if let Some(h) = v.get("healthy").and_then(Value::as_bool) {
                     self.healthy.store(h, Ordering::Relaxed);
                 }
@@ -430,9 +442,14 @@ impl State {
                         let Some(inputs) = v.get("inputs").and_then(Value::as_array) else {
                             return reply(StatusCode::BAD_REQUEST, json!({"error": "no inputs"}));
                         };
+                        let k = self.oip_infers.fetch_add(1, Ordering::Relaxed);
+                        let shift = f64::from_bits(self.oip_shift.load(Ordering::Relaxed));
+                        let data: Vec<f64> = (0..inputs.len() as u64)
+                            .map(|j| 1.0 + ((7 * k + j) % 10) as f64 / 10.0 + shift)
+                            .collect();
                         reply(
                             StatusCode::OK,
-                            json!({"model_name": name, "id": v.get("id"), "outputs": [{"name": "output0", "shape": [inputs.len()], "datatype": "FP32", "data": vec![1.0; inputs.len()]}], "parameters": {"backend": self.name}}),
+                            json!({"model_name": name, "id": v.get("id"), "outputs": [{"name": "output0", "shape": [inputs.len()], "datatype": "FP32", "data": data}], "parameters": {"backend": self.name}}),
                         )
                     }
                     (&Method::GET, _) => reply(
@@ -592,6 +609,8 @@ fn main() {
         empty_percent: AtomicU64::new(0),
         length_percent: AtomicU64::new(0),
         error_percent: AtomicU64::new(0),
+        oip_shift: AtomicU64::new(0f64.to_bits()),
+        oip_infers: AtomicU64::new(0),
         stats: Mutex::new(BTreeMap::new()),
     };
     let mut threads = 0usize;
@@ -618,11 +637,20 @@ fn main() {
             "--empty-percent" => st.empty_percent = AtomicU64::new(percent(num(val()))),
             "--length-percent" => st.length_percent = AtomicU64::new(percent(num(val()))),
             "--error-percent" => st.error_percent = AtomicU64::new(percent(num(val()))),
+            "--oip-shift" => {
+                let v = val();
+                let x = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .unwrap_or_else(|| die(&format!("{a}: {v:?} is not a number")));
+                st.oip_shift = AtomicU64::new(x.to_bits());
+            }
             "--tls-cert" => tls_cert = Some(val()),
             "--tls-key" => tls_key = Some(val()),
             "--tls-client-ca" => tls_client_ca = Some(val()),
             "-h" | "--help" => {
-                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--empty-percent P] [--length-percent P] [--error-percent P] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
+                println!("keel-testbackend [--listen ADDR] [--name NAME] [--latency-ms N] [--tokens N] [--chunk-delay-ms N] [--mode ok|error|unavailable|ratelimit|hang] [--usage asked|always|never] [--threads N] [--length-fields F1,F2,...] [--empty-percent P] [--length-percent P] [--error-percent P] [--oip-shift X] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]");
                 return;
             }
             _ => die(&format!("unknown argument {a}")),

@@ -21,7 +21,7 @@ pub enum Code {
     Data = 65,
     /// Reading or writing a file (or object storage) failed.
     Io = 74,
-    /// Object storage refused the credentials.
+    /// Object storage, or the registry, refused the credentials.
     NoPerm = 77,
     /// `keel run`: the job should be requeued (preempted, or a failure
     /// that another attempt may get past). EX_TEMPFAIL.
@@ -69,6 +69,18 @@ pub fn classify(err: &anyhow::Error) -> Code {
         }
         if e.downcast_ref::<DataError>().is_some() {
             return Code::Data;
+        }
+        if e.downcast_ref::<PermissionError>().is_some() {
+            return Code::NoPerm;
+        }
+        if let Some(r) = e.downcast_ref::<keel_gateway::rollout::RolloutError>() {
+            use keel_gateway::rollout::RolloutError as R;
+            return match r {
+                R::StateCorrupt { .. } => Code::Data,
+                R::StateRead(_) | R::NotRecorded { .. } => Code::Io,
+                R::WriteRefused { .. } => Code::NoPerm,
+                _ => Code::Usage,
+            };
         }
         if let Some(p) = e.downcast_ref::<keel_check::profile::ProfileError>() {
             return match p {
@@ -306,6 +318,19 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+/// A service refused the credentials keel acts with (the registry
+/// refused a gateway's write key).
+#[derive(Debug)]
+pub struct PermissionError(pub String);
+
+impl std::fmt::Display for PermissionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PermissionError {}
 
 /// Input that is not what it should be (a report that is not JSON).
 #[derive(Debug)]

@@ -15,7 +15,7 @@ use keel_gateway::keys::{sha256_hex, KeyFile, NewKey};
 use keel_gateway::{Clock, Gateway, GatewayConfig, GatewayError, GatewayOptions, Listeners};
 
 use crate::config::{self, ServeConfig};
-use crate::exit::{Code, UsageError};
+use crate::exit::{Code, PermissionError, UsageError};
 use crate::output::Out;
 use crate::table::Table;
 
@@ -559,8 +559,13 @@ fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Re
             .and_then(|m| m.as_str())
             .unwrap_or("no message");
         let e = anyhow::anyhow!("the gateway refused: {msg} (HTTP {status})");
-        return Err(match status {
-            401 | 403 => e.context("the admin token was refused"),
+        let kind = doc.pointer("/error/type").and_then(|m| m.as_str());
+        return Err(match (status, kind) {
+            // The registry refused the gateway's write key: exit code 77.
+            (_, Some("registry_write_refused")) => {
+                PermissionError(format!("the gateway refused: {msg} (HTTP {status})")).into()
+            }
+            (401 | 403, _) => e.context("the admin token was refused"),
             _ => e,
         });
     }
@@ -594,6 +599,14 @@ fn rollout_text(d: &serde_json::Value) -> String {
         s("/steps"),
         s("/interval_s"),
     );
+    // A rollout that ended without an alias change (stopped after a
+    // restart): why.
+    if let (Some(reason), None) = (
+        d.get("reason").and_then(|v| v.as_str()),
+        d.get("registry").filter(|r| !r.is_null()),
+    ) {
+        text.push_str(&format!("ended     {reason}\n"));
+    }
     if let Some(r) = d.get("registry").filter(|r| !r.is_null()) {
         let ok = r.get("ok").and_then(|v| v.as_bool()) == Some(true);
         text.push_str(&format!(
@@ -793,14 +806,18 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         }).await?;
         if let Some((f, every, writer, cfg, drift)) = follower {
             drift.spawn(&gw);
-            gw.set_rollouts(keel_gateway::rollout::Rollouts::new(
+            let rollouts = keel_gateway::rollout::Rollouts::new(
                 &cfg,
                 f.follows().to_vec(),
                 f.client().clone(),
                 writer,
                 f.waker(),
-            ));
+            )?;
+            gw.set_rollouts(rollouts.clone());
             tokio::spawn(f.run(gw.clone(), every, std::future::pending()));
+            // Rollouts recorded before a restart go on (or stop, if the
+            // registry's aliases changed meanwhile).
+            rollouts.recover(&gw);
         }
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {

@@ -8,7 +8,12 @@
 //! a canary with 20% empty answers aborted at its first step and its alias
 //! rolled back, both recorded under one rollout id in the gateway's audit
 //! log and the registry's alias history; a rollout without a canary
-//! refused.
+//! refused. Rollouts across a restart (`kill -9` of the gateway): one
+//! continues at its step and is promoted; one whose canary alias was
+//! deleted meanwhile stops with the reason; a corrupt state file stops the
+//! gateway. A write key the registry refuses fails `rollout start` with
+//! exit code 77 and changes nothing. An OIP canary whose outputs shift is
+//! aborted on `output_mean`.
 
 mod serve_common;
 
@@ -405,10 +410,22 @@ struct RolloutSetup {
     _reg: Registry,
     _b: (TestBackend, TestBackend),
     gw: GatewayProcess,
+    cfg: std::path::PathBuf,
     key: String,
 }
 
 fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
+    rollout_setup_with(v2_args, rollout, "write", "openai")
+}
+
+/// [`rollout_setup`] with the role of the gateway's write key
+/// (`registry.write_key_file`) and the model's protocol.
+fn rollout_setup_with(
+    v2_args: &[&str],
+    rollout: &str,
+    write_role: &str,
+    protocol: &str,
+) -> RolloutSetup {
     let t = tempfile::tempdir().expect("tmp");
     let db = t.path().join("registry.db");
     let b1 = TestBackend::start(&["--name", "v1"]);
@@ -431,7 +448,7 @@ fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
     std::fs::write(t.path().join("registry.key"), read_key(&db, "gateway")).expect("key");
     let w: serde_json::Value = serde_json::from_str(&ok(model(
         &db,
-        &["--json", "keys", "create", "rollouts", "--role", "write"],
+        &["--json", "keys", "create", "rollouts", "--role", write_role],
     )))
     .expect("json");
     std::fs::write(
@@ -448,6 +465,10 @@ fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
         "",
     );
     let mut text = std::fs::read_to_string(&cfg).expect("read");
+    text = text.replace(
+        "name = \"chat\"\n",
+        &format!("name = \"chat\"\nprotocol = \"{protocol}\"\n"),
+    );
     text.push_str(&format!("[models.rollout]\n{rollout}\n"));
     std::fs::write(&cfg, text).expect("write");
     let (_, key) = create_key(&cfg, "alice", "user", None);
@@ -459,6 +480,7 @@ fn rollout_setup(v2_args: &[&str], rollout: &str) -> RolloutSetup {
         _reg: reg,
         _b: (b1, b2),
         gw,
+        cfg,
         key,
     }
 }
@@ -589,6 +611,7 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             "{st:#}"
         );
         assert_eq!(st["weight"], 100);
+        audit_until(&s, &id, "rollout_promote");
         let h = alias_history(&s, "production");
         let last = h.last().expect("event");
         assert_eq!(last["new_version"], 2);
@@ -692,7 +715,9 @@ fn a_canary_with_empty_answers_is_aborted_and_rolled_back() {
             "{st:#}"
         );
         assert!(verdicts.iter().all(|v| v["weight"] == 25), "{st:#}");
-        // The registry: the canary alias deleted, with the failed check.
+        // The registry: the canary alias deleted, with the failed check
+        // (the audit log's rollback line follows the registry's answer).
+        audit_until(&s, &id, "rollout_rollback");
         let h = alias_history(&s, "canary");
         let ev = h.last().expect("event");
         assert_eq!(ev["new_version"], serde_json::Value::Null, "{ev}");
@@ -840,4 +865,420 @@ fn operators_pause_resume_and_abort_a_rollout() {
         !o.status.success() && err.contains("the admin token was refused"),
         "{err}"
     );
+}
+
+/// Sends chat requests about every `pause` until `stop`; counts who served.
+fn drive_slowly(
+    gw: &GatewayProcess,
+    key: &str,
+    stop: &std::sync::atomic::AtomicBool,
+    pause: Duration,
+) -> std::collections::BTreeMap<String, u64> {
+    let mut n = std::collections::BTreeMap::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if let Ok(r) = http::post_json(gw.public, "/v1/chat/completions", key, &chat_body()) {
+            let by = r.json()["system_fingerprint"]
+                .as_str()
+                .unwrap_or("error")
+                .to_owned();
+            *n.entry(by).or_default() += 1;
+        }
+        std::thread::sleep(pause);
+    }
+    n
+}
+
+fn canary_set(s: &RolloutSetup) {
+    ok(model(
+        &s.db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "canary",
+            "2",
+            "--reason",
+            "candidate",
+        ],
+    ));
+}
+
+/// The gateway killed with SIGKILL (no shutdown of any kind), then started
+/// again on the same configuration and state file.
+fn kill_and_restart(s: &mut RolloutSetup) {
+    s.gw.signal("KILL");
+    s.gw.wait();
+    s.gw = GatewayProcess::start(&keel(), &s.cfg);
+}
+
+fn state_file(s: &RolloutSetup) -> serde_json::Value {
+    let p = s.t.path().join("rollouts.json");
+    let text = std::fs::read_to_string(&p).expect("state file");
+    serde_json::from_str(&text).expect("state file json")
+}
+
+#[test]
+fn a_rollout_survives_a_gateway_restart_and_is_promoted() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut s = rollout_setup(
+        &[],
+        "steps = [50, 90, 100]\ninterval_s = 1\nmin_canary_samples = 40",
+    );
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    // Traffic until the rollout reaches its second step, then none: the
+    // step holds for want of samples.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let before = std::thread::scope(|sc| {
+        let d = sc.spawn(|| drive_slowly(&s.gw, &s.key, &stop, Duration::from_millis(10)));
+        let t0 = Instant::now();
+        let st = loop {
+            let st = rollout_status(&s.gw, s.t.path());
+            if st["weight"] == 90 || st["phase"] != "progressing" {
+                break st;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "{st:#}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        d.join().expect("driver");
+        st
+    });
+    assert_eq!(
+        (before["phase"].as_str(), before["weight"].as_u64()),
+        (Some("progressing"), Some(90)),
+        "{before:#}"
+    );
+    let id = before["id"].as_str().expect("id").to_owned();
+    // The state file: the step, its verdicts, mode 0600.
+    let p = s.t.path().join("rollouts.json");
+    let mode = std::fs::metadata(&p)
+        .expect("state file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let f = state_file(&s);
+    let rec = &f["rollouts"][0];
+    assert_eq!(
+        (
+            rec["id"].as_str(),
+            rec["phase"].as_str(),
+            rec["step"].as_u64(),
+            rec["weight"].as_u64()
+        ),
+        (Some(id.as_str()), Some("progressing"), Some(1), Some(90)),
+        "{f:#}"
+    );
+    let verdicts_before = rec["verdicts"].as_array().expect("verdicts").len();
+    // The first step's counts, which the second step's rate checks include.
+    assert_eq!(rec["earlier"].as_array().map(Vec::len), Some(1), "{f:#}");
+    assert!(
+        rec["earlier"][0]["error_rate"][1]["trials"].as_u64() >= Some(40),
+        "{f:#}"
+    );
+    assert!(verdicts_before >= 1, "{f:#}");
+
+    kill_and_restart(&mut s);
+    // The same rollout, at the same step and weight, with its verdicts.
+    let st = rollout_status(&s.gw, s.t.path());
+    assert_eq!(
+        (
+            st["id"].as_str(),
+            st["phase"].as_str(),
+            st["weight"].as_u64()
+        ),
+        (Some(id.as_str()), Some("progressing"), Some(90)),
+        "{st:#}"
+    );
+    assert!(st["verdicts"].as_array().expect("verdicts").len() >= verdicts_before);
+    // Taken up at step 1, and the canary's weight applied again.
+    let t0 = Instant::now();
+    loop {
+        let audit = audit_events(&s, &id);
+        if let Some(i) = audit.iter().position(|e| e["event"] == "rollout_recover") {
+            assert_eq!(audit[i]["step"], 1, "{:?}", audit[i]);
+            if audit[i..]
+                .iter()
+                .any(|e| e["event"] == "rollout_weight" && e["weight"] == 90)
+            {
+                break;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "not taken up: {audit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Traffic again: the step gets its samples and the canary is promoted.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let d = sc.spawn(|| drive(&s.gw, &s.key, &stop));
+        let st = wait_phase(&s, "promoted", Duration::from_secs(30));
+        wait_for(&s.gw, &s.key, "v2");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        d.join().expect("driver");
+        assert_eq!(st["id"], id.as_str());
+        let verdicts = st["verdicts"].as_array().expect("verdicts");
+        // Both steps' verdicts: the first step's from before the restart.
+        assert!(
+            verdicts
+                .iter()
+                .any(|v| v["step"] == 0 && v["decision"] == "advance"),
+            "{st:#}"
+        );
+        let last = verdicts.last().expect("verdict");
+        assert_eq!(
+            (last["step"].as_u64(), last["decision"].as_str()),
+            (Some(1), Some("advance")),
+            "{st:#}"
+        );
+    });
+    // Written once the registry answered the promotion.
+    audit_until(&s, &id, "rollout_promote");
+    let h = alias_history(&s, "production");
+    let last = h.last().expect("event");
+    assert_eq!(last["new_version"], 2);
+    let reason = last["reason"].as_str().expect("reason");
+    assert!(
+        reason.starts_with(&format!("rollout {id}: promoted, no check failed (50%: ")),
+        "{reason}"
+    );
+    let f = state_file(&s);
+    assert_eq!(f["rollouts"][0]["phase"], "promoted", "{f:#}");
+    assert_eq!(f["rollouts"][0]["registry_pending"], false, "{f:#}");
+}
+
+#[test]
+fn a_rollout_whose_aliases_changed_while_the_gateway_was_down_stops() {
+    // No traffic: the first step holds.
+    let mut s = rollout_setup(&[], "steps = [25, 100]\ninterval_s = 1");
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let id = rollout_status(&s.gw, s.t.path())["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    s.gw.signal("KILL");
+    s.gw.wait();
+    // While the gateway is down, someone deletes the canary alias.
+    ok(model(
+        &s.db,
+        &["alias", "rm", "chat", "canary", "--reason", "by hand"],
+    ));
+    s.gw = GatewayProcess::start(&keel(), &s.cfg);
+    let st = wait_phase(&s, "aborted", Duration::from_secs(10));
+    assert_eq!(
+        (st["id"].as_str(), st["weight"].as_u64()),
+        (Some(id.as_str()), Some(0))
+    );
+    let reason = st["reason"].as_str().expect("reason");
+    assert_eq!(
+        reason,
+        format!("rollout {id}: stopped at 25%: the registry's aliases changed while the gateway was down: the canary alias \"canary\" was deleted")
+    );
+    let audit = audit_until(&s, &id, "rollout_stop");
+    let stop = audit
+        .iter()
+        .find(|e| e["event"] == "rollout_stop")
+        .expect("stop");
+    assert_eq!(stop["reason"].as_str(), Some(reason));
+    // No alias was changed by the gateway: the hand deletion is the last
+    // event, and every answer comes from the stable version.
+    let h = alias_history(&s, "canary");
+    assert_eq!(h.last().expect("event")["reason"], "by hand");
+    wait_for(&s.gw, &s.key, "v1");
+    assert_eq!(state_file(&s)["rollouts"][0]["phase"], "aborted");
+    // The stopped rollout is shown by status after another restart, and a
+    // new one can start once a canary is set again.
+    kill_and_restart(&mut s);
+    let st = rollout_status(&s.gw, s.t.path());
+    assert_eq!(
+        (st["phase"].as_str(), st["reason"].as_str()),
+        (Some("aborted"), Some(reason))
+    );
+    let (_, text, _) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert!(text.contains(&format!("ended     {reason}\n")), "{text}");
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert_ne!(rollout_status(&s.gw, s.t.path())["id"], id.as_str());
+
+    // A corrupt state file: keel serve does not start, and says which file.
+    s.gw.signal("KILL");
+    s.gw.wait();
+    let p = s.t.path().join("rollouts.json");
+    std::fs::write(&p, "{\"version\": 1, \"rollouts\": [{\"id\": ").expect("write");
+    let (code, err) = start_fails(&s.cfg);
+    assert_eq!(code, 65, "{err}");
+    assert!(
+        err.contains(&format!(
+            "the rollout state file {} is not what keel writes",
+            p.display()
+        )) && err.contains("nothing was reset"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&p).expect("read"),
+        "{\"version\": 1, \"rollouts\": [{\"id\": "
+    );
+}
+
+#[test]
+fn rollout_start_refuses_a_write_key_without_write_rights() {
+    // The gateway's "write" key is a read key.
+    let s = rollout_setup_with(&[], "steps = [25, 100]\ninterval_s = 1", "read", "openai");
+    canary_set(&s);
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 77, "{out}{err}");
+    assert!(
+        err.contains("the registry refused the gateway's write key (registry.write_key_file) the alias changes of registry model \"chat\": nothing was changed")
+            && err.contains("HTTP 403"),
+        "{err}"
+    );
+    // Nothing changed: no rollout, no state file, no weight, the aliases
+    // as they were, no audit event.
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has no rollout"), "{err}");
+    assert!(!s.t.path().join("rollouts.json").exists());
+    assert_eq!(alias_history(&s, "canary").len(), 1);
+    assert_eq!(alias_history(&s, "production").len(), 1);
+    let served: Vec<String> = (0..20).map(|_| served_by(&s.gw, &s.key)).collect();
+    assert!(served.iter().all(|b| b == "v1"), "{served:?}");
+    let log = std::fs::read_to_string(s.t.path().join("audit.jsonl")).unwrap_or_default();
+    assert!(!log.contains("rollout_start"), "{log}");
+    // The registry's dry run with a write key answers yes and changes
+    // nothing either.
+    let w: serde_json::Value = serde_json::from_str(&ok(model(
+        &s.db,
+        &["--json", "keys", "create", "writer", "--role", "write"],
+    )))
+    .expect("json");
+    let addr = s.url.trim_start_matches("http://").parse().expect("addr");
+    let r = http::post_json(
+        addr,
+        "/api/v1/aliases/delete",
+        w["secret"].as_str().expect("secret"),
+        &serde_json::json!({"version": 1, "name": "chat", "alias": "canary", "reason": "may I", "dry_run": true}),
+    )
+    .expect("dry run");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (r.json()["dry_run"].as_bool(), r.json()["allowed"].as_bool()),
+        (Some(true), Some(true))
+    );
+    let r = http::post_json(
+        addr,
+        "/api/v1/aliases/set",
+        w["secret"].as_str().expect("secret"),
+        &serde_json::json!({"version": 1, "name": "chat", "alias": "production", "target": 9, "reason": "may I", "dry_run": true}),
+    )
+    .expect("dry run");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(alias_history(&s, "canary").len(), 1);
+    assert_eq!(alias_history(&s, "production").len(), 1);
+}
+
+#[test]
+fn an_oip_canary_with_shifted_outputs_is_aborted_on_output_mean() {
+    let s = rollout_setup_with(
+        &["--oip-shift", "1.0"],
+        "steps = [25, 50, 100]\ninterval_s = 1",
+        "write",
+        "oip",
+    );
+    canary_set(&s);
+    let body = serde_json::json!({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [0.5]}]});
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let d = sc.spawn(|| {
+            let mut n = std::collections::BTreeMap::<String, u64>::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(r) = http::post_json(s.gw.public, "/v2/models/chat/infer", &s.key, &body)
+                {
+                    let by = r.json()["parameters"]["backend"]
+                        .as_str()
+                        .unwrap_or("error")
+                        .to_owned();
+                    *n.entry(by).or_default() += 1;
+                }
+            }
+            n
+        });
+        let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+        assert_eq!(code, 0, "{err}");
+        let st = wait_phase(&s, "aborted", Duration::from_secs(20));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let served = d.join().expect("driver");
+        assert!(served.contains_key("v2"), "{served:?}");
+        let id = st["id"].as_str().expect("id").to_owned();
+        let last = st["verdicts"]
+            .as_array()
+            .expect("verdicts")
+            .last()
+            .expect("verdict")
+            .clone();
+        assert_eq!(
+            (last["decision"].as_str(), last["weight"].as_u64()),
+            (Some("abort"), Some(25)),
+            "{st:#}"
+        );
+        let failed: Vec<&str> = last["checks"]
+            .as_array()
+            .expect("checks")
+            .iter()
+            .filter(|c| c["outcome"] == "fail")
+            .filter_map(|c| c["check"].as_str())
+            .collect();
+        // (Latency on a loaded test machine may fail too.)
+        assert!(failed.contains(&"output_mean"), "{st:#}");
+        audit_until(&s, &id, "rollout_rollback");
+        let h = alias_history(&s, "canary");
+        let ev = h.last().expect("event");
+        assert_eq!(ev["new_version"], serde_json::Value::Null, "{ev}");
+        let reason = ev["reason"].as_str().expect("reason");
+        assert!(
+            reason.starts_with(&format!("rollout {id}: aborted at 25% (interval "))
+                && reason.contains("output_mean fail: canary 2."),
+            "{reason}"
+        );
+    });
+}
+
+#[test]
+fn a_rollout_whose_state_cannot_be_recorded_does_not_start() {
+    let mut s = rollout_setup(&[], "steps = [25, 100]\ninterval_s = 1");
+    // A state file in a directory that does not exist: nothing to read at
+    // start, nothing can be written.
+    let text = std::fs::read_to_string(&s.cfg).expect("read");
+    std::fs::write(
+        &s.cfg,
+        text.replace(
+            "write_key_file = \"rollouts.key\"\n",
+            "write_key_file = \"rollouts.key\"\nrollout_state_file = \"missing/rollouts.json\"\n",
+        ),
+    )
+    .expect("write");
+    kill_and_restart(&mut s);
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&format!(
+            "cannot write the rollout state file {}: the rollout was not started",
+            s.t.path().join("missing/rollouts.json").display()
+        )) && err.contains("HTTP 500"),
+        "{err}"
+    );
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["status", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model \"chat\" has no rollout"), "{err}");
+    let served: Vec<String> = (0..20).map(|_| served_by(&s.gw, &s.key)).collect();
+    assert!(served.iter().all(|b| b == "v1"), "{served:?}");
+    let log = std::fs::read_to_string(s.t.path().join("audit.jsonl")).unwrap_or_default();
+    assert!(!log.contains("rollout_start"), "{log}");
 }

@@ -81,7 +81,7 @@ token_sha256 = "{}"
 keys_file = "keys.json"
 [roles.user]
 models = ["chat"]
-operations = ["chat", "models"]
+operations = ["chat", "models", "infer"]
 [registry]
 url = "{registry_url}"
 key_file = "registry.key"
