@@ -1,65 +1,52 @@
 //! Azure Instance Metadata Service: the VM size, to pick a SKU profile.
-//! Plain HTTP/1.1 over a socket with short timeouts; no client library.
+//! Plain HTTP (ureq, no proxy, no redirects) with one deadline for the
+//! whole exchange.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 /// The endpoint Azure VMs reach IMDS at.
 pub const DEFAULT_ENDPOINT: &str = "169.254.169.254:80";
 
+/// The most of an answer read.
+const MAX_BODY: u64 = 64 * 1024;
+
 /// Asks IMDS at `endpoint` (`host:port`) for `compute/vmSize`. `None` on
 /// any failure or timeout: not being on Azure is normal.
 pub fn vm_size(endpoint: &str, timeout: Duration) -> Option<String> {
-    let addr = endpoint.to_socket_addrs().ok()?.next()?;
-    let mut stream = TcpStream::connect_timeout(&addr, timeout).ok()?;
-    stream.set_read_timeout(Some(timeout)).ok()?;
-    stream.set_write_timeout(Some(timeout)).ok()?;
-    let req = format!(
-        "GET /metadata/instance/compute/vmSize?api-version=2021-02-01&format=text HTTP/1.1\r\nHost: {endpoint}\r\nMetadata: true\r\nConnection: close\r\n\r\n"
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        // IMDS is link-local: never through a proxy.
+        .proxy(None)
+        .max_redirects(0)
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .build()
+        .into();
+    let url = format!(
+        "http://{endpoint}/metadata/instance/compute/vmSize?api-version=2021-02-01&format=text"
     );
-    stream.write_all(req.as_bytes()).ok()?;
-    let mut buf = Vec::new();
-    stream.take(64 * 1024).read_to_end(&mut buf).ok()?;
-    parse_response(&String::from_utf8_lossy(&buf))
-}
-
-/// The body of a `200` response, trimmed; `None` otherwise.
-fn parse_response(resp: &str) -> Option<String> {
-    let (head, body) = resp.split_once("\r\n\r\n")?;
-    let status = head.lines().next()?;
-    if status.split_whitespace().nth(1) != Some("200") {
+    let mut resp = agent.get(&url).header("Metadata", "true").call().ok()?;
+    if resp.status().as_u16() != 200 {
         return None;
     }
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase().starts_with("transfer-encoding:")
-            && l.to_ascii_lowercase().contains("chunked")
-    });
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_owned()
-    };
-    let v = body.trim().to_owned();
-    (!v.is_empty() && v.len() < 128).then_some(v)
+    let body = resp
+        .body_mut()
+        .with_config()
+        .limit(MAX_BODY)
+        .read_to_string()
+        .ok()?;
+    size(&body)
 }
 
-fn dechunk(mut body: &str) -> Option<String> {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = body.split_once("\r\n")?;
-        let n = usize::from_str_radix(size.trim(), 16).ok()?;
-        if n == 0 {
-            return Some(out);
-        }
-        out.push_str(rest.get(..n)?);
-        body = rest.get(n + 2..)?;
-    }
+/// A VM size from an answer's body: trimmed, not empty, shorter than 128.
+fn size(body: &str) -> Option<String> {
+    let v = body.trim();
+    (!v.is_empty() && v.len() < 128).then(|| v.to_owned())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
     use std::net::TcpListener;
 
     #[test]
@@ -82,7 +69,7 @@ mod tests {
             Some("Standard_ND96isr_H100_v5")
         );
         let req = server.join().expect("server");
-        assert!(req.contains("Metadata: true"), "{req}");
+        assert!(req.to_ascii_lowercase().contains("metadata: true"), "{req}");
     }
 
     #[test]
@@ -97,10 +84,35 @@ mod tests {
         assert_eq!(vm_size("127.0.0.1:1", Duration::from_millis(300)), None);
     }
 
+    /// Serves one connection with `resp` and returns the request.
+    fn serve_once(resp: &'static [u8]) -> (String, std::thread::JoinHandle<String>) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().expect("accept");
+            let mut req = [0u8; 1024];
+            let n = s.read(&mut req).expect("read");
+            s.write_all(resp).expect("write");
+            String::from_utf8_lossy(&req[..n]).into_owned()
+        });
+        (addr, server)
+    }
+
     #[test]
     fn responses() {
-        assert_eq!(parse_response("HTTP/1.1 404 Not Found\r\n\r\nno"), None);
-        assert_eq!(parse_response("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nStand\r\n3\r\nard\r\n0\r\n\r\n").as_deref(), Some("Standard"));
-        assert_eq!(parse_response("garbage"), None);
+        let (addr, s) = serve_once(b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno");
+        assert_eq!(vm_size(&addr, Duration::from_secs(2)), None);
+        s.join().expect("server");
+        let (addr, s) = serve_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nStand\r\n3\r\nard\r\n0\r\n\r\n");
+        assert_eq!(
+            vm_size(&addr, Duration::from_secs(2)).as_deref(),
+            Some("Standard")
+        );
+        s.join().expect("server");
+        let (addr, s) = serve_once(b"garbage\r\n\r\n");
+        assert_eq!(vm_size(&addr, Duration::from_secs(2)), None);
+        s.join().expect("server");
+        assert_eq!(size(&"x".repeat(200)), None);
+        assert_eq!(size("  \n"), None);
     }
 }

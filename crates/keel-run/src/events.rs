@@ -16,8 +16,6 @@
 //! polling.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, SystemTime};
 
 use serde::Deserialize;
@@ -443,42 +441,82 @@ impl Imds {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(u16, Vec<u8>), EventsError> {
-        let addr = self.addr();
-        let connect = |source| EventsError::Connect {
-            addr: addr.clone(),
-            source,
-        };
-        let sock = addr
-            .to_socket_addrs()
-            .map_err(connect)?
-            .next()
-            .ok_or_else(|| connect(std::io::ErrorKind::NotFound.into()))?;
-        let mut s = TcpStream::connect_timeout(&sock, self.timeout).map_err(connect)?;
-        let io = |source| EventsError::Io {
-            addr: addr.clone(),
-            source,
-        };
-        s.set_read_timeout(Some(self.timeout)).map_err(io)?;
-        s.set_write_timeout(Some(self.timeout)).map_err(io)?;
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
-            self.host,
-            body.len()
-        );
+        let url = format!("http://{}{path}", self.addr());
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            // A metadata service is link-local: never through a proxy.
+            .proxy(None)
+            .max_redirects(0)
+            .http_status_as_error(false)
+            .timeout_connect(Some(self.timeout))
+            .timeout_global(Some(self.timeout))
+            .build()
+            .into();
+        let mut req = http_request(method, &url)?;
         for (k, v) in headers {
-            req.push_str(&format!("{k}: {v}\r\n"));
+            req = req.header(*k, *v);
         }
         if !body.is_empty() {
-            req.push_str("Content-Type: application/json\r\n");
+            req = req.header("Content-Type", "application/json");
         }
-        req.push_str("\r\n");
-        s.write_all(req.as_bytes()).map_err(io)?;
-        s.write_all(body).map_err(io)?;
-        read_response(&mut BufReader::new(s)).map_err(|e| match e {
-            ReadError::Io(source) => io(source),
-            ReadError::Http(m) => EventsError::Http(m),
-        })
+        let mut resp = agent
+            .run(
+                req.body(body.to_vec())
+                    .map_err(|e| EventsError::Http(e.to_string()))?,
+            )
+            .map_err(|e| self.error(e))?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(MAX_BODY as u64)
+            .read_to_vec()
+            .map_err(|e| self.error(e))?;
+        Ok((status, body))
     }
+
+    /// What a failed exchange says: unreachable before a connection was
+    /// made, an I/O failure on it, or an answer that is not HTTP.
+    fn error(&self, e: ureq::Error) -> EventsError {
+        use std::io::ErrorKind as K;
+        let addr = self.addr();
+        match e {
+            ureq::Error::HostNotFound
+            | ureq::Error::ConnectionFailed
+            | ureq::Error::Timeout(ureq::Timeout::Resolve | ureq::Timeout::Connect) => {
+                EventsError::Connect {
+                    addr,
+                    source: e.into_io(),
+                }
+            }
+            ureq::Error::Io(source)
+                if matches!(
+                    source.kind(),
+                    K::ConnectionRefused
+                        | K::AddrNotAvailable
+                        | K::NetworkUnreachable
+                        | K::HostUnreachable
+                ) =>
+            {
+                EventsError::Connect { addr, source }
+            }
+            ureq::Error::Io(source) => EventsError::Io { addr, source },
+            ureq::Error::Timeout(_) => EventsError::Io {
+                addr,
+                source: e.into_io(),
+            },
+            ureq::Error::BodyExceedsLimit(_) => {
+                EventsError::Http("the response is too large".to_owned())
+            }
+            other => EventsError::Http(other.to_string()),
+        }
+    }
+}
+
+/// A request of `method` for `url`, without its body.
+fn http_request(method: &str, url: &str) -> Result<ureq::http::request::Builder, EventsError> {
+    let method = ureq::http::Method::from_bytes(method.as_bytes())
+        .map_err(|e| EventsError::Http(e.to_string()))?;
+    Ok(ureq::http::Request::builder().method(method).uri(url))
 }
 
 /// Polls IMDS and reports each new event for one VM once. An error (IMDS
@@ -507,84 +545,6 @@ impl Poller {
     pub fn imds(&self) -> &Imds {
         &self.imds
     }
-}
-
-enum ReadError {
-    Io(std::io::Error),
-    Http(String),
-}
-
-impl From<std::io::Error> for ReadError {
-    fn from(e: std::io::Error) -> Self {
-        ReadError::Io(e)
-    }
-}
-
-fn read_line(r: &mut impl BufRead) -> Result<String, ReadError> {
-    let mut line = Vec::new();
-    r.by_ref().take(8192).read_until(b'\n', &mut line)?;
-    if line.is_empty() {
-        return Err(ReadError::Http("the connection closed early".to_owned()));
-    }
-    Ok(String::from_utf8_lossy(&line).trim_end().to_owned())
-}
-
-fn read_response(r: &mut impl BufRead) -> Result<(u16, Vec<u8>), ReadError> {
-    let status_line = read_line(r)?;
-    let status = status_line
-        .strip_prefix("HTTP/1.")
-        .and_then(|s| s.get(2..5))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| ReadError::Http("no status line".to_owned()))?;
-    let mut length = None;
-    let mut chunked = false;
-    for _ in 0..100 {
-        let line = read_line(r)?;
-        if line.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = line.split_once(':') {
-            let (k, v) = (k.trim(), v.trim());
-            if k.eq_ignore_ascii_case("content-length") {
-                length = Some(
-                    v.parse::<usize>()
-                        .map_err(|_| ReadError::Http("a bad Content-Length".to_owned()))?,
-                );
-            } else if k.eq_ignore_ascii_case("transfer-encoding") {
-                chunked = v.to_ascii_lowercase().contains("chunked");
-            }
-        }
-    }
-    let mut body = Vec::new();
-    if chunked {
-        loop {
-            let size = read_line(r)?;
-            let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
-                .map_err(|_| ReadError::Http("a bad chunk size".to_owned()))?;
-            if size == 0 {
-                break;
-            }
-            if body.len() + size > MAX_BODY {
-                return Err(ReadError::Http("the response is too large".to_owned()));
-            }
-            let start = body.len();
-            body.resize(start + size, 0);
-            r.read_exact(&mut body[start..])?;
-            read_line(r)?;
-        }
-    } else if let Some(n) = length {
-        if n > MAX_BODY {
-            return Err(ReadError::Http("the response is too large".to_owned()));
-        }
-        body.resize(n, 0);
-        r.read_exact(&mut body)?;
-    } else {
-        r.take(MAX_BODY as u64 + 1).read_to_end(&mut body)?;
-        if body.len() > MAX_BODY {
-            return Err(ReadError::Http("the response is too large".to_owned()));
-        }
-    }
-    Ok((status, body))
 }
 
 #[cfg(test)]

@@ -107,3 +107,68 @@ fn a_gcp_preemption_is_read_with_the_google_flavor() {
     fake.set_gcp_preempted(true);
     assert!(imds.gcp_preempted().expect("preempted"));
 }
+
+/// A server that answers every connection with `head` and then sends
+/// `body` a chunk at a time, `pause` apart.
+fn raw_server(head: &'static str, body: Vec<u8>, chunk: usize, pause: Duration) -> String {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let mut req = [0u8; 4096];
+                let _ = s.read(&mut req);
+                if s.write_all(head.as_bytes()).is_err() {
+                    return;
+                }
+                for c in body.chunks(chunk.max(1)) {
+                    if s.write_all(c).is_err() {
+                        return;
+                    }
+                    std::thread::sleep(pause);
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_slow_imds_answer_ends_at_the_timeout() {
+    // Headers at once, then one byte of a 1000-byte body every 100 ms: a
+    // read timeout alone would wait 100 s.
+    let addr = raw_server(
+        "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n",
+        vec![b' '; 1000],
+        1,
+        Duration::from_millis(100),
+    );
+    let imds = Imds::new(&format!("http://{addr}"), Duration::from_millis(500)).expect("addr");
+    let start = std::time::Instant::now();
+    let err = imds.events().expect_err("slow");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(matches!(err, EventsError::Io { .. }), "{err:?}");
+}
+
+#[test]
+fn an_oversized_imds_answer_is_refused() {
+    let addr = raw_server(
+        "HTTP/1.1 200 OK\r\nContent-Length: 2097152\r\n\r\n",
+        vec![b' '; 2 << 20],
+        64 << 10,
+        Duration::ZERO,
+    );
+    let imds = Imds::new(&format!("http://{addr}"), Duration::from_secs(5)).expect("addr");
+    let err = imds.events().expect_err("too large");
+    assert!(
+        matches!(&err, EventsError::Http(m) if m.contains("too large")),
+        "{err:?}"
+    );
+}
