@@ -140,6 +140,13 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 _ => Code::Usage,
             };
         }
+        if let Some(b) = e.downcast_ref::<keel_gateway::drift_baseline::BaselineError>() {
+            use keel_gateway::drift_baseline::BaselineError as B;
+            return match b {
+                B::Read { .. } => Code::Io,
+                B::Parse { .. } | B::Invalid { .. } => Code::Data,
+            };
+        }
         if let Some(r) = e.downcast_ref::<keel_registry::RegistryError>() {
             return registry_code(r);
         }

@@ -383,6 +383,32 @@ fn a_recorded_baseline_is_the_reference_of_a_restarted_gateway() {
         "{text}"
     );
 
+    // `show` on a file that is not a baseline, or is missing: data error
+    // (65) and I/O error (74), each naming the file.
+    let not_baseline = dir.join("not-a-baseline.json");
+    std::fs::write(&not_baseline, "hello").expect("write");
+    for (file, code, want) in [
+        (not_baseline.clone(), 65, "is not a baseline file"),
+        (
+            dir.join("missing.json"),
+            74,
+            "cannot read the drift baseline",
+        ),
+    ] {
+        let o = Command::new(keel())
+            .args(["serve", "drift", "baseline", "show"])
+            .arg(&file)
+            .env_remove("KEEL_CONFIG")
+            .output()
+            .expect("show");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "{err}");
+        assert!(
+            err.contains(want) && err.contains(&*file.to_string_lossy()),
+            "{err}"
+        );
+    }
+
     // A restarted gateway measures against the baseline from its first
     // window: the backend now answers one token where it answered eight.
     let cfg = config(dir, &url, "chat", "openai", "baseline_file = \"base.json\"");
