@@ -495,10 +495,15 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
         let price = prices.for_partition(&j.partition);
         let per_gpu = |node: f64, p: &Price| node / f64::from(p.gpus_per_node);
         let cost = price.map(|p| gpu_hours * per_gpu(p.on_demand, p));
-        let marker = j
-            .comment
-            .as_deref()
-            .map(|c| keel_slurm::has_marker(c, keel_slurm::RUN_MARKER));
+        let marker = j.comment.as_deref().and_then(|c| {
+            // slurmdbd receives the comment with the job's end: until then
+            // sacct shows none.
+            if c.trim().is_empty() && not_ended(&j.state) {
+                None
+            } else {
+                Some(keel_slurm::has_marker(c, keel_slurm::RUN_MARKER))
+            }
+        });
         let by_name = opts
             .requeue_safe_prefixes
             .iter()
@@ -560,6 +565,14 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
         idle: None,
         idle_unknown: Some("no exporter or Prometheus source given".to_owned()),
     }
+}
+
+/// A state sacct reports before the job's end (Slurm 22.05's words).
+fn not_ended(state: &str) -> bool {
+    let word = state.split_whitespace().next().unwrap_or("");
+    ["RUNNING", "PENDING", "SUSPENDED", "RESIZING"]
+        .iter()
+        .any(|s| word.eq_ignore_ascii_case(s))
 }
 
 fn clipped_seconds(j: &SacctJob, opts: &CostOptions) -> i64 {
@@ -698,11 +711,11 @@ impl CostReport {
             count(RequeueSafeBy::Name),
             self.total.spot_saving
         );
-        let no_comment = self.jobs.iter().filter(|j| j.marker.is_none()).count();
-        if no_comment > 0 {
+        let unknown = self.jobs.iter().filter(|j| j.marker.is_none()).count();
+        if unknown > 0 {
             let _ = writeln!(
                 s,
-                "  ({no_comment} jobs without a Comment field in the sacct rows: only their names were matched)"
+                "  ({unknown} jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
             );
         }
         if safe.is_empty() {
@@ -912,6 +925,8 @@ mod tests {
 4|plain|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-runner
 5|old|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
 6|marked|u|a|nospot|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
+7|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|
+8|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|keel-run
 ";
         let (jobs, diags) = parse_sacct("f", text);
         assert!(diags.is_empty());
@@ -962,9 +977,12 @@ mod tests {
                 ("4", None, Some(false), None),
                 ("5", None, None, None),
                 ("6", Some(RequeueSafeBy::Marker), Some(true), None),
+                // Not ended: slurmdbd has no comment yet.
+                ("7", None, None, None),
+                ("8", Some(RequeueSafeBy::Marker), Some(true), Some(12.0)),
             ]
         );
-        assert_eq!(r.total.spot_saving, 36.0);
+        assert_eq!(r.total.spot_saving, 48.0);
         let csv = r.csv();
         assert!(csv.starts_with("job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,requeue_safe_by,spot_saving,"), "{csv}");
         assert!(
@@ -985,12 +1003,12 @@ mod tests {
         );
         let text = r.text();
         assert!(
-            text.contains("requeue-safe jobs: 4 (3 run under keel run, 1 by name); running them on spot would have saved 36.00 USD"),
+            text.contains("requeue-safe jobs: 5 (4 run under keel run, 1 by name); running them on spot would have saved 48.00 USD"),
             "{text}"
         );
         assert!(
             text.contains(
-                "(1 jobs without a Comment field in the sacct rows: only their names were matched)"
+                "(2 jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
             ),
             "{text}"
         );

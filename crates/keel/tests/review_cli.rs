@@ -684,7 +684,7 @@ fn cost_counts_jobs_marked_by_keel_run_as_requeue_safe() {
         ),
         "{out}"
     );
-    assert!(!out.contains("without a Comment field"), "{out}");
+    assert!(!out.contains("comments unknown"), "{out}");
     for line in [
         "  1001         train-llm        alice        gpu                80.0         801.50  marker",
         "  1002         keel-ft          bob          gpu                32.0         320.60  name",
