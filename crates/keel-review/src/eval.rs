@@ -1018,6 +1018,53 @@ mod tests {
         evaluate(&rule, &[input], &Options::default())
     }
 
+    fn job_comment(conf: &str) -> Outcome {
+        let mut diags = Vec::new();
+        let input = parse(
+            Source {
+                path: std::path::Path::new("slurm.conf"),
+                text: conf,
+                kind: Kind::Slurm,
+            },
+            &FsLoader,
+            &mut diags,
+        )
+        .expect("input");
+        let rule = crate::rules()
+            .into_iter()
+            .find(|r| r.id == "KEEL-COST-009")
+            .expect("rule");
+        evaluate(&rule, &[input], &Options::default())
+    }
+
+    #[test]
+    fn job_comments_matter_only_where_jobs_are_accounted() {
+        const DBD: &str = "AccountingStorageType=accounting_storage/slurmdbd\n";
+        assert_eq!(job_comment("ClusterName=c\n"), Outcome::Pass);
+        assert_eq!(
+            job_comment("AccountingStorageType=accounting_storage/none\n"),
+            Outcome::Pass
+        );
+        assert_eq!(
+            job_comment(&format!(
+                "{DBD}AccountingStoreFlags=job_script,JOB_COMMENT\n"
+            )),
+            Outcome::Pass
+        );
+        // The spelling before Slurm 21.08.
+        assert_eq!(
+            job_comment(&format!("{DBD}AccountingStoreJobComment=YES\n")),
+            Outcome::Pass
+        );
+        match job_comment(&format!("{DBD}AccountingStoreFlags=job_script\n")) {
+            Outcome::Fail(f) => {
+                assert_eq!(f[0].location.line, 2);
+                assert_eq!(f[0].message, "AccountingStorageType=accounting_storage/slurmdbd with AccountingStoreFlags=job_script: sacct returns no job comments");
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
     #[test]
     fn hcoll_matters_only_where_mpi_launches() {
         assert_eq!(
