@@ -44,7 +44,8 @@ pub struct SacctJob {
     pub start: Option<i64>,
     pub end: Option<i64>,
     /// The job's Comment; `None` when the row has no Comment field. Empty
-    /// where slurm.conf lacks `AccountingStoreFlags=job_comment`.
+    /// where slurm.conf lacks `AccountingStoreFlags=job_comment`, and for a
+    /// job that has not ended (slurmdbd receives it with the job's end).
     pub comment: Option<String>,
 }
 
@@ -283,7 +284,8 @@ pub struct JobCost {
     /// Which rule made it requeue-safe; `None` when it is not.
     pub requeue_safe_by: Option<RequeueSafeBy>,
     /// Whether its Comment holds keel run's marker; `None` when the
-    /// accounting row has no Comment field.
+    /// accounting row has no Comment field, or an empty one for a job that
+    /// has not ended.
     pub marker: Option<bool>,
     /// What running it on spot would have saved (requeue-safe jobs in
     /// partitions with a spot price).
