@@ -98,6 +98,38 @@ fn local_time(offset: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// `keel --json cost` over the real sacct (`args` after `cost`), run
+/// again until its report lists every one of `jobs`: slurmdbd can answer
+/// a query by period without a job for a moment after `sacct -j` shows it
+/// COMPLETED.
+fn cost_listing(cluster: &SlurmCluster, args: &[&str], jobs: &[&String]) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = keel()
+            .env("SLURM_CONF", cluster.conf())
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .args(["--json", "cost"])
+            .args(args)
+            .output()
+            .expect("keel cost runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+        let listed = v["report"]["jobs"].as_array().is_some_and(|list| {
+            jobs.iter()
+                .all(|id| list.iter().any(|j| j["job_id"] == id.as_str()))
+        });
+        if listed {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "keel cost does not list all of {jobs:?} after 30 s: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 #[test]
 #[ignore = "needs Slurm: scripts/test starts one"]
 fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
@@ -150,19 +182,21 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
     )
     .expect("write");
     let until = local_time("+1 minute");
-    let path = std::env::var("PATH").unwrap_or_default();
-    let out = keel()
-        .env("SLURM_CONF", cluster.conf())
-        .env("PATH", &path)
-        .args(["--json", "cost", "--prices"])
-        .arg(&prices)
-        .args(["--since", &since, "--until", &until])
-        .args(["--requeue-safe", "keel-acct-"])
-        .output()
-        .expect("keel cost runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let prices_arg = prices.display().to_string();
+    let v = cost_listing(
+        &cluster,
+        &[
+            "--prices",
+            &prices_arg,
+            "--since",
+            &since,
+            "--until",
+            &until,
+            "--requeue-safe",
+            "keel-acct-",
+        ],
+        &[&safe, &whole],
+    );
     let jobs = v["report"]["jobs"].as_array().expect("jobs");
     let job = |id: &str| jobs.iter().find(|j| j["job_id"] == id);
     assert!(job(&cpu).is_none(), "a job without GPUs is left out");
@@ -319,19 +353,18 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
     )
     .expect("write");
     let until = local_time("+1 minute");
+    let prices_arg = prices.display().to_string();
     let cost = |extra: &[&str]| -> Value {
-        let out = keel()
-            .env("SLURM_CONF", cluster.conf())
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .args(["--json", "cost", "--prices"])
-            .arg(&prices)
-            .args(["--since", &since, "--until", &until])
-            .args(extra)
-            .output()
-            .expect("keel cost runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(0), "{stderr}");
-        serde_json::from_slice(&out.stdout).expect("json")
+        let mut args = vec![
+            "--prices",
+            &prices_arg,
+            "--since",
+            &since,
+            "--until",
+            &until,
+        ];
+        args.extend_from_slice(extra);
+        cost_listing(&cluster, &args, &[&supervised, &plain])
     };
     let v = cost(&[]);
     let job = |v: &Value, id: &str| -> Value {
