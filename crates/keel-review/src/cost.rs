@@ -1,12 +1,18 @@
 //! `keel cost`: GPU-hours and their price from Slurm accounting.
 //!
 //! Input is the text of
-//! `sacct -a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
-//! ([`SACCT_FORMAT`]): one allocation a line, `|`-separated. GPU-hours are
-//! the allocation's `gres/gpu` count times its elapsed time, clipped to the
-//! period; prices come from a user's TOML table, per partition, per node
-//! hour, on demand and spot. A job whose partition has no price is counted
-//! in GPU-hours and shown unpriced, never as costing 0.
+//! `sacct -a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment`
+//! ([`SACCT_FORMAT`]): one allocation a line, `|`-separated; rows without
+//! the last field (`Comment`, read by keel before it was added) are read
+//! too. GPU-hours are the allocation's `gres/gpu` count times its elapsed
+//! time, clipped to the period; prices come from a user's TOML table, per
+//! partition, per node hour, on demand and spot. A job whose partition has
+//! no price is counted in GPU-hours and shown unpriced, never as costing 0.
+//!
+//! A job is requeue-safe (what moving it to spot would have saved is
+//! reported) when its Comment holds `keel run --slurm`'s marker
+//! ([`keel_slurm::RUN_MARKER`]), or its name starts with a prefix the user
+//! gives.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -15,9 +21,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{cut, Diagnostic, DiagnosticKind, Location};
 
-/// The `--format` fields `keel cost` asks `sacct` for, in order.
+/// The `--format` fields `keel cost` asks `sacct` for, in order. `Comment`
+/// is last: it is free text, and a `|` in it is kept.
 pub const SACCT_FORMAT: &str =
-    "JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End";
+    "JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment";
+/// The fields before `Comment`: a row of only these (the format before
+/// `Comment` was added) is read with the comment unknown.
 const FIELDS: usize = 10;
 
 /// One allocation row.
@@ -34,6 +43,10 @@ pub struct SacctJob {
     /// Seconds since the Unix epoch, when sacct knew it.
     pub start: Option<i64>,
     pub end: Option<i64>,
+    /// The job's Comment; `None` when the row has no Comment field. Empty
+    /// where slurm.conf lacks `AccountingStoreFlags=job_comment`, and for a
+    /// job that has not ended (slurmdbd receives it with the job's end).
+    pub comment: Option<String>,
 }
 
 /// Parses sacct's text; lines that do not fit are diagnostics.
@@ -49,24 +62,26 @@ pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
             file: file.to_owned(),
             line: n,
         };
-        let f: Vec<&str> = line.split('|').collect();
-        // `-P` ends each line with a `|` on some versions.
-        let f = if f.len() == FIELDS + 1 && f[FIELDS].is_empty() {
-            &f[..FIELDS]
-        } else {
-            &f[..]
-        };
-        if f.len() != FIELDS {
+        let mut f: Vec<&str> = line.split('|').collect();
+        // `-p` ends each line with a `|`: with more fields than the
+        // format's, an empty last one is that.
+        if f.len() > FIELDS + 1 && f.last().is_some_and(|l| l.is_empty()) {
+            f.pop();
+        }
+        if f.len() < FIELDS {
             diags.push(Diagnostic::new(
                 DiagnosticKind::Malformed,
                 loc,
                 format!(
-                    "expected {FIELDS} |-separated fields ({SACCT_FORMAT}), found {}",
+                    "expected {} |-separated fields ({SACCT_FORMAT}; {FIELDS} without Comment), found {}",
+                    FIELDS + 1,
                     f.len()
                 ),
             ));
             continue;
         }
+        // The Comment is the rest of the line, `|`s included.
+        let comment = (f.len() > FIELDS).then(|| f[FIELDS..].join("|"));
         let Ok(elapsed_s) = f[6].trim().parse::<u64>() else {
             diags.push(Diagnostic::new(
                 DiagnosticKind::Malformed,
@@ -86,6 +101,7 @@ pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
             state: f[7].to_owned(),
             start: parse_time(f[8]),
             end: parse_time(f[9]),
+            comment,
         });
     }
     (jobs, diags)
@@ -227,8 +243,29 @@ pub struct CostOptions {
     pub since: Option<i64>,
     pub until: Option<i64>,
     /// Job-name prefixes of requeue-safe jobs (checkpointing, requeued on
-    /// failure): what moving them to spot would have saved.
+    /// failure): what moving them to spot would have saved. Jobs whose
+    /// Comment holds keel run's marker are requeue-safe too.
     pub requeue_safe_prefixes: Vec<String>,
+}
+
+/// Why a job counts as requeue-safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequeueSafeBy {
+    /// Its Comment holds keel run's marker: it ran under `keel run
+    /// --slurm`. Wins when the name matches too.
+    Marker,
+    /// Its name starts with a `--requeue-safe` prefix.
+    Name,
+}
+
+impl RequeueSafeBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Marker => "marker",
+            Self::Name => "name",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -244,6 +281,12 @@ pub struct JobCost {
     /// On demand; `None` when the partition has no price.
     pub cost: Option<f64>,
     pub requeue_safe: bool,
+    /// Which rule made it requeue-safe; `None` when it is not.
+    pub requeue_safe_by: Option<RequeueSafeBy>,
+    /// Whether its Comment holds keel run's marker; `None` when the
+    /// accounting row has no Comment field, or an empty one for a job that
+    /// has not ended.
+    pub marker: Option<bool>,
     /// What running it on spot would have saved (requeue-safe jobs in
     /// partitions with a spot price).
     pub spot_saving: Option<f64>,
@@ -454,10 +497,27 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
         let price = prices.for_partition(&j.partition);
         let per_gpu = |node: f64, p: &Price| node / f64::from(p.gpus_per_node);
         let cost = price.map(|p| gpu_hours * per_gpu(p.on_demand, p));
-        let requeue_safe = opts
+        let marker = j.comment.as_deref().and_then(|c| {
+            // slurmdbd receives the comment with the job's end: until then
+            // sacct shows none.
+            if c.trim().is_empty() && not_ended(&j.state) {
+                None
+            } else {
+                Some(keel_slurm::has_marker(c, keel_slurm::RUN_MARKER))
+            }
+        });
+        let by_name = opts
             .requeue_safe_prefixes
             .iter()
             .any(|pre| !pre.is_empty() && j.name.starts_with(pre.as_str()));
+        let requeue_safe_by = if marker == Some(true) {
+            Some(RequeueSafeBy::Marker)
+        } else if by_name {
+            Some(RequeueSafeBy::Name)
+        } else {
+            None
+        };
+        let requeue_safe = requeue_safe_by.is_some();
         let spot_saving = match price {
             Some(p) if requeue_safe => p
                 .spot
@@ -475,6 +535,8 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
             gpu_hours,
             cost,
             requeue_safe,
+            requeue_safe_by,
+            marker,
             spot_saving,
         });
     }
@@ -505,6 +567,14 @@ pub fn cost(jobs: &[SacctJob], prices: &PriceTable, opts: &CostOptions) -> CostR
         idle: None,
         idle_unknown: Some("no exporter or Prometheus source given".to_owned()),
     }
+}
+
+/// A state sacct reports before the job's end (Slurm 22.05's words).
+fn not_ended(state: &str) -> bool {
+    let word = state.split_whitespace().next().unwrap_or("");
+    ["RUNNING", "PENDING", "SUSPENDED", "RESIZING"]
+        .iter()
+        .any(|s| word.eq_ignore_ascii_case(s))
 }
 
 fn clipped_seconds(j: &SacctJob, opts: &CostOptions) -> i64 {
@@ -621,19 +691,65 @@ impl CostReport {
                 );
             }
         }
-        let safe = self.jobs.iter().filter(|j| j.requeue_safe).count();
+        self.requeue_safe_text(&mut s);
+        s
+    }
+
+    /// The requeue-safe jobs, each with the rule that made it so, and what
+    /// spot would have saved.
+    fn requeue_safe_text(&self, s: &mut String) {
+        let c = &self.currency;
+        let safe: Vec<&JobCost> = self.jobs.iter().filter(|j| j.requeue_safe).collect();
+        let count = |by: RequeueSafeBy| {
+            safe.iter()
+                .filter(|j| j.requeue_safe_by == Some(by))
+                .count()
+        };
         let _ = writeln!(
             s,
-            "\nrequeue-safe jobs: {safe}; running them on spot would have saved {:.2} {c}",
+            "\nrequeue-safe jobs: {} ({} run under keel run, {} by name); running them on spot would have saved {:.2} {c}",
+            safe.len(),
+            count(RequeueSafeBy::Marker),
+            count(RequeueSafeBy::Name),
             self.total.spot_saving
         );
-        s
+        let unknown = self.jobs.iter().filter(|j| j.marker.is_none()).count();
+        if unknown > 0 {
+            let _ = writeln!(
+                s,
+                "  ({unknown} jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
+            );
+        }
+        if safe.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "  {:<12} {:<16} {:<12} {:<12} {:>10} {:>14}  by",
+            "job", "name", "user", "partition", "GPU-hours", "spot saving"
+        );
+        for j in safe {
+            let saving = j
+                .spot_saving
+                .map_or_else(|| "unknown".to_owned(), |v| format!("{v:.2}"));
+            let _ = writeln!(
+                s,
+                "  {:<12} {:<16} {:<12} {:<12} {:>10.1} {:>14}  {}",
+                cut(&j.job_id),
+                cut(&j.name),
+                cut(&j.user),
+                cut(&j.partition),
+                j.gpu_hours,
+                saving,
+                j.requeue_safe_by.map_or("", RequeueSafeBy::as_str)
+            );
+        }
     }
 
     /// One CSV row a job, with a header.
     pub fn csv(&self) -> String {
         let mut s = String::from(
-            "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,idle_gpu_hours,idle_cost,currency\n",
+            "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,requeue_safe_by,spot_saving,idle_gpu_hours,idle_cost,currency\n",
         );
         let idle_of = |id: &str| -> [String; 2] {
             // Empty when unknown: no idle source, or a job the exporters
@@ -663,6 +779,8 @@ impl CostReport {
                 format!("{:.4}", j.gpu_hours),
                 j.cost.map_or(String::new(), |c| format!("{c:.4}")),
                 j.requeue_safe.to_string(),
+                j.requeue_safe_by
+                    .map_or(String::new(), |b| b.as_str().to_owned()),
                 j.spot_saving.map_or(String::new(), |c| format!("{c:.4}")),
                 idle_hours,
                 idle_cost,
@@ -685,6 +803,7 @@ impl CostReport {
                 csv_field(&r.user),
                 String::new(),
                 csv_field(&r.partition),
+                String::new(),
                 String::new(),
                 String::new(),
                 String::new(),
@@ -761,6 +880,149 @@ mod tests {
     }
 
     #[test]
+    fn sacct_rows_are_read_with_and_without_the_comment_field() {
+        let text = "\
+1|old|u|a|gpu|gres/gpu=8|3600|COMPLETED|2026-09-01T00:00:00|2026-09-01T01:00:00
+2|old-p|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
+3|new|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
+4|new|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
+5|piped|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml a|b keel-run
+6|trail|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml|
+7|short|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown
+";
+        let (jobs, diags) = parse_sacct("f", text);
+        let got: Vec<(&str, Option<&str>)> = jobs
+            .iter()
+            .map(|j| (j.job_id.as_str(), j.comment.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("1", None),
+                // A trailing `|` after End is an empty Comment.
+                ("2", Some("")),
+                ("3", Some("keel-run")),
+                ("4", Some("")),
+                ("5", Some("team=ml a|b keel-run")),
+                ("6", Some("team=ml")),
+            ]
+        );
+        assert_eq!(jobs[0].start, Some(1_788_220_800));
+        assert_eq!(jobs[0].end, Some(1_788_224_400));
+        assert_eq!(diags.len(), 1);
+        assert_eq!(diags[0].location.line, 7);
+        assert!(
+            diags[0].message.contains("expected 11 |-separated fields"),
+            "{}",
+            diags[0].message
+        );
+    }
+
+    #[test]
+    fn marked_jobs_and_named_jobs_are_requeue_safe() {
+        let text = "\
+1|train|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
+2|keel-ft|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
+3|keel-both|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml keel-run
+4|plain|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-runner
+5|old|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+6|marked|u|a|nospot|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
+7|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|
+8|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|keel-run
+";
+        let (jobs, diags) = parse_sacct("f", text);
+        assert!(diags.is_empty());
+        let prices = PriceTable {
+            currency: "USD".into(),
+            source: "t".into(),
+            price: vec![
+                Price {
+                    partition: "gpu".into(),
+                    sku: "s".into(),
+                    gpus_per_node: 8,
+                    on_demand: 16.0,
+                    spot: Some(4.0),
+                },
+                Price {
+                    partition: "nospot".into(),
+                    sku: "s".into(),
+                    gpus_per_node: 8,
+                    on_demand: 16.0,
+                    spot: None,
+                },
+            ],
+        };
+        let opts = CostOptions {
+            requeue_safe_prefixes: vec!["keel-".into()],
+            ..CostOptions::default()
+        };
+        let r = cost(&jobs, &prices, &opts);
+        let got: Vec<_> = r
+            .jobs
+            .iter()
+            .map(|j| {
+                (
+                    j.job_id.as_str(),
+                    j.requeue_safe_by,
+                    j.marker,
+                    j.spot_saving,
+                )
+            })
+            .collect();
+        // 8 GPU-hours at 2 on demand and 0.5 on spot a GPU-hour.
+        assert_eq!(
+            got,
+            vec![
+                ("1", Some(RequeueSafeBy::Marker), Some(true), Some(12.0)),
+                ("2", Some(RequeueSafeBy::Name), Some(false), Some(12.0)),
+                ("3", Some(RequeueSafeBy::Marker), Some(true), Some(12.0)),
+                ("4", None, Some(false), None),
+                ("5", None, None, None),
+                ("6", Some(RequeueSafeBy::Marker), Some(true), None),
+                // Not ended: slurmdbd has no comment yet.
+                ("7", None, None, None),
+                ("8", Some(RequeueSafeBy::Marker), Some(true), Some(12.0)),
+            ]
+        );
+        assert_eq!(r.total.spot_saving, 48.0);
+        let csv = r.csv();
+        assert!(csv.starts_with("job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,requeue_safe_by,spot_saving,"), "{csv}");
+        assert!(
+            csv.contains(
+                "\n1,train,u,a,gpu,COMPLETED,8,8.0000,16.0000,true,marker,12.0000,,,USD\n"
+            ),
+            "{csv}"
+        );
+        assert!(
+            csv.contains(
+                "\n2,keel-ft,u,a,gpu,COMPLETED,8,8.0000,16.0000,true,name,12.0000,,,USD\n"
+            ),
+            "{csv}"
+        );
+        assert!(
+            csv.contains("\n4,plain,u,a,gpu,COMPLETED,8,8.0000,16.0000,false,,,,,USD\n"),
+            "{csv}"
+        );
+        let text = r.text();
+        assert!(
+            text.contains("requeue-safe jobs: 5 (4 run under keel run, 1 by name); running them on spot would have saved 48.00 USD"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "(2 jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("  2            keel-ft          u            gpu                 8.0          12.00  name\n"), "{text}");
+        assert!(text.contains("  6            marked           u            nospot              8.0        unknown  marker\n"), "{text}");
+        let json = serde_json::to_value(&r.jobs[0]).expect("json");
+        assert_eq!(json["requeue_safe_by"], "marker");
+        assert_eq!(json["marker"], true);
+        assert!(serde_json::to_value(&r.jobs[3]).expect("json")["requeue_safe_by"].is_null());
+    }
+
+    #[test]
     fn clipping_to_the_period() {
         let j = SacctJob {
             job_id: "1".into(),
@@ -773,6 +1035,7 @@ mod tests {
             state: "COMPLETED".into(),
             start: Some(1000),
             end: Some(8200),
+            comment: None,
         };
         let opts = CostOptions {
             since: Some(4600),
@@ -799,6 +1062,7 @@ mod tests {
             state: "COMPLETED".into(),
             start: None,
             end: None,
+            comment: None,
         };
         let jobs = vec![job("1", "gpu"), job("2", "cpu")];
         let prices = PriceTable {
@@ -863,7 +1127,7 @@ mod tests {
         assert_eq!(idle.total.unpriced_idle_gpu_hours, 1.0);
         let csv = r.csv();
         assert!(
-            csv.contains("\n9,,carol,,gpu,,,,,,,0.5000,1.0000,USD\n"),
+            csv.contains("\n9,,carol,,gpu,,,,,,,,0.5000,1.0000,USD\n"),
             "{csv}"
         );
         assert!(csv.contains(",3.0000,6.0000,USD\n"), "{csv}");
@@ -882,7 +1146,7 @@ mod tests {
             let jobs: Vec<SacctJob> = rows.iter().enumerate().map(|(i, (g, e))| SacctJob {
                 job_id: i.to_string(), name: "n".into(), user: format!("u{}", i % 3),
                 account: "a".into(), partition: "gpu".into(), gpus: *g, elapsed_s: *e,
-                state: "COMPLETED".into(), start: None, end: None,
+                state: "COMPLETED".into(), start: None, end: None, comment: None,
             }).collect();
             let prices = PriceTable { currency: "USD".into(), source: "t".into(), price: vec![Price {
                 partition: "gpu".into(), sku: "s".into(), gpus_per_node: 8, on_demand: 8.0, spot: Some(2.0),

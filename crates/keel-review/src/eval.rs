@@ -43,6 +43,7 @@ const CHECKS: &[&str] = &[
     "slurm.power_save_programs",
     "slurm.preempt_requeue",
     "slurm.gres_types",
+    "slurm.job_comment",
     "gres.autodetect",
     "gateway.valid",
     "gateway.auth",
@@ -310,6 +311,41 @@ fn slurm_check(check: &str, p: &Params, c: &SlurmConf) -> Vec<Failure> {
                         "PreemptType={} with PreemptMode={}",
                         cut(&t.value),
                         mode.map_or("OFF (default)".to_owned(), |m| cut(&m.value))
+                    ),
+                )
+            }
+        }
+        "slurm.job_comment" => {
+            // Without accounting there is nothing to store it in:
+            // KEEL-COST-003 says so.
+            let storage = c.get("AccountingStorageType");
+            let accounted = storage.is_some_and(|e| {
+                let v = e.value.trim();
+                !v.is_empty() && !v.eq_ignore_ascii_case("accounting_storage/none")
+            });
+            let Some(storage) = storage.filter(|_| accounted) else {
+                return Vec::new();
+            };
+            let flags = c.get("AccountingStoreFlags");
+            let stored = flags.is_some_and(|e| {
+                e.value
+                    .split(',')
+                    .any(|x| x.trim().eq_ignore_ascii_case("job_comment"))
+            }) || c
+                .get("AccountingStoreJobComment")
+                .is_some_and(|e| e.value.trim().eq_ignore_ascii_case("yes"));
+            if stored {
+                Vec::new()
+            } else {
+                fail(
+                    flags.map_or_else(|| storage.location.clone(), |f| f.location.clone()),
+                    format!(
+                        "AccountingStorageType={} with {}: sacct returns no job comments",
+                        cut(&storage.value),
+                        flags.map_or("no AccountingStoreFlags".to_owned(), |f| format!(
+                            "AccountingStoreFlags={}",
+                            cut(&f.value)
+                        ))
                     ),
                 )
             }
@@ -980,6 +1016,53 @@ mod tests {
             .find(|r| r.id == "KEEL-PERF-001")
             .expect("rule");
         evaluate(&rule, &[input], &Options::default())
+    }
+
+    fn job_comment(conf: &str) -> Outcome {
+        let mut diags = Vec::new();
+        let input = parse(
+            Source {
+                path: std::path::Path::new("slurm.conf"),
+                text: conf,
+                kind: Kind::Slurm,
+            },
+            &FsLoader,
+            &mut diags,
+        )
+        .expect("input");
+        let rule = crate::rules()
+            .into_iter()
+            .find(|r| r.id == "KEEL-COST-009")
+            .expect("rule");
+        evaluate(&rule, &[input], &Options::default())
+    }
+
+    #[test]
+    fn job_comments_matter_only_where_jobs_are_accounted() {
+        const DBD: &str = "AccountingStorageType=accounting_storage/slurmdbd\n";
+        assert_eq!(job_comment("ClusterName=c\n"), Outcome::Pass);
+        assert_eq!(
+            job_comment("AccountingStorageType=accounting_storage/none\n"),
+            Outcome::Pass
+        );
+        assert_eq!(
+            job_comment(&format!(
+                "{DBD}AccountingStoreFlags=job_script,JOB_COMMENT\n"
+            )),
+            Outcome::Pass
+        );
+        // The spelling before Slurm 21.08.
+        assert_eq!(
+            job_comment(&format!("{DBD}AccountingStoreJobComment=YES\n")),
+            Outcome::Pass
+        );
+        match job_comment(&format!("{DBD}AccountingStoreFlags=job_script\n")) {
+            Outcome::Fail(f) => {
+                assert_eq!(f[0].location.line, 2);
+                assert_eq!(f[0].message, "AccountingStorageType=accounting_storage/slurmdbd with AccountingStoreFlags=job_script: sacct returns no job comments");
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
     }
 
     #[test]

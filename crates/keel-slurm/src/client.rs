@@ -225,6 +225,51 @@ exit 1"#;
         Ok(())
     }
 
+    /// A job's Comment from `scontrol show job ID` (its `Comment=` line,
+    /// less the one space scontrol ends it with); empty when it has none.
+    pub fn job_comment(&self, job: &str) -> Result<String, SlurmError> {
+        check_job(job)?;
+        self.job_comment_by(job, self.deadline())
+    }
+
+    /// Adds `marker` to a job's Comment (`scontrol update JobId=ID
+    /// Comment=...`, the comment as one argument), keeping what the comment
+    /// holds; a job's owner may change it. Returns whether the comment
+    /// changed: `false` when it already had the marker (a requeued job).
+    pub fn mark_job(&self, job: &str, marker: &str) -> Result<bool, SlurmError> {
+        check_job(job)?;
+        if marker.is_empty() || marker.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(SlurmError::Invalid {
+                what: "job comment marker",
+                value: marker.to_owned(),
+                problem: "empty or not one word",
+            });
+        }
+        let deadline = self.deadline();
+        self.ping_by(deadline)?;
+        let comment = self.job_comment_by(job, deadline)?;
+        let Some(marked) = crate::with_marker(&comment, marker) else {
+            return Ok(false);
+        };
+        let args = vec![
+            "update".to_owned(),
+            format!("JobId={job}"),
+            format!("Comment={marked}"),
+        ];
+        self.run_ok("scontrol", &args, deadline)?;
+        Ok(true)
+    }
+
+    fn job_comment_by(&self, job: &str, deadline: Instant) -> Result<String, SlurmError> {
+        let args = strings(&["show", "job", job]);
+        let out = self.run_ok("scontrol", &args, deadline)?;
+        parse_job_comment(&out.stdout, job).map_err(|reason| SlurmError::Parse {
+            command: run::display(&self.program("scontrol"), &args),
+            output: out.stdout.chars().take(200).collect(),
+            reason: reason.to_owned(),
+        })
+    }
+
     fn update(&self, name: &str, changes: &[String]) -> Result<(), SlurmError> {
         let deadline = self.deadline();
         self.ping_by(deadline)?;
@@ -304,6 +349,31 @@ exit 1"#;
             stderr: text.trim().to_owned(),
         }
     }
+}
+
+/// The Comment of the first record of `scontrol show job ID`: the record
+/// must be job `job`; scontrol prints `Comment=TEXT ` on a line of its own
+/// when the job has one, and no such line when it has none.
+fn parse_job_comment(text: &str, job: &str) -> Result<String, &'static str> {
+    let mut lines = text.lines();
+    let first = lines.by_ref().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let id = first
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("JobId="))
+        .ok_or("no JobId= in the first line")?;
+    if id != job {
+        return Err("a record of another job");
+    }
+    for line in lines {
+        if line.trim().is_empty() {
+            // The end of the job's record.
+            break;
+        }
+        if let Some(c) = line.trim_start().strip_prefix("Comment=") {
+            return Ok(c.strip_suffix(' ').unwrap_or(c).to_owned());
+        }
+    }
+    Ok(String::new())
 }
 
 fn strings(list: &[&str]) -> Vec<String> {
@@ -511,6 +581,116 @@ mod tests {
             started.elapsed() < Duration::from_millis(1500),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    /// An `scontrol` that keeps job 42's comment in a file beside it, shows
+    /// it as Slurm 22.05 does, and logs each update's arguments.
+    fn comment_fake(comment: Option<&str>, update: &str) -> (tempfile::TempDir, Slurm) {
+        let script = format!(
+            r#"{PING_UP}
+d=$(dirname "$0")
+if [ "$1" = show ] && [ "$2" = job ]; then
+  [ "$3" = 42 ] || {{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; }}
+  echo "JobId=42 JobName=train"
+  echo "   UserId=alice(1000) GroupId=alice(1000) MCS_label=N/A"
+  echo "   WorkDir=/home/alice"
+  [ -f "$d/comment" ] && printf '   Comment=%s \n' "$(cat "$d/comment")"
+  echo "   StdErr=/home/alice/slurm-42.out"
+  echo "   Power="
+  echo
+  exit 0
+fi
+if [ "$1" = update ]; then
+  printf '%s\n' "$@" >>"$d/updates"
+  {update}
+  printf '%s' "${{3#Comment=}}" >"$d/comment"
+  exit 0
+fi
+exit 2"#
+        );
+        let (dir, slurm) = fake(&script, "");
+        if let Some(c) = comment {
+            std::fs::write(dir.path().join("comment"), c).expect("comment");
+        }
+        (dir, slurm)
+    }
+
+    #[test]
+    fn a_job_is_marked_once_keeping_its_comment() {
+        let updates = |dir: &tempfile::TempDir| {
+            std::fs::read_to_string(dir.path().join("updates")).unwrap_or_default()
+        };
+        // No comment: the marker alone.
+        let (dir, slurm) = comment_fake(None, "");
+        assert_eq!(slurm.job_comment("42").expect("reads"), "");
+        assert!(slurm.mark_job("42", crate::RUN_MARKER).expect("marks"));
+        assert_eq!(updates(&dir), "update\nJobId=42\nComment=keel-run\n");
+        assert_eq!(slurm.job_comment("42").expect("reads"), "keel-run");
+        // Marked already (the job was requeued): nothing is updated.
+        assert!(!slurm.mark_job("42", crate::RUN_MARKER).expect("marks"));
+        assert_eq!(updates(&dir).lines().count(), 3);
+
+        // A user's comment, spaces and `|` included, is kept as one
+        // argument.
+        let (dir, slurm) = comment_fake(Some("team=ml  a|b"), "");
+        assert_eq!(slurm.job_comment("42").expect("reads"), "team=ml  a|b");
+        assert!(slurm.mark_job("42", crate::RUN_MARKER).expect("marks"));
+        assert_eq!(
+            updates(&dir),
+            "update\nJobId=42\nComment=team=ml  a|b keel-run\n"
+        );
+        let (dir, slurm) = comment_fake(Some("keel-run;team=ml"), "");
+        assert!(!slurm.mark_job("42", crate::RUN_MARKER).expect("marks"));
+        assert_eq!(updates(&dir), "");
+    }
+
+    #[test]
+    fn a_job_that_cannot_be_marked_is_an_error() {
+        let refused = r#"echo "slurm_update error: Access/permission denied" >&2; exit 1"#;
+        let (_dir, slurm) = comment_fake(None, refused);
+        match slurm.mark_job("42", crate::RUN_MARKER) {
+            Err(SlurmError::Failed {
+                command, stderr, ..
+            }) => {
+                assert_eq!(command, "scontrol update JobId=42 Comment=keel-run");
+                assert_eq!(stderr, "slurm_update error: Access/permission denied");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+        // A job scontrol does not know, and another job's record.
+        assert!(matches!(
+            slurm.mark_job("7", crate::RUN_MARKER),
+            Err(SlurmError::Failed { .. })
+        ));
+        assert!(matches!(
+            slurm.mark_job("42_1", crate::RUN_MARKER),
+            Err(SlurmError::Failed { .. })
+        ));
+        for (job, marker) in [("x", "keel-run"), ("42", ""), ("42", "two words")] {
+            assert!(
+                matches!(
+                    slurm.mark_job(job, marker),
+                    Err(SlurmError::BadJob { .. } | SlurmError::Invalid { .. })
+                ),
+                "{job} {marker}"
+            );
+        }
+        assert_eq!(
+            parse_job_comment("JobId=43 JobName=x\n   Comment=a \n", "42"),
+            Err("a record of another job")
+        );
+        assert_eq!(
+            parse_job_comment("nothing\n", "42"),
+            Err("no JobId= in the first line")
+        );
+        // Only the first record counts.
+        assert_eq!(
+            parse_job_comment(
+                "JobId=42 JobName=x\n   WorkDir=/\n\nJobId=43\n   Comment=other \n",
+                "42"
+            ),
+            Ok(String::new())
         );
     }
 

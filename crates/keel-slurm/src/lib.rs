@@ -14,6 +14,7 @@
 //! monotonic clock behind command deadlines.
 
 mod client;
+mod comment;
 mod decide;
 mod error;
 mod hostlist;
@@ -21,6 +22,7 @@ mod node;
 mod run;
 
 pub use client::{check_name as check_node_name, Slurm, SlurmConfig};
+pub use comment::{has_marker, with_marker, RUN_MARKER};
 pub use decide::{decide, Action, Policy, Verdict};
 pub use error::SlurmError;
 pub use hostlist::{expand_hostlist, HostlistError, MAX_HOSTS};

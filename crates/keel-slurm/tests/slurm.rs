@@ -310,3 +310,50 @@ fn hostlists_expand_like_scontrol_show_hostnames() {
         assert_eq!(expand_hostlist(list).expect("expands"), slurm, "{list}");
     }
 }
+
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_jobs_comment_is_marked_once_and_read_back() {
+    let cluster = SlurmCluster::get();
+    let slurm = cluster.slurm(TIMEOUT);
+    let out = cluster
+        .command(
+            "sbatch",
+            &[
+                "--parsable",
+                "-o",
+                "/dev/null",
+                "-J",
+                "keel-comment",
+                "--comment",
+                "team=ml  a|b",
+                "--wrap",
+                "sleep 30",
+            ],
+        )
+        .expect("sbatch");
+    let job = out.trim().split(';').next().unwrap_or("").to_owned();
+    struct Cancel<'a>(&'a SlurmCluster, String);
+    impl Drop for Cancel<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.command("scancel", &[&self.1]);
+        }
+    }
+    let _cancel = Cancel(&cluster, job.clone());
+    assert_eq!(slurm.job_comment(&job).expect("reads"), "team=ml  a|b");
+    assert!(slurm.mark_job(&job, keel_slurm::RUN_MARKER).expect("marks"));
+    assert_eq!(
+        slurm.job_comment(&job).expect("reads"),
+        "team=ml  a|b keel-run"
+    );
+    assert!(!slurm.mark_job(&job, keel_slurm::RUN_MARKER).expect("marks"));
+    assert_eq!(
+        slurm.job_comment(&job).expect("reads"),
+        "team=ml  a|b keel-run"
+    );
+    // A job Slurm does not know.
+    assert!(matches!(
+        slurm.mark_job("999999", keel_slurm::RUN_MARKER),
+        Err(SlurmError::Failed { .. })
+    ));
+}

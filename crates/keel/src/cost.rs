@@ -34,8 +34,9 @@ pub struct CostArgs {
     #[arg(long, value_name = "FILE")]
     prices: Option<PathBuf>,
     /// Read recorded `sacct -a -X -P -n --noconvert
-    /// --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
-    /// output instead of running sacct.
+    /// --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment`
+    /// output instead of running sacct (rows without the last field,
+    /// Comment, are read too).
     #[arg(long, value_name = "FILE")]
     sacct_file: Option<PathBuf>,
     /// Start of the period (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS, the
@@ -47,7 +48,9 @@ pub struct CostArgs {
     until: Option<String>,
     /// Jobs whose name starts with PREFIX are requeue-safe (they
     /// checkpoint and are requeued on failure): the report says what
-    /// running them on spot would have saved. Repeatable.
+    /// running them on spot would have saved. Repeatable. Jobs that ran
+    /// under `keel run --slurm` (`keel-run` in their Comment) are
+    /// requeue-safe without it.
     #[arg(long = "requeue-safe", value_name = "PREFIX")]
     requeue_safe: Vec<String>,
     /// Output format (`--json` is `--format json`).

@@ -600,6 +600,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
 
     if let Some(m) = &plan.slurm {
+        mark_job(plan, m);
         let t = Instant::now();
         let reports = check_nodes(m);
         at.times.preflight_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(0);
@@ -1290,6 +1291,27 @@ fn serve_metrics(listener: &std::net::TcpListener, m: &Mutex<keel_run::metrics::
             "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
+    }
+}
+
+/// Adds keel run's marker to the job's Comment, so that Slurm accounting
+/// (with `AccountingStoreFlags=job_comment`) records the job as run under
+/// keel run: `keel cost` counts such jobs as requeue-safe. A job that
+/// cannot be marked is still run; the warning says what keel cost will
+/// miss.
+fn mark_job(plan: &Plan, m: &SlurmMode) {
+    let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+    match m.client.mark_job(&job, keel_slurm::RUN_MARKER) {
+        Ok(true) => say(&format!(
+            "marked job {job} as run under keel run (`{}` in its Comment)",
+            keel_slurm::RUN_MARKER
+        )),
+        // Marked before this attempt: a requeued job.
+        Ok(false) => {}
+        Err(e) => say(&format!(
+            "warning: cannot add `{}` to job {job}'s Comment ({e}); keel cost will not know it ran under keel run",
+            keel_slurm::RUN_MARKER
+        )),
     }
 }
 

@@ -2,7 +2,8 @@
 //! (`scripts/slurm-cluster`) with slurmdbd over MariaDB runs batch jobs
 //! with and without GPUs from n3's Gres, and `keel cost` reads them back
 //! through the real `sacct`; `keel review` of the cluster's slurm.conf
-//! finds its accounting settings.
+//! finds its accounting settings. A job run under `keel run --slurm` is
+//! marked in its Comment and priced as requeue-safe.
 //!
 //! Where the cluster runs without accounting (slurmdbd or MariaDB could
 //! not be installed or started), the test says so and why, and skips.
@@ -97,6 +98,38 @@ fn local_time(offset: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// `keel --json cost` over the real sacct (`args` after `cost`), run
+/// again until its report lists every one of `jobs`: slurmdbd can answer
+/// a query by period without a job for a moment after `sacct -j` shows it
+/// COMPLETED.
+fn cost_listing(cluster: &SlurmCluster, args: &[&str], jobs: &[&String]) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = keel()
+            .env("SLURM_CONF", cluster.conf())
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .args(["--json", "cost"])
+            .args(args)
+            .output()
+            .expect("keel cost runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+        let listed = v["report"]["jobs"].as_array().is_some_and(|list| {
+            jobs.iter()
+                .all(|id| list.iter().any(|j| j["job_id"] == id.as_str()))
+        });
+        if listed {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "keel cost does not list all of {jobs:?} after 30 s: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 #[test]
 #[ignore = "needs Slurm: scripts/test starts one"]
 fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
@@ -149,19 +182,21 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
     )
     .expect("write");
     let until = local_time("+1 minute");
-    let path = std::env::var("PATH").unwrap_or_default();
-    let out = keel()
-        .env("SLURM_CONF", cluster.conf())
-        .env("PATH", &path)
-        .args(["--json", "cost", "--prices"])
-        .arg(&prices)
-        .args(["--since", &since, "--until", &until])
-        .args(["--requeue-safe", "keel-acct-"])
-        .output()
-        .expect("keel cost runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let prices_arg = prices.display().to_string();
+    let v = cost_listing(
+        &cluster,
+        &[
+            "--prices",
+            &prices_arg,
+            "--since",
+            &since,
+            "--until",
+            &until,
+            "--requeue-safe",
+            "keel-acct-",
+        ],
+        &[&safe, &whole],
+    );
     let jobs = v["report"]["jobs"].as_array().expect("jobs");
     let job = |id: &str| jobs.iter().find(|j| j["job_id"] == id);
     assert!(job(&cpu).is_none(), "a job without GPUs is left out");
@@ -208,7 +243,12 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
         .output()
         .expect("keel review runs");
     let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    for id in ["KEEL-COST-003", "KEEL-COST-004", "KEEL-COST-005"] {
+    for id in [
+        "KEEL-COST-003",
+        "KEEL-COST-004",
+        "KEEL-COST-005",
+        "KEEL-COST-009",
+    ] {
         let status = v["rules"]
             .as_array()
             .expect("rules")
@@ -217,4 +257,160 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
             .map(|r| r["status"].clone());
         assert_eq!(status, Some("pass".into()), "{id}");
     }
+}
+
+/// `keel run --slurm` adds `keel-run` to its job's Comment, keeping the
+/// comment the job was submitted with; with `AccountingStoreFlags=job_comment`
+/// the real sacct returns it and keel cost counts the job as requeue-safe,
+/// with what spot would have saved, while a plain job beside it is not,
+/// unless a name prefix says so.
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
+    if let Err(why) = accounting() {
+        eprintln!("skipped: the Slurm test cluster runs without accounting: {why}");
+        return;
+    }
+    let cluster = SlurmCluster::get();
+    let conf = std::fs::read_to_string(cluster.conf()).expect("slurm.conf");
+    assert!(
+        conf.lines()
+            .any(|l| l.trim() == "AccountingStoreFlags=job_comment"),
+        "{} lacks AccountingStoreFlags=job_comment (written by an older scripts/slurm-cluster: run `scripts/slurm-cluster start` again)",
+        cluster.conf().display()
+    );
+    cluster
+        .wait_until_idle(Duration::from_secs(30))
+        .expect("idle cluster");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let since = local_time("-1 minute");
+
+    // One GPU each from n3: a toy trainer of ten 0.1 s steps under keel
+    // run, and a plain job of about the same length.
+    let trainer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run/toy_trainer.py");
+    std::fs::write(
+        d.join("job.sh"),
+        format!(
+            "#!/bin/bash\nexport TOY_STEPS=10\n\
+             exec {keel} run --slurm --check-command true --store file://{d}/store --run toy \
+             --ckpt-dir {d}/ckpt --state {d}/keel-run.json -- srun python3 {trainer}\n",
+            keel = env!("CARGO_BIN_EXE_keel"),
+            d = d.display(),
+            trainer = trainer.display(),
+        ),
+    )
+    .expect("write job");
+    let supervised = sbatch(
+        &cluster,
+        d,
+        &[
+            "-J",
+            "acct-supervised",
+            "--comment",
+            "team=ml",
+            "--gres=gpu:1",
+            &format!("--output={}/job.out", d.display()),
+            "job.sh",
+        ],
+    );
+    let plain = sbatch(
+        &cluster,
+        d,
+        &["-J", "acct-plain", "--gres=gpu:1", "--wrap", "sleep 2"],
+    );
+    let log = || std::fs::read_to_string(d.join("job.out")).unwrap_or_default();
+    let _ = wait_accounted(&cluster, &[supervised.clone(), plain.clone()]);
+    let comments = cluster
+        .command(
+            "sacct",
+            &[
+                "-X",
+                "-n",
+                "-P",
+                "-j",
+                &format!("{supervised},{plain}"),
+                "--format=JobID,Comment",
+            ],
+        )
+        .expect("sacct");
+    assert!(
+        comments
+            .lines()
+            .any(|l| l == format!("{supervised}|team=ml keel-run")),
+        "the submitted comment is kept and marked once: {comments}\n{}",
+        log()
+    );
+    assert!(
+        comments.lines().any(|l| l == format!("{plain}|")),
+        "{comments}"
+    );
+
+    let prices = d.join("prices.toml");
+    std::fs::write(
+        &prices,
+        "source = \"test prices\"\n[[price]]\npartition = \"debug\"\nsku = \"test\"\ngpus_per_node = 8\non_demand = 16.0\nspot = 4.0\n",
+    )
+    .expect("write");
+    let until = local_time("+1 minute");
+    let prices_arg = prices.display().to_string();
+    let cost = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "--prices",
+            &prices_arg,
+            "--since",
+            &since,
+            "--until",
+            &until,
+        ];
+        args.extend_from_slice(extra);
+        cost_listing(&cluster, &args, &[&supervised, &plain])
+    };
+    let v = cost(&[]);
+    let job = |v: &Value, id: &str| -> Value {
+        v["report"]["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .find(|j| j["job_id"] == id)
+            .unwrap_or_else(|| panic!("job {id} in {v}"))
+            .clone()
+    };
+    let j = job(&v, &supervised);
+    assert_eq!(j["name"], "acct-supervised");
+    assert_eq!(j["state"], "COMPLETED", "{j}\n{}", log());
+    assert_eq!(j["gpus"], 1);
+    assert_eq!(
+        (&j["requeue_safe"], &j["requeue_safe_by"], &j["marker"]),
+        (
+            &Value::Bool(true),
+            &Value::from("marker"),
+            &Value::Bool(true)
+        ),
+        "{j}"
+    );
+    let hours = j["gpu_hours"].as_f64().expect("hours");
+    assert!(hours > 0.0, "{j}");
+    // 16.0 a node-hour of 8 GPUs: 2.0 a GPU-hour on demand, 0.5 on spot.
+    assert!(
+        (j["spot_saving"].as_f64().expect("saving") - 1.5 * hours).abs() < 1e-9,
+        "{j}"
+    );
+    let p = job(&v, &plain);
+    assert_eq!(
+        (&p["requeue_safe"], &p["requeue_safe_by"], &p["marker"]),
+        (&Value::Bool(false), &Value::Null, &Value::Bool(false)),
+        "{p}"
+    );
+    assert!(p["spot_saving"].is_null(), "{p}");
+
+    // A name prefix makes the plain job requeue-safe too, by its name.
+    let v = cost(&["--requeue-safe", "acct-plain"]);
+    let p = job(&v, &plain);
+    assert_eq!(
+        (&p["requeue_safe"], &p["requeue_safe_by"]),
+        (&Value::Bool(true), &Value::from("name")),
+        "{p}"
+    );
+    assert_eq!(job(&v, &supervised)["requeue_safe_by"], "marker");
 }

@@ -587,18 +587,110 @@ fn cost_text_and_csv() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines[0],
-        "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,spot_saving,idle_gpu_hours,idle_cost,currency"
+        "job_id,name,user,account,partition,state,gpus,gpu_hours,cost,requeue_safe,requeue_safe_by,spot_saving,idle_gpu_hours,idle_cost,currency"
     );
     assert_eq!(lines.len(), 7);
     assert!(
-        lines
-            .contains(&"1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,320.6019,,,USD"),
+        lines.contains(
+            &"1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,name,320.6019,,,USD"
+        ),
         "{out}"
     );
     assert!(
-        lines.contains(&"1006,sweep,dave,ml,h200,COMPLETED,8,8.0000,,false,,,,USD"),
+        lines.contains(&"1006,sweep,dave,ml,h200,COMPLETED,8,8.0000,,false,,,,,USD"),
         "{out}"
     );
+}
+
+/// Rows with sacct's Comment: jobs `keel run --slurm` marked are
+/// requeue-safe without a name prefix, and each output says which rule
+/// made a job requeue-safe.
+#[test]
+fn cost_counts_jobs_marked_by_keel_run_as_requeue_safe() {
+    let cmd = |extra: &[&str]| {
+        let mut c = keel();
+        c.arg("cost")
+            .arg("--prices")
+            .arg(cost_fixture("prices.toml"))
+            .arg("--sacct-file")
+            .arg(cost_fixture("sacct-comment.txt"))
+            .args(["--since", "2026-09-01", "--until", "2026-10-01"])
+            .args(extra);
+        c
+    };
+    let by = |out: &str| -> Vec<(String, Value, Value, Value)> {
+        let v: Value = serde_json::from_str(out).expect("json");
+        v["report"]["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .map(|j| {
+                (
+                    j["job_id"].as_str().unwrap_or("").to_owned(),
+                    j["requeue_safe"].clone(),
+                    j["requeue_safe_by"].clone(),
+                    j["marker"].clone(),
+                )
+            })
+            .collect()
+    };
+    let row = |id: &str, safe: bool, rule: Value, marker: bool| {
+        (id.to_owned(), Value::Bool(safe), rule, Value::Bool(marker))
+    };
+    // The marker alone: 1001 and 1005 (after a user's own comment); not
+    // 1007, whose comment only starts like it.
+    let (code, out, err) = run(&mut cmd(&["--json"]));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        by(&out),
+        vec![
+            row("1001", true, "marker".into(), true),
+            row("1002", false, Value::Null, false),
+            row("1004", false, Value::Null, false),
+            row("1005", true, "marker".into(), true),
+            row("1006", false, Value::Null, false),
+            row("1007", false, Value::Null, false),
+        ]
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    // 84 GPU-hours at 12.29 - 18.169536 / 8 = 10.018808 saved each.
+    assert!(
+        close(
+            v["report"]["total"]["spot_saving"].as_f64().expect("f64"),
+            84.0 * 10.018808
+        ),
+        "{out}"
+    );
+    // A name prefix adds 1002; 1005 matches both and counts as marked.
+    let (code, out, err) = run(&mut cmd(&["--json", "--requeue-safe", "keel-"]));
+    assert_eq!(code, 0, "{err}");
+    let rows = by(&out);
+    assert_eq!(rows[1], row("1002", true, "name".into(), false));
+    assert_eq!(rows[3], row("1005", true, "marker".into(), true));
+    let (code, out, err) = run(&mut cmd(&["--format", "csv", "--requeue-safe", "keel-"]));
+    assert_eq!(code, 0, "{err}");
+    for line in [
+        "1001,train-llm,alice,ml,gpu,COMPLETED,8,80.0000,983.2000,true,marker,801.5046,,,USD",
+        "1002,keel-ft,bob,ml,gpu,PREEMPTED,16,32.0000,393.2800,true,name,320.6019,,,USD",
+        "1007,train-old,bob,ml,gpu,CANCELLED by 1001,4,8.0000,98.3200,false,,,,,USD",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line}\n{out}");
+    }
+    let (code, out, err) = run(&mut cmd(&["--requeue-safe", "keel-"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "requeue-safe jobs: 3 (2 run under keel run, 1 by name); running them on spot would have saved 1162.18 USD"
+        ),
+        "{out}"
+    );
+    assert!(!out.contains("comments unknown"), "{out}");
+    for line in [
+        "  1001         train-llm        alice        gpu                80.0         801.50  marker",
+        "  1002         keel-ft          bob          gpu                32.0         320.60  name",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line}\n{out}");
+    }
 }
 
 #[test]
@@ -616,7 +708,7 @@ fn cost_bad_input_is_reported() {
         .arg("--sacct-file")
         .arg(&sacct));
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("sacct.txt:2: expected 10"), "{err}");
+    assert!(err.contains("sacct.txt:2: expected 11"), "{err}");
     assert!(err.contains("sacct.txt:3: ElapsedRaw soon"), "{err}");
     let v: Value = serde_json::from_str(&out).expect("json");
     assert!(close(
@@ -779,7 +871,7 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     let recorded = std::fs::read_to_string(&args_file).expect("args");
     assert_eq!(
         recorded,
-        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End -S 2026-09-01 -E 2026-10-01\nstandard\n"
+        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment -S 2026-09-01 -E 2026-10-01\nstandard\n"
     );
     let v: Value = serde_json::from_str(&out).expect("json");
     assert!(close(

@@ -478,3 +478,45 @@ fn a_node_that_stops_reporting_is_blamed_for_the_hang() {
     assert_eq!(f["node"], n2.as_str(), "{st}");
     assert_eq!(f["cause"], "hang", "{st}");
 }
+
+/// keel run marks its job in the job's Comment; where Slurm refuses the
+/// change (here a comment already at Slurm's 1024 characters) the job runs
+/// all the same, after a warning.
+#[test]
+#[ignore = "needs Slurm: scripts/test starts one"]
+fn a_job_that_cannot_be_marked_runs_after_a_warning() {
+    let cluster = SlurmCluster::get();
+    let full = "x".repeat(1020);
+    let comment = format!("--comment={full}");
+    let s = Submitted::new(&cluster, "TOY_STEPS=5", "", &[comment.as_str()]);
+    let show = s.wait("ended", 60, |show| {
+        matches!(field(show, "JobState"), "COMPLETED" | "FAILED")
+    });
+    assert_eq!(field(&show, "JobState"), "COMPLETED", "{show}\n{}", s.out());
+    let out = s.out();
+    assert!(
+        out.contains(&format!(
+            "keel run: warning: cannot add `keel-run` to job {}'s Comment",
+            s.job
+        )),
+        "{out}"
+    );
+    assert_eq!(s.trained(), 5, "{out}");
+    assert_eq!(field(&show, "Comment"), full);
+
+    // A comment with room: marked once, after what it held.
+    let s = Submitted::new(&cluster, "TOY_STEPS=5", "", &["--comment=team=ml"]);
+    let show = s.wait("ended", 60, |show| {
+        matches!(field(show, "JobState"), "COMPLETED" | "FAILED")
+    });
+    assert_eq!(field(&show, "JobState"), "COMPLETED", "{show}\n{}", s.out());
+    assert!(
+        s.out().contains(&format!(
+            "keel run: marked job {} as run under keel run",
+            s.job
+        )),
+        "{}",
+        s.out()
+    );
+    assert!(show.contains("Comment=team=ml keel-run "), "{show}");
+}
