@@ -377,8 +377,22 @@ fn cost_report_adds_the_exporters_idle_gpu_hours_priced_by_the_table() {
     assert!(lines[0].ends_with(",spot_saving,idle_gpu_hours,idle_cost,currency"));
     let row1001 = lines.iter().find(|l| l.starts_with("1001,")).expect("1001");
     let cells: Vec<&str> = row1001.split(',').collect();
-    assert_eq!(cells[11], format!("{hours:.4}"), "{row1001}");
-    assert_eq!(cells[12], format!("{cost:.4}"), "{row1001}");
+    let column = |name: &str| {
+        lines[0]
+            .split(',')
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("no column {name}: {}", lines[0]))
+    };
+    assert_eq!(
+        cells[column("idle_gpu_hours")],
+        format!("{hours:.4}"),
+        "{row1001}"
+    );
+    assert_eq!(
+        cells[column("idle_cost")],
+        format!("{cost:.4}"),
+        "{row1001}"
+    );
     let row1004 = lines.iter().find(|l| l.starts_with("1004,")).expect("1004");
     assert!(
         row1004.ends_with(",,,USD"),

@@ -139,10 +139,7 @@ fn a_crash_on_n2_drains_it_requeues_without_it_and_resumes_from_the_last_commit(
     assert!(raw.state.starts_with("drain"), "{raw:?}");
     assert!(raw.reason.starts_with("keel: gpu.ecc_errors"), "{raw:?}");
     // Skip Slurm's requeue delay.
-    let _ = cluster.command(
-        "scontrol",
-        &["update", &format!("JobId={job}"), "StartTime=now"],
-    );
+    skip_requeue_delay(&cluster, &job);
 
     let until = Instant::now() + Duration::from_secs(150);
     loop {
@@ -311,10 +308,7 @@ fn a_start_up_failure_loop_is_stopped_by_the_retry_budget() {
     );
     // The first failure requeues (no node to exclude: plain requeue).
     s.wait("requeued", 60, |show| field(show, "Restarts") == "1");
-    let _ = cluster.command(
-        "scontrol",
-        &["update", &format!("JobId={}", s.job), "StartTime=now"],
-    );
+    skip_requeue_delay(&cluster, &s.job);
     let show = s.wait("stopped", 90, |show| {
         matches!(field(show, "JobState"), "FAILED" | "COMPLETED")
     });
@@ -403,7 +397,7 @@ fn a_black_hole_node_is_excluded_after_two_failures_though_its_checks_pass() {
         format!("n[{}]", "1,3"),
         "{show}"
     );
-    let _ = cluster.command("scontrol", &["update", &job, "StartTime=now"]);
+    skip_requeue_delay(&cluster, &s.job);
     // Second failure on n2: excluded now.
     s.wait("second requeue without n2", 90, |show| {
         field(show, "Restarts") == "2"
@@ -411,7 +405,7 @@ fn a_black_hole_node_is_excluded_after_two_failures_though_its_checks_pass() {
             && field(show, "JobState") == "PENDING"
             && field(show, "Priority") != "0"
     });
-    let _ = cluster.command("scontrol", &["update", &job, "StartTime=now"]);
+    skip_requeue_delay(&cluster, &s.job);
     let show = s.wait("completed elsewhere", 90, |show| {
         field(show, "JobState") == "COMPLETED"
     });
@@ -519,4 +513,17 @@ fn a_job_that_cannot_be_marked_runs_after_a_warning() {
         s.out()
     );
     assert!(show.contains("Comment=team=ml keel-run "), "{show}");
+}
+
+/// Makes a requeued job eligible now instead of after Slurm's requeue
+/// delay. The requeue revoked the job's credential on its node to the
+/// second; a launch whose new credential is dated the same second is
+/// refused ("Job credential revoked") and the job fails with exit code 1.
+/// So the new start waits for the next second first.
+fn skip_requeue_delay(cluster: &SlurmCluster, job: &str) {
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = cluster.command(
+        "scontrol",
+        &["update", &format!("JobId={job}"), "StartTime=now"],
+    );
 }
