@@ -47,6 +47,12 @@ pub enum ScratchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot map a {bytes}-byte I/O buffer: nothing was measured")]
+    Buffer {
+        bytes: usize,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path} does not support direct I/O (O_DIRECT): measure a path on the scratch filesystem itself")]
     NoDirectIo { path: PathBuf },
 }
@@ -568,7 +574,7 @@ impl DirectBuf {
     pub fn new(len: usize) -> std::io::Result<Self> {
         let mut map = memmap2::MmapMut::map_anon(len.max(1))?;
         // Before the first touch, so that no huge page is ever faulted in.
-        map.advise(memmap2::Advice::NoHugePage)?;
+        without_thp_is_fine(map.advise(memmap2::Advice::NoHugePage))?;
         // Touch every page now, outside any timed phase.
         map.fill(0);
         Ok(Self { map })
@@ -581,6 +587,16 @@ impl DirectBuf {
     /// The address of its first byte (page-aligned).
     pub fn addr(&self) -> usize {
         self.map.as_ptr() as usize
+    }
+}
+
+/// `madvise(MADV_NOHUGEPAGE)`'s result, where EINVAL is success: a
+/// kernel built without transparent huge pages refuses the advice, and
+/// there every page is a base page already.
+fn without_thp_is_fine(r: std::io::Result<()>) -> std::io::Result<()> {
+    match r {
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => Ok(()),
+        r => r,
     }
 }
 
@@ -679,8 +695,8 @@ fn phase(
             let opened = o.open(&path);
             // The buffer is made (and filled) before the clock starts, as
             // fio makes its buffers before a job's run time starts.
-            let made = DirectBuf::new(block).map_err(|source| ScratchError::Io {
-                path: path.clone(),
+            let made = DirectBuf::new(block).map_err(|source| ScratchError::Buffer {
+                bytes: block,
                 source,
             });
             let made = made.map(|mut b| {
@@ -774,5 +790,19 @@ pub fn judge(measured: f64, expected: Option<f64>, warn_factor: f64, fail_factor
         Some(e) if measured >= e * warn_factor => Verdict::Pass,
         Some(e) if measured >= e * fail_factor => Verdict::Warn,
         Some(_) => Verdict::Fail,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kernel_without_thp_refusing_the_advice_is_not_an_error() {
+        let einval = std::io::Error::from_raw_os_error(rustix::io::Errno::INVAL.raw_os_error());
+        assert!(without_thp_is_fine(Err(einval)).is_ok());
+        let enomem = std::io::Error::from_raw_os_error(rustix::io::Errno::NOMEM.raw_os_error());
+        assert!(without_thp_is_fine(Err(enomem)).is_err());
+        assert!(without_thp_is_fine(Ok(())).is_ok());
     }
 }

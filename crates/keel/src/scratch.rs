@@ -286,7 +286,9 @@ fn verify(cli: &Cli, a: &VerifyArgs, out: &mut Out) -> anyhow::Result<Code> {
 pub fn code(e: &ScratchError) -> Code {
     match e {
         ScratchError::Topo(_) | ScratchError::Io { .. } => Code::Io,
-        ScratchError::NoDrives { .. } | ScratchError::NoDirectIo { .. } => Code::Unknown,
+        ScratchError::NoDrives { .. }
+        | ScratchError::NoDirectIo { .. }
+        | ScratchError::Buffer { .. } => Code::Unknown,
         ScratchError::MountBusy { .. } | ScratchError::NotRoot { .. } => Code::Usage,
         ScratchError::Unchecked { .. } => Code::Unknown,
         ScratchError::Step { .. } => Code::Failed,
