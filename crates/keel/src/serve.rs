@@ -463,17 +463,34 @@ fn drift(cmd: &DriftCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result
     Ok(Code::Ok)
 }
 
+/// `s` for a terminal: control characters (escape sequences among them)
+/// are written escaped (`\u{1b}`), never passed through.
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// A baseline as text: where it comes from, then a row per feature.
 fn baseline_text(b: &keel_gateway::drift_baseline::Baseline) -> String {
     let f = &b.file;
     let mut text = format!(
         "model     {}\nrecorded  {} window of {} at {}\n\n",
-        f.model, f.window, f.recorded_from, f.recorded_at
+        printable(&f.model),
+        printable(&f.window),
+        printable(&f.recorded_from),
+        printable(&f.recorded_at)
     );
     let mut t = Table::new(&["FEATURE", "BINS", "OBSERVATIONS"]);
     for (name, h) in &b.histograms {
         t.row(vec![
-            name.clone(),
+            printable(name),
             h.counts().len().to_string(),
             h.total().to_string(),
         ]);
@@ -486,13 +503,13 @@ fn baseline_text(b: &keel_gateway::drift_baseline::Baseline) -> String {
 fn drift_text(d: &serde_json::Value) -> String {
     let mut text = format!(
         "model     {}\nbaseline  {}\n\n",
-        d["model"].as_str().unwrap_or_default(),
+        printable(d["model"].as_str().unwrap_or_default()),
         match &d["baseline"] {
             serde_json::Value::Null => "none (each version's first answers)".to_owned(),
             b => format!(
                 "{} window of {}",
-                b["window"].as_str().unwrap_or_default(),
-                b["recorded_from"].as_str().unwrap_or_default()
+                printable(b["window"].as_str().unwrap_or_default()),
+                printable(b["recorded_from"].as_str().unwrap_or_default())
             ),
         }
     );
@@ -510,8 +527,8 @@ fn drift_text(d: &serde_json::Value) -> String {
         for (version, v) in vs {
             for f in v["features"].as_array().into_iter().flatten() {
                 t.row(vec![
-                    version.clone(),
-                    f["name"].as_str().unwrap_or_default().to_owned(),
+                    printable(version),
+                    printable(f["name"].as_str().unwrap_or_default()),
                     f["reference"].to_string(),
                     f["current"].to_string(),
                     num(&f["psi"]),

@@ -444,6 +444,56 @@ fn a_recorded_baseline_is_the_reference_of_a_restarted_gateway() {
     assert!(psi < 0.1, "{psi}");
 }
 
+/// `keel serve drift baseline show FILE` of `doc`: exit code, stdout,
+/// stderr.
+fn show(dir: &Path, doc: &Value) -> (Option<i32>, String, String) {
+    let file = dir.join("shown.json");
+    std::fs::write(&file, serde_json::to_vec(doc).expect("json")).expect("write");
+    let o = Command::new(keel())
+        .args(["serve", "drift", "baseline", "show"])
+        .arg(&file)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("show");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn show_refuses_counts_past_the_cap_and_control_characters_without_a_panic() {
+    let t = tempfile::tempdir().expect("tmp");
+    let good = json!({"version": 1, "model": "chat", "recorded_from": "v1",
+        "window": "reference", "recorded_at": "2026-11-26T08:00:00Z",
+        "features": [{"name": "completion_tokens", "edges": [1.0], "counts": [3, 97]}]});
+    let (code, text, err) = show(t.path(), &good);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(text.contains("completion_tokens"), "{text}");
+
+    let mut overflow = good.clone();
+    overflow["features"][0]["counts"] = json!([u64::MAX, 1]);
+    let (code, _, err) = show(t.path(), &overflow);
+    assert_eq!(code, Some(65), "{err}");
+    assert!(
+        err.contains("add up to more than 2^64 observations") && err.contains("shown.json"),
+        "{err}"
+    );
+
+    for field in ["model", "recorded_from", "recorded_at", "window"] {
+        let mut esc = good.clone();
+        esc[field] = json!("v1\u{1b}]0;owned\u{7}\u{1b}[2J");
+        let (code, text, err) = show(t.path(), &esc);
+        assert_eq!(code, Some(65), "{field}: {err}");
+        assert!(
+            !text.contains('\u{1b}') && !err.contains('\u{1b}'),
+            "{field}: {text:?} {err:?}"
+        );
+        assert!(err.contains("holds control characters"), "{field}: {err}");
+    }
+}
+
 #[test]
 fn bad_baselines_and_fallbacks_stop_the_gateway_at_start() {
     let t = tempfile::tempdir().expect("tmp");
