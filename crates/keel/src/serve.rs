@@ -588,10 +588,27 @@ fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Re
     }
     if out.json {
         out.json("serve rollout", &doc)?;
-        return Ok(Code::Ok);
+    } else {
+        out.text(&rollout_text(&doc))?;
     }
-    out.text(&rollout_text(&doc))?;
-    Ok(Code::Ok)
+    // An abort whose alias change failed: 3 while the gateway sends it
+    // again (the registry could not be reached), 2 when the registry
+    // refused it.
+    let registry = doc.get("registry").filter(|r| !r.is_null());
+    match (cmd, registry) {
+        (RolloutCommand::Abort { .. }, Some(r))
+            if r.get("ok").and_then(|v| v.as_bool()) != Some(true) =>
+        {
+            if r.get("pending").and_then(|v| v.as_bool()) == Some(true) {
+                eprintln!("keel: error: the registry did not answer the alias change; the gateway sends it again until it does");
+                Ok(Code::Unknown)
+            } else {
+                eprintln!("keel: error: the registry refused the alias change");
+                Ok(Code::Failed)
+            }
+        }
+        _ => Ok(Code::Ok),
+    }
 }
 
 /// A rollout's status as text: the head, then one row per verdict with
@@ -626,10 +643,13 @@ fn rollout_text(d: &serde_json::Value) -> String {
     }
     if let Some(r) = d.get("registry").filter(|r| !r.is_null()) {
         let ok = r.get("ok").and_then(|v| v.as_bool()) == Some(true);
+        let pending = r.get("pending").and_then(|v| v.as_bool()) == Some(true);
         text.push_str(&format!(
             "registry  {}: {}\n",
             if ok {
                 "alias changed"
+            } else if pending {
+                "alias change FAILED, sent again until the registry answers"
             } else {
                 "alias change FAILED"
             },
