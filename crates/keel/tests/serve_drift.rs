@@ -1,7 +1,8 @@
 //! Drift of registry versions with `keel serve` following `keel model
 //! serve` and test backends: a baseline recorded with `keel serve drift
 //! baseline save` is the reference of a restarted gateway; a shifted
-//! column of an OIP model's input tensor is measured per feature; the
+//! column of an OIP model's input tensor is measured per feature and
+//! reported, but moves no alias even under `action = "fallback"`; the
 //! `fallback` action moves the stable alias (and the traffic) to the
 //! fallback version, once, recorded under one drift id in the audit log
 //! and the alias history, while `notify` moves nothing; a missing or
@@ -572,7 +573,7 @@ fn infer(gw: &GatewayProcess, key: &str, shift: f64, i: usize) -> String {
 }
 
 #[test]
-fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
+fn a_shifted_input_column_of_an_oip_model_drifts_and_moves_no_alias_even_under_fallback() {
     let t = tempfile::tempdir().expect("tmp");
     let dir = t.path();
     let b1 = TestBackend::start(&["--name", "v1"]);
@@ -583,12 +584,13 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
         &url,
         "tab",
         "oip",
-        "interval_s = 1\nconsecutive = 2\npsi_threshold = 1.0",
+        "action = \"fallback\"\nfallback_version = 1\ninterval_s = 1\nconsecutive = 2\npsi_threshold = 1.0",
     );
     let (_, key) = create_key(&cfg, "alice", "user", None);
     let gw = GatewayProcess::start(&keel(), &cfg);
-    // 13 requests of 4 rows: the reference of 50 values per column.
-    for i in 0..13 {
+    // The tensor is watched once 20 requests sent it (the 20th counts),
+    // then 13 requests of 4 rows: the reference of 50 values per column.
+    for i in 0..19 + 13 {
         assert_eq!(infer(&gw, &key, 0.0, i), "v2");
     }
     assert!(gauge(
@@ -610,16 +612,16 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
             }
             served
         });
-        let alarm = until(Duration::from_secs(20), "drift_alarm", || {
-            audit(dir, "drift_alarm").into_iter().next()
+        let alarm = until(Duration::from_secs(20), "drift_input_alarm", || {
+            audit(dir, "drift_input_alarm").into_iter().next()
         });
         assert_eq!(alarm["model"], "tab");
         assert_eq!(alarm["version"], "v2");
         assert_eq!(alarm["feature"], "input.features.1");
-        assert_eq!(alarm["action"], "notify");
         assert!(alarm["psi"].as_f64().is_some_and(|p| p > 1.0), "{alarm}");
-        // Notify only: a second of traffic later, v2 still serves all.
-        std::thread::sleep(Duration::from_millis(1500));
+        // Clients' inputs move no alias, `fallback` or not: a few seconds
+        // of traffic later, v2 still serves all.
+        std::thread::sleep(Duration::from_millis(3000));
         stop.store(true, Ordering::Relaxed);
         let served = d.join().expect("driver");
         assert_eq!(
@@ -641,14 +643,21 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
     .expect("unshifted column");
     assert!(shifted > 1.0 && same < 0.25, "{shifted} {same}");
     assert!(audit(dir, "drift_fallback").is_empty());
+    assert!(audit(dir, "drift_alarm").is_empty());
     assert_eq!(
         gauge(
             &gw,
             "keel_drift_actions_total",
-            "model=\"tab\",version=\"v2\",action=\"notify\""
+            "model=\"tab\",version=\"v2\",action=\"input_notify\""
         ),
         Some(1.0)
     );
+    assert!(gauge(
+        &gw,
+        "keel_drift_input_breaches",
+        "model=\"tab\",version=\"v2\""
+    )
+    .is_some_and(|b| b >= 2.0));
     // The BYTES tensor is no feature.
     let m = http::get(gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
         .expect("metrics")
