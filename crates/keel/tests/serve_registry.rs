@@ -1379,6 +1379,23 @@ fn an_abort_the_registry_did_not_answer_is_sent_again_in_process_and_after_a_res
         (Some(true), Some(false)),
         "{st:#}"
     );
+
+    // A refusal is the registry's answer: recorded, not sent again (exit 2).
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    ok(model(&s.db, &["keys", "revoke", "rollouts"]));
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["abort", "chat"]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(
+        err.contains("the registry refused the alias change"),
+        "{err}"
+    );
+    let f = state_file(&s);
+    assert_eq!(f["rollouts"][0]["registry_pending"], false, "{f:#}");
+    assert_eq!(f["rollouts"][0]["registry"]["ok"], false, "{f:#}");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(canary_version(&s), Some(2));
 }
 
 #[test]
