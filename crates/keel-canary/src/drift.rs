@@ -101,7 +101,7 @@ impl Histogram {
 
     pub fn add(&mut self, x: f64) {
         if let Some(b) = self.bin(x) {
-            self.counts[b] += 1;
+            self.counts[b] = self.counts[b].saturating_add(1);
         }
     }
 
@@ -113,8 +113,15 @@ impl Histogram {
         &self.edges
     }
 
+    /// The number of observations; `None` when the counts (as read from
+    /// a file) add up to more than a `u64` holds.
+    pub fn checked_total(&self) -> Option<u64> {
+        self.counts.iter().try_fold(0u64, |t, &c| t.checked_add(c))
+    }
+
+    /// The number of observations, at most `u64::MAX`.
     pub fn total(&self) -> u64 {
-        self.counts.iter().sum()
+        self.checked_total().unwrap_or(u64::MAX)
     }
 }
 
@@ -318,6 +325,18 @@ mod tests {
         }
         assert_eq!(h.counts(), &[1, 2, 2, 2]);
         assert_eq!(h.total(), 7);
+    }
+
+    #[test]
+    fn counts_that_overflow_a_u64_have_no_total() {
+        let h = Histogram::with_counts(vec![0.0], vec![u64::MAX, 1]).unwrap();
+        assert_eq!(h.checked_total(), None);
+        assert_eq!(h.total(), u64::MAX);
+        let h = Histogram::with_counts(vec![0.0], vec![u64::MAX - 1, 1]).unwrap();
+        assert_eq!(h.checked_total(), Some(u64::MAX));
+        let mut h = Histogram::with_counts(vec![0.0], vec![0, u64::MAX]).unwrap();
+        h.add(5.0);
+        assert_eq!(h.counts(), &[0, u64::MAX]);
     }
 
     #[test]

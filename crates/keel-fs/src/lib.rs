@@ -145,6 +145,34 @@ impl Lock {
         }
         Ok(Self { _file: file })
     }
+
+    /// Takes the lock of `path` if no one holds it (`None` when another
+    /// open of the lock file, in this process or another, holds it).
+    pub fn try_exclusive(path: &Path) -> Result<Option<Self>, FsError> {
+        let (dir, name) = split(path)?;
+        let lock = dir.join(format!(".{name}.lock"));
+        let lerr = |source| FsError::Lock {
+            path: lock.clone(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(&lock)
+            .map_err(lerr)?;
+        loop {
+            match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(Some(Self { _file: file })),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::WOULDBLOCK) => return Ok(None),
+                Err(e) => return Err(lerr(e.into())),
+            }
+        }
+    }
 }
 
 /// Reads `path` (`None` when it does not exist).
@@ -181,6 +209,17 @@ pub fn update<T, E: From<FsError>>(
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_held_lock_is_not_taken_until_it_is_dropped() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = d.path().join("rollouts.json");
+        let held = Lock::try_exclusive(&p).expect("lock").expect("free");
+        assert!(Lock::try_exclusive(&p).expect("lock").is_none());
+        drop(held);
+        let again = Lock::try_exclusive(&p).expect("lock");
+        assert!(again.is_some());
+    }
 
     #[test]
     fn replaces_with_the_mode_and_leaves_no_temporary() {

@@ -15,8 +15,11 @@
 //!   tensors ([`oip_inputs`]), one feature per 1-D tensor
 //!   (`input.TENSOR`) and per column of a 2-D one (`input.TENSOR.COLUMN`),
 //!   at most [`MAX_INPUT_ROWS`] rows of a request and
-//!   [`MAX_INPUT_FEATURES`] features of a model; their bins are the
-//!   deciles of the reference values ([`keel_canary::drift::quantile_edges`]).
+//!   [`MAX_INPUT_FEATURES`] features of a model, each watched once seen in
+//!   [`INPUT_ADMIT_REQUESTS`] requests (names not yet watched are counted
+//!   in a map of at most [`MAX_INPUT_CANDIDATES`]; the ones it drops are
+//!   `keel_drift_input_names_dropped_total`); their bins are the deciles
+//!   of the reference values ([`keel_canary::drift::quantile_edges`]).
 //!
 //! [`DriftBook::render`] exports the Population Stability Index and the
 //! Jensen-Shannon divergence (`keel_canary::drift`) of every feature whose
@@ -53,9 +56,17 @@ pub const FEATURES: [&str; 5] = [
     "prompt_tokens",
 ];
 
-/// Input features a model's version keeps at most (the first ones seen,
-/// or a baseline's).
+/// Input features a model's version keeps at most (the first ones
+/// admitted, or a baseline's).
 pub const MAX_INPUT_FEATURES: usize = 32;
+/// Distinct requests an input feature must be seen in before it is
+/// watched (without a baseline): a few requests with other tensors cannot
+/// take the [`MAX_INPUT_FEATURES`] slots.
+pub const INPUT_ADMIT_REQUESTS: u32 = 20;
+/// Input feature names counted towards admission at most, per version;
+/// past it the name seen in the fewest requests (the oldest among equals)
+/// makes room and is counted as dropped.
+pub const MAX_INPUT_CANDIDATES: usize = 256;
 /// Rows of one request's input tensors that are sampled.
 pub const MAX_INPUT_ROWS: usize = 16;
 /// Bins of an input feature learnt from its reference values.
@@ -334,6 +345,13 @@ struct Windows {
     inputs: Vec<Feature>,
     /// New input features are learnt (no baseline).
     learn_inputs: bool,
+    /// Input feature names not yet watched: (requests seen in, order of
+    /// arrival).
+    candidates: HashMap<String, (u32, u64)>,
+    arrivals: u64,
+    /// Input feature names dropped: evicted from the candidates, or seen
+    /// once every slot was taken.
+    dropped_inputs: u64,
 }
 
 impl Windows {
@@ -347,6 +365,9 @@ impl Windows {
                     .collect(),
                 inputs: Vec::new(),
                 learn_inputs: true,
+                candidates: HashMap::new(),
+                arrivals: 0,
+                dropped_inputs: 0,
             },
             Some(b) => Windows {
                 outputs: FEATURES
@@ -360,8 +381,51 @@ impl Windows {
                     .filter_map(|(n, h)| Feature::recorded(n, h, window))
                     .collect(),
                 learn_inputs: false,
+                candidates: HashMap::new(),
+                arrivals: 0,
+                dropped_inputs: 0,
             },
         }
+    }
+
+    /// Whether input feature `name`, seen in one more request, is
+    /// watched from now on.
+    fn admit(&mut self, name: &str) -> bool {
+        if !self.learn_inputs {
+            return false;
+        }
+        if self.inputs.len() >= MAX_INPUT_FEATURES {
+            self.dropped_inputs += 1;
+            return false;
+        }
+        self.arrivals += 1;
+        let seen = match self.candidates.get_mut(name) {
+            Some((n, _)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                if self.candidates.len() >= MAX_INPUT_CANDIDATES {
+                    let evicted = self
+                        .candidates
+                        .iter()
+                        .min_by_key(|(_, &(n, at))| (n, at))
+                        .map(|(k, _)| k.clone());
+                    if let Some(k) = evicted {
+                        self.candidates.remove(&k);
+                        self.dropped_inputs += 1;
+                    }
+                }
+                self.candidates.insert(name.to_owned(), (1, self.arrivals));
+                1
+            }
+        };
+        if seen < INPUT_ADMIT_REQUESTS {
+            return false;
+        }
+        self.candidates.remove(name);
+        self.inputs.push(Feature::learnt(name));
+        true
     }
 
     fn all(&self) -> impl Iterator<Item = &Feature> {
@@ -415,6 +479,8 @@ pub enum SnapshotError {
 struct Alarm {
     /// Consecutive evaluations above the threshold.
     streak: u32,
+    /// The same for the input features.
+    input_streak: u32,
     /// Actions taken, by kind (`notify`, `fallback`).
     actions: BTreeMap<&'static str, u64>,
 }
@@ -522,13 +588,13 @@ impl DriftBook {
         }
         let (cap, window) = (self.reference, self.window);
         self.with(model, version, |w| {
+            let mut counted = std::collections::HashSet::new();
             for (name, xs) in &inputs.0 {
                 let i = match w.inputs.iter().position(|f| f.name == *name) {
                     Some(i) => i,
-                    None if w.learn_inputs && w.inputs.len() < MAX_INPUT_FEATURES => {
-                        w.inputs.push(Feature::learnt(name));
-                        w.inputs.len() - 1
-                    }
+                    // A name counts once a request.
+                    None if !counted.insert(name.as_str()) => continue,
+                    None if w.admit(name) => w.inputs.len() - 1,
                     None => continue,
                 };
                 for &x in xs {
@@ -555,22 +621,48 @@ impl DriftBook {
         out
     }
 
-    /// One evaluation of `model`'s `version`: the largest PSI of its
-    /// features with both windows full, and which feature it is.
-    /// Inconclusive when no feature is full, or when nothing was added to
-    /// the current windows since the previous evaluation (the same window
-    /// is not counted twice).
+    /// One evaluation of the output features of `model`'s `version` (the
+    /// drift action's): the largest PSI of its output features with both
+    /// windows full, and which feature it is. Inconclusive when no such
+    /// feature is full, or when nothing was added to their current windows
+    /// since the previous evaluation (the same window is not counted
+    /// twice). Input features, which clients choose, are left out:
+    /// [`DriftBook::evaluate_inputs`].
     pub fn evaluate(&self, model: &str, version: &str) -> (Evaluation, Option<(String, f64)>) {
+        self.evaluate_part(model, version, false)
+    }
+
+    /// [`DriftBook::evaluate`] of the input features (reported, never
+    /// acted on).
+    pub fn evaluate_inputs(
+        &self,
+        model: &str,
+        version: &str,
+    ) -> (Evaluation, Option<(String, f64)>) {
+        self.evaluate_part(model, version, true)
+    }
+
+    fn evaluate_part(
+        &self,
+        model: &str,
+        version: &str,
+        inputs: bool,
+    ) -> (Evaluation, Option<(String, f64)>) {
         let mut v = lock(&self.versions);
         let Some(w) = v.get_mut(model).and_then(|m| m.get_mut(version)) else {
             return (Evaluation::Inconclusive, None);
         };
-        let fresh: u64 = w.all().map(|f| f.fresh).sum();
-        w.all_mut().for_each(|f| f.fresh = 0);
-        let worst = w
-            .all()
+        let part: Vec<&mut Feature> = if inputs {
+            w.inputs.iter_mut().collect()
+        } else {
+            w.outputs.iter_mut().flatten().collect()
+        };
+        let fresh: u64 = part.iter().map(|f| f.fresh).sum();
+        let worst = part
+            .iter()
             .filter_map(|f| f.measure().map(|(p, _)| (f.name.clone(), p)))
             .max_by(|a, b| a.1.total_cmp(&b.1));
+        part.into_iter().for_each(|f| f.fresh = 0);
         match worst {
             Some((name, p)) if fresh > 0 => (Evaluation::Measured(p), Some((name, p))),
             w => (Evaluation::Inconclusive, w),
@@ -599,6 +691,15 @@ impl DriftBook {
             .entry((model.to_owned(), version.to_owned()))
             .or_default()
             .streak = streak;
+    }
+
+    /// Sets the run of input evaluations above the threshold shown for
+    /// `model`'s `version`.
+    pub fn set_input_streak(&self, model: &str, version: &str, streak: u32) {
+        lock(&self.alarms)
+            .entry((model.to_owned(), version.to_owned()))
+            .or_default()
+            .input_streak = streak;
     }
 
     /// Counts an action taken on `model`'s `version`.
@@ -719,7 +820,9 @@ impl DriftBook {
                     .unwrap_or_default();
                 versions.insert(
                     version.clone(),
-                    json!({"features": features, "streak": a.streak, "actions": a.actions}),
+                    json!({"features": features, "streak": a.streak, "input_streak": a.input_streak,
+                        "actions": a.actions, "input_candidates": w.candidates.len(),
+                        "input_names_dropped": w.dropped_inputs}),
                 );
             }
         }
@@ -768,6 +871,26 @@ impl DriftBook {
                 }
             }
         }
+        {
+            let v = lock(&self.versions);
+            let mut dropped: Vec<(&String, &String, u64)> = v
+                .iter()
+                .flat_map(|(m, vs)| vs.iter().map(move |(ver, w)| (m, ver, w.dropped_inputs)))
+                .filter(|d| d.2 > 0)
+                .collect();
+            if !dropped.is_empty() {
+                dropped.sort();
+                out.push_str("# HELP keel_drift_input_names_dropped_total Input feature names of a version not watched: evicted before they were seen in enough requests, or past the limit of input features.\n# TYPE keel_drift_input_names_dropped_total counter\n");
+                for (model, version, n) in dropped {
+                    let _ = writeln!(
+                        out,
+                        "keel_drift_input_names_dropped_total{{model=\"{}\",version=\"{}\"}} {n}",
+                        esc(model),
+                        esc(version)
+                    );
+                }
+            }
+        }
         let alarms = lock(&self.alarms);
         if alarms.is_empty() {
             return;
@@ -780,6 +903,16 @@ impl DriftBook {
                 esc(model),
                 esc(version),
                 a.streak
+            );
+        }
+        out.push_str("# HELP keel_drift_input_breaches Consecutive drift evaluations of a version's input features above its PSI threshold (reported, never acted on).\n# TYPE keel_drift_input_breaches gauge\n");
+        for ((model, version), a) in alarms.iter() {
+            let _ = writeln!(
+                out,
+                "keel_drift_input_breaches{{model=\"{}\",version=\"{}\"}} {}",
+                esc(model),
+                esc(version),
+                a.input_streak
             );
         }
         out.push_str("# HELP keel_drift_actions_total Drift actions taken on a version (notify, fallback).\n# TYPE keel_drift_actions_total counter\n");
@@ -957,6 +1090,10 @@ mod tests {
                 &json!({"inputs": [{"name": "x", "shape": [4, 2], "datatype": "FP32", "data": rows}]}),
             )
         };
+        // Seen in enough requests to be watched; the last of them counts.
+        for i in 0..INPUT_ADMIT_REQUESTS as usize - 1 {
+            b.record_inputs("tab", "v1", &req(0.0, i));
+        }
         for i in 0..50 {
             b.record_inputs("tab", "v1", &req(0.0, i));
         }
@@ -995,7 +1132,9 @@ mod tests {
         );
         let e = DriftBook::new(200, 100);
         e.watch("tab", None);
-        e.record_inputs("tab", "v1", &req(0.0, 0));
+        for i in 0..INPUT_ADMIT_REQUESTS as usize {
+            e.record_inputs("tab", "v1", &req(0.0, i));
+        }
         assert!(matches!(
             e.snapshot("tab", "v1", WindowKind::Reference, String::new()),
             Err(SnapshotError::NotFull {
@@ -1004,5 +1143,122 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    fn tensor(name: &str, rows: usize, cols: usize, shift: f64, i: usize) -> InputValues {
+        let data: Vec<f64> = (0..rows * cols)
+            .map(|k| ((i * rows * cols + k) % 50) as f64 + shift)
+            .collect();
+        oip_inputs(&json!({"inputs": [
+            {"name": name, "shape": [rows, cols], "datatype": "FP32", "data": data}
+        ]}))
+    }
+
+    fn input_names(b: &DriftBook, version: &str) -> Vec<String> {
+        let st = b.status("tab").expect("watched");
+        st["versions"][version]["features"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| f["name"].as_str())
+            .filter(|n| n.starts_with("input."))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn a_few_junk_requests_cannot_take_the_input_slots() {
+        let b = DriftBook::new(50, 50);
+        b.watch("tab", None);
+        // One request of a [1, 40] tensor: 32 names, none watched.
+        b.record_inputs("tab", "v1", &tensor("junk", 1, 40, 0.0, 0));
+        assert_eq!(input_names(&b, "v1"), Vec::<String>::new());
+        for i in 0..INPUT_ADMIT_REQUESTS as usize - 1 {
+            b.record_inputs("tab", "v1", &tensor("features", 4, 2, 0.0, i));
+        }
+        assert_eq!(input_names(&b, "v1"), Vec::<String>::new());
+        b.record_inputs("tab", "v1", &tensor("features", 4, 2, 0.0, 99));
+        assert_eq!(
+            input_names(&b, "v1"),
+            vec!["input.features.0".to_owned(), "input.features.1".to_owned()]
+        );
+        // A name twice in one request counts once.
+        let twice = oip_inputs(&json!({"inputs": [
+            {"name": "y", "shape": [1], "datatype": "FP32", "data": [1.0]},
+            {"name": "y", "shape": [1], "datatype": "FP32", "data": [2.0]}
+        ]}));
+        for _ in 0..INPUT_ADMIT_REQUESTS / 2 {
+            b.record_inputs("tab", "v1", &twice);
+        }
+        assert!(!input_names(&b, "v1").contains(&"input.y".to_owned()));
+
+        // A flood of new names: the candidates stay bounded, the dropped
+        // ones are counted, and a name sent on every request still gets in.
+        let b = DriftBook::new(50, 50);
+        b.watch("tab", None);
+        for i in 0..10 {
+            b.record_inputs("tab", "v2", &tensor(&format!("junk{i}"), 1, 32, 0.0, 0));
+        }
+        let st = b.status("tab").expect("watched");
+        assert_eq!(
+            st["versions"]["v2"]["input_candidates"],
+            MAX_INPUT_CANDIDATES
+        );
+        assert_eq!(
+            st["versions"]["v2"]["input_names_dropped"],
+            320 - MAX_INPUT_CANDIDATES as u64
+        );
+        let mut text = String::new();
+        b.render(&mut text);
+        assert!(
+            text.contains("keel_drift_input_names_dropped_total{model=\"tab\",version=\"v2\"} 64"),
+            "{text}"
+        );
+        for i in 0..INPUT_ADMIT_REQUESTS as usize {
+            b.record_inputs("tab", "v2", &tensor("features", 4, 2, 0.0, i));
+            // More junk between two requests than a request holds.
+            b.record_inputs("tab", "v2", &tensor(&format!("more{i}"), 1, 32, 0.0, 0));
+        }
+        assert_eq!(
+            input_names(&b, "v2"),
+            vec!["input.features.0".to_owned(), "input.features.1".to_owned()]
+        );
+    }
+
+    #[test]
+    fn input_drift_is_reported_apart_and_never_drives_the_action() {
+        let b = DriftBook::new(50, 50);
+        b.watch("tab", None);
+        let steady = s(20, 80, FinishReason::Stop);
+        for i in 0..INPUT_ADMIT_REQUESTS as usize + 200 {
+            // Inputs shift once their reference is full; outputs stay.
+            let shift = if i < INPUT_ADMIT_REQUESTS as usize + 20 {
+                0.0
+            } else {
+                1000.0
+            };
+            b.record("tab", "v1", &steady, Some(30));
+            b.record_inputs("tab", "v1", &tensor("features", 4, 2, shift, i));
+        }
+        let m = b.measures();
+        assert!(
+            m.iter().any(|x| x.2 == "input.features.0" && x.3 > 1.0),
+            "{m:?}"
+        );
+        let (e, worst) = b.evaluate("tab", "v1");
+        let (name, psi) = worst.expect("outputs measured");
+        assert!(FEATURES.contains(&name.as_str()), "{name}");
+        assert!(psi < 0.1, "{name} {psi}");
+        assert_eq!(e, Evaluation::Measured(psi));
+        let (e, worst) = b.evaluate_inputs("tab", "v1");
+        let (name, psi) = worst.expect("inputs measured");
+        assert!(name.starts_with("input.features."), "{name}");
+        assert!(psi > 1.0, "{psi}");
+        assert_eq!(e, Evaluation::Measured(psi));
+        // Each part's fresh observations are its own.
+        assert_eq!(b.evaluate("tab", "v1").0, Evaluation::Inconclusive);
+        b.record("tab", "v1", &steady, Some(30));
+        assert!(matches!(b.evaluate("tab", "v1").0, Evaluation::Measured(_)));
+        assert_eq!(b.evaluate_inputs("tab", "v1").0, Evaluation::Inconclusive);
     }
 }

@@ -23,6 +23,14 @@
 //!   (`keel model alias set`, `keel model rollback`) keeps it there.
 //!
 //! The consecutive breaches are `keel_drift_breaches{model,version}`.
+//!
+//! Only the output features (completion tokens, answer characters,
+//! latency, finish reason, prompt tokens) drive the run and the action.
+//! The input features of OIP models are what clients send, so any key
+//! allowed to infer could move them: their drift runs alongside on its own
+//! [`Sustained`] run (`keel_drift_input_breaches`) and, when it lasts, is a
+//! warning, a `drift_input_alarm` audit event and
+//! `keel_drift_actions_total{action="input_notify"}`, never a fallback.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -119,6 +127,7 @@ impl DriftActions {
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut run = Sustained::new(d.psi_threshold, d.consecutive);
+        let mut input_run = Sustained::new(d.psi_threshold, d.consecutive);
         let mut watched: Option<u64> = None;
         let mut fell_back: HashSet<u64> = HashSet::new();
         loop {
@@ -130,9 +139,29 @@ impl DriftActions {
             let version = routing.stable.version;
             if watched != Some(version) {
                 run.reset();
+                input_run.reset();
                 watched = Some(version);
             }
             let dep = format!("v{version}");
+            // Input drift is the clients' to choose: reported, never acted
+            // on.
+            let (evaluation, worst) = gw.drift().evaluate_inputs(&f.model, &dep);
+            let input_fired = input_run.observe(evaluation);
+            gw.drift()
+                .set_input_streak(&f.model, &dep, input_run.streak());
+            if input_fired {
+                let (feature, psi) = worst.unwrap_or_default();
+                tracing::warn!(model = %f.model, version = %dep, %feature, psi, "input drift above the threshold (reported only)");
+                let mut m = Map::new();
+                m.insert("model".into(), f.model.clone().into());
+                m.insert("version".into(), dep.clone().into());
+                m.insert("feature".into(), feature.into());
+                m.insert("psi".into(), psi.into());
+                m.insert("threshold".into(), d.psi_threshold.into());
+                m.insert("consecutive".into(), d.consecutive.into());
+                gw.audit_drift("drift_input_alarm", m);
+                gw.drift().count_action(&f.model, &dep, "input_notify");
+            }
             let (evaluation, worst) = gw.drift().evaluate(&f.model, &dep);
             let fired = run.observe(evaluation);
             gw.drift().set_streak(&f.model, &dep, run.streak());

@@ -28,6 +28,12 @@ use serde::{Deserialize, Serialize};
 /// The baseline format this gateway reads and writes.
 pub const BASELINE_VERSION: u32 = 1;
 
+/// The most observations one feature of a baseline may hold (10^12): a
+/// window is `registry.drift_reference_requests` or
+/// `registry.drift_window_requests` observations, so a larger total is not
+/// one keel recorded.
+pub const MAX_BASELINE_OBSERVATIONS: u64 = 1_000_000_000_000;
+
 /// A baseline file as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -107,6 +113,19 @@ impl Baseline {
                 file.version
             ));
         }
+        for (field, value) in [
+            ("model", &file.model),
+            ("recorded_from", &file.recorded_from),
+            ("window", &file.window),
+            ("recorded_at", &file.recorded_at),
+        ] {
+            if value.chars().any(char::is_control) {
+                return Err(format!(
+                    "{field} {:?} holds control characters",
+                    value.chars().take(100).collect::<String>()
+                ));
+            }
+        }
         if file.model != model {
             return Err(format!(
                 "recorded for model {:?}, not {model:?}",
@@ -152,6 +171,15 @@ impl Baseline {
             }
             let h = Histogram::with_counts(f.edges.clone(), f.counts.clone())
                 .map_err(|e| format!("feature {name:?}: {e}"))?;
+            match h.checked_total() {
+                Some(t) if t <= MAX_BASELINE_OBSERVATIONS => {}
+                t => {
+                    return Err(format!(
+                        "feature {name:?}: the counts add up to {} observations; at most {MAX_BASELINE_OBSERVATIONS} are a baseline",
+                        t.map_or_else(|| "more than 2^64".to_owned(), |t| t.to_string())
+                    ))
+                }
+            }
             histograms.push((f.name.clone(), h));
         }
         Ok(Baseline { file, histograms })
@@ -213,6 +241,15 @@ mod tests {
         );
         assert!(refused(|b| b.version = 2).contains("format version 2"));
         assert!(refused(|b| b.features.clear()).contains("no features"));
+        assert_eq!(
+            refused(|b| b.recorded_from = "v1\u{1b}]0;owned\u{7}".into()),
+            "recorded_from \"v1\\u{1b}]0;owned\\u{7}\" holds control characters"
+        );
+        let mut escaped = file();
+        escaped.model = "chat\u{1b}[2J".into();
+        assert!(Baseline::check(escaped, "chat\u{1b}[2J")
+            .expect_err("control characters")
+            .starts_with("model \"chat\\u{1b}[2J\" holds control characters"));
         assert!(refused(|b| b.features[0].name = "colour".into()).contains("\"colour\" is neither"));
         assert!(refused(|b| b.features[1].name = "input.a b".into()).contains("is neither"));
         assert!(
@@ -224,6 +261,15 @@ mod tests {
         .contains("2 counts for 2 edges"));
         assert!(refused(|b| b.features[0].edges = vec![8.0, 1.0]).contains("strictly increasing"));
         assert!(refused(|b| b.features[0].counts = vec![0, 0, 0]).contains("every count is 0"));
+        assert!(refused(|b| b.features[1].counts = vec![u64::MAX, 1])
+            .contains("add up to more than 2^64 observations"));
+        assert!(
+            refused(|b| b.features[1].counts = vec![MAX_BASELINE_OBSERVATIONS, 1])
+                .contains("add up to 1000000000001 observations; at most 1000000000000")
+        );
+        let mut at_cap = file();
+        at_cap.features[1].counts = vec![MAX_BASELINE_OBSERVATIONS - 1, 1];
+        assert!(Baseline::check(at_cap, "chat").is_ok());
     }
 
     #[test]

@@ -49,8 +49,15 @@
 //!   while the registry cannot be reached the check is retried and the
 //!   canary gets no traffic;
 //! - one that ended but whose alias change was never answered (the
-//!   gateway stopped in between) makes that change again;
+//!   gateway stopped in between, or the registry could not be reached)
+//!   makes that change again;
 //! - a finished one is shown by `status` as it ended.
+//!
+//! An alias change the registry did not answer (unreachable, timed out,
+//! 5xx) stays owed and is sent again with a growing wait (1 s doubling to
+//! 30 s) until the registry answers; a refusal (4xx) is final. The state
+//! file is locked (`keel_fs::Lock`) while the gateway runs: a second
+//! gateway on the same file is [`RolloutError::StateLocked`].
 
 // Errors are returned per admin call: their size does not matter.
 #![allow(clippy::result_large_err)]
@@ -104,6 +111,8 @@ pub enum RolloutError {
     },
     #[error("the rollout state file {path} is not what keel writes ({reason}): nothing was reset; repair it or move it away")]
     StateCorrupt { path: PathBuf, reason: String },
+    #[error("another process holds the rollout state file {path} (its lock .{}.lock): another gateway keeps its rollouts there; give each gateway its own registry.rollout_state_file", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default())]
+    StateLocked { path: PathBuf },
     #[error("cannot read the rollout state file")]
     StateRead(#[source] keel_fs::FsError),
     #[error("cannot write the rollout state file {path}: the rollout was not started")]
@@ -114,6 +123,8 @@ pub enum RolloutError {
     },
     #[error("model {model:?} has rollout {id} in progress")]
     Running { model: String, id: String },
+    #[error("model {model:?}: rollout {id} ended but the registry has not yet made its alias change, which the gateway sends again until it answers: start the next rollout after that")]
+    AliasChangeOwed { model: String, id: String },
     #[error("model {model:?} has no rollout")]
     NoRollout { model: String },
     #[error("rollout {id}")]
@@ -170,6 +181,9 @@ struct Inner {
     /// Held from a snapshot of the runs to its write, so that an older
     /// snapshot never replaces a newer one.
     save_lock: Mutex<()>,
+    /// The state file's lock, held while the gateway runs: one gateway
+    /// keeps a state file.
+    _state_lock: Option<keel_fs::Lock>,
 }
 
 /// One rollout and what it needs to act.
@@ -354,6 +368,20 @@ impl Rollouts {
             .map(|m| (m.name.clone(), m.rollout.clone()))
             .collect();
         let state_path = cfg.registry.as_ref().map(|r| r.rollout_state_file.clone());
+        // A lock that cannot be created (no such directory, no write
+        // rights there) leaves a state file that cannot be written either:
+        // `start` refuses rollouts then, so none is kept twice.
+        let state_lock = match &state_path {
+            Some(p) => match keel_fs::Lock::try_exclusive(p) {
+                Ok(Some(l)) => Some(l),
+                Ok(None) => return Err(RolloutError::StateLocked { path: p.clone() }),
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %chain(&e), "the rollout state file cannot be locked: rollouts cannot be recorded");
+                    None
+                }
+            },
+            None => None,
+        };
         let runs = match &state_path {
             Some(p) => load(p)?,
             None => HashMap::new(),
@@ -368,6 +396,7 @@ impl Rollouts {
             runs: Mutex::new(runs),
             state_path,
             save_lock: Mutex::new(()),
+            _state_lock: state_lock,
         })))
     }
 
@@ -591,6 +620,12 @@ impl Rollouts {
                             .map_err(|source| RolloutError::State { id, source })?;
                         audit(gw, "rollout_resume", &r, Map::new());
                         Some(action)
+                    }
+                    Phase::Aborted | Phase::Promoted if r.registry_pending => {
+                        return Err(RolloutError::AliasChangeOwed {
+                            model: model.to_owned(),
+                            id: r.rollout.id.clone(),
+                        })
                     }
                     Phase::Aborted | Phase::Promoted => None,
                 }
@@ -874,7 +909,7 @@ impl Rollouts {
             Action::Abort { reason } => {
                 let from = follow.canary_percent.load(Ordering::SeqCst);
                 set(0);
-                let (model, alias, rm) = {
+                let (rm, model) = {
                     let r = lock(run);
                     let mut m = Map::new();
                     m.insert("from".into(), from.into());
@@ -882,50 +917,95 @@ impl Rollouts {
                     m.insert("reason".into(), reason.clone().into());
                     audit(gw, "rollout_abort", &r, m);
                     gw.samples().unwatch(&r.model);
-                    (
-                        r.registry_model.clone(),
-                        r.canary_alias.clone(),
-                        r.model.clone(),
-                    )
+                    (r.registry_model.clone(), r.model.clone())
                 };
-                let res = match &self.0.writer {
-                    Some(w) => w.delete_alias(&model, &alias, &reason).await,
-                    None => Ok(()),
-                };
-                self.registry_result(gw, run, "rollout_rollback", &reason, res);
-                tracing::warn!(model = %rm, registry_model = %model, %reason, "rollout aborted; canary alias rolled back");
+                tracing::warn!(model = %model, registry_model = %rm, %reason, "rollout aborted; the canary alias is rolled back");
+                self.change_alias(gw, run, Action::Abort { reason }).await;
             }
             Action::Promote { reason } => {
                 set(100);
-                let (model, alias, version, m_name) = {
+                let (model, m_name) = {
                     let r = lock(run);
                     let mut m = Map::new();
                     m.insert("weight".into(), 100.into());
                     audit(gw, "rollout_weight", &r, m);
                     gw.samples().unwatch(&r.model);
-                    (
-                        r.registry_model.clone(),
-                        r.stable_alias.clone(),
-                        r.canary_version,
-                        r.model.clone(),
-                    )
+                    (r.registry_model.clone(), r.model.clone())
                 };
-                let res = match &self.0.writer {
-                    Some(w) => w.set_alias(&model, &alias, version, &reason).await,
-                    None => Ok(()),
-                };
-                let ok = res.is_ok();
-                self.registry_result(gw, run, "rollout_promote", &reason, res);
-                if ok {
-                    // The follower reads the moved stable alias first; the
-                    // canary share then returns to 0 so that the next
-                    // canary starts from nothing.
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    set(0);
-                }
-                tracing::info!(model = %m_name, registry_model = %model, %reason, "rollout promoted");
+                tracing::info!(model = %m_name, registry_model = %model, %reason, "rollout promoted; the stable alias moves to the canary's version");
+                self.change_alias(gw, run, Action::Promote { reason }).await;
             }
         }
+    }
+
+    /// Makes the alias change of an abort or a promotion: at once, and
+    /// while the registry cannot be reached, times out or answers 5xx,
+    /// again after 1, 2, 4 ... (at most 30) seconds in a task of its own
+    /// (the change stays owed in the state file, so a restarted gateway
+    /// makes it too). A refusal (4xx) is final and recorded.
+    async fn change_alias(&self, gw: &Gateway, run: &Arc<Mutex<Run>>, action: Action) {
+        if self.try_change_alias(gw, run, &action).await {
+            return;
+        }
+        let me = self.clone();
+        let gw = gw.clone();
+        let run = run.clone();
+        tokio::spawn(async move {
+            let mut wait = Duration::from_secs(1);
+            loop {
+                tokio::time::sleep(wait).await;
+                if me.try_change_alias(&gw, &run, &action).await {
+                    return;
+                }
+                wait = (wait * 2).min(MAX_RETRY_WAIT);
+            }
+        });
+    }
+
+    /// One try of an alias change; `true` when nothing is owed any more
+    /// (made, or refused for good).
+    async fn try_change_alias(&self, gw: &Gateway, run: &Arc<Mutex<Run>>, action: &Action) -> bool {
+        let (model, stable_alias, canary_alias, version) = {
+            let r = lock(run);
+            (
+                r.registry_model.clone(),
+                r.stable_alias.clone(),
+                r.canary_alias.clone(),
+                r.canary_version,
+            )
+        };
+        let (event, reason, res) = match action {
+            Action::Abort { reason } => (
+                "rollout_rollback",
+                reason,
+                match &self.0.writer {
+                    Some(w) => w.delete_alias(&model, &canary_alias, reason).await,
+                    None => Ok(()),
+                },
+            ),
+            Action::Promote { reason } => (
+                "rollout_promote",
+                reason,
+                match &self.0.writer {
+                    Some(w) => w.set_alias(&model, &stable_alias, version, reason).await,
+                    None => Ok(()),
+                },
+            ),
+            _ => return true,
+        };
+        let ok = res.is_ok();
+        let done = self.registry_result(gw, run, event, reason, res);
+        if ok && matches!(action, Action::Promote { .. }) {
+            // The follower reads the moved stable alias first; the canary
+            // share then returns to 0 so that the next canary starts from
+            // nothing.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if let Ok(f) = self.follow(&lock(run).model) {
+                f.canary_percent.store(0, Ordering::SeqCst);
+                self.0.wake.notify_one();
+            }
+        }
+        done
     }
 
     fn registry_result(
@@ -935,22 +1015,43 @@ impl Rollouts {
         event: &str,
         reason: &str,
         res: Result<(), RegistrySourceError>,
-    ) {
+    ) -> bool {
         let mut r = lock(run);
         let mut m = Map::new();
         m.insert("registry_model".into(), r.registry_model.clone().into());
         m.insert("reason".into(), reason.into());
         m.insert("ok".into(), res.is_ok().into());
+        let pending = res.as_ref().err().is_some_and(retried);
         if let Err(e) = &res {
             let msg = chain(e);
-            tracing::error!(model = %r.model, error = %msg, "the registry refused the rollout's alias change");
+            if pending {
+                tracing::warn!(model = %r.model, error = %msg, "the registry did not answer the rollout's alias change: it is sent again");
+            } else {
+                tracing::error!(model = %r.model, error = %msg, "the registry refused the rollout's alias change");
+            }
             m.insert("error".into(), msg.into());
         }
+        m.insert("pending".into(), pending.into());
         r.registry = Some(Value::Object(m.clone()));
-        r.registry_pending = false;
+        r.registry_pending = pending;
         audit(gw, event, &r, m);
         drop(r);
         self.save();
+        !pending
+    }
+}
+
+/// The longest wait between two tries of an alias change.
+const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether an alias change that failed with `e` is sent again: the
+/// registry could not be reached, did not answer in time or failed
+/// (5xx). A refusal (4xx) is its answer.
+fn retried(e: &RegistrySourceError) -> bool {
+    match e {
+        RegistrySourceError::Unreachable { .. } | RegistrySourceError::Timeout { .. } => true,
+        RegistrySourceError::Status { status, .. } => *status >= 500,
+        _ => false,
     }
 }
 

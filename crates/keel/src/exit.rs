@@ -77,6 +77,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
             use keel_gateway::rollout::RolloutError as R;
             return match r {
                 R::StateCorrupt { .. } => Code::Data,
+                R::StateLocked { .. } => Code::Usage,
                 R::StateRead(_) | R::NotRecorded { .. } => Code::Io,
                 R::WriteRefused { .. } => Code::NoPerm,
                 _ => Code::Usage,

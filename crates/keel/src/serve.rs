@@ -463,17 +463,34 @@ fn drift(cmd: &DriftCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result
     Ok(Code::Ok)
 }
 
+/// `s` for a terminal: control characters (escape sequences among them)
+/// are written escaped (`\u{1b}`), never passed through.
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// A baseline as text: where it comes from, then a row per feature.
 fn baseline_text(b: &keel_gateway::drift_baseline::Baseline) -> String {
     let f = &b.file;
     let mut text = format!(
         "model     {}\nrecorded  {} window of {} at {}\n\n",
-        f.model, f.window, f.recorded_from, f.recorded_at
+        printable(&f.model),
+        printable(&f.window),
+        printable(&f.recorded_from),
+        printable(&f.recorded_at)
     );
     let mut t = Table::new(&["FEATURE", "BINS", "OBSERVATIONS"]);
     for (name, h) in &b.histograms {
         t.row(vec![
-            name.clone(),
+            printable(name),
             h.counts().len().to_string(),
             h.total().to_string(),
         ]);
@@ -486,13 +503,13 @@ fn baseline_text(b: &keel_gateway::drift_baseline::Baseline) -> String {
 fn drift_text(d: &serde_json::Value) -> String {
     let mut text = format!(
         "model     {}\nbaseline  {}\n\n",
-        d["model"].as_str().unwrap_or_default(),
+        printable(d["model"].as_str().unwrap_or_default()),
         match &d["baseline"] {
             serde_json::Value::Null => "none (each version's first answers)".to_owned(),
             b => format!(
                 "{} window of {}",
-                b["window"].as_str().unwrap_or_default(),
-                b["recorded_from"].as_str().unwrap_or_default()
+                printable(b["window"].as_str().unwrap_or_default()),
+                printable(b["recorded_from"].as_str().unwrap_or_default())
             ),
         }
     );
@@ -510,8 +527,8 @@ fn drift_text(d: &serde_json::Value) -> String {
         for (version, v) in vs {
             for f in v["features"].as_array().into_iter().flatten() {
                 t.row(vec![
-                    version.clone(),
-                    f["name"].as_str().unwrap_or_default().to_owned(),
+                    printable(version),
+                    printable(f["name"].as_str().unwrap_or_default()),
                     f["reference"].to_string(),
                     f["current"].to_string(),
                     num(&f["psi"]),
@@ -571,10 +588,27 @@ fn rollout(cmd: &RolloutCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Re
     }
     if out.json {
         out.json("serve rollout", &doc)?;
-        return Ok(Code::Ok);
+    } else {
+        out.text(&rollout_text(&doc))?;
     }
-    out.text(&rollout_text(&doc))?;
-    Ok(Code::Ok)
+    // An abort whose alias change failed: 3 while the gateway sends it
+    // again (the registry could not be reached), 2 when the registry
+    // refused it.
+    let registry = doc.get("registry").filter(|r| !r.is_null());
+    match (cmd, registry) {
+        (RolloutCommand::Abort { .. }, Some(r))
+            if r.get("ok").and_then(|v| v.as_bool()) != Some(true) =>
+        {
+            if r.get("pending").and_then(|v| v.as_bool()) == Some(true) {
+                eprintln!("keel: error: the registry did not answer the alias change; the gateway sends it again until it does");
+                Ok(Code::Unknown)
+            } else {
+                eprintln!("keel: error: the registry refused the alias change");
+                Ok(Code::Failed)
+            }
+        }
+        _ => Ok(Code::Ok),
+    }
 }
 
 /// A rollout's status as text: the head, then one row per verdict with
@@ -609,10 +643,13 @@ fn rollout_text(d: &serde_json::Value) -> String {
     }
     if let Some(r) = d.get("registry").filter(|r| !r.is_null()) {
         let ok = r.get("ok").and_then(|v| v.as_bool()) == Some(true);
+        let pending = r.get("pending").and_then(|v| v.as_bool()) == Some(true);
         text.push_str(&format!(
             "registry  {}: {}\n",
             if ok {
                 "alias changed"
+            } else if pending {
+                "alias change FAILED, sent again until the registry answers"
             } else {
                 "alias change FAILED"
             },

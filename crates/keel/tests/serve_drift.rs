@@ -1,7 +1,8 @@
 //! Drift of registry versions with `keel serve` following `keel model
 //! serve` and test backends: a baseline recorded with `keel serve drift
 //! baseline save` is the reference of a restarted gateway; a shifted
-//! column of an OIP model's input tensor is measured per feature; the
+//! column of an OIP model's input tensor is measured per feature and
+//! reported, but moves no alias even under `action = "fallback"`; the
 //! `fallback` action moves the stable alias (and the traffic) to the
 //! fallback version, once, recorded under one drift id in the audit log
 //! and the alias history, while `notify` moves nothing; a missing or
@@ -444,6 +445,56 @@ fn a_recorded_baseline_is_the_reference_of_a_restarted_gateway() {
     assert!(psi < 0.1, "{psi}");
 }
 
+/// `keel serve drift baseline show FILE` of `doc`: exit code, stdout,
+/// stderr.
+fn show(dir: &Path, doc: &Value) -> (Option<i32>, String, String) {
+    let file = dir.join("shown.json");
+    std::fs::write(&file, serde_json::to_vec(doc).expect("json")).expect("write");
+    let o = Command::new(keel())
+        .args(["serve", "drift", "baseline", "show"])
+        .arg(&file)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("show");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn show_refuses_counts_past_the_cap_and_control_characters_without_a_panic() {
+    let t = tempfile::tempdir().expect("tmp");
+    let good = json!({"version": 1, "model": "chat", "recorded_from": "v1",
+        "window": "reference", "recorded_at": "2026-11-26T08:00:00Z",
+        "features": [{"name": "completion_tokens", "edges": [1.0], "counts": [3, 97]}]});
+    let (code, text, err) = show(t.path(), &good);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(text.contains("completion_tokens"), "{text}");
+
+    let mut overflow = good.clone();
+    overflow["features"][0]["counts"] = json!([u64::MAX, 1]);
+    let (code, _, err) = show(t.path(), &overflow);
+    assert_eq!(code, Some(65), "{err}");
+    assert!(
+        err.contains("add up to more than 2^64 observations") && err.contains("shown.json"),
+        "{err}"
+    );
+
+    for field in ["model", "recorded_from", "recorded_at", "window"] {
+        let mut esc = good.clone();
+        esc[field] = json!("v1\u{1b}]0;owned\u{7}\u{1b}[2J");
+        let (code, text, err) = show(t.path(), &esc);
+        assert_eq!(code, Some(65), "{field}: {err}");
+        assert!(
+            !text.contains('\u{1b}') && !err.contains('\u{1b}'),
+            "{field}: {text:?} {err:?}"
+        );
+        assert!(err.contains("holds control characters"), "{field}: {err}");
+    }
+}
+
 #[test]
 fn bad_baselines_and_fallbacks_stop_the_gateway_at_start() {
     let t = tempfile::tempdir().expect("tmp");
@@ -522,7 +573,7 @@ fn infer(gw: &GatewayProcess, key: &str, shift: f64, i: usize) -> String {
 }
 
 #[test]
-fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
+fn a_shifted_input_column_of_an_oip_model_drifts_and_moves_no_alias_even_under_fallback() {
     let t = tempfile::tempdir().expect("tmp");
     let dir = t.path();
     let b1 = TestBackend::start(&["--name", "v1"]);
@@ -533,12 +584,13 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
         &url,
         "tab",
         "oip",
-        "interval_s = 1\nconsecutive = 2\npsi_threshold = 1.0",
+        "action = \"fallback\"\nfallback_version = 1\ninterval_s = 1\nconsecutive = 2\npsi_threshold = 1.0",
     );
     let (_, key) = create_key(&cfg, "alice", "user", None);
     let gw = GatewayProcess::start(&keel(), &cfg);
-    // 13 requests of 4 rows: the reference of 50 values per column.
-    for i in 0..13 {
+    // The tensor is watched once 20 requests sent it (the 20th counts),
+    // then 13 requests of 4 rows: the reference of 50 values per column.
+    for i in 0..19 + 13 {
         assert_eq!(infer(&gw, &key, 0.0, i), "v2");
     }
     assert!(gauge(
@@ -560,16 +612,16 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
             }
             served
         });
-        let alarm = until(Duration::from_secs(20), "drift_alarm", || {
-            audit(dir, "drift_alarm").into_iter().next()
+        let alarm = until(Duration::from_secs(20), "drift_input_alarm", || {
+            audit(dir, "drift_input_alarm").into_iter().next()
         });
         assert_eq!(alarm["model"], "tab");
         assert_eq!(alarm["version"], "v2");
         assert_eq!(alarm["feature"], "input.features.1");
-        assert_eq!(alarm["action"], "notify");
         assert!(alarm["psi"].as_f64().is_some_and(|p| p > 1.0), "{alarm}");
-        // Notify only: a second of traffic later, v2 still serves all.
-        std::thread::sleep(Duration::from_millis(1500));
+        // Clients' inputs move no alias, `fallback` or not: a few seconds
+        // of traffic later, v2 still serves all.
+        std::thread::sleep(Duration::from_millis(3000));
         stop.store(true, Ordering::Relaxed);
         let served = d.join().expect("driver");
         assert_eq!(
@@ -591,14 +643,21 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_notify_moves_nothing() {
     .expect("unshifted column");
     assert!(shifted > 1.0 && same < 0.25, "{shifted} {same}");
     assert!(audit(dir, "drift_fallback").is_empty());
+    assert!(audit(dir, "drift_alarm").is_empty());
     assert_eq!(
         gauge(
             &gw,
             "keel_drift_actions_total",
-            "model=\"tab\",version=\"v2\",action=\"notify\""
+            "model=\"tab\",version=\"v2\",action=\"input_notify\""
         ),
         Some(1.0)
     );
+    assert!(gauge(
+        &gw,
+        "keel_drift_input_breaches",
+        "model=\"tab\",version=\"v2\""
+    )
+    .is_some_and(|b| b >= 2.0));
     // The BYTES tensor is no feature.
     let m = http::get(gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
         .expect("metrics")

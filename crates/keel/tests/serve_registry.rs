@@ -57,10 +57,15 @@ impl Drop for Registry {
 }
 
 fn registry(db: &Path) -> (Registry, String) {
+    registry_at(db, "127.0.0.1:0")
+}
+
+/// `keel model serve` on `listen` (`127.0.0.1:0`: a free port).
+fn registry_at(db: &Path, listen: &str) -> (Registry, String) {
     let mut child = Command::new(keel())
         .args(["model", "--db"])
         .arg(db)
-        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--listen", listen])
         .env_remove("KEEL_CONFIG")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -1281,4 +1286,134 @@ fn a_rollout_whose_state_cannot_be_recorded_does_not_start() {
     assert!(served.iter().all(|b| b == "v1"), "{served:?}");
     let log = std::fs::read_to_string(s.t.path().join("audit.jsonl")).unwrap_or_default();
     assert!(!log.contains("rollout_start"), "{log}");
+}
+
+/// Waits until the state file says no alias change is owed.
+fn until_answered(s: &RolloutSetup, within: Duration) -> serde_json::Value {
+    let t0 = Instant::now();
+    loop {
+        let f = state_file(s);
+        if f["rollouts"][0]["registry_pending"] == false {
+            return f;
+        }
+        assert!(t0.elapsed() < within, "still owed after {within:?}: {f:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The canary alias's version in the registry (`None`: no such alias).
+fn canary_version(s: &RolloutSetup) -> Option<u64> {
+    alias_history(s, "canary")
+        .last()
+        .and_then(|e| e["new_version"].as_u64())
+}
+
+#[test]
+fn an_abort_the_registry_did_not_answer_is_sent_again_in_process_and_after_a_restart() {
+    let mut s = rollout_setup(&[], "steps = [10, 100]\ninterval_s = 60");
+    let listen = s.url.trim_start_matches("http://").to_owned();
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+
+    // The registry goes down, then an operator aborts: the canary gets no
+    // traffic, the alias change fails (exit 3) and stays owed.
+    let _ = s._reg.0.kill();
+    let _ = s._reg.0.wait();
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["abort", "chat"]);
+    assert_eq!(code, 3, "{out}\n{err}");
+    assert!(
+        out.contains("alias change FAILED, sent again until the registry answers"),
+        "{out}"
+    );
+    assert!(err.contains("sends it again"), "{err}");
+    let f = state_file(&s);
+    assert_eq!(f["rollouts"][0]["registry_pending"], true, "{f:#}");
+    assert_eq!(f["rollouts"][0]["phase"], "aborted", "{f:#}");
+    let id = f["rollouts"][0]["id"].as_str().expect("id").to_owned();
+    // A new rollout waits for the owed change.
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("has not yet made its alias change"), "{err}");
+
+    // The gateway stops before the registry is back; the registry, then
+    // the gateway, start again: the restarted gateway makes the change.
+    s.gw.signal("KILL");
+    s.gw.wait();
+    let (reg, _) = registry_at(&s.db, &listen);
+    s._reg = reg;
+    assert_eq!(canary_version(&s), Some(2));
+    s.gw = GatewayProcess::start(&keel(), &s.cfg);
+    until_answered(&s, Duration::from_secs(10));
+    assert_eq!(canary_version(&s), None);
+    let ev = alias_history(&s, "canary").last().cloned().expect("event");
+    assert!(
+        ev["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with(&format!("rollout {id}: "))),
+        "{ev}"
+    );
+    let st = rollout_status(&s.gw, s.t.path());
+    assert_eq!(st["registry"]["ok"], true, "{st:#}");
+
+    // In process: the registry down during an abort, back a moment later;
+    // the gateway sends the change again on its own.
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    let _ = s._reg.0.kill();
+    let _ = s._reg.0.wait();
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["abort", "chat"]);
+    assert_eq!(code, 3, "{err}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let (reg, _) = registry_at(&s.db, &listen);
+    s._reg = reg;
+    until_answered(&s, Duration::from_secs(15));
+    assert_eq!(canary_version(&s), None);
+    let st = rollout_status(&s.gw, s.t.path());
+    assert_eq!(
+        (
+            st["registry"]["ok"].as_bool(),
+            st["registry"]["pending"].as_bool()
+        ),
+        (Some(true), Some(false)),
+        "{st:#}"
+    );
+
+    // A refusal is the registry's answer: recorded, not sent again (exit 2).
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    ok(model(&s.db, &["keys", "revoke", "rollouts"]));
+    let (code, out, err) = rollout_cli(&s.gw, s.t.path(), &["abort", "chat"]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(
+        err.contains("the registry refused the alias change"),
+        "{err}"
+    );
+    let f = state_file(&s);
+    assert_eq!(f["rollouts"][0]["registry_pending"], false, "{f:#}");
+    assert_eq!(f["rollouts"][0]["registry"]["ok"], false, "{f:#}");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(canary_version(&s), Some(2));
+}
+
+#[test]
+fn a_second_gateway_on_the_same_rollout_state_file_does_not_start() {
+    let s = rollout_setup(&[], "steps = [10, 100]\ninterval_s = 60");
+    let (code, err) = start_fails(&s.cfg);
+    let file = s.t.path().join("rollouts.json");
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains(&format!(
+            "another process holds the rollout state file {}",
+            file.display()
+        )),
+        "{err}"
+    );
+    // The first gateway still keeps its rollouts.
+    canary_set(&s);
+    let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(state_file(&s)["rollouts"][0]["phase"], "progressing");
 }
