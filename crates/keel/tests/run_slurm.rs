@@ -389,7 +389,6 @@ fn a_black_hole_node_is_excluded_after_two_failures_though_its_checks_pass() {
         "",
         &[&format!("--exclude={n1},{n3}")],
     );
-    let job = format!("JobId={}", s.job);
     // First failure: requeued as it was (one failure excludes nothing).
     let show = s.wait("first requeue", 60, |show| field(show, "Restarts") == "1");
     assert_eq!(
