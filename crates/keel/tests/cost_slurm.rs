@@ -307,8 +307,10 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         &[
             "-J",
             "acct-supervised",
+            // Two lines and a `|`: scontrol and sacct's text print it
+            // raw.
             "--comment",
-            "team=ml",
+            "team=ml\nproject=x|y",
             "--gres=gpu:1",
             &format!("--output={}/job.out", d.display()),
             "job.sh",
@@ -321,29 +323,31 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
     );
     let log = || std::fs::read_to_string(d.join("job.out")).unwrap_or_default();
     let _ = wait_accounted(&cluster, &[supervised.clone(), plain.clone()]);
-    let comments = cluster
+    let answer = cluster
         .command(
             "sacct",
-            &[
-                "-X",
-                "-n",
-                "-P",
-                "-j",
-                &format!("{supervised},{plain}"),
-                "--format=JobID,Comment",
-            ],
+            &["--json", "-X", "-j", &format!("{supervised},{plain}")],
         )
-        .expect("sacct");
-    assert!(
-        comments
-            .lines()
-            .any(|l| l == format!("{supervised}|team=ml keel-run")),
-        "the submitted comment is kept and marked once: {comments}\n{}",
+        .expect("sacct --json");
+    let answer: Value = serde_json::from_str(&answer).expect("sacct --json");
+    let comment = |id: &str| -> Value {
+        answer["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .find(|j| j["job_id"].to_string() == id)
+            .map(|j| j["comment"]["job"].clone())
+            .unwrap_or_else(|| panic!("job {id} in {answer}"))
+    };
+    assert_eq!(
+        comment(&supervised),
+        "team=ml\nproject=x|y keel-run",
+        "the submitted comment is kept whole and marked once\n{}",
         log()
     );
     assert!(
-        comments.lines().any(|l| l == format!("{plain}|")),
-        "{comments}"
+        comment(&plain).as_str().unwrap_or("").is_empty(),
+        "{answer}"
     );
 
     let prices = d.join("prices.toml");
