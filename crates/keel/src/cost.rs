@@ -139,6 +139,10 @@ fn read_idle(
                     bodies.push(ec::http_get(&url, None, timeout).await?);
                 }
                 let rows = ec::from_prometheus(base, &bodies[0], &bodies[1], &bodies[2])?;
+                // An empty answer is no keel exporter scraped, not 0.
+                if rows.is_empty() {
+                    anyhow::bail!("no keel series at {base} over the period");
+                }
                 anyhow::Ok((
                     format!(
                         "prometheus {base} over {}..{} UTC",
@@ -152,10 +156,13 @@ fn read_idle(
                 let base = url.trim_end_matches('/');
                 let text =
                     ec::http_get(&format!("{base}/metrics"), token.as_deref(), timeout).await?;
-                anyhow::Ok((
-                    format!("exporter {base}, since it started"),
-                    ec::from_exposition(&text),
-                ))
+                let rows = ec::from_exposition(&text);
+                // No keel_job_gpu_* series: not a keel exporter, or one
+                // without job accounting; unknown, not 0.
+                if rows.is_empty() {
+                    anyhow::bail!("no keel series at {base}/metrics");
+                }
+                anyhow::Ok((format!("exporter {base}, since it started"), rows))
             }
         }
     })?;
