@@ -45,11 +45,12 @@ pub struct CostArgs {
     /// each row's job id and name.
     #[arg(long, value_name = "FILE", requires = "sacct_file")]
     sacct_json: Option<PathBuf>,
-    /// Start of the period (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS, the
-    /// cluster's time); allocations are clipped to it.
+    /// Start of the period (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS, UTC: sacct
+    /// runs with TZ=UTC); allocations are clipped to it. Default: midnight
+    /// UTC today.
     #[arg(long, value_name = "TIME")]
     since: Option<String>,
-    /// End of the period (exclusive).
+    /// End of the period (exclusive, UTC). Default: now.
     #[arg(long, value_name = "TIME")]
     until: Option<String>,
     /// Jobs whose name starts with PREFIX are requeue-safe (they
@@ -247,8 +248,10 @@ fn time_arg(flag: &str, s: &str) -> anyhow::Result<i64> {
 /// same jobs: `-a -X` and the period.
 fn run_sacct(args: &CostArgs, json: bool) -> anyhow::Result<String> {
     let mut cmd = Command::new("sacct");
-    // Start and End as YYYY-MM-DDTHH:MM:SS whatever the caller's setting.
-    cmd.env("SLURM_TIME_FORMAT", "standard");
+    // Start and End as YYYY-MM-DDTHH:MM:SS whatever the caller's setting,
+    // and in UTC, as -S and -E are read: the period of the rows (by
+    // default from midnight today) is the idle GPU-hours' period.
+    cmd.env("SLURM_TIME_FORMAT", "standard").env("TZ", "UTC");
     if json {
         cmd.args(["--json", "-a", "-X"]);
     } else {
@@ -401,7 +404,7 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
     }
     let mut report = cost(&jobs, &prices, &opts);
     if let Some(source) = &idle_from {
-        // sacct's default period: from midnight today to now.
+        // sacct's default period (TZ=UTC): from midnight UTC today to now.
         let until = opts.until.unwrap_or_else(now);
         let since = opts.since.unwrap_or(until - until.rem_euclid(86_400));
         let timeout = Duration::from_secs_f64(args.idle_timeout_s);

@@ -90,9 +90,9 @@ fn wait_accounted(cluster: &SlurmCluster, jobs: &[String]) -> Vec<String> {
     }
 }
 
-fn local_time(offset: &str) -> String {
+fn utc(offset: &str) -> String {
     let out = Command::new("date")
-        .args(["-d", offset, "+%Y-%m-%dT%H:%M:%S"])
+        .args(["-u", "-d", offset, "+%Y-%m-%dT%H:%M:%S"])
         .output()
         .expect("date");
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
@@ -142,7 +142,7 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
         .wait_until_idle(Duration::from_secs(30))
         .expect("idle cluster");
     let dir = tempfile::tempdir().expect("tempdir");
-    let since = local_time("-1 minute");
+    let since = utc("-1 minute");
 
     // Two GPU jobs on n3's Gres (one requeue-safe by its name), one
     // without GPUs, which keel cost leaves out.
@@ -181,7 +181,7 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
         "source = \"test prices\"\n[[price]]\npartition = \"debug\"\nsku = \"test\"\ngpus_per_node = 8\non_demand = 16.0\nspot = 4.0\n",
     )
     .expect("write");
-    let until = local_time("+1 minute");
+    let until = utc("+1 minute");
     let prices_arg = prices.display().to_string();
     let v = cost_listing(
         &cluster,
@@ -284,7 +284,7 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         .expect("idle cluster");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let since = local_time("-1 minute");
+    let since = utc("-1 minute");
 
     // One GPU each from n3: a toy trainer of ten 0.1 s steps under keel
     // run, and a plain job of about the same length.
@@ -356,7 +356,7 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         "source = \"test prices\"\n[[price]]\npartition = \"debug\"\nsku = \"test\"\ngpus_per_node = 8\non_demand = 16.0\nspot = 4.0\n",
     )
     .expect("write");
-    let until = local_time("+1 minute");
+    let until = utc("+1 minute");
     let prices_arg = prices.display().to_string();
     let cost = |extra: &[&str]| -> Value {
         let mut args = vec![

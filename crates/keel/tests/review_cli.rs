@@ -880,8 +880,9 @@ fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
 }
 
 /// `keel cost` without --sacct-file runs `sacct` from PATH: here a script
-/// standing in for Slurm's client, which records its arguments and
-/// SLURM_TIME_FORMAT and prints the recorded rows.
+/// standing in for Slurm's client, which records its arguments,
+/// SLURM_TIME_FORMAT and TZ (UTC, whatever the caller's, so that the period
+/// is the idle GPU-hours' one) and prints the recorded rows.
 #[test]
 fn cost_runs_sacct_with_the_period_and_a_timeout() {
     use std::os::unix::fs::PermissionsExt;
@@ -893,7 +894,7 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\nprintf '%s\\n' \"$*\" \"$SLURM_TIME_FORMAT\" >>'{}'\n[ -n \"$SACCT_SLEEP\" ] && sleep \"$SACCT_SLEEP\"\nif [ \"$1\" = --json ]; then [ -n \"$SACCT_NO_JSON\" ] && {{ echo 'sacct: unrecognized option --json' >&2; exit 1; }}; cat '{}'; else cat '{}'; fi\n",
+            "#!/bin/sh\nprintf '%s\\n' \"$*\" \"$SLURM_TIME_FORMAT $TZ\" >>'{}'\n[ -n \"$SACCT_SLEEP\" ] && sleep \"$SACCT_SLEEP\"\nif [ \"$1\" = --json ]; then [ -n \"$SACCT_NO_JSON\" ] && {{ echo 'sacct: unrecognized option --json' >&2; exit 1; }}; cat '{}'; else cat '{}'; fi\n",
             args_file.display(),
             cost_fixture("sacct-marked.json").display(),
             cost_fixture("sacct.txt").display()
@@ -909,6 +910,7 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     let (code, out, err) = run(keel()
         .env("PATH", &path)
         .env("SLURM_TIME_FORMAT", "relative")
+        .env("TZ", "America/New_York")
         .args([
             "--json",
             "cost",
@@ -923,8 +925,8 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     let recorded = std::fs::read_to_string(&args_file).expect("args");
     assert_eq!(
         recorded,
-        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End -S 2026-09-01 -E 2026-10-01\nstandard\n\
-         --json -a -X -S 2026-09-01 -E 2026-10-01\nstandard\n"
+        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End -S 2026-09-01 -E 2026-10-01\nstandard UTC\n\
+         --json -a -X -S 2026-09-01 -E 2026-10-01\nstandard UTC\n"
     );
     let v: Value = serde_json::from_str(&out).expect("json");
     assert!(close(
