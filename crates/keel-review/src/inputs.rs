@@ -617,9 +617,25 @@ fn parse_prometheus(
             || name == "keel-alerts.yaml"
             || (!p.contains(['*', '?', '[']) && {
                 let full = base.join(p);
-                loader
-                    .load(&full)
-                    .is_ok_and(|t| t.contains("- name: keel-gpu"))
+                match loader.load(&full) {
+                    Ok(t) => t.contains("- name: keel-gpu"),
+                    // A rule file on the Prometheus host only.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+                    Err(e) => {
+                        diags.push(Diagnostic::new(
+                            DiagnosticKind::Include,
+                            Location {
+                                file: file.clone(),
+                                line,
+                            },
+                            format!(
+                                "cannot read rule file {}: {e}",
+                                cut(&full.display().to_string())
+                            ),
+                        ));
+                        false
+                    }
+                }
             });
         rule_files.push(RuleFile {
             path: p.to_owned(),
@@ -937,6 +953,54 @@ mod tests {
             &mut diags,
         );
         (c, diags)
+    }
+
+    #[test]
+    fn rule_files_that_are_not_small_regular_files_are_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("fifo.yml");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        let big = dir.path().join("big.yml");
+        std::fs::write(&big, vec![b'#'; 5 * 1024 * 1024]).expect("write");
+        std::fs::write(dir.path().join("keel.yml"), "groups:\n  - name: keel-gpu\n")
+            .expect("write");
+        let text = format!(
+            "rule_files:\n  - /dev/zero\n  - {}\n  - {}\n  - keel.yml\n  - missing.yml\n",
+            fifo.display(),
+            big.display()
+        );
+        let mut diags = Vec::new();
+        let c = parse_prometheus(
+            &dir.path().join("prometheus.yml"),
+            &text,
+            &crate::slurm::FsLoader,
+            &mut diags,
+        )
+        .expect("parses");
+        let keel: Vec<bool> = c.rule_files.iter().map(|r| r.keel_alerts).collect();
+        assert_eq!(keel, vec![false, false, false, true, false]);
+        let got: Vec<(u32, &str)> = diags
+            .iter()
+            .map(|d| (d.location.line, d.message.as_str()))
+            .collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].0 == 2 && got[0].1.ends_with("/dev/zero: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].0 == 3 && got[1].1.ends_with("fifo.yml: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[2].0 == 4 && got[2].1.ends_with("big.yml: larger than 4 MiB"),
+            "{got:?}"
+        );
+        assert!(diags.iter().all(|d| d.kind == DiagnosticKind::Include));
     }
 
     #[test]
