@@ -335,7 +335,7 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
             .as_array()
             .expect("jobs")
             .iter()
-            .find(|j| j["job_id"].to_string() == id)
+            .find(|j| j["job_id"].as_u64().is_some_and(|n| n.to_string() == id))
             .map(|j| j["comment"]["job"].clone())
             .unwrap_or_else(|| panic!("job {id} in {answer}"))
     };
