@@ -1,33 +1,65 @@
 //! `keel cost`: GPU-hours and their price from Slurm accounting.
 //!
 //! Input is the text of
-//! `sacct -a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment`
-//! ([`SACCT_FORMAT`]): one allocation a line, `|`-separated; rows without
-//! the last field (`Comment`, read by keel before it was added) are read
-//! too. GPU-hours are the allocation's `gres/gpu` count times its elapsed
-//! time, clipped to the period; prices come from a user's TOML table, per
-//! partition, per node hour, on demand and spot. A job whose partition has
-//! no price is counted in GPU-hours and shown unpriced, never as costing 0.
+//! `sacct -a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
+//! ([`SACCT_FORMAT`]): one allocation a line, `|`-separated. sacct escapes
+//! nothing, so a job name may hold `|`: a row is read from both ends, the
+//! JobID first and the last eight fields validated strictly, the name being
+//! what lies between. GPU-hours are the allocation's `gres/gpu` count times
+//! its elapsed time, clipped to the period; prices come from a user's TOML
+//! table, per partition, per node hour, on demand and spot. A job whose
+//! partition has no price is counted in GPU-hours and shown unpriced, never
+//! as costing 0.
 //!
 //! A job is requeue-safe (what moving it to spot would have saved is
 //! reported) when its Comment holds `keel run --slurm`'s marker
 //! ([`keel_slurm::RUN_MARKER`]), or its name starts with a prefix the user
-//! gives.
+//! gives. The Comment is free text that sacct prints raw, newlines
+//! included, so it is never read from the text: it comes from `sacct
+//! --json` ([`parse_sacct_json`], joined by [`join_sacct_json`]), which also
+//! confirms each row's job id and name (a newline in a name splits its
+//! text row, and a split row is not counted).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
 use crate::{cut, Diagnostic, DiagnosticKind, Location};
 
-/// The `--format` fields `keel cost` asks `sacct` for, in order. `Comment`
-/// is last: it is free text, and a `|` in it is kept.
+/// The `--format` fields `keel cost` asks `sacct` for, in order.
 pub const SACCT_FORMAT: &str =
-    "JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment";
-/// The fields before `Comment`: a row of only these (the format before
-/// `Comment` was added) is read with the comment unknown.
+    "JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End";
+/// The number of fields of [`SACCT_FORMAT`].
 const FIELDS: usize = 10;
+
+/// Slurm's job state words (sacct's `State`, Slurm 22.05 to 25.11).
+const STATES: &[&str] = &[
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "COMPLETING",
+    "CONFIGURING",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PENDING",
+    "PREEMPTED",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "RESV_DEL_HOLD",
+    "REVOKED",
+    "RUNNING",
+    "SIGNALING",
+    "SPECIAL_EXIT",
+    "STAGE_OUT",
+    "STOPPED",
+    "SUSPENDED",
+    "TIMEOUT",
+];
 
 /// One allocation row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,15 +75,72 @@ pub struct SacctJob {
     /// Seconds since the Unix epoch, when sacct knew it.
     pub start: Option<i64>,
     pub end: Option<i64>,
-    /// The job's Comment; `None` when the row has no Comment field. Empty
-    /// where slurm.conf lacks `AccountingStoreFlags=job_comment`, and for a
-    /// job that has not ended (slurmdbd receives it with the job's end).
+    /// The job's Comment from `sacct --json`; `None` when it was not read.
+    /// Empty where slurm.conf lacks `AccountingStoreFlags=job_comment`, and
+    /// for a job that has not ended (slurmdbd receives it with the job's
+    /// end).
     pub comment: Option<String>,
 }
 
-/// Parses sacct's text; lines that do not fit are diagnostics.
+/// Whether `s` is a JobID as sacct prints it: `123`, `123_4`, `123_[5-9]`,
+/// `123+0`.
+fn is_job_id(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_digit())
+        && s.chars()
+            .all(|c| c.is_ascii_digit() || "_+[]-,%".contains(c))
+}
+
+/// Whether `s` is a State as sacct prints it: a state word, and for
+/// `CANCELLED` perhaps `by UID`.
+fn is_state(s: &str) -> bool {
+    let mut words = s.split(' ');
+    let first = words.next().unwrap_or("");
+    let rest: Vec<&str> = words.collect();
+    let plus = first.strip_suffix('+').unwrap_or(first);
+    STATES.contains(&plus)
+        && (rest.is_empty()
+            || (first == "CANCELLED"
+                && rest.len() == 2
+                && rest[0] == "by"
+                && !rest[1].is_empty()
+                && rest[1].chars().all(|c| c.is_ascii_digit())))
+}
+
+/// Whether `s` is an AllocTRES list: empty, or `KEY=VALUE` items separated
+/// by `,`.
+fn is_tres(s: &str) -> bool {
+    s.is_empty()
+        || s.split(',').all(|item| {
+            item.split_once('=').is_some_and(|(k, v)| {
+                !k.is_empty()
+                    && !v.is_empty()
+                    && k.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "/:_-.".contains(c))
+                    && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+            })
+        })
+}
+
+/// A Start or End field: a time, or one of the words sacct prints without
+/// one.
+fn is_time_field(s: &str) -> bool {
+    matches!(s, "Unknown" | "None") || parse_time(s).is_some()
+}
+
+/// Whether `s` can be a user, account or partition name (no `|`, no
+/// spaces, nothing sacct would not print for one).
+fn is_plain_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-@+".contains(c))
+}
+
+/// Parses sacct's text; lines that do not fit are diagnostics. A row is
+/// read from both ends: the JobID is the first field, the last eight are
+/// checked strictly, and the name is what lies between (`|`s included).
+/// A JobID on more than one row is for [`drop_repeated`].
 pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
-    let mut jobs = Vec::new();
+    let mut jobs: Vec<(u32, SacctJob)> = Vec::new();
     let mut diags = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
@@ -62,49 +151,274 @@ pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
             file: file.to_owned(),
             line: n,
         };
+        let bad = |what: String| Diagnostic::new(DiagnosticKind::Malformed, loc.clone(), what);
         let mut f: Vec<&str> = line.split('|').collect();
-        // `-p` ends each line with a `|`: with more fields than the
-        // format's, an empty last one is that.
-        if f.len() > FIELDS + 1 && f.last().is_some_and(|l| l.is_empty()) {
+        // `-p` ends each line with a `|`: an End is never empty.
+        if f.len() > FIELDS && f.last().is_some_and(|l| l.is_empty()) {
             f.pop();
         }
         if f.len() < FIELDS {
-            diags.push(Diagnostic::new(
-                DiagnosticKind::Malformed,
-                loc,
-                format!(
-                    "expected {} |-separated fields ({SACCT_FORMAT}; {FIELDS} without Comment), found {}",
-                    FIELDS + 1,
-                    f.len()
-                ),
-            ));
+            diags.push(bad(format!(
+                "expected {FIELDS} |-separated fields ({SACCT_FORMAT}), found {}",
+                f.len()
+            )));
             continue;
         }
-        // The Comment is the rest of the line, `|`s included.
-        let comment = (f.len() > FIELDS).then(|| f[FIELDS..].join("|"));
-        let Ok(elapsed_s) = f[6].trim().parse::<u64>() else {
-            diags.push(Diagnostic::new(
-                DiagnosticKind::Malformed,
-                loc,
-                format!("ElapsedRaw {} is not a number of seconds", cut(f[6])),
-            ));
-            continue;
+        let k = f.len() - 8;
+        let (user, account, partition, tres, elapsed, state, start, end) = (
+            f[k],
+            f[k + 1],
+            f[k + 2],
+            f[k + 3],
+            f[k + 4],
+            f[k + 5],
+            f[k + 6],
+            f[k + 7],
+        );
+        let problem = if !is_job_id(f[0]) {
+            Some(format!("JobID {} is not a job id", cut(f[0])))
+        } else if !is_plain_name(user)
+            || ![account, partition]
+                .iter()
+                .all(|x| x.is_empty() || is_plain_name(x))
+        {
+            Some(format!(
+                "User, Account or Partition {} is not a name",
+                cut(&format!("{user}|{account}|{partition}"))
+            ))
+        } else if !is_tres(tres) {
+            Some(format!("AllocTRES {} is not a TRES list", cut(tres)))
+        } else if elapsed.parse::<u64>().is_err() {
+            Some(format!(
+                "ElapsedRaw {} is not a number of seconds",
+                cut(elapsed)
+            ))
+        } else if !is_state(state) {
+            Some(format!("State {} is not a job state", cut(state)))
+        } else if !is_time_field(start) || !is_time_field(end) {
+            Some(format!(
+                "Start or End {} is not a time",
+                cut(&format!("{start}|{end}"))
+            ))
+        } else {
+            None
         };
-        jobs.push(SacctJob {
-            job_id: f[0].to_owned(),
-            name: f[1].to_owned(),
-            user: f[2].to_owned(),
-            account: f[3].to_owned(),
-            partition: f[4].to_owned(),
-            gpus: gpus_in_tres(f[5]),
-            elapsed_s,
-            state: f[7].to_owned(),
-            start: parse_time(f[8]),
-            end: parse_time(f[9]),
-            comment,
-        });
+        if let Some(p) = problem {
+            diags.push(bad(p));
+            continue;
+        }
+        jobs.push((
+            n,
+            SacctJob {
+                job_id: f[0].to_owned(),
+                name: f[1..k].join("|"),
+                user: user.to_owned(),
+                account: account.to_owned(),
+                partition: partition.to_owned(),
+                gpus: gpus_in_tres(tres),
+                elapsed_s: elapsed.parse().unwrap_or(0),
+                state: state.to_owned(),
+                start: parse_time(start),
+                end: parse_time(end),
+                comment: None,
+            },
+        ));
     }
-    (jobs, diags)
+    (jobs.into_iter().map(|(_, j)| j).collect(), diags)
+}
+
+/// Leaves out every row of a JobID that has more than one (sacct's `-X`
+/// lists a job once: only a name holding a newline, whose pieces pass for
+/// rows, can repeat one), with a diagnostic. After [`join_sacct_json`],
+/// which already left out the pieces it could tell from their names.
+pub fn drop_repeated(file: &str, jobs: Vec<SacctJob>) -> (Vec<SacctJob>, Vec<Diagnostic>) {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for j in &jobs {
+        *seen.entry(j.job_id.clone()).or_default() += 1;
+    }
+    let mut out = Vec::new();
+    let mut diags = Vec::new();
+    for j in jobs {
+        match seen.get(&j.job_id).copied() {
+            Some(0) => {}
+            Some(1) => out.push(j),
+            _ => {
+                seen.insert(j.job_id.clone(), 0);
+                diags.push(Diagnostic::new(
+                    DiagnosticKind::Malformed,
+                    Location {
+                        file: file.to_owned(),
+                        line: 0,
+                    },
+                    format!(
+                        "job {} has more than one row (a job name holding a newline can forge one): none of them is counted",
+                        cut(&j.job_id)
+                    ),
+                ));
+            }
+        }
+    }
+    (out, diags)
+}
+
+/// One job of `sacct --json`, as far as keel cost reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SacctJsonJob {
+    pub name: String,
+    /// `comment.job`; empty when it has none.
+    pub comment: String,
+}
+
+/// A number, or data_parser's `{"set": true, "number": N}` (Slurm 23.02
+/// and later).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum JsonNumber {
+    Plain(Option<u64>),
+    Set {
+        #[serde(default)]
+        set: bool,
+        #[serde(default)]
+        number: u64,
+    },
+}
+
+impl JsonNumber {
+    fn get(&self) -> Option<u64> {
+        match self {
+            Self::Plain(n) => *n,
+            Self::Set { set, number } => set.then_some(*number),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct JsonOut {
+    jobs: Vec<JsonJob>,
+}
+
+#[derive(Deserialize)]
+struct JsonJob {
+    job_id: u64,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    comment: Option<JsonComment>,
+    #[serde(default)]
+    array: Option<JsonArray>,
+    #[serde(default)]
+    het: Option<JsonHet>,
+}
+
+#[derive(Deserialize)]
+struct JsonComment {
+    #[serde(default)]
+    job: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct JsonArray {
+    #[serde(default)]
+    job_id: Option<u64>,
+    #[serde(default)]
+    task_id: Option<JsonNumber>,
+    #[serde(default)]
+    task: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct JsonHet {
+    #[serde(default)]
+    job_id: Option<u64>,
+    #[serde(default)]
+    job_offset: Option<JsonNumber>,
+}
+
+/// Reads `sacct --json`'s jobs (Slurm 22.05's openapi `dbv0.0.38` and the
+/// later data_parser versions alike) by the JobID sacct's text shows them
+/// under: `ID`, `ARRAY_TASK` for an array's task, `ARRAY_[RANGE]` for its
+/// pending rest, `HET+OFFSET` for a heterogeneous job's component.
+pub fn parse_sacct_json(text: &str) -> Result<BTreeMap<String, SacctJsonJob>, String> {
+    let out: JsonOut = serde_json::from_str(text).map_err(|e| cut(&e.to_string()))?;
+    let mut map = BTreeMap::new();
+    for j in out.jobs {
+        let array = j.array.as_ref().and_then(|a| a.job_id).filter(|&a| a != 0);
+        let het = j.het.as_ref().and_then(|h| h.job_id).filter(|&h| h != 0);
+        let id = match (array, het) {
+            (Some(a), _) => {
+                let arr = j.array.as_ref();
+                match arr
+                    .and_then(|a| a.task_id.as_ref())
+                    .and_then(JsonNumber::get)
+                {
+                    Some(t) => format!("{a}_{t}"),
+                    None => match arr
+                        .and_then(|a| a.task.as_deref())
+                        .filter(|t| !t.is_empty())
+                    {
+                        Some(t) if t.starts_with('[') => format!("{a}_{t}"),
+                        Some(t) => format!("{a}_[{t}]"),
+                        None => j.job_id.to_string(),
+                    },
+                }
+            }
+            (None, Some(h)) => match j
+                .het
+                .as_ref()
+                .and_then(|x| x.job_offset.as_ref())
+                .and_then(JsonNumber::get)
+            {
+                Some(o) => format!("{h}+{o}"),
+                None => j.job_id.to_string(),
+            },
+            (None, None) => j.job_id.to_string(),
+        };
+        map.insert(
+            id,
+            SacctJsonJob {
+                name: j.name,
+                comment: j.comment.and_then(|c| c.job).unwrap_or_default(),
+            },
+        );
+    }
+    Ok(map)
+}
+
+/// Joins `sacct --json`'s answer to the text rows: each row takes its
+/// job's comment; a row whose job the JSON does not list, or lists under
+/// another name (the text row of a name holding a newline is split, and
+/// its pieces can pass for rows), is left out with a diagnostic.
+pub fn join_sacct_json(
+    file: &str,
+    jobs: Vec<SacctJob>,
+    json: &BTreeMap<String, SacctJsonJob>,
+) -> (Vec<SacctJob>, Vec<Diagnostic>) {
+    let mut out = Vec::new();
+    let mut diags = Vec::new();
+    for mut j in jobs {
+        let problem = match json.get(&j.job_id) {
+            None => Some("is not in sacct --json's answer"),
+            Some(x) if x.name != j.name => {
+                Some("has another name in sacct --json's answer (a name holding a newline splits its row)")
+            }
+            Some(x) => {
+                j.comment = Some(x.comment.clone());
+                None
+            }
+        };
+        match problem {
+            Some(p) => diags.push(Diagnostic::new(
+                DiagnosticKind::Malformed,
+                Location {
+                    file: file.to_owned(),
+                    line: 0,
+                },
+                format!("job {} {p}: its row is not counted", cut(&j.job_id)),
+            )),
+            None => out.push(j),
+        }
+    }
+    (out, diags)
 }
 
 /// The GPU count of an AllocTRES string: `gres/gpu=N`, else the sum of
@@ -284,7 +598,7 @@ pub struct JobCost {
     /// Which rule made it requeue-safe; `None` when it is not.
     pub requeue_safe_by: Option<RequeueSafeBy>,
     /// Whether its Comment holds keel run's marker; `None` when the
-    /// accounting row has no Comment field, or an empty one for a job that
+    /// comment was not read (no sacct --json), or is empty for a job that
     /// has not ended.
     pub marker: Option<bool>,
     /// What running it on spot would have saved (requeue-safe jobs in
@@ -717,7 +1031,7 @@ impl CostReport {
         if unknown > 0 {
             let _ = writeln!(
                 s,
-                "  ({unknown} jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
+                "  ({unknown} jobs' markers unknown (no comment from sacct --json, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
             );
         }
         if safe.is_empty() {
@@ -858,6 +1172,7 @@ fn csv_field(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::Strategy as _;
 
     #[test]
     fn tres_gpu_counts() {
@@ -880,58 +1195,174 @@ mod tests {
     }
 
     #[test]
-    fn sacct_rows_are_read_with_and_without_the_comment_field() {
+    fn sacct_rows_are_read_from_both_ends() {
         let text = "\
-1|old|u|a|gpu|gres/gpu=8|3600|COMPLETED|2026-09-01T00:00:00|2026-09-01T01:00:00
-2|old-p|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
-3|new|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
-4|new|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
-5|piped|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml a|b keel-run
-6|trail|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml|
-7|short|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown
+1|plain|u|a|gpu|gres/gpu=8|3600|COMPLETED|2026-09-01T00:00:00|2026-09-01T01:00:00
+2|a|b|u|a|gpu|gres/gpu=8|3600|CANCELLED by 1001|Unknown|None|
+3|big|carol|research|debug|cpu=1|60|COMPLETED|Unknown|Unknown|mallory|ml|gpu|gres/gpu=64|36000|COMPLETED|Unknown|Unknown
+4|short|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown
+5|x|u|a|gpu|gres/gpu=8|soon|COMPLETED|Unknown|Unknown
+6|x|u|a|gpu|gres/gpu=8|3600|DONE|Unknown|Unknown
+7|x|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|later
+8|x|u|a|gpu|not tres|3600|COMPLETED|Unknown|Unknown
+x9|x|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
 ";
         let (jobs, diags) = parse_sacct("f", text);
-        let got: Vec<(&str, Option<&str>)> = jobs
+        let got: Vec<(&str, &str, &str, u64, u64)> = jobs
             .iter()
-            .map(|j| (j.job_id.as_str(), j.comment.as_deref()))
+            .map(|j| {
+                (
+                    j.job_id.as_str(),
+                    j.name.as_str(),
+                    j.user.as_str(),
+                    j.gpus,
+                    j.elapsed_s,
+                )
+            })
             .collect();
         assert_eq!(
             got,
             vec![
-                ("1", None),
-                // A trailing `|` after End is an empty Comment.
-                ("2", Some("")),
-                ("3", Some("keel-run")),
-                ("4", Some("")),
-                ("5", Some("team=ml a|b keel-run")),
-                ("6", Some("team=ml")),
+                ("1", "plain", "u", 8, 3600),
+                ("2", "a|b", "u", 8, 3600),
+                // A name cannot supply the fields: the last eight are
+                // the job's own.
+                (
+                    "3",
+                    "big|carol|research|debug|cpu=1|60|COMPLETED|Unknown|Unknown",
+                    "mallory",
+                    64,
+                    36000
+                ),
             ]
         );
+        assert!(jobs.iter().all(|j| j.comment.is_none()));
         assert_eq!(jobs[0].start, Some(1_788_220_800));
         assert_eq!(jobs[0].end, Some(1_788_224_400));
-        assert_eq!(diags.len(), 1);
-        assert_eq!(diags[0].location.line, 7);
+        let lines: Vec<u32> = diags.iter().map(|d| d.location.line).collect();
+        assert_eq!(lines, vec![4, 5, 6, 7, 8, 9]);
         assert!(
-            diags[0].message.contains("expected 11 |-separated fields"),
+            diags[0].message.contains("expected 10 |-separated fields"),
             "{}",
             diags[0].message
         );
     }
 
+    /// sacct prints a job's name raw: a row whose name holds `|` and
+    /// newlines as sacct -P would print it.
+    fn raw_row(id: u64, name: &str, user: &str, gpus: u64, secs: u64) -> String {
+        format!(
+            "{id}|{name}|{user}|acct|gpu|cpu=8,gres/gpu={gpus}|{secs}|COMPLETED|2026-09-01T00:00:00|Unknown\n"
+        )
+    }
+
+    #[test]
+    fn a_row_the_json_does_not_confirm_is_not_counted() {
+        let mut text = raw_row(1, "ok|ok", "u", 8, 3600);
+        // A name with a newline forges a row of its own job id.
+        text += &raw_row(
+            2,
+            "x|carol|acct|gpu|gres/gpu=64|99999|COMPLETED|Unknown|Unknown\n2|y",
+            "mallory",
+            1,
+            60,
+        );
+        // And one of a job that does not exist.
+        text += &raw_row(
+            3,
+            "x\n77|n|carol|acct|gpu|gres/gpu=64|99999|COMPLETED|Unknown|Unknown\nz",
+            "mallory",
+            1,
+            60,
+        );
+        let (jobs, diags) = parse_sacct("f", &text);
+        let json: BTreeMap<String, SacctJsonJob> = [
+            ("1", "ok|ok", "keel-run"),
+            (
+                "2",
+                "x|carol|acct|gpu|gres/gpu=64|99999|COMPLETED|Unknown|Unknown\n2|y",
+                "",
+            ),
+            (
+                "3",
+                "x\n77|n|carol|acct|gpu|gres/gpu=64|99999|COMPLETED|Unknown|Unknown\nz",
+                "",
+            ),
+        ]
+        .into_iter()
+        .map(|(id, name, comment)| {
+            (
+                id.to_owned(),
+                SacctJsonJob {
+                    name: name.to_owned(),
+                    comment: comment.to_owned(),
+                },
+            )
+        })
+        .collect();
+        let (jobs, more) = join_sacct_json("sacct --json", jobs, &json);
+        let (jobs, _) = drop_repeated("f", jobs);
+        let got: Vec<(&str, u64, Option<&str>)> = jobs
+            .iter()
+            .map(|j| (j.job_id.as_str(), j.gpus, j.comment.as_deref()))
+            .collect();
+        assert_eq!(got, vec![("1", 8, Some("keel-run"))]);
+        assert!(!diags.is_empty());
+        assert!(
+            more.iter()
+                .any(|d| d.message.contains("job 77 is not in sacct --json's answer")),
+            "{more:?}"
+        );
+    }
+
+    #[test]
+    fn sacct_json_of_slurm_22_05_and_later_is_read() {
+        let v38 = r#"{"meta":{},"jobs":[
+            {"job_id":232,"name":"nm\nx|y","comment":{"administrator":null,"job":"c1\nc2|z","system":null},
+             "array":{"job_id":0,"task":null,"task_id":null},"het":{"job_id":0,"job_offset":null}},
+            {"job_id":234,"name":"a","comment":{"job":null},"array":{"job_id":233,"task":null,"task_id":1},"het":{"job_id":0,"job_offset":null}},
+            {"job_id":235,"name":"h","array":{"job_id":0},"het":{"job_id":235,"job_offset":1}}]}"#;
+        let m = parse_sacct_json(v38).expect("parses");
+        assert_eq!(m["232"].name, "nm\nx|y");
+        assert_eq!(m["232"].comment, "c1\nc2|z");
+        assert_eq!(m["233_1"].comment, "");
+        assert!(m.contains_key("235+1"));
+        let v41 = r#"{"jobs":[{"job_id":9,"name":"n","comment":{"job":"keel-run"},
+            "array":{"job_id":8,"task_id":{"set":true,"infinite":false,"number":3},"task":""},
+            "het":{"job_id":0,"job_offset":{"set":false,"infinite":false,"number":0}}}]}"#;
+        let m = parse_sacct_json(v41).expect("parses");
+        assert_eq!(m["8_3"].comment, "keel-run");
+        assert!(parse_sacct_json("not json").is_err());
+    }
+
     #[test]
     fn marked_jobs_and_named_jobs_are_requeue_safe() {
         let text = "\
-1|train|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
-2|keel-ft|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|
-3|keel-both|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|team=ml keel-run
-4|plain|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-runner
+1|train|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+2|keel-ft|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+3|keel-both|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+4|plain|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
 5|old|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
-6|marked|u|a|nospot|gres/gpu=8|3600|COMPLETED|Unknown|Unknown|keel-run
-7|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|
-8|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown|keel-run
+6|marked|u|a|nospot|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+7|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown
+8|running|u|a|gpu|gres/gpu=8|3600|RUNNING|Unknown|Unknown
 ";
-        let (jobs, diags) = parse_sacct("f", text);
+        let (mut jobs, diags) = parse_sacct("f", text);
         assert!(diags.is_empty());
+        // The comments as sacct --json gives them; 5's unknown.
+        let comments = [
+            Some("keel-run"),
+            Some(""),
+            Some("team=ml\nkeel-run"),
+            Some("keel-runner"),
+            None,
+            Some("keel-run"),
+            Some(""),
+            Some("keel-run"),
+        ];
+        for (j, c) in jobs.iter_mut().zip(comments) {
+            j.comment = c.map(str::to_owned);
+        }
         let prices = PriceTable {
             currency: "USD".into(),
             source: "t".into(),
@@ -1010,7 +1441,7 @@ mod tests {
         );
         assert!(
             text.contains(
-                "(2 jobs' comments unknown (sacct rows without Comment, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
+                "(2 jobs' markers unknown (no comment from sacct --json, or jobs not ended: slurmdbd stores the comment at the end): only their names were matched)"
             ),
             "{text}"
         );
@@ -1135,6 +1566,52 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Names made of `|`, newlines and pieces of rows: a row counted is
+        /// always a job's own, with its own numbers; a name without a
+        /// newline never costs its job's row.
+        #[test]
+        fn no_name_changes_a_rows_numbers(
+            names in proptest::collection::vec(
+                proptest::collection::vec(
+                    proptest::prop_oneof![
+                        proptest::strategy::Just("|".to_owned()),
+                        proptest::strategy::Just("\n".to_owned()),
+                        proptest::strategy::Just("x".to_owned()),
+                        (1u64..6).prop_map(|i| format!("{i}|")),
+                        (1u64..6).prop_map(|i| format!("\n{i}|n")),
+                        proptest::strategy::Just("|eve|acct|gpu|gres/gpu=64|99999|COMPLETED|Unknown|Unknown".to_owned()),
+                    ],
+                    0..6,
+                ).prop_map(|v| v.concat()),
+                1..5,
+            )
+        ) {
+            use proptest::{prop_assert, prop_assert_eq};
+            let mut text = String::new();
+            let mut json = BTreeMap::new();
+            for (i, name) in names.iter().enumerate() {
+                let id = i as u64 + 1;
+                text += &raw_row(id, name, "u", id, 100 * id);
+                json.insert(id.to_string(), SacctJsonJob { name: name.clone(), comment: String::new() });
+            }
+            let (jobs, _) = parse_sacct("f", &text);
+            let (jobs, _) = join_sacct_json("j", jobs, &json);
+            let (jobs, _) = drop_repeated("f", jobs);
+            for j in &jobs {
+                let id: u64 = j.job_id.parse().expect("an input's id");
+                prop_assert!(id >= 1 && (id as usize) <= names.len());
+                prop_assert_eq!(&j.name, &names[id as usize - 1]);
+                prop_assert_eq!((j.user.as_str(), j.gpus, j.elapsed_s), ("u", id, 100 * id));
+            }
+            // Only a newline (here, or in another name that copies this
+            // job's row whole) costs a job its row.
+            for (i, name) in names.iter().enumerate() {
+                if !names.iter().any(|n| n.contains('\n')) {
+                    prop_assert!(jobs.iter().any(|j| j.job_id == (i + 1).to_string()), "{:?}", name);
+                }
+            }
+        }
+
         #[test]
         fn sacct_parser_never_panics(text in "[ -~\\n|]{0,300}") {
             let (jobs, diags) = parse_sacct("f", &text);

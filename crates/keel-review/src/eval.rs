@@ -326,21 +326,30 @@ fn slurm_check(check: &str, p: &Params, c: &SlurmConf) -> Vec<Failure> {
             let Some(storage) = storage.filter(|_| accounted) else {
                 return Vec::new();
             };
+            // AccountingStoreJobComment was removed in Slurm 21.08, where
+            // slurmctld stops on it; before, it defaulted to YES.
+            if let Some(old) = c.get("AccountingStoreJobComment") {
+                return fail(
+                    old.location.clone(),
+                    format!(
+                        "AccountingStoreJobComment={} was removed in Slurm 21.08 (slurmctld exits on it): use AccountingStoreFlags=job_comment",
+                        cut(&old.value)
+                    ),
+                );
+            }
             let flags = c.get("AccountingStoreFlags");
             let stored = flags.is_some_and(|e| {
                 e.value
                     .split(',')
                     .any(|x| x.trim().eq_ignore_ascii_case("job_comment"))
-            }) || c
-                .get("AccountingStoreJobComment")
-                .is_some_and(|e| e.value.trim().eq_ignore_ascii_case("yes"));
+            });
             if stored {
                 Vec::new()
             } else {
                 fail(
                     flags.map_or_else(|| storage.location.clone(), |f| f.location.clone()),
                     format!(
-                        "AccountingStorageType={} with {}: sacct returns no job comments",
+                        "AccountingStorageType={} with {}: Slurm 21.08 and later store no job comments",
                         cut(&storage.value),
                         flags.map_or("no AccountingStoreFlags".to_owned(), |f| format!(
                             "AccountingStoreFlags={}",
@@ -1051,15 +1060,24 @@ mod tests {
             )),
             Outcome::Pass
         );
-        // The spelling before Slurm 21.08.
-        assert_eq!(
-            job_comment(&format!("{DBD}AccountingStoreJobComment=YES\n")),
-            Outcome::Pass
-        );
+        // The spelling before Slurm 21.08, which later slurmctlds refuse:
+        // reported, with or without the flag beside it.
+        for conf in [
+            format!("{DBD}AccountingStoreJobComment=YES\n"),
+            format!("{DBD}AccountingStoreFlags=job_comment\nAccountingStoreJobComment=YES\n"),
+        ] {
+            match job_comment(&conf) {
+                Outcome::Fail(f) => {
+                    assert!(f[0].location.line >= 2);
+                    assert_eq!(f[0].message, "AccountingStoreJobComment=YES was removed in Slurm 21.08 (slurmctld exits on it): use AccountingStoreFlags=job_comment");
+                }
+                other => panic!("expected a failure, got {other:?}"),
+            }
+        }
         match job_comment(&format!("{DBD}AccountingStoreFlags=job_script\n")) {
             Outcome::Fail(f) => {
                 assert_eq!(f[0].location.line, 2);
-                assert_eq!(f[0].message, "AccountingStorageType=accounting_storage/slurmdbd with AccountingStoreFlags=job_script: sacct returns no job comments");
+                assert_eq!(f[0].message, "AccountingStorageType=accounting_storage/slurmdbd with AccountingStoreFlags=job_script: Slurm 21.08 and later store no job comments");
             }
             other => panic!("expected a failure, got {other:?}"),
         }

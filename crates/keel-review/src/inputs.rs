@@ -526,6 +526,17 @@ fn parse_prometheus(
 ) -> Option<PromConfig> {
     use yaml_rust2::{Yaml, YamlLoader};
     let file = path.display().to_string();
+    // yaml-rust2 bounds the nesting of flow collections only: a block
+    // nested thousands deep overflows the stack when its tree is built or
+    // dropped. Its events are counted first.
+    if let Some(line) = nested_deeper_than(text, MAX_YAML_DEPTH) {
+        diags.push(Diagnostic::new(
+            DiagnosticKind::Malformed,
+            Location { file, line },
+            format!("not read: YAML nested deeper than {MAX_YAML_DEPTH} levels"),
+        ));
+        return None;
+    }
     let docs = match YamlLoader::load_from_str(text) {
         Ok(d) => d,
         Err(e) => {
@@ -617,9 +628,25 @@ fn parse_prometheus(
             || name == "keel-alerts.yaml"
             || (!p.contains(['*', '?', '[']) && {
                 let full = base.join(p);
-                loader
-                    .load(&full)
-                    .is_ok_and(|t| t.contains("- name: keel-gpu"))
+                match loader.load(&full) {
+                    Ok(t) => t.contains("- name: keel-gpu"),
+                    // A rule file on the Prometheus host only.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+                    Err(e) => {
+                        diags.push(Diagnostic::new(
+                            DiagnosticKind::Include,
+                            Location {
+                                file: file.clone(),
+                                line,
+                            },
+                            format!(
+                                "cannot read rule file {}: {e}",
+                                cut(&full.display().to_string())
+                            ),
+                        ));
+                        false
+                    }
+                }
             });
         rule_files.push(RuleFile {
             path: p.to_owned(),
@@ -634,6 +661,35 @@ fn parse_prometheus(
         rule_files,
         rule_files_line,
     })
+}
+
+/// The deepest nesting of sequences and mappings a Prometheus
+/// configuration may have (a real one has fewer than ten).
+pub const MAX_YAML_DEPTH: usize = 256;
+
+/// The line where `text`'s collections nest deeper than `max`, if they do;
+/// `None` too for text that is not YAML (the loader reports it).
+fn nested_deeper_than(text: &str, max: usize) -> Option<u32> {
+    use yaml_rust2::parser::Parser;
+    use yaml_rust2::Event;
+    let mut parser = Parser::new_from_str(text);
+    let mut depth = 0usize;
+    loop {
+        let Ok((event, mark)) = parser.next_token() else {
+            return None;
+        };
+        match event {
+            Event::SequenceStart(..) | Event::MappingStart(..) => {
+                depth += 1;
+                if depth > max {
+                    return Some(u32::try_from(mark.line()).unwrap_or(u32::MAX).max(1));
+                }
+            }
+            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            Event::StreamEnd => return None,
+            _ => {}
+        }
+    }
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -937,6 +993,74 @@ mod tests {
             &mut diags,
         );
         (c, diags)
+    }
+
+    #[test]
+    fn deeply_nested_yaml_is_reported_not_loaded() {
+        let text = format!("scrape_configs:\n{}x\n", "- ".repeat(10_000));
+        let (c, d) = prometheus(&text);
+        assert!(c.is_none());
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+        assert_eq!(d[0].location.line, 2);
+        assert_eq!(d[0].message, "not read: YAML nested deeper than 256 levels");
+        // Flow collections too; and a depth within the bound is read.
+        let (c, d) = prometheus(&format!(
+            "rule_files: {}{}\n",
+            "[".repeat(300),
+            "]".repeat(300)
+        ));
+        assert!(c.is_none() && d.len() == 1, "{d:?}");
+        let (c, d) = prometheus(&format!("scrape_configs:\n{}x\n", "- ".repeat(200)));
+        assert!(c.is_some() && d.is_empty(), "{d:?}");
+    }
+
+    #[test]
+    fn rule_files_that_are_not_small_regular_files_are_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("fifo.yml");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        let big = dir.path().join("big.yml");
+        std::fs::write(&big, vec![b'#'; 5 * 1024 * 1024]).expect("write");
+        std::fs::write(dir.path().join("keel.yml"), "groups:\n  - name: keel-gpu\n")
+            .expect("write");
+        let text = format!(
+            "rule_files:\n  - /dev/zero\n  - {}\n  - {}\n  - keel.yml\n  - missing.yml\n",
+            fifo.display(),
+            big.display()
+        );
+        let mut diags = Vec::new();
+        let c = parse_prometheus(
+            &dir.path().join("prometheus.yml"),
+            &text,
+            &crate::slurm::FsLoader,
+            &mut diags,
+        )
+        .expect("parses");
+        let keel: Vec<bool> = c.rule_files.iter().map(|r| r.keel_alerts).collect();
+        assert_eq!(keel, vec![false, false, false, true, false]);
+        let got: Vec<(u32, &str)> = diags
+            .iter()
+            .map(|d| (d.location.line, d.message.as_str()))
+            .collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].0 == 2 && got[0].1.ends_with("/dev/zero: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].0 == 3 && got[1].1.ends_with("fifo.yml: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[2].0 == 4 && got[2].1.ends_with("big.yml: larger than 4 MiB"),
+            "{got:?}"
+        );
+        assert!(diags.iter().all(|d| d.kind == DiagnosticKind::Include));
     }
 
     #[test]

@@ -110,9 +110,33 @@ pub trait Loader {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FsLoader;
 
+/// The largest file [`FsLoader`] reads: an included slurm.conf or a
+/// Prometheus rule file is far smaller.
+pub const MAX_LOADED_BYTES: u64 = 4 * 1024 * 1024;
+
 impl Loader for FsLoader {
+    /// Reads a regular file of at most [`MAX_LOADED_BYTES`]: a device
+    /// (`/dev/zero`) or a FIFO is refused before it is opened, a larger
+    /// file after that many bytes.
     fn load(&self, path: &Path) -> std::io::Result<String> {
-        std::fs::read_to_string(path)
+        use std::io::{Error, ErrorKind, Read};
+        let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
+        if !std::fs::metadata(path)?.is_file() {
+            return Err(not_regular());
+        }
+        let f = std::fs::File::open(path)?;
+        if !f.metadata()?.is_file() {
+            return Err(not_regular());
+        }
+        let mut bytes = Vec::new();
+        f.take(MAX_LOADED_BYTES + 1).read_to_end(&mut bytes)?;
+        if bytes.len() as u64 > MAX_LOADED_BYTES {
+            return Err(Error::new(
+                ErrorKind::InvalidData,
+                format!("larger than {} MiB", MAX_LOADED_BYTES / (1024 * 1024)),
+            ));
+        }
+        String::from_utf8(bytes).map_err(|_| Error::new(ErrorKind::InvalidData, "not UTF-8 text"))
     }
 }
 
@@ -483,6 +507,43 @@ mod tests {
             text,
             &MapLoader(BTreeMap::new()),
         )
+    }
+
+    #[test]
+    fn includes_that_are_not_small_regular_files_are_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("fifo.conf");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        let big = dir.path().join("big.conf");
+        std::fs::write(&big, vec![b'#'; 5 * 1024 * 1024]).expect("write");
+        let text = format!(
+            "Include /dev/zero\nInclude {}\nInclude {}\n",
+            fifo.display(),
+            big.display()
+        );
+        let c = parse_slurm_conf(&dir.path().join("slurm.conf"), &text, &FsLoader);
+        let got: Vec<(u32, &str)> = c
+            .diagnostics
+            .iter()
+            .map(|d| (d.location.line, d.message.as_str()))
+            .collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].0 == 1 && got[0].1.ends_with("/dev/zero: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].0 == 2 && got[1].1.ends_with("fifo.conf: not a regular file"),
+            "{got:?}"
+        );
+        assert!(
+            got[2].0 == 3 && got[2].1.ends_with("big.conf: larger than 4 MiB"),
+            "{got:?}"
+        );
     }
 
     #[test]

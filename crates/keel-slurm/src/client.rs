@@ -225,8 +225,13 @@ exit 1"#;
         Ok(())
     }
 
-    /// A job's Comment from `scontrol show job ID` (its `Comment=` line,
-    /// less the one space scontrol ends it with); empty when it has none.
+    /// A job's Comment, read unambiguously: `squeue -h -j ID -o %k` prints
+    /// it raw, newlines included, as its whole output less the final
+    /// newline (`scontrol show job` prints it raw among other raw fields,
+    /// where a newline in it cannot be told from the next field). Empty
+    /// when it has none. squeue prints `(null)` for no comment and for the
+    /// comment `(null)` alike: scontrol's record tells them apart (no
+    /// `Comment=` line at all), and anything else is a parse error.
     pub fn job_comment(&self, job: &str) -> Result<String, SlurmError> {
         check_job(job)?;
         self.job_comment_by(job, self.deadline())
@@ -261,13 +266,36 @@ exit 1"#;
     }
 
     fn job_comment_by(&self, job: &str, deadline: Instant) -> Result<String, SlurmError> {
-        let args = strings(&["show", "job", job]);
-        let out = self.run_ok("scontrol", &args, deadline)?;
-        parse_job_comment(&out.stdout, job).map_err(|reason| SlurmError::Parse {
-            command: run::display(&self.program("scontrol"), &args),
+        let unreadable = |args: &[String], out: &Output, reason: &str| SlurmError::Parse {
+            command: run::display(&self.program("squeue"), args),
             output: out.stdout.chars().take(200).collect(),
             reason: reason.to_owned(),
-        })
+        };
+        // One record, or the comments of several (an array's tasks) would
+        // run together.
+        let args = strings(&["-h", "-j", job, "-o", "%i"]);
+        let out = self.run_ok("squeue", &args, deadline)?;
+        if out.stdout.lines().filter(|l| !l.trim().is_empty()).count() != 1 {
+            return Err(unreadable(&args, &out, "not exactly one job listed"));
+        }
+        let args = strings(&["-h", "-j", job, "-o", "%k"]);
+        let out = self.run_ok("squeue", &args, deadline)?;
+        let Some(comment) = out.stdout.strip_suffix('\n') else {
+            return Err(unreadable(&args, &out, "no final newline"));
+        };
+        if comment != "(null)" {
+            return Ok(comment.to_owned());
+        }
+        let show = strings(&["show", "job", job]);
+        let rec = self.run_ok("scontrol", &show, deadline)?;
+        if rec.stdout.lines().any(|l| l.contains("Comment=")) {
+            return Err(SlurmError::Parse {
+                command: run::display(&self.program("scontrol"), &show),
+                output: rec.stdout.chars().take(200).collect(),
+                reason: "squeue shows the comment as (null) but the record has a Comment=".into(),
+            });
+        }
+        Ok(String::new())
     }
 
     fn update(&self, name: &str, changes: &[String]) -> Result<(), SlurmError> {
@@ -349,31 +377,6 @@ exit 1"#;
             stderr: text.trim().to_owned(),
         }
     }
-}
-
-/// The Comment of the first record of `scontrol show job ID`: the record
-/// must be job `job`; scontrol prints `Comment=TEXT ` on a line of its own
-/// when the job has one, and no such line when it has none.
-fn parse_job_comment(text: &str, job: &str) -> Result<String, &'static str> {
-    let mut lines = text.lines();
-    let first = lines.by_ref().find(|l| !l.trim().is_empty()).unwrap_or("");
-    let id = first
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("JobId="))
-        .ok_or("no JobId= in the first line")?;
-    if id != job {
-        return Err("a record of another job");
-    }
-    for line in lines {
-        if line.trim().is_empty() {
-            // The end of the job's record.
-            break;
-        }
-        if let Some(c) = line.trim_start().strip_prefix("Comment=") {
-            return Ok(c.strip_suffix(' ').unwrap_or(c).to_owned());
-        }
-    }
-    Ok(String::new())
 }
 
 fn strings(list: &[&str]) -> Vec<String> {
@@ -477,9 +480,14 @@ mod tests {
 
     /// A client whose `scontrol` and `sinfo` are these shell scripts.
     fn fake(scontrol: &str, sinfo: &str) -> (tempfile::TempDir, Slurm) {
+        fake3(scontrol, sinfo, "exit 2")
+    }
+
+    /// A client whose `scontrol`, `sinfo` and `squeue` are these scripts.
+    fn fake3(scontrol: &str, sinfo: &str, squeue: &str) -> (tempfile::TempDir, Slurm) {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("temp dir");
-        for (name, body) in [("scontrol", scontrol), ("sinfo", sinfo)] {
+        for (name, body) in [("scontrol", scontrol), ("sinfo", sinfo), ("squeue", squeue)] {
             let path = dir.path().join(name);
             std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -585,7 +593,9 @@ mod tests {
     }
 
     /// An `scontrol` that keeps job 42's comment in a file beside it, shows
-    /// it as Slurm 22.05 does, and logs each update's arguments.
+    /// it raw as Slurm 22.05 does (after a raw `SubmitLine=`, as Slurm
+    /// 25.11 prints it), and logs each update's arguments; an `squeue`
+    /// that prints it raw (`(null)` when there is none).
     fn comment_fake(comment: Option<&str>, update: &str) -> (tempfile::TempDir, Slurm) {
         let script = format!(
             r#"{PING_UP}
@@ -595,6 +605,7 @@ if [ "$1" = show ] && [ "$2" = job ]; then
   echo "JobId=42 JobName=train"
   echo "   UserId=alice(1000) GroupId=alice(1000) MCS_label=N/A"
   echo "   WorkDir=/home/alice"
+  printf '   SubmitLine=sbatch --comment=%s train.sh\n' "$(cat "$d/comment" 2>/dev/null)"
   [ -f "$d/comment" ] && printf '   Comment=%s \n' "$(cat "$d/comment")"
   echo "   StdErr=/home/alice/slurm-42.out"
   echo "   Power="
@@ -609,11 +620,47 @@ if [ "$1" = update ]; then
 fi
 exit 2"#
         );
-        let (dir, slurm) = fake(&script, "");
+        let squeue = r#"d=$(dirname "$0")
+case "$3" in 42|42_*) ;; *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;; esac
+[ "$3" = 42_1 ] && { printf '42_1\n42_2\n'; exit 0; }
+if [ "$5" = %i ]; then echo 42; exit 0; fi
+if [ -f "$d/comment" ]; then cat "$d/comment"; echo; else echo '(null)'; fi"#;
+        let (dir, slurm) = fake3(&script, "", squeue);
         if let Some(c) = comment {
             std::fs::write(dir.path().join("comment"), c).expect("comment");
         }
         (dir, slurm)
+    }
+
+    #[test]
+    fn a_comment_of_several_lines_is_kept_whole() {
+        let updates = |dir: &tempfile::TempDir| {
+            std::fs::read_to_string(dir.path().join("updates")).unwrap_or_default()
+        };
+        // Each line is kept, blank ones and a final newline too.
+        for comment in [
+            "team=ml\nproject=x",
+            "a\n\nb",
+            "a\n\nSubmitLine=x\n",
+            "(null)x",
+        ] {
+            let (dir, slurm) = comment_fake(Some(comment), "");
+            assert_eq!(slurm.job_comment("42").expect("reads"), comment);
+            assert!(slurm.mark_job("42", crate::RUN_MARKER).expect("marks"));
+            let sep = if comment.ends_with('\n') { "" } else { " " };
+            assert_eq!(
+                updates(&dir),
+                format!("update\nJobId=42\nComment={comment}{sep}keel-run\n")
+            );
+        }
+        // The comment `(null)` cannot be told from none by squeue: not
+        // marked rather than overwritten.
+        let (dir, slurm) = comment_fake(Some("(null)"), "");
+        assert!(matches!(
+            slurm.mark_job("42", crate::RUN_MARKER),
+            Err(SlurmError::Parse { .. })
+        ));
+        assert_eq!(updates(&dir), "");
     }
 
     #[test]
@@ -658,13 +705,9 @@ exit 2"#
             }
             other => panic!("expected Failed, got {other:?}"),
         }
-        // A job scontrol does not know, and another job's record.
+        // A job Slurm does not know.
         assert!(matches!(
             slurm.mark_job("7", crate::RUN_MARKER),
-            Err(SlurmError::Failed { .. })
-        ));
-        assert!(matches!(
-            slurm.mark_job("42_1", crate::RUN_MARKER),
             Err(SlurmError::Failed { .. })
         ));
         for (job, marker) in [("x", "keel-run"), ("42", ""), ("42", "two words")] {
@@ -676,22 +719,11 @@ exit 2"#
                 "{job} {marker}"
             );
         }
-        assert_eq!(
-            parse_job_comment("JobId=43 JobName=x\n   Comment=a \n", "42"),
-            Err("a record of another job")
-        );
-        assert_eq!(
-            parse_job_comment("nothing\n", "42"),
-            Err("no JobId= in the first line")
-        );
-        // Only the first record counts.
-        assert_eq!(
-            parse_job_comment(
-                "JobId=42 JobName=x\n   WorkDir=/\n\nJobId=43\n   Comment=other \n",
-                "42"
-            ),
-            Ok(String::new())
-        );
+        // Several records (an array's tasks) are not one comment.
+        assert!(matches!(
+            slurm.mark_job("42_1", crate::RUN_MARKER),
+            Err(SlurmError::Parse { .. })
+        ));
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //!
 //! `keel run --slurm` appends [`RUN_MARKER`] to the Comment of the job it
 //! supervises; with `AccountingStoreFlags=job_comment` the comment reaches
-//! slurmdbd and `sacct --format=Comment` returns it, which is how `keel
-//! cost` tells the jobs that ran under `keel run` (checkpointed and
+//! slurmdbd and `sacct --json` returns it (`comment.job`), which is how
+//! `keel cost` tells the jobs that ran under `keel run` (checkpointed and
 //! requeued on failure) from the others.
 //!
 //! The Comment is the one field of a job its owner can set that sacct can

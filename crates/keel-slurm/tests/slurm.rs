@@ -356,4 +356,32 @@ fn a_jobs_comment_is_marked_once_and_read_back() {
         slurm.mark_job("999999", keel_slurm::RUN_MARKER),
         Err(SlurmError::Failed { .. })
     ));
+
+    // A comment of several lines (scontrol prints it raw, a newline
+    // looking like the end of the field) is kept whole.
+    let comment = "team=ml\nproject=x\n\nSubmitLine=y";
+    let out = cluster
+        .command(
+            "sbatch",
+            &[
+                "--parsable",
+                "-o",
+                "/dev/null",
+                "-J",
+                "keel-comment",
+                "--comment",
+                comment,
+                "--wrap",
+                "sleep 30",
+            ],
+        )
+        .expect("sbatch");
+    let job = out.trim().split(';').next().unwrap_or("").to_owned();
+    let _cancel = Cancel(&cluster, job.clone());
+    assert_eq!(slurm.job_comment(&job).expect("reads"), comment);
+    assert!(slurm.mark_job(&job, keel_slurm::RUN_MARKER).expect("marks"));
+    assert_eq!(
+        slurm.job_comment(&job).expect("reads"),
+        format!("{comment} keel-run")
+    );
 }

@@ -22,7 +22,10 @@ pub struct FileConfig {
     pub model: FileModel,
     #[serde(default)]
     pub exporter: FileExporter,
+    /// Read by [`load_cost`] alone; here so that the other commands accept
+    /// (and check) the section.
     #[serde(default)]
+    #[allow(dead_code)]
     pub cost: FileCost,
 }
 
@@ -39,13 +42,25 @@ pub struct FileCost {
 }
 
 /// Loads `[cost]` from the config file (`KEEL_CONFIG`, else
-/// `~/.config/keel/keel.toml`); flags are applied by the caller.
+/// `~/.config/keel/keel.toml`); flags are applied by the caller. Only
+/// `[cost]` is read and checked: `keel cost` does not fail on another
+/// section's keys (the commands those sections configure check them).
 pub fn load_cost(
     explicit: Option<&Path>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<FileCost> {
-    let (file, _) = load_file(explicit, env)?;
-    Ok(file.cost)
+    let Some(path) = config_path(explicit, env) else {
+        return Ok(FileCost::default());
+    };
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read the config file {}", path.display()))?;
+    let invalid =
+        |e: String| crate::exit::UsageError(format!("invalid config file {}: {e}", path.display()));
+    let mut table = toml::from_str::<toml::Table>(&text).map_err(|e| invalid(e.to_string()))?;
+    match table.remove("cost") {
+        None => Ok(FileCost::default()),
+        Some(v) => FileCost::deserialize(v).map_err(|e| invalid(format!("[cost]: {e}")).into()),
+    }
 }
 
 /// `[exporter]`: `keel exporter`'s settings (docs/monitoring.md).
@@ -537,18 +552,24 @@ pub fn check_tracking_uri(u: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads the config file, if there is one.
-fn load_file(
-    explicit: Option<&Path>,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> anyhow::Result<(FileConfig, Option<PathBuf>)> {
-    let path = explicit
+/// The config file: `explicit`, else `KEEL_CONFIG`, else
+/// `~/.config/keel/keel.toml` where it exists.
+fn config_path(explicit: Option<&Path>, env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    explicit
         .map(Path::to_path_buf)
         .or_else(|| env("KEEL_CONFIG").map(PathBuf::from))
         .or_else(|| {
             let p = PathBuf::from(env("HOME")?).join(".config/keel/keel.toml");
             p.exists().then_some(p)
-        });
+        })
+}
+
+/// Reads the config file, if there is one.
+fn load_file(
+    explicit: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(FileConfig, Option<PathBuf>)> {
+    let path = config_path(explicit, env);
     let file = match &path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -690,6 +711,36 @@ pub fn check_seconds(what: &str, v: f64) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keel_cost_reads_only_the_cost_section() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        let none = |_: &str| None;
+        // Another section's unknown key is not keel cost's to refuse.
+        std::fs::write(
+            &f,
+            "[check]\nno_such_key = 1\n[cost]\nprometheus = \"http://p:9090\"\n",
+        )
+        .expect("write");
+        let c = load_cost(Some(&f), &none).expect("loads");
+        assert_eq!(c.prometheus.as_deref(), Some("http://p:9090"));
+        std::fs::write(&f, "[serve]\nbogus = true\n").expect("write");
+        assert!(load_cost(Some(&f), &none)
+            .expect("loads")
+            .prometheus
+            .is_none());
+        // Its own are.
+        std::fs::write(&f, "[cost]\nprometeus = \"http://p\"\n").expect("write");
+        let e = format!("{:#}", load_cost(Some(&f), &none).expect_err("refused"));
+        assert!(e.contains("[cost]") && e.contains("prometeus"), "{e}");
+        std::fs::write(&f, "[cost\n").expect("write");
+        assert!(load_cost(Some(&f), &none).is_err());
+        assert!(load_cost(None, &none)
+            .expect("no file")
+            .prometheus
+            .is_none());
+    }
 
     #[test]
     fn timeouts_out_of_range_are_refused() {

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use keel_review::cost::{
-    add_idle, cost, parse_sacct, parse_time, CostOptions, IdleJob, PriceTable, SACCT_FORMAT,
+    add_idle, cost, drop_repeated, join_sacct_json, parse_sacct, parse_sacct_json, parse_time,
+    CostOptions, IdleJob, PriceTable, SACCT_FORMAT,
 };
 use serde_json::json;
 
@@ -34,16 +35,22 @@ pub struct CostArgs {
     #[arg(long, value_name = "FILE")]
     prices: Option<PathBuf>,
     /// Read recorded `sacct -a -X -P -n --noconvert
-    /// --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment`
-    /// output instead of running sacct (rows without the last field,
-    /// Comment, are read too).
+    /// --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End`
+    /// output instead of running sacct. It carries no comments: without
+    /// --sacct-json every job's keel-run marker is unknown.
     #[arg(long, value_name = "FILE")]
     sacct_file: Option<PathBuf>,
-    /// Start of the period (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS, the
-    /// cluster's time); allocations are clipped to it.
+    /// With --sacct-file: the same period's recorded `sacct --json -a -X`
+    /// output, for each job's comment (the keel-run marker) and to confirm
+    /// each row's job id and name.
+    #[arg(long, value_name = "FILE", requires = "sacct_file")]
+    sacct_json: Option<PathBuf>,
+    /// Start of the period (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS, UTC: sacct
+    /// runs with TZ=UTC); allocations are clipped to it. Default: midnight
+    /// UTC today.
     #[arg(long, value_name = "TIME")]
     since: Option<String>,
-    /// End of the period (exclusive).
+    /// End of the period (exclusive, UTC). Default: now.
     #[arg(long, value_name = "TIME")]
     until: Option<String>,
     /// Jobs whose name starts with PREFIX are requeue-safe (they
@@ -133,6 +140,10 @@ fn read_idle(
                     bodies.push(ec::http_get(&url, None, timeout).await?);
                 }
                 let rows = ec::from_prometheus(base, &bodies[0], &bodies[1], &bodies[2])?;
+                // An empty answer is no keel exporter scraped, not 0.
+                if rows.is_empty() {
+                    anyhow::bail!("no keel series at {base} over the period");
+                }
                 anyhow::Ok((
                     format!(
                         "prometheus {base} over {}..{} UTC",
@@ -146,10 +157,13 @@ fn read_idle(
                 let base = url.trim_end_matches('/');
                 let text =
                     ec::http_get(&format!("{base}/metrics"), token.as_deref(), timeout).await?;
-                anyhow::Ok((
-                    format!("exporter {base}, since it started"),
-                    ec::from_exposition(&text),
-                ))
+                let rows = ec::from_exposition(&text);
+                // No keel_job_gpu_* series: not a keel exporter, or one
+                // without job accounting; unknown, not 0.
+                if rows.is_empty() {
+                    anyhow::bail!("no keel series at {base}/metrics");
+                }
+                anyhow::Ok((format!("exporter {base}, since it started"), rows))
             }
         }
     })?;
@@ -230,12 +244,20 @@ fn time_arg(flag: &str, s: &str) -> anyhow::Result<i64> {
     })
 }
 
-fn run_sacct(args: &CostArgs) -> anyhow::Result<String> {
+/// `sacct`'s rows as text (`json` false) or its `--json` answer, for the
+/// same jobs: `-a -X` and the period.
+fn run_sacct(args: &CostArgs, json: bool) -> anyhow::Result<String> {
     let mut cmd = Command::new("sacct");
-    // Start and End as YYYY-MM-DDTHH:MM:SS whatever the caller's setting.
-    cmd.env("SLURM_TIME_FORMAT", "standard")
-        .args(["-a", "-X", "-P", "-n", "--noconvert"])
-        .arg(format!("--format={SACCT_FORMAT}"));
+    // Start and End as YYYY-MM-DDTHH:MM:SS whatever the caller's setting,
+    // and in UTC, as -S and -E are read: the period of the rows (by
+    // default from midnight today) is the idle GPU-hours' period.
+    cmd.env("SLURM_TIME_FORMAT", "standard").env("TZ", "UTC");
+    if json {
+        cmd.args(["--json", "-a", "-X"]);
+    } else {
+        cmd.args(["-a", "-X", "-P", "-n", "--noconvert"])
+            .arg(format!("--format={SACCT_FORMAT}"));
+    }
     if let Some(s) = &args.since {
         cmd.arg("-S").arg(s);
     }
@@ -328,21 +350,61 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
             p.display().to_string(),
             std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
         ),
-        None => ("sacct".to_owned(), run_sacct(args)?),
+        None => ("sacct".to_owned(), run_sacct(args, false)?),
     };
-    let (jobs, diags) = parse_sacct(&file, &text);
+    let (jobs, mut diags) = parse_sacct(&file, &text);
+    // The comments (keel run's marker) come from sacct --json, never from
+    // the text, where sacct prints them raw.
+    let json = match (&args.sacct_file, &args.sacct_json) {
+        (Some(_), None) => None,
+        (Some(_), Some(p)) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            Some((
+                p.display().to_string(),
+                parse_sacct_json(&text).map_err(|e| {
+                    DataError(format!("{}: not sacct --json output: {e}", p.display()))
+                })?,
+            ))
+        }
+        (None, _) => match run_sacct(args, true).and_then(|t| {
+            parse_sacct_json(&t).map_err(|e| anyhow::anyhow!("unreadable answer: {e}"))
+        }) {
+            Ok(m) => Some(("sacct --json".to_owned(), m)),
+            Err(e) => {
+                eprintln!(
+                    "keel: warning: sacct --json: {e:#}: every job's keel-run marker is unknown (--requeue-safe prefixes still apply)"
+                );
+                None
+            }
+        },
+    };
+    let jobs = match &json {
+        Some((jfile, map)) => {
+            let (jobs, more) = join_sacct_json(jfile, jobs, map);
+            diags.extend(more);
+            jobs
+        }
+        None => jobs,
+    };
+    let (jobs, more) = drop_repeated(&file, jobs);
+    diags.extend(more);
     for d in &diags {
-        eprintln!(
-            "keel: warning: {}:{}: {}",
-            d.location.file, d.location.line, d.message
-        );
+        if d.location.line == 0 {
+            eprintln!("keel: warning: {}: {}", d.location.file, d.message);
+        } else {
+            eprintln!(
+                "keel: warning: {}:{}: {}",
+                d.location.file, d.location.line, d.message
+            );
+        }
     }
     if jobs.is_empty() && !diags.is_empty() {
         return Err(DataError(format!("{file}: no sacct row could be read")).into());
     }
     let mut report = cost(&jobs, &prices, &opts);
     if let Some(source) = &idle_from {
-        // sacct's default period: from midnight today to now.
+        // sacct's default period (TZ=UTC): from midnight UTC today to now.
         let until = opts.until.unwrap_or_else(now);
         let since = opts.since.unwrap_or(until - until.rem_euclid(86_400));
         let timeout = Duration::from_secs_f64(args.idle_timeout_s);

@@ -90,9 +90,9 @@ fn wait_accounted(cluster: &SlurmCluster, jobs: &[String]) -> Vec<String> {
     }
 }
 
-fn local_time(offset: &str) -> String {
+fn utc(offset: &str) -> String {
     let out = Command::new("date")
-        .args(["-d", offset, "+%Y-%m-%dT%H:%M:%S"])
+        .args(["-u", "-d", offset, "+%Y-%m-%dT%H:%M:%S"])
         .output()
         .expect("date");
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
@@ -142,7 +142,7 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
         .wait_until_idle(Duration::from_secs(30))
         .expect("idle cluster");
     let dir = tempfile::tempdir().expect("tempdir");
-    let since = local_time("-1 minute");
+    let since = utc("-1 minute");
 
     // Two GPU jobs on n3's Gres (one requeue-safe by its name), one
     // without GPUs, which keel cost leaves out.
@@ -181,7 +181,7 @@ fn cost_prices_the_gpu_hours_real_sacct_returns_for_real_jobs() {
         "source = \"test prices\"\n[[price]]\npartition = \"debug\"\nsku = \"test\"\ngpus_per_node = 8\non_demand = 16.0\nspot = 4.0\n",
     )
     .expect("write");
-    let until = local_time("+1 minute");
+    let until = utc("+1 minute");
     let prices_arg = prices.display().to_string();
     let v = cost_listing(
         &cluster,
@@ -284,7 +284,7 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         .expect("idle cluster");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let since = local_time("-1 minute");
+    let since = utc("-1 minute");
 
     // One GPU each from n3: a toy trainer of ten 0.1 s steps under keel
     // run, and a plain job of about the same length.
@@ -307,8 +307,10 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         &[
             "-J",
             "acct-supervised",
+            // Two lines and a `|`: scontrol and sacct's text print it
+            // raw.
             "--comment",
-            "team=ml",
+            "team=ml\nproject=x|y",
             "--gres=gpu:1",
             &format!("--output={}/job.out", d.display()),
             "job.sh",
@@ -321,29 +323,31 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
     );
     let log = || std::fs::read_to_string(d.join("job.out")).unwrap_or_default();
     let _ = wait_accounted(&cluster, &[supervised.clone(), plain.clone()]);
-    let comments = cluster
+    let answer = cluster
         .command(
             "sacct",
-            &[
-                "-X",
-                "-n",
-                "-P",
-                "-j",
-                &format!("{supervised},{plain}"),
-                "--format=JobID,Comment",
-            ],
+            &["--json", "-X", "-j", &format!("{supervised},{plain}")],
         )
-        .expect("sacct");
-    assert!(
-        comments
-            .lines()
-            .any(|l| l == format!("{supervised}|team=ml keel-run")),
-        "the submitted comment is kept and marked once: {comments}\n{}",
+        .expect("sacct --json");
+    let answer: Value = serde_json::from_str(&answer).expect("sacct --json");
+    let comment = |id: &str| -> Value {
+        answer["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .find(|j| j["job_id"].as_u64().is_some_and(|n| n.to_string() == id))
+            .map(|j| j["comment"]["job"].clone())
+            .unwrap_or_else(|| panic!("job {id} in {answer}"))
+    };
+    assert_eq!(
+        comment(&supervised),
+        "team=ml\nproject=x|y keel-run",
+        "the submitted comment is kept whole and marked once\n{}",
         log()
     );
     assert!(
-        comments.lines().any(|l| l == format!("{plain}|")),
-        "{comments}"
+        comment(&plain).as_str().unwrap_or("").is_empty(),
+        "{answer}"
     );
 
     let prices = d.join("prices.toml");
@@ -352,7 +356,7 @@ fn cost_counts_a_job_run_under_keel_run_as_requeue_safe() {
         "source = \"test prices\"\n[[price]]\npartition = \"debug\"\nsku = \"test\"\ngpus_per_node = 8\non_demand = 16.0\nspot = 4.0\n",
     )
     .expect("write");
-    let until = local_time("+1 minute");
+    let until = utc("+1 minute");
     let prices_arg = prices.display().to_string();
     let cost = |extra: &[&str]| -> Value {
         let mut args = vec![

@@ -499,6 +499,47 @@ fn utc(offset: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// A source without keel's job series (Prometheus over a period before any
+/// exporter was scraped; Prometheus's own /metrics read as an exporter's)
+/// leaves the idle GPU-hours unknown, not 0.
+#[test]
+fn cost_idle_is_unknown_where_the_source_has_no_keel_series() {
+    let base = std::env::var("KEEL_TEST_PROMETHEUS_URL").unwrap_or_else(|_| {
+        panic!("KEEL_TEST_PROMETHEUS_URL is not set: run `eval \"$(scripts/services/prometheus start)\"` first")
+    });
+    for source in ["--prometheus", "--exporter"] {
+        let out = keel()
+            .args(["--json", "cost", "--prices"])
+            .arg(cost_fixture("prices.toml"))
+            .arg("--sacct-file")
+            .arg(cost_fixture("sacct.txt"))
+            .args([
+                "--since",
+                "2020-01-01",
+                "--until",
+                "2020-01-02",
+                source,
+                &base,
+            ])
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert!(v["report"]["idle"].is_null(), "{source}: {v}");
+        assert!(
+            v["report"]["idle_unknown"]
+                .as_str()
+                .is_some_and(|s| s.contains("no keel series at")),
+            "{source}: {v}"
+        );
+        assert!(
+            err.contains("warning: idle GPU-hours unknown: no keel series at"),
+            "{err}"
+        );
+    }
+}
+
 /// The main `keel cost` report with idle GPU-hours from the real Prometheus
 /// of the tests (scripts/services/prometheus), scraping a real exporter:
 /// the `increase` over the report's period, joined to the accounting row

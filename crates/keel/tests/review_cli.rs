@@ -602,9 +602,9 @@ fn cost_text_and_csv() {
     );
 }
 
-/// Rows with sacct's Comment: jobs `keel run --slurm` marked are
-/// requeue-safe without a name prefix, and each output says which rule
-/// made a job requeue-safe.
+/// Rows with their comments from sacct --json: jobs `keel run --slurm`
+/// marked are requeue-safe without a name prefix, and each output says
+/// which rule made a job requeue-safe.
 #[test]
 fn cost_counts_jobs_marked_by_keel_run_as_requeue_safe() {
     let cmd = |extra: &[&str]| {
@@ -613,7 +613,9 @@ fn cost_counts_jobs_marked_by_keel_run_as_requeue_safe() {
             .arg("--prices")
             .arg(cost_fixture("prices.toml"))
             .arg("--sacct-file")
-            .arg(cost_fixture("sacct-comment.txt"))
+            .arg(cost_fixture("sacct-marked.txt"))
+            .arg("--sacct-json")
+            .arg(cost_fixture("sacct-marked.json"))
             .args(["--since", "2026-09-01", "--until", "2026-10-01"])
             .args(extra);
         c
@@ -684,13 +686,62 @@ fn cost_counts_jobs_marked_by_keel_run_as_requeue_safe() {
         ),
         "{out}"
     );
-    assert!(!out.contains("comments unknown"), "{out}");
+    assert!(!out.contains("markers unknown"), "{out}");
     for line in [
         "  1001         train-llm        alice        gpu                80.0         801.50  marker",
         "  1002         keel-ft          bob          gpu                32.0         320.60  name",
     ] {
         assert!(out.lines().any(|l| l == line), "{line}\n{out}");
     }
+}
+
+/// A job name holding `|` cannot supply a row's fields, and a name holding
+/// a newline cannot add a row sacct --json does not confirm.
+#[test]
+fn cost_job_names_cannot_forge_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sacct = dir.path().join("sacct.txt");
+    let forged =
+        "big|carol|research|debug|cpu=1|60|COMPLETED|2026-09-01T00:00:00|2026-09-01T00:01:00";
+    let split = "x\n77|n|carol|ml|gpu|gres/gpu=64|360000|COMPLETED|Unknown|Unknown\ny";
+    std::fs::write(
+        &sacct,
+        format!(
+            "1|{forged}|mallory|ml|gpu|gres/gpu=64|3600|COMPLETED|2026-09-01T00:00:00|2026-09-01T01:00:00\n\
+             2|{split}|mallory|ml|gpu|gres/gpu=8|3600|COMPLETED|2026-09-01T00:00:00|2026-09-01T01:00:00\n"
+        ),
+    )
+    .expect("write");
+    let json = dir.path().join("sacct.json");
+    std::fs::write(
+        &json,
+        serde_json::json!({"jobs": [
+            {"job_id": 1, "name": forged, "comment": {"job": "keel-run"}},
+            {"job_id": 2, "name": split, "comment": {"job": "team=ml\nx|y keel-run"}},
+        ]})
+        .to_string(),
+    )
+    .expect("write");
+    let (code, out, err) = run(keel()
+        .args(["--json", "cost", "--prices"])
+        .arg(cost_fixture("prices.toml"))
+        .arg("--sacct-file")
+        .arg(&sacct)
+        .arg("--sacct-json")
+        .arg(&json));
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    let jobs = v["report"]["jobs"].as_array().expect("jobs");
+    assert_eq!(jobs.len(), 1, "{out}");
+    assert_eq!(jobs[0]["user"], "mallory");
+    assert_eq!(jobs[0]["gpus"], 64);
+    assert_eq!(jobs[0]["marker"], true);
+    assert!(
+        err.contains("job 77 is not in sacct --json's answer"),
+        "{err}"
+    );
+    assert!(err.contains("sacct.txt:4: expected 10"), "{err}");
+    assert!(err.contains("sacct.txt:2: expected 10"), "{err}");
 }
 
 #[test]
@@ -708,7 +759,7 @@ fn cost_bad_input_is_reported() {
         .arg("--sacct-file")
         .arg(&sacct));
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("sacct.txt:2: expected 11"), "{err}");
+    assert!(err.contains("sacct.txt:2: expected 10"), "{err}");
     assert!(err.contains("sacct.txt:3: ElapsedRaw soon"), "{err}");
     let v: Value = serde_json::from_str(&out).expect("json");
     assert!(close(
@@ -829,8 +880,9 @@ fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
 }
 
 /// `keel cost` without --sacct-file runs `sacct` from PATH: here a script
-/// standing in for Slurm's client, which records its arguments and
-/// SLURM_TIME_FORMAT and prints the recorded rows.
+/// standing in for Slurm's client, which records its arguments,
+/// SLURM_TIME_FORMAT and TZ (UTC, whatever the caller's, so that the period
+/// is the idle GPU-hours' one) and prints the recorded rows.
 #[test]
 fn cost_runs_sacct_with_the_period_and_a_timeout() {
     use std::os::unix::fs::PermissionsExt;
@@ -842,8 +894,9 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\nprintf '%s\\n' \"$*\" \"$SLURM_TIME_FORMAT\" >'{}'\n[ -n \"$SACCT_SLEEP\" ] && sleep \"$SACCT_SLEEP\"\ncat '{}'\n",
+            "#!/bin/sh\nprintf '%s\\n' \"$*\" \"$SLURM_TIME_FORMAT $TZ\" >>'{}'\n[ -n \"$SACCT_SLEEP\" ] && sleep \"$SACCT_SLEEP\"\nif [ \"$1\" = --json ]; then [ -n \"$SACCT_NO_JSON\" ] && {{ echo 'sacct: unrecognized option --json' >&2; exit 1; }}; cat '{}'; else cat '{}'; fi\n",
             args_file.display(),
+            cost_fixture("sacct-marked.json").display(),
             cost_fixture("sacct.txt").display()
         ),
     )
@@ -857,6 +910,7 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     let (code, out, err) = run(keel()
         .env("PATH", &path)
         .env("SLURM_TIME_FORMAT", "relative")
+        .env("TZ", "America/New_York")
         .args([
             "--json",
             "cost",
@@ -871,13 +925,41 @@ fn cost_runs_sacct_with_the_period_and_a_timeout() {
     let recorded = std::fs::read_to_string(&args_file).expect("args");
     assert_eq!(
         recorded,
-        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End,Comment -S 2026-09-01 -E 2026-10-01\nstandard\n"
+        "-a -X -P -n --noconvert --format=JobID,JobName,User,Account,Partition,AllocTRES,ElapsedRaw,State,Start,End -S 2026-09-01 -E 2026-10-01\nstandard UTC\n\
+         --json -a -X -S 2026-09-01 -E 2026-10-01\nstandard UTC\n"
     );
     let v: Value = serde_json::from_str(&out).expect("json");
     assert!(close(
         v["report"]["total"]["gpu_hours"].as_f64().expect("f64"),
         138.0
     ));
+    // The comments came from sacct --json: 1001 and 1005 are marked.
+    assert_eq!(v["report"]["jobs"][0]["job_id"], "1001");
+    assert_eq!(v["report"]["jobs"][0]["marker"], true);
+
+    // A sacct without --json: every marker unknown, with a warning; the
+    // numbers are the same.
+    let (code, out, err) = run(keel()
+        .env("PATH", &path)
+        .env("SACCT_NO_JSON", "1")
+        .args(["--json", "cost", "--since", "2026-09-01", "--prices"])
+        .arg(cost_fixture("prices.toml")));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("sacct --json: sacct failed")
+            && err.contains("every job's keel-run marker is unknown"),
+        "{err}"
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert!(close(
+        v["report"]["total"]["gpu_hours"].as_f64().expect("f64"),
+        138.0
+    ));
+    assert!(v["report"]["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .all(|j| j["marker"].is_null()));
 
     let (code, _, err) = run(keel()
         .env("PATH", &path)
