@@ -551,23 +551,6 @@ fn gateway_check(check: &str, p: &Params, g: &GatewayInput) -> Vec<Failure> {
                 fail(toml_loc(d, key), format!("{key} is not set"))
             }
         }
-        "keel.durable_registry_db" => match d.str("model.db") {
-            None => fail(
-                toml_loc(d, "model.db"),
-                "model.db is not set: the registry is in the home directory of whoever runs keel model"
-                    .to_owned(),
-            ),
-            Some(db) => match EPHEMERAL_PREFIXES.iter().find(|p| db.starts_with(*p)) {
-                Some(prefix) => fail(
-                    toml_loc(d, "model.db"),
-                    format!(
-                        "model.db {} is under {prefix}, which a reboot or a deallocation wipes",
-                        cut(db)
-                    ),
-                ),
-                None => Vec::new(),
-            },
-        },
         "gateway.unset" => match d.get(key) {
             Some(v) => fail(toml_loc(d, key), format!("{key} = {}", cut(&v.to_string()))),
             None => Vec::new(),
