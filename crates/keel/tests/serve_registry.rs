@@ -17,67 +17,16 @@
 
 mod serve_common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serve_common::{chat_body, create_key, http, keel, GatewayProcess, TestBackend};
+use serve_common::{model, ok, registry_at, Registry};
 use serve_common::{ADMIN_TOKEN, METRICS_TOKEN};
-
-fn model(db: &Path, args: &[&str]) -> Output {
-    Command::new(keel())
-        .args(["model", "--db"])
-        .arg(db)
-        .args(args)
-        .env("KEEL_ACTOR", "ops")
-        .env_remove("KEEL_CONFIG")
-        .output()
-        .expect("run keel model")
-}
-
-fn ok(o: Output) -> String {
-    assert!(
-        o.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// `keel model serve`, killed when dropped.
-struct Registry(std::process::Child);
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn registry(db: &Path) -> (Registry, String) {
     registry_at(db, "127.0.0.1:0")
-}
-
-/// `keel model serve` on `listen` (`127.0.0.1:0`: a free port).
-fn registry_at(db: &Path, listen: &str) -> (Registry, String) {
-    let mut child = Command::new(keel())
-        .args(["model", "--db"])
-        .arg(db)
-        .args(["serve", "--listen", listen])
-        .env_remove("KEEL_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("keel model serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let server = Registry(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("read");
-    let url = line.trim().rsplit(' ').next().expect("url").to_owned();
-    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
-    (server, url)
 }
 
 /// Registers `chat` versions, one per backend URL (`None`: no tag).

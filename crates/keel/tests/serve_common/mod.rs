@@ -2,8 +2,9 @@
 //! backends, keys made with the real CLI, `keel serve` as a process.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
 
 pub use keel_testkit::http;
 pub use keel_testkit::serve::{GatewayProcess, TestBackend};
@@ -139,4 +140,58 @@ pub fn create_key(cfg: &Path, name: &str, role: &str, team: Option<&str>) -> (St
 
 pub fn chat_body() -> Value {
     json!({"model": "chat", "messages": [{"role": "user", "content": "12345678"}], "max_tokens": 8})
+}
+
+/// `keel model --db DB ARGS...` as the operator `ops`.
+pub fn model(db: &Path, args: &[&str]) -> Output {
+    Command::new(keel())
+        .args(["model", "--db"])
+        .arg(db)
+        .args(args)
+        .env("KEEL_ACTOR", "ops")
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel model")
+}
+
+/// Its stdout, after asserting it succeeded.
+pub fn ok(o: Output) -> String {
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `keel model serve`, killed when dropped.
+pub struct Registry(pub std::process::Child);
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `keel model serve` for `db` on `listen` (`127.0.0.1:0`: a free port),
+/// and its URL.
+pub fn registry_at(db: &Path, listen: &str) -> (Registry, String) {
+    let mut child = Command::new(keel())
+        .args(["model", "--db"])
+        .arg(db)
+        .args(["serve", "--listen", listen])
+        .env_remove("KEEL_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("keel model serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let server = Registry(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read");
+    let url = line.trim().rsplit(' ').next().expect("url").to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    (server, url)
 }
