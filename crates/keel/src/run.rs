@@ -1364,66 +1364,61 @@ fn mtime(p: &Path) -> Option<SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
 
-/// Polls AWS's Spot interruption notice every 2 s until one comes or the
-/// supervisor goes away; errors are logged once and never end training.
-fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
+/// Asks `notice` every `every` until it names an eviction or the
+/// supervisor goes away; an error is logged once (`what`) and never ends
+/// training.
+fn poll_notice(
+    what: &str,
+    every: Duration,
+    tx: &mpsc::Sender<Note>,
+    mut notice: impl FnMut() -> Result<Option<Note>, keel_run::events::EventsError>,
+) {
     let mut failing = false;
     loop {
-        match imds.aws_instance_action() {
-            Ok(Some(n)) => {
-                let notice = n
-                    .time
-                    .and_then(|t| t.duration_since(SystemTime::now()).ok())
-                    .unwrap_or(Duration::ZERO);
-                let _ = tx.send(Note::Evict {
-                    id: format!("aws-spot-{}", n.action),
-                    kind: format!("AWS Spot {}", n.action),
-                    notice,
-                });
+        match notice() {
+            Ok(Some(evict)) => {
+                let _ = tx.send(evict);
                 return;
             }
             Ok(None) => failing = false,
             Err(e) => {
                 if !failing {
-                    say(&format!("AWS Spot notice: {e}; training continues"));
+                    say(&format!("{what}: {e}; training continues"));
                     failing = true;
                 }
             }
         }
-        std::thread::sleep(Duration::from_secs(2));
+        std::thread::sleep(every);
         if tx.send(Note::Tick).is_err() {
             return;
         }
     }
 }
 
-/// Polls GCP's preemption flag every second until it is set or the
-/// supervisor goes away. GCP powers the VM off 30 s after it is set.
+/// AWS's Spot interruption notice, asked every 2 s.
+fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
+    poll_notice("AWS Spot notice", Duration::from_secs(2), tx, || {
+        Ok(imds.aws_instance_action()?.map(|n| Note::Evict {
+            id: format!("aws-spot-{}", n.action),
+            kind: format!("AWS Spot {}", n.action),
+            notice: n
+                .time
+                .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                .unwrap_or(Duration::ZERO),
+        }))
+    });
+}
+
+/// GCP's preemption flag, asked every second. GCP powers the VM off 30 s
+/// after it is set.
 fn poll_gcp(md: &Imds, tx: &mpsc::Sender<Note>) {
-    let mut failing = false;
-    loop {
-        match md.gcp_preempted() {
-            Ok(true) => {
-                let _ = tx.send(Note::Evict {
-                    id: "gcp-preempted".to_owned(),
-                    kind: "GCP preemption".to_owned(),
-                    notice: Duration::from_secs(30),
-                });
-                return;
-            }
-            Ok(false) => failing = false,
-            Err(e) => {
-                if !failing {
-                    say(&format!("GCP preemption flag: {e}; training continues"));
-                    failing = true;
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_secs(1));
-        if tx.send(Note::Tick).is_err() {
-            return;
-        }
-    }
+    poll_notice("GCP preemption flag", Duration::from_secs(1), tx, || {
+        Ok(md.gcp_preempted()?.then(|| Note::Evict {
+            id: "gcp-preempted".to_owned(),
+            kind: "GCP preemption".to_owned(),
+            notice: Duration::from_secs(30),
+        }))
+    });
 }
 
 /// Polls Scheduled Events once a second until the supervisor goes away.
