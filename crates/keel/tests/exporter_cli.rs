@@ -642,6 +642,18 @@ fn cost_report_adds_idle_gpu_hours_from_prometheus_over_the_period() {
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         let idle = &v["report"]["idle"];
+        // Until Prometheus has scraped the exporter, the period holds no
+        // keel series: unknown, never 0.
+        if idle.is_null() {
+            let why = v["report"]["idle_unknown"].as_str().unwrap_or("");
+            assert!(why.starts_with("no keel series at"), "{v}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "Prometheus had no keel series within 60 s: {v}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            continue;
+        }
         assert!(idle.is_object(), "{v}");
         assert_eq!(
             idle["source"],
