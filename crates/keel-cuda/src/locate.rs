@@ -8,6 +8,8 @@
 //! 2. `LD_LIBRARY_PATH`, in order;
 //! 3. Python installs' `site-packages/nvidia/*/lib` (where PyTorch's and
 //!    CuPy's wheels put cuBLAS and NCCL): `$VIRTUAL_ENV`, `$CONDA_PREFIX`,
+//!    the install of each `python3` on `PATH` (`DIR/../lib`: a virtual
+//!    environment or conda prefix that is on `PATH` but not activated),
 //!    `~/.local/lib/python3*`, `/usr/local/lib/python3*`,
 //!    `/usr/lib/python3*` (both `site-packages` and `dist-packages`,
 //!    newest Python first);
@@ -36,6 +38,9 @@ pub struct SearchEnv {
     pub conda_prefix: Option<PathBuf>,
     /// `HOME`.
     pub home: Option<PathBuf>,
+    /// `PATH`: the install a `python3` found there belongs to is searched
+    /// like an activated environment.
+    pub path: Option<OsString>,
     /// The file system root for the system-wide places (`/usr/lib`,
     /// `/usr/local`): `/` on a real machine, a directory in tests.
     pub system_root: PathBuf,
@@ -49,6 +54,7 @@ impl Default for SearchEnv {
             virtual_env: None,
             conda_prefix: None,
             home: None,
+            path: None,
             system_root: PathBuf::from("/"),
         }
     }
@@ -65,6 +71,7 @@ impl SearchEnv {
             virtual_env: path("VIRTUAL_ENV"),
             conda_prefix: path("CONDA_PREFIX"),
             home: path("HOME"),
+            path: get("PATH").filter(|v| !v.is_empty()),
             system_root: PathBuf::from("/"),
         }
     }
@@ -89,6 +96,17 @@ pub fn search_dirs(env: &SearchEnv) -> Vec<PathBuf> {
     }
     if let Some(c) = &env.conda_prefix {
         pythons.push(c.join("lib"));
+    }
+    if let Some(p) = &env.path {
+        for bin in std::env::split_paths(p) {
+            // `.../venv/bin/python3` -> `.../venv/lib`; relative PATH
+            // entries are skipped (they depend on the current directory).
+            if bin.is_absolute() && bin.join("python3").is_file() {
+                if let Some(prefix) = bin.parent() {
+                    pythons.push(prefix.join("lib"));
+                }
+            }
+        }
     }
     if let Some(h) = &env.home {
         pythons.push(h.join(".local/lib"));
@@ -271,6 +289,13 @@ mod tests {
             "venv/lib/python3.11/site-packages/nvidia/cublas/lib/libcublas.so.12",
             "venv/lib/python3.11/site-packages/nvidia/cublas/include/x",
             "home/.local/lib/python3.10/site-packages/nvidia/cu13/lib/libcublas.so.13",
+            // PyTorch's environment, on PATH but not activated.
+            "opt/torch/.venv/bin/python3",
+            "opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublas.so.13",
+            "opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2",
+            // A PATH entry without python3 adds nothing.
+            "opt/tools/bin/x",
+            "opt/tools/lib/python3.12/site-packages/nvidia/nccl/lib/x",
             "usr/local/lib/python3.9/dist-packages/nvidia/nccl/lib/x",
             "usr/local/lib/python3.12/dist-packages/nvidia/nccl/lib/x",
             "usr/lib/python3/dist-packages/nvidia/cublas/lib/x",
@@ -295,6 +320,14 @@ mod tests {
             virtual_env: Some(venv),
             conda_prefix: None,
             home: Some(home),
+            path: Some(
+                format!(
+                    "relative/bin:{}:{}",
+                    root.join("opt/tools/bin").display(),
+                    root.join("opt/torch/.venv/bin").display(),
+                )
+                .into(),
+            ),
             system_root: root.to_path_buf(),
         };
         let dirs: Vec<String> = search_dirs(&env)
@@ -313,6 +346,8 @@ mod tests {
                 "ld1",
                 "venv/lib/python3.11/site-packages/nvidia/cublas/lib",
                 "venv/lib/python3.11/site-packages/nvidia/nccl/lib",
+                "opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib",
+                "opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib",
                 "home/.local/lib/python3.10/site-packages/nvidia/cu13/lib",
                 "usr/local/lib/python3.12/dist-packages/nvidia/nccl/lib",
                 "usr/local/lib/python3.9/dist-packages/nvidia/nccl/lib",
@@ -332,6 +367,7 @@ mod tests {
                 "KEEL_CUDA_LIB_DIR" => Some("/opt/cuda-libs".into()),
                 "LD_LIBRARY_PATH" => Some("".into()),
                 "HOME" => Some("/home/u".into()),
+                "PATH" => Some("/opt/torch/.venv/bin:/usr/bin".into()),
                 _ => None,
             },
             None,
@@ -339,6 +375,10 @@ mod tests {
         assert_eq!(env.lib_dir.as_deref(), Some(Path::new("/opt/cuda-libs")));
         assert_eq!(env.ld_library_path, None);
         assert_eq!(env.home.as_deref(), Some(Path::new("/home/u")));
+        assert_eq!(
+            env.path.as_deref(),
+            Some(std::ffi::OsStr::new("/opt/torch/.venv/bin:/usr/bin"))
+        );
         let flag = SearchEnv::from_env(&|_| Some("/x".into()), Some("/flag".into()));
         assert_eq!(flag.lib_dir.as_deref(), Some(Path::new("/flag")));
     }
