@@ -237,6 +237,21 @@ pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u
     disk_free
 }
 
+/// The kernel log records checks read (XIDs, carrier losses) from
+/// `root/dev/kmsg`, for a snapshot of the node: `Err` when the log cannot
+/// be read (not root, no such file) or did not answer within `timeout`.
+pub fn kernel_log_for_snapshot(root: &Path, timeout: Duration) -> Result<String, String> {
+    let path = root.join("dev/kmsg");
+    match crate::with_timeout(timeout, move || read_kmsg(&path)) {
+        Some(Ok(text)) => Ok(kmsg::relevant(&text)),
+        Some(Err(e)) => Err(e),
+        None => Err(format!(
+            "the kernel log did not answer within {} s",
+            timeout.as_secs_f64()
+        )),
+    }
+}
+
 /// Reads the kernel log. `/dev/kmsg` hands out one record per read and
 /// would block at the end, so it is opened non-blocking; a regular file (a
 /// fixture or snapshot) is read to its end.

@@ -74,6 +74,23 @@ pub fn parse_lost_carrier(message: &str) -> Option<String> {
     Some(name.to_owned())
 }
 
+/// The records of `text` that checks read (XIDs, carrier losses), as
+/// they were, one line each: what a snapshot of the node keeps of its
+/// kernel log (the rest can be large and personal).
+pub fn relevant(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let Some(rec) = parse_record(line) else {
+            continue;
+        };
+        if parse_xid(&rec.message).is_some() || parse_lost_carrier(&rec.message).is_some() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +148,29 @@ mod tests {
             let line = format!("NVRM: Xid (PCI:{pci}): {code}, pid=1, name=x, text");
             prop_assert_eq!(parse_xid(&line), Some(Xid { pci, code }));
         }
+    }
+
+    #[test]
+    fn a_snapshot_keeps_only_the_records_checks_read() {
+        let log = "6,1,100,-;Linux version 6.8\n SUBSYSTEM=pci\n\
+                   4,2,200,-;NVRM: Xid (PCI:0000:07:00): 79, pid=1, GPU has fallen off the bus.\n\
+                   6,3,300,-;user: WANDB_API_KEY=secret\n\
+                   6,4,400,-;mlx5_core 0101:00:00.0 ib0: lost carrier\n\
+                   garbage\n";
+        let kept = relevant(log);
+        assert_eq!(
+            kept,
+            "4,2,200,-;NVRM: Xid (PCI:0000:07:00): 79, pid=1, GPU has fallen off the bus.\n\
+             6,4,400,-;mlx5_core 0101:00:00.0 ib0: lost carrier\n"
+        );
+        // What the checks see is unchanged.
+        let xids = |t: &str| -> Vec<(u64, Xid)> {
+            parse(t)
+                .into_iter()
+                .filter_map(|r| parse_xid(&r.message).map(|x| (r.usec, x)))
+                .collect()
+        };
+        assert_eq!(xids(log), xids(&kept));
+        assert_eq!(relevant(""), "");
     }
 }

@@ -25,5 +25,5 @@ pub use pci::{PciAddr, Relation};
 pub use plan::{plan, Launcher, Plan, PlanError, PlanRequest};
 pub use procs::{read_processes, Process, Selection};
 pub use root::Root;
-pub use snapshot::{write_snapshot, SnapshotError, SnapshotSummary};
+pub use snapshot::{read_host_files, write_snapshot, SnapshotError, SnapshotSummary};
 pub use verify::{verify, Scope, Verification};

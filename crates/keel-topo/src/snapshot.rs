@@ -41,12 +41,41 @@ pub struct SnapshotSummary {
     pub skipped: Vec<PathBuf>,
 }
 
+/// The host files `keel check` reads besides the topology (memory and swap,
+/// loaded modules, host name, boot id and uptime, mounts, swaps, software
+/// RAID): read through the recording root so that a snapshot taken with
+/// [`read_host_files`] reproduces the node's checks too.
+pub const HOST_FILES: &[&str] = &[
+    "proc/meminfo",
+    "proc/modules",
+    "proc/sys/kernel/hostname",
+    "proc/sys/kernel/random/boot_id",
+    "proc/uptime",
+    "proc/mounts",
+    "proc/swaps",
+    "proc/mdstat",
+];
+
+/// Reads [`HOST_FILES`] through `root` (a recording root records the ones
+/// that exist). A file that exists but cannot be read is an error naming
+/// it.
+pub fn read_host_files(root: &Root) -> Result<(), TopoError> {
+    for f in HOST_FILES {
+        root.read_opt(f)?;
+    }
+    Ok(())
+}
+
 /// Copies what `root` recorded into `out`, which must not exist or be
 /// empty. The copy is made in a sibling directory and renamed into place,
 /// so `out` never holds half a snapshot.
+///
+/// `extra` are files read some other way (the kernel log's relevant
+/// records as `dev/kmsg`), written at their path relative to the root.
 pub fn write_snapshot(
     root: &Root,
     recorded: &Recorded,
+    extra: &[(PathBuf, Vec<u8>)],
     out: &Path,
 ) -> Result<SnapshotSummary, SnapshotError> {
     if let Ok(mut entries) = fs::read_dir(out) {
@@ -72,7 +101,22 @@ pub fn write_snapshot(
     };
     fs::create_dir_all(&staging).map_err(werr(&staging))?;
 
-    let result = copy_all(root, recorded, &staging);
+    let result = copy_all(root, recorded, &staging).and_then(|mut s| {
+        for (rel, content) in extra {
+            let safe = rel.components().all(|c| matches!(c, Component::Normal(_)));
+            if !safe {
+                continue;
+            }
+            let d = staging.join(rel);
+            if let Some(p) = d.parent() {
+                fs::create_dir_all(p).map_err(werr(p))?;
+            }
+            fs::write(&d, content).map_err(werr(&d))?;
+            s.files += 1;
+            s.bytes += content.len() as u64;
+        }
+        Ok(s)
+    });
     let summary = match result {
         Ok(s) => s,
         Err(e) => {

@@ -135,8 +135,21 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
             // Read every process as verify does, so the snapshot can be
             // verified too.
             let _ = keel_topo::read_processes(&root, &Selection::All)?;
+            // And the host files `keel check` reads, so that the snapshot
+            // reproduces its checks under `--root`.
+            keel_topo::read_host_files(&root)?;
             let recorded = root.recorded();
-            let summary = keel_topo::write_snapshot(&root, &recorded, dir)
+            // The kernel log's XIDs and carrier losses, as `dev/kmsg`
+            // (left out when it cannot be read, e.g. without root).
+            let mut extra = Vec::new();
+            match keel_check::gather::kernel_log_for_snapshot(
+                root.base(),
+                std::time::Duration::from_secs(5),
+            ) {
+                Ok(log) => extra.push((PathBuf::from("dev/kmsg"), log.into_bytes())),
+                Err(e) => eprintln!("keel: warning: the snapshot has no kernel log: {e}"),
+            }
+            let summary = keel_topo::write_snapshot(&root, &recorded, &extra, dir)
                 .with_context(|| format!("cannot write the snapshot to {}", dir.display()))?;
             if out.json {
                 out.json("topo snapshot", &summary)?;

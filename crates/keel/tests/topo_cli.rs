@@ -263,6 +263,37 @@ fn snapshot_reproduces_the_machine_and_strips_secrets() {
             }
             assert_eq!(b.lines().count(), a.lines().count(), "{m} {cmd:?}");
         }
+        // keel check reads the snapshot as it reads the machine: the same
+        // verdicts and details (host files included), the GPUs from the
+        // fixture's recorded NVML readings where it has them.
+        let checks = |root: &str| {
+            let gpu = Path::new(&fixture(m)).join("gpu.json");
+            let gpu = gpu.to_string_lossy().into_owned();
+            let mut a = vec!["--json", "check", "--root", root, "--sku", "generic"];
+            if Path::new(&gpu).is_file() {
+                a.extend(["--gpu-snapshot", &gpu]);
+            }
+            let r = keel(&a);
+            let doc: serde_json::Value = serde_json::from_str(&r.stdout)
+                .unwrap_or_else(|e| panic!("{m}: {e}: {}{}", r.stdout, r.stderr));
+            let results: Vec<(String, String, String)> = doc["results"]
+                .as_array()
+                .expect("results")
+                .iter()
+                .map(|c| {
+                    let s = |k: &str| c[k].as_str().unwrap_or_default().replace(root, "<root>");
+                    (s("id"), s("status"), s("detail"))
+                })
+                .collect();
+            (r.code, doc["host"].clone(), results)
+        };
+        let (original, snapshot) = (checks(&fixture(m)), checks(&out_s));
+        assert_eq!(original.0, snapshot.0, "{m}: exit codes");
+        assert_eq!(original.1, snapshot.1, "{m}: host name");
+        for (x, y) in original.2.iter().zip(&snapshot.2) {
+            assert_eq!(x, y, "{m}: a check differs on the snapshot");
+        }
+        assert_eq!(original.2.len(), snapshot.2.len(), "{m}");
         // Only the launcher variables and argv[0] are copied.
         for entry in walk(&out) {
             let Ok(bytes) = std::fs::read(&entry) else {
