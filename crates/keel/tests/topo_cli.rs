@@ -323,6 +323,39 @@ fn snapshot_reproduces_the_machine_and_strips_secrets() {
     );
 }
 
+/// The machine the tests run on, snapshotted: keel check on the snapshot
+/// gives the verdicts it gives on the machine itself (the GPU-less side:
+/// NVML is not asked under --root, and no GPU is expected).
+#[test]
+fn a_snapshot_of_this_machine_checks_as_the_machine() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let snap = tmp.path().join("snap");
+    let snap_s = snap.to_string_lossy().into_owned();
+    let r = keel(&["--root", "/", "topo", "snapshot", "--out", &snap_s]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let verdicts = |root: &str| {
+        let r = keel(&[
+            "--json", "check", "--root", root, "--sku", "generic", "--gpus", "0",
+        ]);
+        let doc: serde_json::Value = serde_json::from_str(&r.stdout)
+            .unwrap_or_else(|e| panic!("{root}: {e}: {}{}", r.stdout, r.stderr));
+        let v: Vec<(String, String)> = doc["results"]
+            .as_array()
+            .expect("results")
+            .iter()
+            .map(|c| {
+                let s = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+                (s("id"), s("status"))
+            })
+            .filter(|(id, _)| !id.starts_with("gpu."))
+            .collect();
+        (r.code, v)
+    };
+    let (live, replayed) = (verdicts("/"), verdicts(&snap_s));
+    assert!(!live.1.is_empty());
+    assert_eq!(live, replayed);
+}
+
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else {
