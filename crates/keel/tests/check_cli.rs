@@ -391,6 +391,50 @@ fn checks_that_cannot_run_are_unknown_never_fail() {
     }
 }
 
+/// A GPU used alone (one H100 SXM in a VM, no NVSwitch) has every NVLink
+/// link down: a fault only where the profile expects links.
+#[test]
+fn nvlink_links_no_profile_expects_are_not_a_fault_when_none_is_up() {
+    let all_down = |n: &Node| {
+        n.gpu(|v| {
+            for g in v["gpus"].as_array_mut().expect("gpus") {
+                for l in g["nvlink_active"].as_array_mut().expect("links") {
+                    *l = json!(false);
+                }
+            }
+        })
+    };
+    let n = Node::new("nd96isr_h100_v5", "generic");
+    all_down(&n);
+    let (_, report, stderr) = n.run(&[]);
+    let rs = results(&report, "gpu.nvlink");
+    assert!(!rs.is_empty(), "{stderr}");
+    for r in &rs {
+        assert_eq!(r["status"], "skip", "{r}");
+        assert!(r["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("none of the 18 NVLink links is active"));
+    }
+    // Some links up and some down is still a fault without a count...
+    n.gpu(|v| v["gpus"][3]["nvlink_active"][0] = json!(true));
+    let (_, report, _) = n.run(&[]);
+    assert!(
+        results(&report, "gpu.nvlink")
+            .iter()
+            .any(|r| r["status"] == "fail" && r["code"] == "NVLINK_DOWN"),
+        "{report}"
+    );
+    // ...and all down is one where the profile expects 18.
+    let n = Node::new("nd96isr_h100_v5", "nd96isr_h100_v5");
+    all_down(&n);
+    let (code, report, _) = n.run(&[]);
+    assert_eq!(code, 2, "{report}");
+    assert!(results(&report, "gpu.nvlink")
+        .iter()
+        .all(|r| r["status"] == "fail" && r["code"] == "NVLINK_DOWN"));
+}
+
 #[test]
 fn replay_growth_uses_the_state_of_the_previous_run() {
     let n = Node::ndv4();
