@@ -9,15 +9,21 @@
 //!    Frobenius error against the type's tolerance.
 //! 2. Throughput: the large product on random inputs (never zeros). After
 //!    warm-up, one product is timed to size a repetition (enough products
-//!    back to back to last about [`REPETITION_MS`]); each repetition is
-//!    timed with CUDA events, TFLOPS = 2 m n k x products / time.
-//! 3. Corruption: after every repetition the output is copied back and
-//!    compared byte for byte with the first repetition's (cuBLAS is
+//!    back to back to last about [`REPETITION_MS`]); `iters` repetitions
+//!    are queued back to back, as a training step keeps the GPU busy, with
+//!    a CUDA event between each: TFLOPS = 2 m n k x products / time of
+//!    each repetition. The GPU never waits for the host between them, so
+//!    the figure is the sustained rate (warm, at its power limit), not
+//!    that of bursts with the GPU idle in between.
+//! 3. Corruption: then `iters` more products, each output copied back and
+//!    compared byte for byte with the timed ones' (cuBLAS is
 //!    deterministic on one GPU, so any difference is a fault, as gpu-burn
 //!    checks).
 //!
-//! `duration` keeps repeating until that much time has passed (burn
-//! test); otherwise `iters` repetitions.
+//! `duration` makes it a burn test: repetitions until that much time has
+//! passed, each output copied back and compared as it completes (the GPU
+//! waits for the copy and comparison between repetitions, so its TFLOPS
+//! read higher than a sustained run's).
 
 use std::time::Duration;
 
@@ -260,35 +266,58 @@ fn one_gpu(
     let one = crate::copy::time_runs(&dev, &stream, 0, 1, || handle.gemm(t, dims, &a, &b, &c))?;
     let per_rep = products_per_repetition(one[0]);
 
-    let (start, end) = (dev.event()?, dev.event()?);
     let mut first: Option<Vec<u8>> = None;
     let mut current = vec![0u8; c.len()];
     let mut rates = Vec::new();
     let mut mismatched = 0;
-    let began = clock.now();
-    loop {
-        stream.record(&start)?;
-        for _ in 0..per_rep {
-            handle.gemm(t, dims, &a, &b, &c)?;
-        }
-        stream.record(&end)?;
-        let ms = start.elapsed_ms(&end)? as f64;
-        rates.push(tflops(dims, per_rep, ms));
-        stream.download(&c, 0, &mut current)?;
-        match &first {
-            None => first = Some(current.clone()),
-            Some(f) => {
-                if *f != current {
-                    mismatched += 1;
-                }
+    let mut compare = |current: &Vec<u8>| match &first {
+        None => first = Some(current.clone()),
+        Some(f) => {
+            if f != current {
+                mismatched += 1;
             }
         }
-        let done = match req.duration {
-            Some(d) => clock.now().duration_since(began) >= d,
-            None => rates.len() >= req.iters,
-        };
-        if done {
-            break;
+    };
+    let began = clock.now();
+    match req.duration {
+        None => {
+            let events = (0..=req.iters)
+                .map(|_| dev.event())
+                .collect::<Result<Vec<_>, _>>()?;
+            stream.record(&events[0])?;
+            for e in &events[1..] {
+                for _ in 0..per_rep {
+                    handle.gemm(t, dims, &a, &b, &c)?;
+                }
+                stream.record(e)?;
+            }
+            for w in events.windows(2) {
+                rates.push(tflops(dims, per_rep, w[0].elapsed_ms(&w[1])? as f64));
+            }
+            stream.download(&c, 0, &mut current)?;
+            compare(&current);
+            for _ in 0..req.iters {
+                handle.gemm(t, dims, &a, &b, &c)?;
+                stream.download(&c, 0, &mut current)?;
+                compare(&current);
+            }
+        }
+        Some(d) => {
+            let (start, end) = (dev.event()?, dev.event()?);
+            loop {
+                stream.record(&start)?;
+                for _ in 0..per_rep {
+                    handle.gemm(t, dims, &a, &b, &c)?;
+                }
+                stream.record(&end)?;
+                let ms = start.elapsed_ms(&end)? as f64;
+                rates.push(tflops(dims, per_rep, ms));
+                stream.download(&c, 0, &mut current)?;
+                compare(&current);
+                if clock.now().duration_since(began) >= d {
+                    break;
+                }
+            }
         }
     }
     let seconds = clock.now().duration_since(began).as_secs_f64();

@@ -66,6 +66,7 @@ type CublasDestroy = unsafe extern "C" fn(cb::cublasHandle_t) -> c_int;
 type CublasSetStream = unsafe extern "C" fn(cb::cublasHandle_t, cb::cudaStream_t) -> c_int;
 type CublasSetMathMode = unsafe extern "C" fn(cb::cublasHandle_t, cb::cublasMath_t) -> c_int;
 type CublasGetVersion = unsafe extern "C" fn(cb::cublasHandle_t, *mut c_int) -> c_int;
+type CublasSetWorkspace = unsafe extern "C" fn(cb::cublasHandle_t, *mut c_void, usize) -> c_int;
 type CublasGemmEx = unsafe extern "C" fn(
     cb::cublasHandle_t,
     cb::cublasOperation_t,
@@ -166,7 +167,8 @@ const _: () = assert!(
         == std::mem::size_of::<lt::cublasLtMatmulHeuristicResult_t>()
 );
 
-/// Workspace offered to cuBLASLt (what PyTorch gives it on Hopper).
+/// Workspace offered to cuBLAS and cuBLASLt (what PyTorch gives them on
+/// Hopper).
 const LT_WORKSPACE: usize = 32 << 20;
 
 struct CublasApi {
@@ -175,6 +177,8 @@ struct CublasApi {
     set_stream: CublasSetStream,
     set_math_mode: CublasSetMathMode,
     get_version: CublasGetVersion,
+    /// `cublasSetWorkspace_v2` (cuBLAS 11.2 and later; absent before).
+    set_workspace: Option<CublasSetWorkspace>,
     gemm_ex: CublasGemmEx,
     lt_create: LtCreate,
     lt_destroy: LtDestroy,
@@ -272,6 +276,7 @@ impl BlasLibrary {
                 set_stream: load::function(CUBLAS, &blas, "cublasSetStream_v2")?,
                 set_math_mode: load::function(CUBLAS, &blas, "cublasSetMathMode")?,
                 get_version: load::function(CUBLAS, &blas, "cublasGetVersion_v2")?,
+                set_workspace: load::function(CUBLAS, &blas, "cublasSetWorkspace_v2").ok(),
                 gemm_ex: load::function(CUBLAS, &blas, "cublasGemmEx")?,
                 lt_create: load::function(CUBLASLT, &lt_lib, "cublasLtCreate")?,
                 lt_destroy: load::function(CUBLASLT, &lt_lib, "cublasLtDestroy")?,
@@ -326,6 +331,17 @@ impl BlasLibrary {
                 "cublasSetStream",
                 (api.set_stream)(h, stream.raw() as cb::cudaStream_t),
             )?;
+            // cublasGemmEx gets the same 32 MiB workspace as cuBLASLt (and
+            // as PyTorch gives it on Hopper) instead of cuBLAS's default
+            // pool, which rules out some kernels. One stream uses it at a
+            // time. Set after the stream: cublasSetStream resets it.
+            if let Some(set_workspace) = api.set_workspace {
+                let ws = handle.workspace.at("cuBLAS workspace", 0, LT_WORKSPACE)?;
+                blas_status(
+                    "cublasSetWorkspace",
+                    set_workspace(h, ws as *mut c_void, LT_WORKSPACE),
+                )?;
+            }
             // Default math: fp32 stays fp32 unless TF32 is asked for through
             // the compute type.
             blas_status(

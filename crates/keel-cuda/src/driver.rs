@@ -509,6 +509,9 @@ impl Stream {
     /// Copies `data` into `dst` at `offset` and waits.
     pub fn upload(&self, dst: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<()> {
         let d = dst.at("upload", offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         // SAFETY: the device range is checked; `data` outlives the copy
         // because the stream is synchronised before returning.
@@ -523,6 +526,9 @@ impl Stream {
     /// Copies `out.len()` bytes from `src` at `offset` into `out` and waits.
     pub fn download(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
         let s = src.at("download", offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         // SAFETY: the device range is checked; `out` is exclusively borrowed
         // until the stream is synchronised below.

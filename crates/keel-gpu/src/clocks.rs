@@ -33,7 +33,9 @@ use nvml_wrapper::Nvml;
 use serde::{Deserialize, Serialize};
 
 /// `NVML_FI_DEV_MCLK_SWITCH_TYPE`: 0 unsupported, 1 deferred (module
-/// reload), 2 at run time.
+/// reload), 2 at run time. Newer than the NVML of driver 580 (whose
+/// `NVML_FI_MAX` is 274): there the field is refused and memory clocks are
+/// never locked, only graphics clocks.
 pub const FI_MCLK_SWITCH_TYPE: u32 = 298;
 
 /// A (graphics, memory) clock pair in MHz.
