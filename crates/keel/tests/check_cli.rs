@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{keel, results, Node};
+use common::{keel, results, workspace, Node};
 use serde_json::{json, Value};
 
 /// Other checks a fault legitimately affects: a GPU gone from PCI is also
@@ -794,5 +794,94 @@ fn a_node_that_lost_a_gpu_from_the_bus_fails_once_its_gpu_count_is_configured() 
         let (code, out, err) = run(extra, env);
         assert_eq!(code, 64, "{extra:?} {env:?}: {out} {err}");
         assert!(err.contains("whole number of GPUs"), "{err}");
+    }
+}
+
+/// keel check on a recorded real machine gives the verdicts it gave there,
+/// live: every fixture imported with `scripts/import-fixture` (it has a
+/// `check-live.json`) is replayed, and so is the machine the tests run on,
+/// recorded and imported the same way first.
+#[test]
+fn recorded_machines_check_as_they_did_live() {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let no_imds = ("KEEL_IMDS_ENDPOINT", "127.0.0.1:1");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let rec = tmp.path().join("recording");
+    let snap = rec.join("snap");
+    let (code, _, err) = keel(
+        &s(&["topo", "snapshot", "--out", &snap.to_string_lossy()]),
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    // A GPU machine's GPUs too; none here is fine (exit 3, no NVML).
+    let (code, _, err) = keel(
+        &s(&[
+            "check",
+            "record",
+            "--out",
+            &snap.join("gpu.json").to_string_lossy(),
+        ]),
+        &[],
+    );
+    assert!(code == 0 || code == 3, "{err}");
+    let (_, live, err) = keel(&s(&["--json", "check"]), &[no_imds]);
+    assert!(live.contains("\"results\""), "{err}");
+    std::fs::write(rec.join("check.json"), &live).expect("write");
+    let into = tmp.path().join("fixtures");
+    std::fs::create_dir(&into).expect("mkdir");
+    let out = std::process::Command::new(workspace().join("scripts/import-fixture"))
+        .arg("--into")
+        .arg(&into)
+        .arg(&snap)
+        .arg(rec.join("check.json"))
+        .arg("this-machine")
+        .arg("The machine the tests run on.")
+        .output()
+        .expect("run scripts/import-fixture");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut machines = vec![into.join("this-machine")];
+    for e in std::fs::read_dir(workspace().join("tests/fixtures")).expect("fixtures") {
+        let dir = e.expect("entry").path();
+        if dir.join("check-live.json").is_file() {
+            machines.push(dir);
+        }
+    }
+    let verdicts = |report: &Value| -> Vec<(String, String)> {
+        report["results"]
+            .as_array()
+            .expect("results")
+            .iter()
+            .map(|r| {
+                let f = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
+                (f("id"), f("status"))
+            })
+            .collect()
+    };
+    for dir in machines {
+        let live: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("check-live.json")).expect("check-live.json"),
+        )
+        .expect("check-live.json is JSON");
+        let root = dir.to_string_lossy().into_owned();
+        let sku = live["sku"].as_str().expect("sku").to_owned();
+        let mut args = s(&["--json", "check", "--root", &root, "--sku", &sku]);
+        let gpu = dir.join("gpu.json");
+        if gpu.is_file() {
+            args.extend(s(&["--gpu-snapshot", &gpu.to_string_lossy()]));
+        }
+        let (_, out, err) = keel(&args, &[no_imds]);
+        let replayed: Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{root}: {e}: {out}{err}"));
+        assert_eq!(
+            verdicts(&replayed),
+            verdicts(&live),
+            "{root}: replayed (left) against live (right)"
+        );
+        assert_eq!(replayed["host"], live["host"], "{root}: host name");
     }
 }
