@@ -713,6 +713,10 @@ fn gpu_nvlink(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
     if p.gpu.nvlink_links == Some(0) {
         return skip(ID, "the profile expects no NVLink");
     }
+    // The node's only GPU (one GPU of a VM, a workstation): NVLink has no
+    // peer to connect to.
+    let alone = matches!(&inputs.gpu, Ok(s) if s.gpus.len() == 1)
+        && inputs.machine.as_ref().map_or(true, |m| m.gpus.len() <= 1);
     per_gpu(ID, p, inputs, |g| {
         let Some(links) = &g.nvlink_active else {
             return match p.gpu.nvlink_links {
@@ -725,16 +729,18 @@ fn gpu_nvlink(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> {
                 None => CheckResult::new(ID, Status::Skip, "no NVLink reported"),
             };
         };
+        if links.is_empty() {
+            return CheckResult::new(ID, Status::Skip, "no NVLink reported");
+        }
         let active = links.iter().filter(|a| **a).count() as u32;
-        if active == 0 && p.gpu.nvlink_links.is_none() {
-            // NVML lists every link the part has; a GPU used alone (one
-            // GPU in a VM, a machine without NVSwitch) has none up. With
-            // no count in the profile that is not a fault.
+        if active == 0 && alone && p.gpu.nvlink_links.is_none() {
+            // NVML lists every link the part has, up or not; with no other
+            // GPU and no count in the profile, none up is not a fault.
             return CheckResult::new(
                 ID,
                 Status::Skip,
                 format!(
-                    "none of the {} NVLink links is active and the profile expects none (set gpu.nvlink_links to check them)",
+                    "the node's only GPU has none of its {} NVLink links active, and the profile gives no link count (set gpu.nvlink_links to check them)",
                     links.len()
                 ),
             );

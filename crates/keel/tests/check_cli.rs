@@ -392,9 +392,11 @@ fn checks_that_cannot_run_are_unknown_never_fail() {
 }
 
 /// A GPU used alone (one H100 SXM in a VM, no NVSwitch) has every NVLink
-/// link down: a fault only where the profile expects links.
+/// link down: not a fault when the profile gives no link count. On a node
+/// of several GPUs it is (a fabric down), and wherever the profile expects
+/// links.
 #[test]
-fn nvlink_links_no_profile_expects_are_not_a_fault_when_none_is_up() {
+fn nvlink_down_on_the_only_gpu_of_a_node_is_not_a_fault_without_a_count() {
     let all_down = |n: &Node| {
         n.gpu(|v| {
             for g in v["gpus"].as_array_mut().expect("gpus") {
@@ -404,35 +406,43 @@ fn nvlink_links_no_profile_expects_are_not_a_fault_when_none_is_up() {
             }
         })
     };
+    let nvlink = |n: &Node| {
+        let (_, report, stderr) = n.run(&[]);
+        let rs: Vec<Value> = results(&report, "gpu.nvlink")
+            .into_iter()
+            .cloned()
+            .collect();
+        assert!(!rs.is_empty(), "{stderr}");
+        rs
+    };
+    // Eight GPUs, generic profile, every link down: a fault.
     let n = Node::new("nd96isr_h100_v5", "generic");
     all_down(&n);
-    let (_, report, stderr) = n.run(&[]);
-    let rs = results(&report, "gpu.nvlink");
-    assert!(!rs.is_empty(), "{stderr}");
-    for r in &rs {
-        assert_eq!(r["status"], "skip", "{r}");
-        assert!(r["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("none of the 18 NVLink links is active"));
-    }
-    // Some links up and some down is still a fault without a count...
-    n.gpu(|v| v["gpus"][3]["nvlink_active"][0] = json!(true));
-    let (_, report, _) = n.run(&[]);
-    assert!(
-        results(&report, "gpu.nvlink")
-            .iter()
-            .any(|r| r["status"] == "fail" && r["code"] == "NVLINK_DOWN"),
-        "{report}"
-    );
-    // ...and all down is one where the profile expects 18.
-    let n = Node::new("nd96isr_h100_v5", "nd96isr_h100_v5");
-    all_down(&n);
-    let (code, report, _) = n.run(&[]);
-    assert_eq!(code, 2, "{report}");
-    assert!(results(&report, "gpu.nvlink")
+    assert!(nvlink(&n)
         .iter()
         .all(|r| r["status"] == "fail" && r["code"] == "NVLINK_DOWN"));
+    // The same node's GPU 0 alone (the others gone from PCI and NVML).
+    for i in 2..=8 {
+        n.lose_gpu(&format!("000{i}:00:00.0"));
+    }
+    let rs = nvlink(&n);
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["status"], "skip", "{rs:?}");
+    assert!(rs[0]["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("only GPU has none of its 18 NVLink links active"));
+    // Some of its links up and some down is still a fault.
+    n.gpu(|v| v["gpus"][0]["nvlink_active"][0] = json!(true));
+    assert_eq!(nvlink(&n)[0]["code"], "NVLINK_DOWN");
+    // A profile that expects 18 links fails the lone GPU with none.
+    let mut n = Node::new("nd96isr_h100_v5", "generic");
+    all_down(&n);
+    for i in 2..=8 {
+        n.lose_gpu(&format!("000{i}:00:00.0"));
+    }
+    n.profile("[host]\ndisks = []\n[gpu]\nnvlink_links = 18\n");
+    assert_eq!(nvlink(&n)[0]["code"], "NVLINK_DOWN");
 }
 
 #[test]
