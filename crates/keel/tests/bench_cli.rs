@@ -267,3 +267,104 @@ fn nccl_help_lists_the_nccl_tests_flags() {
         assert!(stdout.contains(flag), "{flag} missing from:\n{stdout}");
     }
 }
+
+/// scripts/gpu-verify, the one-run check of every GPU path, ends on a
+/// machine without a GPU too: every step runs or says why not, the
+/// replayed checks agree with the live ones, the summary, report and
+/// archive are written, the exporter it starts is gone afterwards, and
+/// the exit code says a step could not run (2) unless a GPU answered.
+#[test]
+fn gpu_verify_runs_every_step_and_reports_without_a_gpu() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("results");
+    let archive = tmp.path().join("results.tar.gz");
+    let home = tmp.path().join("home");
+    std::fs::create_dir(&home).expect("home");
+    let mut c = std::process::Command::new(root.join("scripts/gpu-verify"));
+    c.args(["--no-gpu-tests", "--deadline", "240", "--archive"])
+        .arg(&archive)
+        .arg(&out)
+        .env("KEEL", env!("CARGO_BIN_EXE_keel"))
+        .env("HOME", &home)
+        .env("KEEL_IMDS_ENDPOINT", "127.0.0.1:1");
+    for var in [
+        "KEEL_CONFIG",
+        "KEEL_ROOT",
+        "KEEL_CUDA_LIB_DIR",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+    ] {
+        c.env_remove(var);
+    }
+    let run = c.output().expect("run scripts/gpu-verify");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    let code = run.status.code().unwrap_or(-1);
+    let read = |name: &str| {
+        std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}\n{stderr}"))
+    };
+    let steps: Vec<String> = read("steps.tsv")
+        .lines()
+        .skip(1)
+        .map(|l| l.split('\t').next().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            "nvidia-smi",
+            "check-cold",
+            "topo",
+            "topo-json",
+            "topo-snapshot",
+            "check",
+            "check-json",
+            "check-record",
+            "check-replayed",
+            "tune-clocks",
+            "tune-clocks-json",
+            "tune-env",
+            "tune-env-json",
+            "exporter-scrape",
+            "compare",
+            "check-bench",
+        ],
+        "{stderr}"
+    );
+    let agreement = read("check-agreement.txt");
+    assert!(agreement.contains(", 0 differ"), "{agreement}");
+    let summary = read("summary.txt");
+    assert!(summary.contains("step"), "{summary}");
+    assert!(read("report.md").starts_with("# GPU verification on "));
+    let compare: serde_json::Value =
+        serde_json::from_str(&read("compare.json")).expect("compare.json is JSON");
+    assert_eq!(compare["finished"], true);
+    assert_eq!(
+        compare["rows"].as_array().map(Vec::len),
+        Some(9),
+        "{compare}"
+    );
+    assert!(std::fs::metadata(&archive).is_ok_and(|m| m.len() > 0));
+    // The exporter it started no longer listens.
+    let log = read("exporter.log");
+    let port = log
+        .split("127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .unwrap_or_else(|| panic!("no address in exporter.log: {log}"));
+    assert!(
+        std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_err(),
+        "the exporter still listens on {port}"
+    );
+    let keel_measured = compare["rows"]
+        .as_array()
+        .is_some_and(|rows| rows.iter().any(|r| !r["keel"].is_null()));
+    if !keel_measured {
+        assert_eq!(code, 2, "{summary}\n{stderr}");
+    }
+    // A second run into the same directory is refused, not mixed in.
+    let again = std::process::Command::new(root.join("scripts/gpu-verify"))
+        .arg(&out)
+        .output()
+        .expect("run");
+    assert_eq!(again.status.code(), Some(64));
+}
