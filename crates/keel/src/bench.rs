@@ -525,3 +525,210 @@ pub fn nccl_code(r: &NcclReport) -> Code {
         Code::Ok
     }
 }
+
+/// What `keel bench --json` prints is read by field name elsewhere:
+/// `keel check --bench` (keel-check's active tier, which does not link
+/// keel-bench) and `scripts/gpu-compare` / `scripts/gpu-report`. Reports
+/// built from keel-bench's own types, printed as the commands print them,
+/// must still carry every field those readers use.
+#[cfg(test)]
+mod json_contract {
+    use keel_bench::copy::{GpuCopy, PeerCopy};
+    use keel_bench::gemm::{GpuGemm, SmallCheck};
+    use keel_bench::nccl::{Placement, RankDevice, Row};
+    use keel_bench::stats::Summary;
+    use serde_json::Value;
+
+    use super::*;
+    use crate::output::Out;
+
+    fn printed<T: serde::Serialize>(command: &str, report: &T) -> Value {
+        let (mut out, buf) = Out::buffer();
+        out.json(command, report).expect("print");
+        let bytes = buf.lock().expect("buffer").clone();
+        serde_json::from_slice(&bytes).expect("JSON")
+    }
+
+    fn s(m: f64) -> Summary {
+        Summary::of(&[m * 0.99, m, m * 1.01]).expect("summary")
+    }
+
+    fn has(doc: &Value, pointers: &[&str]) {
+        for p in pointers {
+            assert!(
+                doc.pointer(p).is_some_and(|v| !v.is_null()),
+                "{p} missing from {doc}"
+            );
+        }
+    }
+
+    #[test]
+    fn bench_json_carries_what_keel_check_and_the_gpu_scripts_read() {
+        let profile = keel_check::profile::load("nd96isr_h100_v5", None).expect("profile");
+        let copy = CopyReport {
+            bytes: 256 << 20,
+            iters: 20,
+            warmup: 3,
+            gpus: vec![GpuCopy {
+                gpu: 0,
+                name: "NVIDIA H100 80GB HBM3".into(),
+                pci_bus_id: "0001:00:00.0".into(),
+                numa_node: Some(0),
+                cpus: Some("0-47".into()),
+                pinned: true,
+                note: None,
+                h2d_gbs: s(54.0),
+                d2h_gbs: s(53.0),
+                d2d_gbs: s(2900.0),
+            }],
+            peer: vec![PeerCopy {
+                src: 0,
+                dst: 1,
+                p2p: true,
+                gbs: s(370.0),
+            }],
+        };
+        let doc = printed("bench copy", &copy);
+        has(
+            &doc,
+            &[
+                "/gpus/0/h2d_gbs/median",
+                "/gpus/0/d2h_gbs/median",
+                "/gpus/0/d2d_gbs/median",
+                "/gpus/0/pinned",
+                "/gpus/0/numa_node",
+            ],
+        );
+        let results = keel_check::active::from_bench(&profile, "copy", &doc).expect("copy");
+        assert!(results.len() >= 3, "{results:?}");
+
+        let gemm = GemmReport {
+            dtype: "bf16",
+            m: 8192,
+            n: 8192,
+            k: 8192,
+            gpus: vec![GpuGemm {
+                gpu: 0,
+                name: "NVIDIA H100 80GB HBM3".into(),
+                pci_bus_id: "0001:00:00.0".into(),
+                cublas_version: 130100,
+                tflops: s(700.0),
+                peak_tflops: Some(989.4),
+                fraction_of_peak: Some(0.71),
+                repetitions: 20,
+                products_per_repetition: 18,
+                mismatched_repetitions: 0,
+                check: SmallCheck {
+                    m: 320,
+                    n: 192,
+                    k: 256,
+                    relative_error: 2e-3,
+                    tolerance: 1e-2,
+                    passed: true,
+                },
+                seconds: 2.5,
+                passed: true,
+            }],
+        };
+        let doc = printed("bench gemm", &gemm);
+        has(
+            &doc,
+            &[
+                "/gpus/0/tflops/median",
+                "/gpus/0/check/relative_error",
+                "/gpus/0/check/tolerance",
+                "/gpus/0/check/passed",
+                "/gpus/0/mismatched_repetitions",
+                "/gpus/0/passed",
+                "/gpus/0/fraction_of_peak",
+                "/gpus/0/cublas_version",
+            ],
+        );
+        let results = keel_check::active::from_bench(&profile, "gemm", &doc).expect("gemm");
+        assert!(!results.is_empty());
+
+        let c = Collective::AllReduce;
+        let sweep = Sweep {
+            min_bytes: 1 << 20,
+            max_bytes: 1 << 30,
+            factor: 32,
+            step_bytes: 0,
+        };
+        let rows: Vec<Row> = sweep
+            .sizes()
+            .expect("sweep")
+            .into_iter()
+            .map(|bytes| {
+                let counts = c.counts(bytes, 4, 8);
+                let p = |us: f64| {
+                    let (algbw, busbw) = c.bandwidth(counts.param, 4, 8, us * 1e-6);
+                    Placement {
+                        time_us: us,
+                        algbw,
+                        busbw,
+                        wrong: Some(0),
+                    }
+                };
+                Row {
+                    bytes: c.bytes_column(&counts, 4),
+                    count: counts.param,
+                    dtype: "float",
+                    redop: keel_bench::nccl::redop_name(c, keel_cuda::NcclOp::Sum),
+                    root: keel_bench::nccl::root_column(c, 0),
+                    out_of_place: p(bytes as f64 / 200e3),
+                    in_place: p(bytes as f64 / 201e3),
+                }
+            })
+            .collect();
+        let nccl = NcclReport {
+            collective: c,
+            nccl_tests_binary: c.nccl_tests_binary(),
+            dtype: "float",
+            redop: "sum",
+            root: -1,
+            ranks: 8,
+            local_gpus: 8,
+            is_rank0: true,
+            sweep,
+            iters: 20,
+            warmup: 1,
+            check: true,
+            average: Average::Mean,
+            nccl_version: "2.27.7".into(),
+            nccl_library: "/opt/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"
+                .into(),
+            host: "node01".into(),
+            pid: 1,
+            devices: vec![RankDevice {
+                rank: 0,
+                ordinal: 0,
+                pci_bus_id: "0001:00:00.0".into(),
+                bus: "0x00".into(),
+                name: "NVIDIA H100 80GB HBM3".into(),
+            }],
+            rows,
+            out_of_bounds: 0,
+            avg_busbw: 300.0,
+            min_busbw: None,
+            passed: None,
+        };
+        let doc = printed("bench nccl", &nccl);
+        has(
+            &doc,
+            &[
+                "/nccl_version",
+                "/nccl_library",
+                "/out_of_bounds",
+                "/avg_busbw",
+                "/rows/0/bytes",
+                "/rows/0/in_place/algbw",
+                "/rows/0/in_place/time_us",
+                "/rows/0/in_place/wrong",
+                "/rows/0/out_of_place/wrong",
+                "/rows/0/out_of_place/busbw",
+            ],
+        );
+        let results = keel_check::active::from_bench(&profile, "nccl", &doc).expect("nccl");
+        assert!(!results.is_empty());
+    }
+}

@@ -45,3 +45,31 @@ impl Out {
         Ok(())
     }
 }
+
+#[cfg(test)]
+impl Out {
+    /// JSON output into a buffer the caller reads back (tests).
+    pub fn buffer() -> (Out, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+        struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl Write for Shared {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                self.0
+                    .lock()
+                    .map_err(|_| io::Error::other("poisoned"))?
+                    .extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        (
+            Out {
+                json: true,
+                w: Box::new(Shared(buf.clone())),
+            },
+            buf,
+        )
+    }
+}
