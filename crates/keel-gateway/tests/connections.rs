@@ -282,6 +282,9 @@ fn refused_before_the_body(name: &str, limits: &str) {
     assert_eq!(r.status, 429, "{}", r.text());
     assert!(r.header("retry-after").is_some());
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    // The rest of the body is never read: the answer says the connection
+    // closes, so that a pooling client does not send its next request on it.
+    assert_eq!(r.header("connection"), Some("close"));
     assert!(started.elapsed() < Duration::from_secs(5));
     // The same for a body without a length.
     let mut s = raw(g.public);

@@ -363,6 +363,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .fallback(not_found)
         .layer(
             tower::ServiceBuilder::new()
+                .layer(axum::middleware::from_fn(close_if_body_unread))
                 .layer(axum::middleware::map_response(json_errors))
                 .layer(axum::extract::DefaultBodyLimit::max(max_body))
                 .layer(axum::middleware::from_fn_with_state(
@@ -437,6 +438,62 @@ async fn json_errors(r: Response) -> Response {
         );
     }
     out
+}
+
+/// A request body, noting when it has been read to its end.
+struct Tracked {
+    inner: axum::body::Body,
+    ended: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.ended.store(true, std::sync::atomic::Ordering::Release);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An answer given before the request's body was read to its end (a
+/// refusal, a missing key, an unknown endpoint) says `Connection: close`:
+/// the server cannot reuse a connection with unread bytes on it and closes
+/// it after the answer, and a pooling client that is not told sends its
+/// next request there and gets no answer.
+async fn close_if_body_unread(req: Request, next: Next) -> Response {
+    use hyper::body::Body as _;
+    let (parts, body) = req.into_parts();
+    if body.is_end_stream() {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let body = axum::body::Body::new(Tracked {
+        inner: body,
+        ended: ended.clone(),
+    });
+    let mut response = next.run(Request::from_parts(parts, body)).await;
+    if !ended.load(std::sync::atomic::Ordering::Acquire) {
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    response
 }
 
 async fn not_found() -> ApiError {

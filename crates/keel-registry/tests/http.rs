@@ -752,3 +752,71 @@ async fn a_long_search_does_not_hold_up_other_requests() {
     assert!(body.contains("at most 256 characters"), "{body}");
     let _ = stop.send(());
 }
+
+/// An answer given before the request's body has all arrived (stages
+/// refused, a missing key, an unknown endpoint) leaves unread bytes on the
+/// connection, which the server then closes: the answer says so
+/// (`Connection: close`), or a pooling client (the MLflow client's
+/// `requests`) sends its next request on the closed connection and fails
+/// with "Remote end closed connection without response". An answer to a
+/// body that was read whole keeps the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_body_is_read_closes_the_connection_and_says_so() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Write, &key)
+        .expect("k");
+    let (addr, stop) = start(reg).await;
+    let m = "/api/2.0/mlflow";
+    let body =
+        r#"{"name":"m","version":"1","stage":"Production","archive_existing_versions":false}"#;
+    let (first, rest) = body.split_at(10);
+    for (path, auth) in [
+        (
+            format!("{m}/model-versions/transition-stage"),
+            format!("api-key: {key}\r\n"),
+        ),
+        (format!("{m}/registered-models/create"), String::new()),
+        (
+            format!("{m}/no-such-endpoint"),
+            format!("api-key: {key}\r\n"),
+        ),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        // The head and the first bytes of the body; the rest comes after
+        // the answer, as from a client whose body is still in flight.
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{first}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut buf))
+                .await
+                .expect("an answer")
+                .expect("read");
+            assert!(n > 0, "{path}: closed without an answer");
+            head.extend_from_slice(&buf[..n]);
+        }
+        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        assert!(
+            head.contains("\r\nconnection: close\r\n"),
+            "{path}: answered before the body was read, without saying the connection closes:\n{head}"
+        );
+        let _ = s.write_all(rest.as_bytes()).await;
+    }
+    // A body read whole: the connection stays open for the next request.
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let create = r#"{"name":"kept"}"#;
+    let req = format!(
+        "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{create}GET {m}/registered-models/get?name=kept HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\nConnection: close\r\n\r\n",
+        create.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut all = String::new();
+    s.read_to_string(&mut all).await.expect("read");
+    assert_eq!(all.matches("HTTP/1.1 200").count(), 2, "{all}");
+    let _ = stop.send(());
+}
