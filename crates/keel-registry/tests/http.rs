@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use keel_registry::http::{router, serve, ServeOptions};
+use keel_registry::http::{router, serve, serve_with, ConnectionLimits, ServeOptions};
 use keel_registry::{FixedClock, NewVersion, Registry, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -819,4 +819,98 @@ async fn an_answer_before_the_body_is_read_closes_the_connection_and_says_so() {
     s.read_to_string(&mut all).await.expect("read");
     assert_eq!(all.matches("HTTP/1.1 200").count(), 2, "{all}");
     let _ = stop.send(());
+}
+
+/// What one client may hold of the server is bounded: a head that does not
+/// come, a kept-alive connection left idle, a body sent a byte at a time;
+/// connections over the limit wait until one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_bounded_in_number_and_time() {
+    use std::time::{Duration, Instant};
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Write, &key)
+        .expect("k");
+    let app = router(reg, ServeOptions::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let limits = ConnectionLimits {
+        max_connections: 2,
+        header_timeout: Duration::from_millis(500),
+        lifetime: Duration::from_secs(3),
+        drain: Duration::from_secs(1),
+    };
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_with(listener, app, limits, async {
+        let _ = rx.await;
+    }));
+    let health = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    // Closed (EOF) within `within`, having answered nothing more.
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Duration {
+        let started = Instant::now();
+        let mut buf = [0u8; 1024];
+        loop {
+            match tokio::time::timeout(within, s.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return started.elapsed(),
+                Ok(Ok(_)) => continue,
+                Err(_) => panic!("still open after {within:?}"),
+            }
+        }
+    }
+
+    // A head that never comes.
+    let mut silent = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let t = closed_within(&mut silent, Duration::from_secs(5)).await;
+    assert!(t >= Duration::from_millis(400), "{t:?}");
+    // A kept-alive connection, answered once, then idle.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    idle.write_all(health.as_bytes()).await.expect("write");
+    let t = closed_within(&mut idle, Duration::from_secs(5)).await;
+    assert!(t >= Duration::from_millis(400), "{t:?}");
+
+    // Two connections held (a body that never ends): a third waits...
+    let m = "/api/2.0/mlflow";
+    let slow = format!(
+        "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+    );
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(slow.as_bytes()).await.expect("write");
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    third
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = [0u8; 256];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(700), third.read(&mut buf))
+            .await
+            .is_err(),
+        "a third connection was served while two were held"
+    );
+    // ...until the held ones reach their lifetime and are closed.
+    let started = Instant::now();
+    for s in &mut held {
+        closed_within(s, Duration::from_secs(5)).await;
+    }
+    assert!(started.elapsed() < Duration::from_secs(4));
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(5), third.read_to_string(&mut answer))
+        .await
+        .expect("the third is served once a place is free")
+        .expect("read");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the server stops")
+        .expect("join")
+        .expect("serve");
 }
