@@ -35,7 +35,6 @@
 //! database failures are logged by nobody here and shown as a plain
 //! "internal error", never with internals.
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
@@ -363,7 +362,6 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         .fallback(not_found)
         .layer(
             tower::ServiceBuilder::new()
-                .layer(axum::middleware::from_fn(close_if_body_unread))
                 .layer(axum::middleware::map_response(json_errors))
                 .layer(axum::extract::DefaultBodyLimit::max(max_body))
                 .layer(axum::middleware::from_fn_with_state(
@@ -374,95 +372,11 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok\n" }))
         .merge(api)
+        .layer(axum::middleware::from_fn(close_if_body_unread))
         .with_state(st)
 }
 
-/// What one client may hold of the server: connections at once, and how
-/// long each may take.
-#[derive(Debug, Clone, Copy)]
-pub struct ConnectionLimits {
-    /// Connections served at once; more wait in the listen backlog until
-    /// one closes.
-    pub max_connections: usize,
-    /// A request head must arrive within this, and a kept-alive connection
-    /// is closed when its next request has not begun within it.
-    pub header_timeout: std::time::Duration,
-    /// No connection lives longer (a body sent a byte at a time, a client
-    /// that does not read its answer).
-    pub lifetime: std::time::Duration,
-    /// At shutdown, requests in flight get this long to finish.
-    pub drain: std::time::Duration,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        Self {
-            max_connections: 512,
-            header_timeout: std::time::Duration::from_secs(30),
-            lifetime: std::time::Duration::from_secs(600),
-            drain: std::time::Duration::from_secs(30),
-        }
-    }
-}
-
-/// Serves `app` on an already-bound listener with the default
-/// [`ConnectionLimits`] until `shutdown` completes, then lets the requests
-/// in flight finish.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_with(listener, app, ConnectionLimits::default(), shutdown).await
-}
-
-/// [`serve`] with other limits.
-pub async fn serve_with(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    limits: ConnectionLimits,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    tokio::pin!(shutdown);
-    loop {
-        let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    // Out of file descriptors, say: wait, do not spin.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .serve_connection(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
-        let lifetime = limits.lifetime;
-        tokio::spawn(async move {
-            let _permit = permit;
-            let _ = tokio::time::timeout(lifetime, conn).await;
-        });
-    }
-    drop(listener);
-    let _ = tokio::time::timeout(limits.drain, graceful.shutdown()).await;
-    Ok(())
-}
+pub use crate::serve::{serve, serve_with, ConnectionLimits};
 
 /// Every error in MLflow's JSON shape: the extractors' own rejections
 /// (a body too large, 413; not JSON, 415; JSON of the wrong shape, 422; a

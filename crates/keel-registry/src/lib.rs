@@ -38,6 +38,7 @@ mod db;
 mod error;
 pub mod http;
 mod registry;
+mod serve;
 pub mod sign;
 mod time;
 pub mod tracking;

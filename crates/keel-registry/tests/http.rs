@@ -781,6 +781,7 @@ async fn an_answer_before_the_body_is_read_closes_the_connection_and_says_so() {
             format!("{m}/no-such-endpoint"),
             format!("api-key: {key}\r\n"),
         ),
+        ("/health".to_owned(), String::new()),
     ] {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
         // The head and the first bytes of the body; the rest comes after
@@ -822,8 +823,9 @@ async fn an_answer_before_the_body_is_read_closes_the_connection_and_says_so() {
 }
 
 /// What one client may hold of the server is bounded: a head that does not
-/// come, a kept-alive connection left idle, a body sent a byte at a time;
-/// connections over the limit wait until one closes.
+/// come, a kept-alive connection left idle, a client that reads none of its
+/// answers, a body sent slowly; a connection over a limit (in all, or from
+/// one address) is answered 503 at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_bounded_in_number_and_time() {
     use std::time::{Duration, Instant};
@@ -832,48 +834,66 @@ async fn connections_are_bounded_in_number_and_time() {
     reg.create_api_key("admin", "k", Role::Write, &key)
         .expect("k");
     let app = router(reg, ServeOptions::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let start = |limits: ConnectionLimits| {
+        let app = app.clone();
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(serve_with(listener, app, limits, async {
+                let _ = rx.await;
+            }));
+            (addr, stop, server)
+        }
+    };
     let limits = ConnectionLimits {
         max_connections: 2,
+        max_per_client: 64,
         header_timeout: Duration::from_millis(500),
-        lifetime: Duration::from_secs(3),
-        drain: Duration::from_secs(1),
+        write_timeout: Duration::from_millis(500),
+        lifetime: Duration::from_secs(2),
+        drain: Duration::from_secs(2),
     };
-    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve_with(listener, app, limits, async {
-        let _ = rx.await;
-    }));
+    let (addr, stop, server) = start(limits).await;
     let health = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
-    // Closed (EOF) within `within`, having answered nothing more.
-    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Duration {
+    // Closed (EOF or reset) within `within`, whatever it answered first.
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> (Duration, String) {
         let started = Instant::now();
-        let mut buf = [0u8; 1024];
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
         loop {
             match tokio::time::timeout(within, s.read(&mut buf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => return started.elapsed(),
-                Ok(Ok(_)) => continue,
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    return (
+                        started.elapsed(),
+                        String::from_utf8_lossy(&got).into_owned(),
+                    )
+                }
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n.min(4096)]),
                 Err(_) => panic!("still open after {within:?}"),
             }
         }
     }
 
-    // A head that never comes.
+    // A head that never comes; a kept-alive connection answered once, then idle.
     let mut silent = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let t = closed_within(&mut silent, Duration::from_secs(5)).await;
+    let (t, _) = closed_within(&mut silent, Duration::from_secs(5)).await;
     assert!(t >= Duration::from_millis(400), "{t:?}");
-    // A kept-alive connection, answered once, then idle.
     let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
     idle.write_all(health.as_bytes()).await.expect("write");
-    let t = closed_within(&mut idle, Duration::from_secs(5)).await;
+    let (t, answer) = closed_within(&mut idle, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(t >= Duration::from_millis(400), "{t:?}");
 
-    // Two connections held (a body that never ends): a third waits...
+    // Two connections held (bodies still coming): a third is answered 503 at once.
     let m = "/api/2.0/mlflow";
+    let create = r#"{"name":"slow"}"#;
+    let (head_part, rest) = create.split_at(3);
     let slow = format!(
-        "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+        "POST {m}/registered-models/create HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{head_part}",
+        create.len()
     );
     let mut held = Vec::new();
     for _ in 0..2 {
@@ -883,32 +903,96 @@ async fn connections_are_bounded_in_number_and_time() {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut third = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    third
-        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    let mut buf = [0u8; 256];
-    assert!(
-        tokio::time::timeout(Duration::from_millis(700), third.read(&mut buf))
-            .await
-            .is_err(),
-        "a third connection was served while two were held"
-    );
-    // ...until the held ones reach their lifetime and are closed.
-    let started = Instant::now();
+    let (t, answer) = closed_within(&mut third, Duration::from_secs(2)).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("TEMPORARILY_UNAVAILABLE"), "{answer}");
+    assert!(t < Duration::from_millis(500), "{t:?}");
+    // At their lifetime the held connections finish the request in flight
+    // (the rest of the body comes after it), answer it, and close.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let mut created = 0;
     for s in &mut held {
-        closed_within(s, Duration::from_secs(5)).await;
+        s.write_all(rest.as_bytes()).await.expect("write the rest");
+        let (_, answer) = closed_within(s, Duration::from_secs(5)).await;
+        let lower = answer.to_ascii_lowercase();
+        if lower.starts_with("http/1.1 200") {
+            created += 1;
+            assert!(lower.contains("\r\nconnection: close\r\n"), "{answer}");
+        } else {
+            // The second create of the same name.
+            assert!(lower.starts_with("http/1.1 400"), "{answer}");
+        }
     }
-    assert!(started.elapsed() < Duration::from_secs(4));
-    let mut answer = String::new();
-    tokio::time::timeout(Duration::from_secs(5), third.read_to_string(&mut answer))
-        .await
-        .expect("the third is served once a place is free")
-        .expect("read");
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-
+    assert_eq!(created, 1);
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the server stops")
+        .expect("join")
+        .expect("serve");
+
+    // A client that sends requests and reads none of the answers holds the
+    // only place until its answers stop moving for the write timeout, long
+    // before the connection's lifetime: then a request is served again.
+    let (addr, stop, server) = start(ConnectionLimits {
+        max_connections: 1,
+        write_timeout: Duration::from_millis(500),
+        lifetime: Duration::from_secs(60),
+        ..ConnectionLimits::default()
+    })
+    .await;
+    let mut deaf = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let flood = health.repeat(50_000);
+    let writer = tokio::spawn(async move {
+        let _ = deaf.write_all(flood.as_bytes()).await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        deaf
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let mut refused = 0;
+    let served = async {
+        loop {
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .expect("write");
+            let mut a = String::new();
+            let _ = s.read_to_string(&mut a).await;
+            if a.starts_with("HTTP/1.1 200") {
+                return;
+            }
+            assert!(a.starts_with("HTTP/1.1 503"), "{a}");
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("served once the deaf client is cut");
+    assert!(refused > 0, "the deaf client never held the place");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    writer.abort();
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(35), server).await;
+
+    // From one address, at most `max_per_client`.
+    let (addr, stop, server) = start(ConnectionLimits {
+        max_per_client: 1,
+        ..ConnectionLimits::default()
+    })
+    .await;
+    let _first = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut second = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (_, answer) = closed_within(&mut second, Duration::from_secs(2)).await;
+    assert!(
+        answer.contains("too many connections from this address"),
+        "{answer}"
+    );
+    let _ = stop.send(());
+    drop(_first);
+    tokio::time::timeout(Duration::from_secs(35), server)
         .await
         .expect("the server stops")
         .expect("join")

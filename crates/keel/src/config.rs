@@ -272,6 +272,8 @@ pub struct FileModel {
     pub listen: Option<String>,
     pub serve_token_sha256: Option<String>,
     pub tracking_uri: Option<String>,
+    pub serve_max_connections: Option<usize>,
+    pub serve_max_connections_per_client: Option<usize>,
 }
 
 /// The effective `keel model` settings.
@@ -292,6 +294,10 @@ pub struct ModelConfig {
     /// reading and writing, besides the registry's API keys.
     pub serve_token_sha256: Option<String>,
     pub tracking_uri: Option<String>,
+    /// Connections `keel model serve` serves at once.
+    pub serve_max_connections: usize,
+    /// Connections `keel model serve` serves at once from one address.
+    pub serve_max_connections_per_client: usize,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -502,7 +508,20 @@ pub fn load_model(
         listen: f.listen.unwrap_or_else(|| "127.0.0.1:8470".into()),
         serve_token_sha256: f.serve_token_sha256,
         tracking_uri: f.tracking_uri,
+        serve_max_connections: f.serve_max_connections.unwrap_or(512),
+        serve_max_connections_per_client: f.serve_max_connections_per_client.unwrap_or(64),
     };
+    for (key, v) in [
+        ("model.serve_max_connections", c.serve_max_connections),
+        (
+            "model.serve_max_connections_per_client",
+            c.serve_max_connections_per_client,
+        ),
+    ] {
+        if v == 0 {
+            return Err(crate::exit::UsageError(format!("{key} must be at least 1")).into());
+        }
+    }
     if let Some(v) = env("KEEL_MODEL_DB") {
         c.db = v.into();
     }
@@ -846,6 +865,34 @@ mod tests {
     }
 
     #[test]
+    fn model_serve_connection_limits_default_read_and_refuse_zero() {
+        let (c, _) = load_model(None, &|_| None, None).expect("config");
+        assert_eq!(
+            (c.serve_max_connections, c.serve_max_connections_per_client),
+            (512, 64)
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(
+            &f,
+            "[model]\nserve_max_connections = 2000\nserve_max_connections_per_client = 500\n",
+        )
+        .expect("write");
+        let (c, _) = load_model(Some(&f), &|_| None, None).expect("config");
+        assert_eq!(
+            (c.serve_max_connections, c.serve_max_connections_per_client),
+            (2000, 500)
+        );
+        std::fs::write(&f, "[model]\nserve_max_connections_per_client = 0\n").expect("write");
+        let err = load_model(Some(&f), &|_| None, None).expect_err("zero");
+        assert!(
+            format!("{err:#}")
+                .contains("model.serve_max_connections_per_client must be at least 1"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
     fn every_key_is_documented() {
         let doc = include_str!("../../../docs/config.md");
         // Every field of the effective config, read from the struct itself.
@@ -883,7 +930,7 @@ mod tests {
         )
         .expect("serialises");
         let keys: Vec<String> = model.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 7);
+        assert_eq!(keys.len(), 9);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

@@ -1495,7 +1495,12 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
                 _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}
             }
         };
-        keel_registry::http::serve(listener, app, shutdown).await?;
+        let limits = keel_registry::http::ConnectionLimits {
+            max_connections: cfg.serve_max_connections,
+            max_per_client: cfg.serve_max_connections_per_client,
+            ..Default::default()
+        };
+        keel_registry::http::serve_with(listener, app, limits, shutdown).await?;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(Code::Ok)
