@@ -464,18 +464,31 @@ impl hyper::body::Body for Tracked {
 /// the server cannot reuse a connection with unread bytes on it and closes
 /// it after the answer, and a pooling client that is not told sends its
 /// next request there and gets no answer.
+///
+/// Answers to no one in particular close the connection too (a missing or
+/// wrong key, `/health`): a connection is kept only for a client with a key.
 async fn close_if_body_unread(req: Request, next: Next) -> Response {
     use hyper::body::Body as _;
     let (parts, body) = req.into_parts();
+    let health = parts.uri.path() == "/health";
+    let close = |mut r: Response| {
+        if health || r.status() == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        r
+    };
     if body.is_end_stream() {
-        return next.run(Request::from_parts(parts, body)).await;
+        return close(next.run(Request::from_parts(parts, body)).await);
     }
     let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let body = axum::body::Body::new(Tracked {
         inner: body,
         ended: ended.clone(),
     });
-    let mut response = next.run(Request::from_parts(parts, body)).await;
+    let mut response = close(next.run(Request::from_parts(parts, body)).await);
     if !ended.load(std::sync::atomic::Ordering::Acquire) {
         response.headers_mut().insert(
             axum::http::header::CONNECTION,

@@ -23,8 +23,9 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct ConnectionLimits {
     /// Connections served at once; one more is answered 503 and closed.
     pub max_connections: usize,
-    /// Connections served at once from one IP address; one more is
-    /// answered 503 and closed.
+    /// Connections served at once from one client: an IPv4 address, or an
+    /// IPv6 /64 (what one host is given); one more is answered 503 and
+    /// closed.
     pub max_per_client: usize,
     /// A request head must arrive within this, and a kept-alive connection
     /// is closed when its next request has not begun within it.
@@ -88,6 +89,19 @@ impl Drop for Place {
                 o.by_client.remove(&self.client);
             }
         }
+    }
+}
+
+/// Whom a connection counts against: its IPv4 address (an IPv4-mapped
+/// IPv6 address included), or its IPv6 /64.
+fn client_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(a) => {
+            let mut s = a.segments();
+            s[4..].fill(0);
+            IpAddr::V6(s.into())
+        }
+        v4 => v4,
     }
 }
 
@@ -170,8 +184,10 @@ pub async fn serve_with(
                         tracing::warn!(error = %e, "accept failed; backing off");
                     }
                     backoff = (backoff * 2).clamp(Duration::from_millis(20), Duration::from_secs(1));
-                    tokio::time::sleep(backoff).await;
-                    continue;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => continue,
+                        _ = &mut shutdown => break,
+                    }
                 }
             },
             _ = &mut shutdown => break,
@@ -182,7 +198,7 @@ pub async fn serve_with(
             failed_accepts = 0;
         }
         while tasks.try_join_next().is_some() {}
-        let place = match admit(&open, peer.ip(), &limits) {
+        let place = match admit(&open, client_of(peer.ip()), &limits) {
             Ok(p) => p,
             Err(why) => {
                 // A fresh socket's send buffer takes the answer whole.
@@ -328,5 +344,30 @@ impl AsyncWrite for WriteDeadline {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clients_are_ipv4_addresses_and_ipv6_slash_64s() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("address");
+        assert_eq!(client_of(ip("10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(client_of(ip("::ffff:10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(
+            client_of(ip("2001:db8:1:2:aaaa:bbbb:cccc:dddd")),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(
+            client_of(ip("2001:db8:1:2::1")),
+            client_of(ip("2001:db8:1:2:ffff::9"))
+        );
+        assert_ne!(
+            client_of(ip("2001:db8:1:2::1")),
+            client_of(ip("2001:db8:1:3::1"))
+        );
+        assert_eq!(client_of(ip("::1")), ip("::"));
     }
 }

@@ -857,7 +857,8 @@ async fn connections_are_bounded_in_number_and_time() {
         drain: Duration::from_secs(2),
     };
     let (addr, stop, server) = start(limits).await;
-    let health = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    // A request with a key: its connection is kept alive.
+    let authed = format!("GET /api/v1/models HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\n\r\n");
     // Closed (EOF or reset) within `within`, whatever it answered first.
     async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> (Duration, String) {
         let started = Instant::now();
@@ -882,10 +883,31 @@ async fn connections_are_bounded_in_number_and_time() {
     let (t, _) = closed_within(&mut silent, Duration::from_secs(5)).await;
     assert!(t >= Duration::from_millis(400), "{t:?}");
     let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    idle.write_all(health.as_bytes()).await.expect("write");
+    idle.write_all(authed.as_bytes()).await.expect("write");
     let (t, answer) = closed_within(&mut idle, Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        !answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
     assert!(t >= Duration::from_millis(400), "{t:?}");
+    // Answers to no one in particular keep no connection: /health, and a
+    // request without a valid key.
+    for req in [
+        "GET /health HTTP/1.1\r\nHost: x\r\n\r\n".to_owned(),
+        "GET /api/v1/models HTTP/1.1\r\nHost: x\r\napi-key: wrong\r\n\r\n".to_owned(),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let (t, answer) = closed_within(&mut s, Duration::from_secs(5)).await;
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{answer}"
+        );
+        assert!(t < Duration::from_millis(300), "{t:?}");
+    }
 
     // Two connections held (bodies still coming): a third is answered 503 at once.
     let m = "/api/2.0/mlflow";
@@ -942,7 +964,7 @@ async fn connections_are_bounded_in_number_and_time() {
     })
     .await;
     let mut deaf = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let flood = health.repeat(50_000);
+    let flood = authed.repeat(50_000);
     let writer = tokio::spawn(async move {
         let _ = deaf.write_all(flood.as_bytes()).await;
         tokio::time::sleep(Duration::from_secs(30)).await;
