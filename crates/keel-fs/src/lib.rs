@@ -118,24 +118,34 @@ pub struct Lock {
     _file: File,
 }
 
+/// The lock file of `path` (`.NAME.lock` beside it, mode 0600, never
+/// through a symbolic link), open, and its path.
+fn open_lock_file(path: &Path) -> Result<(std::fs::File, PathBuf), FsError> {
+    let (dir, name) = split(path)?;
+    let lock = dir.join(format!(".{name}.lock"));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&lock)
+        .map_err(|source| FsError::Lock {
+            path: lock.clone(),
+            source,
+        })?;
+    Ok((file, lock))
+}
+
 impl Lock {
     /// Waits for the lock of `path` (creating the lock file, mode 0600).
     pub fn exclusive(path: &Path) -> Result<Self, FsError> {
-        let (dir, name) = split(path)?;
-        let lock = dir.join(format!(".{name}.lock"));
+        let (file, lock) = open_lock_file(path)?;
         let lerr = |source| FsError::Lock {
             path: lock.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(&lock)
-            .map_err(lerr)?;
         loop {
             match rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive) {
                 Ok(()) => break,
@@ -149,21 +159,11 @@ impl Lock {
     /// Takes the lock of `path` if no one holds it (`None` when another
     /// open of the lock file, in this process or another, holds it).
     pub fn try_exclusive(path: &Path) -> Result<Option<Self>, FsError> {
-        let (dir, name) = split(path)?;
-        let lock = dir.join(format!(".{name}.lock"));
+        let (file, lock) = open_lock_file(path)?;
         let lerr = |source| FsError::Lock {
             path: lock.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(&lock)
-            .map_err(lerr)?;
         loop {
             match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
                 Ok(()) => return Ok(Some(Self { _file: file })),

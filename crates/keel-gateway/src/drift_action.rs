@@ -152,14 +152,7 @@ impl DriftActions {
             if input_fired {
                 let (feature, psi) = worst.unwrap_or_default();
                 tracing::warn!(model = %f.model, version = %dep, %feature, psi, "input drift above the threshold (reported only)");
-                let mut m = Map::new();
-                m.insert("model".into(), f.model.clone().into());
-                m.insert("version".into(), dep.clone().into());
-                m.insert("feature".into(), feature.into());
-                m.insert("psi".into(), psi.into());
-                m.insert("threshold".into(), d.psi_threshold.into());
-                m.insert("consecutive".into(), d.consecutive.into());
-                gw.audit_drift("drift_input_alarm", m);
+                gw.audit_drift("drift_input_alarm", alarm(&f.model, &dep, feature, psi, &d));
                 gw.drift().count_action(&f.model, &dep, "input_notify");
             }
             let (evaluation, worst) = gw.drift().evaluate(&f.model, &dep);
@@ -185,14 +178,8 @@ impl DriftActions {
                 d.psi_threshold, d.consecutive
             );
             tracing::warn!(model = %f.model, version = %dep, %feature, psi, drift_id = %id, "output drift above the threshold");
-            let mut m = Map::new();
+            let mut m = alarm(&f.model, &dep, feature, psi, &d);
             m.insert("drift_id".into(), id.clone().into());
-            m.insert("model".into(), f.model.clone().into());
-            m.insert("version".into(), dep.clone().into());
-            m.insert("feature".into(), feature.into());
-            m.insert("psi".into(), psi.into());
-            m.insert("threshold".into(), d.psi_threshold.into());
-            m.insert("consecutive".into(), d.consecutive.into());
             m.insert(
                 "action".into(),
                 match d.action {
@@ -290,4 +277,23 @@ fn chain(e: &dyn std::error::Error) -> String {
 /// The drift status of `model` for the admin API.
 pub fn status(gw: &Gateway, model: &str) -> Option<Value> {
     gw.drift().status(model)
+}
+
+/// What both drift alarms say: the model, its version, the worst feature
+/// and its PSI, and the rule that fired.
+fn alarm(
+    model: &str,
+    version: &str,
+    feature: String,
+    psi: f64,
+    d: &DriftConfig,
+) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("model".into(), model.into());
+    m.insert("version".into(), version.into());
+    m.insert("feature".into(), feature.into());
+    m.insert("psi".into(), psi.into());
+    m.insert("threshold".into(), d.psi_threshold.into());
+    m.insert("consecutive".into(), d.consecutive.into());
+    m
 }
