@@ -321,7 +321,16 @@ fn a_client_that_does_not_read_its_response_is_cut_off_after_write_timeout_ms() 
     let g = Running::start(dir.path(), &cfg);
     let (_, key) = add_key(dir.path(), "u", &["user"], None);
     let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000000}).to_string();
-    let mut s = raw(g.public);
+    // A small receive buffer, set before connecting: with the kernel's
+    // autotuning (tcp_rmem up to 32 MiB) a default socket could take the
+    // whole answer unread and the write timeout would never start.
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    sock.connect(&g.public.into()).expect("connect");
+    let mut s: TcpStream = sock.into();
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
     let mut req = post_head("/v1/chat/completions", &key, body.len()).into_bytes();
     req.extend_from_slice(body.as_bytes());
     s.write_all(&req).expect("write");

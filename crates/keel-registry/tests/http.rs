@@ -963,11 +963,18 @@ async fn connections_are_bounded_in_number_and_time() {
         ..ConnectionLimits::default()
     })
     .await;
-    let mut deaf = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let flood = authed.repeat(50_000);
+    // The client's receive buffer is made small before it connects, and it
+    // sends requests until the server stops reading them: the answers then
+    // fill the server's send buffer within a few megabytes whatever the
+    // kernel's buffer autotuning allows (tcp_rmem up to 32 MiB lets a
+    // default socket absorb every answer of a fixed flood, and the write
+    // timeout never starts).
+    let deaf = tokio::net::TcpSocket::new_v4().expect("socket");
+    deaf.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut deaf = deaf.connect(addr).await.expect("connect");
+    let flood = authed.repeat(1_000);
     let writer = tokio::spawn(async move {
-        let _ = deaf.write_all(flood.as_bytes()).await;
-        tokio::time::sleep(Duration::from_secs(30)).await;
+        while deaf.write_all(flood.as_bytes()).await.is_ok() {}
         deaf
     });
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -37,8 +37,9 @@ pub struct ReviewArgs {
     /// keel's gateway file, keel.toml, sbatch scripts, environment files
     /// (NAME=VALUE lines). The kind is told from the name and content;
     /// `KIND:PATH` forces it (slurm, gres, gateway, keel, sbatch, env).
-    /// Without paths: $SLURM_CONF or /etc/slurm/slurm.conf, gres.conf
-    /// beside it, the keel config file and the gateway file it names.
+    /// Without paths: $SLURM_CONF or /etc/slurm/slurm.conf (under --root),
+    /// gres.conf beside it, the keel config file and the gateway file it
+    /// names.
     #[arg(value_name = "PATH")]
     paths: Vec<String>,
     /// Also review this process's environment, as a job's environment.
@@ -72,11 +73,14 @@ pub struct ReviewArgs {
     list_rules: bool,
 }
 
-fn default_paths() -> Vec<(Option<Kind>, PathBuf)> {
+/// The files reviewed when none are given. The system's slurm.conf is
+/// looked for under `root` (`--root`), like every other file of the
+/// machine keel reads; `$SLURM_CONF` names a file as given.
+fn default_paths(root: &Path) -> Vec<(Option<Kind>, PathBuf)> {
     let mut out = Vec::new();
     let slurm = std::env::var_os("SLURM_CONF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/etc/slurm/slurm.conf"));
+        .unwrap_or_else(|| root.join("etc/slurm/slurm.conf"));
     if slurm.is_file() {
         let gres = slurm.with_file_name("gres.conf");
         out.push((Some(Kind::Slurm), slurm));
@@ -191,7 +195,7 @@ pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> 
     }
 
     let targets: Vec<(Option<Kind>, PathBuf)> = if args.paths.is_empty() {
-        default_paths()
+        default_paths(&cli.root)
     } else {
         args.paths.iter().map(|a| split_kind(a)).collect()
     };

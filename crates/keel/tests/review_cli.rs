@@ -879,6 +879,54 @@ fn node_review_runs_the_passive_check_and_reads_scratch_mounts() {
     );
 }
 
+/// Without paths, the system's slurm.conf is read under --root: a review of
+/// a fixture or snapshot never reads the host's /etc/slurm, whether or not
+/// the host has one.
+#[test]
+fn review_without_paths_reads_slurm_conf_under_root() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(root.join("etc/slurm")).expect("mkdir");
+    let review = || {
+        run(keel()
+            .env_remove("SLURM_CONF")
+            .env_remove("KEEL_CONFIG")
+            .env_remove("KEEL_SERVE_CONFIG")
+            .env("HOME", dir.path())
+            .arg("--root")
+            .arg(&root)
+            .args(["--json", "review"]))
+    };
+    // Nothing under the root: nothing to review (exit 3), whatever the
+    // host's /etc/slurm holds.
+    let (code, out, err) = review();
+    assert_eq!(code, 3, "{out} {err}");
+    assert!(out.contains("nothing to review"), "{out}");
+    // A slurm.conf under the root is the one reviewed.
+    std::fs::copy(
+        rule_fixture("KEEL-REL-001", "fail", "slurm.conf"),
+        root.join("etc/slurm/slurm.conf"),
+    )
+    .expect("copy");
+    let (code, out, err) = review();
+    assert_eq!(code, 2, "{out} {err}");
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let f = v["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .find(|f| f["rule"] == "KEEL-REL-001")
+        .expect("KEEL-REL-001 finding");
+    let file = f["location"]["file"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        Path::new(&file).starts_with(&root),
+        "read outside the root: {f}"
+    );
+}
+
 /// `keel cost` without --sacct-file runs `sacct` from PATH: here a script
 /// standing in for Slurm's client, which records its arguments,
 /// SLURM_TIME_FORMAT and TZ (UTC, whatever the caller's, so that the period
