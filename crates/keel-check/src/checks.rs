@@ -127,6 +127,7 @@ fn expected_gpus(p: &Profile, m: Option<&Machine>) -> Option<u32> {
 fn gpu_device(g: &GpuReading) -> Device {
     Device {
         gpu: Some(g.index),
+        minor: g.minor_number,
         pci: Some(g.pci_bus_id.clone()),
         serial: g.serial.clone(),
         ..Device::default()
@@ -278,6 +279,7 @@ fn gpu_visible(p: &Profile, inputs: &Inputs, _: RunOptions) -> Vec<CheckResult> 
             };
             out.push(result.device(Device {
                 gpu: Some(g.index as u32),
+                minor: g.minor,
                 pci: Some(pci),
                 ..Device::default()
             }));

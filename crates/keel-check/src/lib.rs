@@ -67,8 +67,14 @@ pub enum Tier {
 /// The device a result is about.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Device {
+    /// NVML index (PCI bus order).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub gpu: Option<u32>,
+    /// The GPU's device minor (`/dev/nvidiaN`): Slurm's GPU id under
+    /// gres.conf `File=` lines, which is not the NVML index on every
+    /// machine (keel-topo's `GpuIds`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub minor: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub pci: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]

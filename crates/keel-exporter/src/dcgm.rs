@@ -1,17 +1,21 @@
 //! dcgm-exporter's metric names and labels, so dashboards and alerts made
 //! for it work unchanged: `DCGM_FI_DEV_*` in dcgm-exporter's units (percent,
 //! MiB, MHz, millijoules), labels `gpu`, `UUID`, `pci_bus_id`, `device`
-//! (`nvidia<index>`), `modelName`, `Hostname` and `DCGM_FI_DRIVER_VERSION`;
-//! a GPU held by Slurm jobs has its series once per job with `hpc_job`, as
-//! dcgm-exporter's job-mapping directory gives. XIDs are
-//! `DCGM_EXP_XID_ERRORS_COUNT{xid}`, counted since boot rather than over
-//! dcgm-exporter's window. The exporter's own gauges, HCA ports and keel
-//! check's lines keep keel's names (dcgm-exporter has none).
+//! (`nvidia<index>`, as dcgm-exporter names it), `modelName`, `Hostname`
+//! and `DCGM_FI_DRIVER_VERSION`; a GPU held by Slurm jobs has its series
+//! once per job with `hpc_job`, as dcgm-exporter's job-mapping directory
+//! gives. XIDs as dcgm-exporter gives them (NVIDIA/dcgm-exporter
+//! `etc/default-counters.csv`, `internal/pkg/collector/expcollector.go`):
+//! `DCGM_FI_DEV_XID_ERRORS`, the value of each GPU's last XID (0 when the
+//! kernel log holds none), and `DCGM_EXP_XID_ERRORS_COUNT{xid,
+//! window_size_in_ms}`, the XIDs of the last window (5 minutes, `-x`), a
+//! single 0 series for a GPU without any. The exporter's own gauges, HCA
+//! ports and keel check's lines keep keel's names (dcgm-exporter has none).
 
 use keel_gpu::GpuReading;
 
-use crate::expose::{check_passthrough, exporter_metrics, gpu_of_pci};
-use crate::readings::Readings;
+use crate::expose::{check_passthrough, expected_metrics, exporter_metrics};
+use crate::readings::{Readings, XidWindow};
 use crate::text::{Exposition, Kind};
 
 use Kind::{Counter, Gauge};
@@ -38,47 +42,85 @@ const MIB: f64 = 1024.0 * 1024.0;
 pub fn render(r: &Readings) -> String {
     let mut e = Exposition::new();
     exporter_metrics(&mut e, &r.gpu);
+    expected_metrics(&mut e, r);
     let snap = r.gpu.snapshot.as_deref();
     let driver = snap.and_then(|s| s.driver_version.as_deref()).unwrap_or("");
+    let window = r.xid_window.as_ref();
     for g in snap.iter().flat_map(|s| s.gpus.iter()) {
         let jobs: Vec<Option<&str>> = match r.jobs.get(&g.index) {
             Some(list) if !list.is_empty() => list.iter().map(|j| Some(j.id.as_str())).collect(),
             _ => vec![None],
         };
+        let last_xid = window.map(|w| last_xid(w, g));
         for job in jobs {
-            gpu(&mut e, g, driver, &r.hostname, job);
+            gpu(&mut e, g, driver, &r.hostname, job, last_xid);
         }
     }
-    for x in r.xids.iter().flatten() {
-        let Some(g) = gpu_of_pci(snap, &x.pci) else {
-            continue;
-        };
-        let idx = g.index.to_string();
-        let device = format!("nvidia{idx}");
-        let bus = nvml_bus_id(&g.pci_bus_id);
-        let code = x.code.to_string();
-        e.add(
-            "DCGM_EXP_XID_ERRORS_COUNT",
-            Gauge,
-            "Count of XID errors by code, since boot (keel: not windowed).",
-            &[
-                ("gpu", &idx),
-                ("UUID", g.uuid.as_deref().unwrap_or("")),
-                ("pci_bus_id", &bus),
-                ("device", &device),
-                ("modelName", g.name.as_deref().unwrap_or("")),
-                ("Hostname", &r.hostname),
-                ("xid", &code),
-            ],
-            x.count as f64,
-        );
+    if let Some(w) = window {
+        for g in snap.iter().flat_map(|s| s.gpus.iter()) {
+            xid_count(&mut e, w, g, driver, &r.hostname);
+        }
     }
     let mut out = e.render();
     check_passthrough(&mut out, r);
     out
 }
 
-fn gpu(e: &mut Exposition, g: &GpuReading, driver: &str, hostname: &str, job: Option<&str>) {
+/// The PCI device (`dddd:bb:dd`) the driver names a GPU by in XID lines.
+fn xid_device(g: &GpuReading) -> &str {
+    g.pci_bus_id
+        .rsplit_once('.')
+        .map_or(g.pci_bus_id.as_str(), |(head, _)| head)
+}
+
+/// The code of the GPU's last XID, 0 when none was logged.
+fn last_xid(w: &XidWindow, g: &GpuReading) -> f64 {
+    let dev = xid_device(g);
+    w.last
+        .iter()
+        .find(|(pci, _)| pci.eq_ignore_ascii_case(dev))
+        .map_or(0.0, |(_, code)| f64::from(*code))
+}
+
+fn xid_count(e: &mut Exposition, w: &XidWindow, g: &GpuReading, driver: &str, hostname: &str) {
+    let idx = g.index.to_string();
+    let device = format!("nvidia{idx}");
+    let bus = nvml_bus_id(&g.pci_bus_id);
+    let window = w.window_ms.to_string();
+    let base: Vec<(&str, &str)> = vec![
+        ("gpu", &idx),
+        ("UUID", g.uuid.as_deref().unwrap_or("")),
+        ("pci_bus_id", &bus),
+        ("device", &device),
+        ("modelName", g.name.as_deref().unwrap_or("")),
+        ("Hostname", hostname),
+        ("DCGM_FI_DRIVER_VERSION", driver),
+        ("window_size_in_ms", &window),
+    ];
+    let help =
+        "Count of XID errors within user-specified time window (see xid-count-window-size flag).";
+    let dev = xid_device(g);
+    let mut any = false;
+    for x in w.counts.iter().filter(|x| x.pci.eq_ignore_ascii_case(dev)) {
+        let code = x.code.to_string();
+        let mut l = base.clone();
+        l.push(("xid", &code));
+        e.add("DCGM_EXP_XID_ERRORS_COUNT", Gauge, help, &l, x.count as f64);
+        any = true;
+    }
+    if !any {
+        e.add("DCGM_EXP_XID_ERRORS_COUNT", Gauge, help, &base, 0.0);
+    }
+}
+
+fn gpu(
+    e: &mut Exposition,
+    g: &GpuReading,
+    driver: &str,
+    hostname: &str,
+    job: Option<&str>,
+    last_xid: Option<f64>,
+) {
     let idx = g.index.to_string();
     let device = format!("nvidia{idx}");
     let bus = nvml_bus_id(&g.pci_bus_id);
@@ -101,6 +143,12 @@ fn gpu(e: &mut Exposition, g: &GpuReading, driver: &str, hostname: &str, job: Op
     };
     let f = |v: Option<u32>| v.map(f64::from);
     let u = |v: Option<u64>| v.map(|v| v as f64);
+    add(
+        "DCGM_FI_DEV_XID_ERRORS",
+        Gauge,
+        "Value of the last XID error encountered.",
+        last_xid,
+    );
     add(
         "DCGM_FI_DEV_SM_CLOCK",
         Gauge,

@@ -38,6 +38,7 @@ pub const THROTTLE_REASONS: &[(u64, &str)] = &[
 pub fn render(r: &Readings) -> String {
     let mut e = Exposition::new();
     exporter_metrics(&mut e, &r.gpu);
+    expected_metrics(&mut e, r);
     if let Some(snap) = &r.gpu.snapshot {
         gpu_metrics(&mut e, snap);
         xid_metrics(&mut e, r, Some(snap));
@@ -86,6 +87,21 @@ pub(crate) fn exporter_metrics(e: &mut Exposition, g: &GpuState) {
     }
 }
 
+/// The GPU count the node's SKU profile expects, when the exporter knows
+/// it: shown whether or not NVML answers, so a node that boots short of a
+/// GPU, or whose GPUs cannot be read at all, is measured against it.
+pub(crate) fn expected_metrics(e: &mut Exposition, r: &Readings) {
+    if let Some(x) = &r.expected {
+        e.add(
+            "keel_gpu_devices_expected",
+            Gauge,
+            "GPUs the node's SKU profile says it has (exporter.sku or exporter.gpus, else Azure's vmSize).",
+            &[("sku", &x.sku)],
+            f64::from(x.gpus),
+        );
+    }
+}
+
 fn ratio(p: u32) -> f64 {
     f64::from(p) / 100.0
 }
@@ -100,7 +116,7 @@ fn b(v: bool) -> f64 {
 
 fn gpu_metrics(e: &mut Exposition, snap: &GpuSnapshot) {
     e.add(
-        "keel_gpu_count",
+        "keel_gpu_devices",
         Gauge,
         "GPUs NVML counts, those it could not open included.",
         &[],

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use keel_topo::Root;
 
-use crate::readings::{HcaPort, XidCount};
+use crate::readings::{HcaPort, XidCount, XidWindow};
 
 /// HCA port error counters read from `ports/<n>/counters/`.
 pub const HCA_ERROR_COUNTERS: &[&str] = &[
@@ -100,6 +100,11 @@ pub struct XidTail {
     device: bool,
     partial: Vec<u8>,
     counts: BTreeMap<(String, u32), u64>,
+    /// Recent XIDs (PCI device, code, kernel time in µs), oldest first, at
+    /// most [`XidTail::RECENT`] of them.
+    recent: std::collections::VecDeque<(String, u32, u64)>,
+    /// The last XID of each PCI device: (kernel time, code).
+    last: BTreeMap<String, (u64, u32)>,
 }
 
 impl XidTail {
@@ -111,6 +116,37 @@ impl XidTail {
             device: false,
             partial: Vec::new(),
             counts: BTreeMap::new(),
+            recent: std::collections::VecDeque::new(),
+            last: BTreeMap::new(),
+        }
+    }
+
+    /// Recent XIDs kept for [`XidTail::window`]: a log flooded with more
+    /// than this many XIDs within the window shows the newest ones.
+    pub const RECENT: usize = 4096;
+
+    /// The XIDs polled so far that were logged within `window_ms` before
+    /// `now_usec` (the node's uptime, the kernel log's clock), and each
+    /// device's last XID.
+    pub fn window(&self, now_usec: u64, window_ms: u64) -> XidWindow {
+        let from = now_usec.saturating_sub(window_ms.saturating_mul(1000));
+        let mut counts: BTreeMap<(String, u32), u64> = BTreeMap::new();
+        for (pci, code, usec) in &self.recent {
+            if *usec >= from && *usec <= now_usec {
+                *counts.entry((pci.clone(), *code)).or_insert(0) += 1;
+            }
+        }
+        XidWindow {
+            window_ms,
+            counts: counts
+                .into_iter()
+                .map(|((pci, code), count)| XidCount { pci, code, count })
+                .collect(),
+            last: self
+                .last
+                .iter()
+                .map(|(pci, (_, code))| (pci.clone(), *code))
+                .collect(),
         }
     }
 
@@ -178,8 +214,24 @@ impl XidTail {
         self.partial.drain(..=end);
         for r in keel_check::kmsg::parse(&text) {
             if let Some(x) = keel_check::kmsg::parse_xid(&r.message) {
-                *self.counts.entry((x.pci, x.code)).or_insert(0) += 1;
+                *self.counts.entry((x.pci.clone(), x.code)).or_insert(0) += 1;
+                let last = self.last.entry(x.pci.clone()).or_insert((r.usec, x.code));
+                if r.usec >= last.0 {
+                    *last = (r.usec, x.code);
+                }
+                if self.recent.len() == Self::RECENT {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back((x.pci, x.code, r.usec));
             }
         }
     }
+}
+
+/// The node's uptime in microseconds from `proc/uptime` (the kernel log's
+/// clock); `None` when it cannot be read.
+pub fn uptime_usec(root: &Root) -> Option<u64> {
+    let text = root.read_opt("proc/uptime").ok().flatten()?;
+    let secs: f64 = text.split_whitespace().next()?.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then_some((secs * 1e6) as u64)
 }

@@ -1,15 +1,21 @@
-//! Which Slurm job holds each GPU. Two sources: the GPU's processes (their
+//! Which Slurm job holds each GPU. Sources: the GPU's processes (their
 //! cgroup path names the job: `job_<id>` under cgroup v2's
 //! `slurmstepd.scope` or v1's `slurm/uid_<uid>/`; else `SLURM_JOB_ID` in
-//! their environment), and dcgm-exporter's job-mapping directory (a file per
-//! GPU named by its index, one job id per line, written by a Slurm prolog).
-//! Read under a machine root, so fixtures stand in for `/proc`.
+//! their environment), the processes holding a GPU's device file, and
+//! dcgm-exporter's job-mapping directory (a file per GPU, one job id per
+//! line, written by a Slurm prolog). Read under a machine root, so fixtures
+//! stand in for `/proc`.
+//!
+//! Everything is keyed by NVML index in the end. Device files are named by
+//! the GPU's minor number, and the mapping directory by Slurm's GPU ids,
+//! which are minors under gres.conf `File=` lines: both go through
+//! keel-topo's [`GpuIds`], never taken as indices.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use keel_gpu::GpuSnapshot;
-use keel_topo::Root;
+use keel_topo::{GpuIds, IdKind, Root};
 
 use crate::readings::Job;
 
@@ -129,13 +135,55 @@ pub fn from_processes(root: &Root, snap: &GpuSnapshot) -> BTreeMap<u32, Vec<Job>
     out
 }
 
+/// The node's GPUs by NVML index, device minor and PCI address: NVML's
+/// snapshot (its minor numbers) with the driver's procfs under `root`
+/// filling in; without a snapshot, procfs alone (NVML numbers GPUs in PCI
+/// bus order).
+pub fn gpu_ids(root: &Root, snap: Option<&GpuSnapshot>) -> GpuIds {
+    let procfs = keel_topo::gpu_ids::read_procfs_minors(root).unwrap_or_default();
+    match snap {
+        Some(s) => GpuIds::new(
+            s.gpus
+                .iter()
+                .map(|g| (g.index, g.pci_bus_id.clone(), g.minor_number)),
+            &procfs,
+        ),
+        None => GpuIds::new(
+            procfs
+                .iter()
+                .enumerate()
+                .map(|(i, (pci, minor))| (i as u32, pci.to_string(), Some(*minor))),
+            &BTreeMap::new(),
+        ),
+    }
+}
+
 /// The device file of each GPU: `pattern` with `{}` replaced by the GPU's
-/// index (`/dev/nvidia{}`).
-pub fn device_files(pattern: &str, snap: &GpuSnapshot) -> BTreeMap<String, u32> {
-    snap.gpus
+/// device minor (`/dev/nvidia{}`), mapped to its NVML index. A GPU whose
+/// minor is unknown has no file here.
+pub fn device_files(pattern: &str, ids: &GpuIds) -> BTreeMap<String, u32> {
+    ids.gpus()
         .iter()
-        .map(|g| (pattern.replace("{}", &g.index.to_string()), g.index))
+        .filter_map(|g| Some((pattern.replace("{}", &g.minor?.to_string()), g.index)))
         .collect()
+}
+
+/// Jobs keyed by Slurm GPU ids (`kind`: device minors or NVML indices) to
+/// jobs keyed by NVML index. Ids that name no GPU of this node are left
+/// out: a stale file from before a GPU was lost must not be charged to
+/// another GPU.
+pub fn to_indices(
+    by_id: BTreeMap<u32, Vec<Job>>,
+    ids: &GpuIds,
+    kind: IdKind,
+) -> BTreeMap<u32, Vec<Job>> {
+    let mut out: BTreeMap<u32, Vec<Job>> = BTreeMap::new();
+    for (id, list) in by_id {
+        if let Ok([index]) = ids.to_indices(&[id], kind).as_deref() {
+            out.entry(*index).or_default().extend(list);
+        }
+    }
+    out
 }
 
 /// Jobs per GPU index from the processes that hold a GPU's device file
@@ -179,9 +227,11 @@ pub fn from_device_files(root: &Root, devices: &BTreeMap<String, u32>) -> BTreeM
         .collect()
 }
 
-/// Jobs per GPU index from a dcgm-exporter job-mapping directory: files
+/// Jobs per Slurm GPU id from a dcgm-exporter job-mapping directory: files
 /// named `<gpu>` (or `<gpu>.<gpu instance>`, counted for the GPU), each
-/// line a job id. Unreadable files and other names are skipped.
+/// line a job id. Unreadable files and other names are skipped. The ids
+/// are whatever the prolog wrote (keel's prolog: Slurm's); [`to_indices`]
+/// turns them into NVML indices.
 pub fn from_mapping_dir(dir: &Path) -> BTreeMap<u32, Vec<Job>> {
     let mut out: BTreeMap<u32, BTreeSet<Job>> = BTreeMap::new();
     let Ok(entries) = std::fs::read_dir(dir) else {

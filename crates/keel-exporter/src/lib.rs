@@ -79,7 +79,7 @@ pub struct ExporterOptions {
     /// Find jobs from the GPUs' processes (`/proc/<pid>/cgroup`, environ).
     pub jobs_from_processes: bool,
     /// Also find jobs from the processes holding a GPU's device file open:
-    /// the files' pattern, `{}` standing for the GPU index
+    /// the files' pattern, `{}` standing for the GPU's device minor
     /// (`/dev/nvidia{}`). `None`: not scanned.
     pub device_file_pattern: Option<String>,
     pub naming: Naming,
@@ -89,6 +89,15 @@ pub struct ExporterOptions {
     /// a scrape flood causes).
     pub min_interval: Duration,
     pub idle: Option<IdlePolicy>,
+    /// The GPU count the node's SKU expects (`keel_gpu_devices_expected`).
+    pub expected: Option<readings::ExpectedGpus>,
+    /// How far back `DCGM_EXP_XID_ERRORS_COUNT` counts XIDs (dcgm-exporter's
+    /// `-x`, 5 minutes by default).
+    pub xid_window: Duration,
+    /// What the Slurm GPU ids in the job-mapping directory are: device
+    /// minors (gres.conf `File=/dev/nvidiaN` lines, as CycleCloud writes
+    /// them) or NVML indices.
+    pub slurm_gpu_ids: keel_topo::IdKind,
 }
 
 impl ExporterOptions {
@@ -104,6 +113,9 @@ impl ExporterOptions {
             hostname: String::new(),
             min_interval: Duration::from_millis(500),
             idle: None,
+            expected: None,
+            xid_window: Duration::from_secs(300),
+            slurm_gpu_ids: keel_topo::IdKind::Minor,
         }
     }
 }
@@ -185,20 +197,29 @@ impl Inner {
     fn read_host(&self, gpu: readings::GpuState) -> Readings {
         let o = &self.opts;
         let mut jobs = BTreeMap::new();
+        let ids = jobs::gpu_ids(&self.root, gpu.snapshot.as_deref());
         if let Some(snap) = gpu.snapshot.as_deref() {
             if o.jobs_from_processes && !gpu.stale {
                 jobs = jobs::from_processes(&self.root, snap);
             }
             if let Some(pattern) = &o.device_file_pattern {
-                let devices = jobs::device_files(pattern, snap);
+                let devices = jobs::device_files(pattern, &ids);
                 jobs::merge(&mut jobs, jobs::from_device_files(&self.root, &devices));
             }
         }
         if let Some(dir) = &o.job_mapping_dir {
-            jobs::merge(&mut jobs, jobs::from_mapping_dir(dir));
+            let by_id = jobs::from_mapping_dir(dir);
+            jobs::merge(&mut jobs, jobs::to_indices(by_id, &ids, o.slurm_gpu_ids));
         }
         let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
         let xids = host.xids.poll();
+        let xid_window = match (&xids, host::uptime_usec(&self.root)) {
+            (Some(_), Some(now)) => Some(host.xids.window(
+                now,
+                u64::try_from(o.xid_window.as_millis()).unwrap_or(u64::MAX),
+            )),
+            _ => None,
+        };
         let mut idle = Vec::new();
         if let Some(policy) = &o.idle {
             let now = self.clock.now();
@@ -221,6 +242,8 @@ impl Inner {
             jobs,
             idle,
             hostname: o.hostname.clone(),
+            expected: o.expected.clone(),
+            xid_window,
             gpu,
         }
     }

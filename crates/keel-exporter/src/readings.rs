@@ -26,6 +26,31 @@ pub struct Readings {
     pub idle: Vec<IdleJob>,
     /// The node's name (dcgm-exporter's `Hostname` label).
     pub hostname: String,
+    /// The GPU count the node's SKU expects, when known.
+    pub expected: Option<ExpectedGpus>,
+    /// XIDs of the last [`XidWindow::window_ms`] and each GPU's last XID,
+    /// as dcgm-exporter reports them; `None` when the kernel log or the
+    /// node's uptime could not be read.
+    pub xid_window: Option<XidWindow>,
+}
+
+/// The GPU count a node should have, from its SKU profile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectedGpus {
+    /// The profile's name (`nd96isr_h100_v5`), or `configured` for a bare
+    /// `exporter.gpus`.
+    pub sku: String,
+    pub gpus: u32,
+}
+
+/// XIDs in a recent window of the kernel log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct XidWindow {
+    pub window_ms: u64,
+    /// XIDs logged within the window, by PCI device (`dddd:bb:dd`) and code.
+    pub counts: Vec<XidCount>,
+    /// The last XID logged for each PCI device, since the log begins.
+    pub last: Vec<(String, u32)>,
 }
 
 /// The GPU probe's answer as a scrape sees it.

@@ -38,6 +38,8 @@ fn readings(name: &str) -> Readings {
         jobs,
         idle: Vec::new(),
         hostname: "node-1".into(),
+        expected: None,
+        xid_window: None,
     }
 }
 
@@ -99,7 +101,133 @@ fn h100_dcgm_exposition() {
         code: 79,
         count: 1,
     }]);
+    r.xid_window = Some(keel_exporter::readings::XidWindow {
+        window_ms: 300_000,
+        counts: r.xids.clone().unwrap_or_default(),
+        last: vec![("0003:00:00".into(), 79)],
+    });
     insta::assert_snapshot!("nd96isr_h100_v5_dcgm", dcgm::render(&r));
+}
+
+/// Jobs by NVML index on a node whose device minors are not its indices
+/// (nd96isr_h100_v5-slurm: GPU i is /dev/nvidia(2*(i%4) + i/4)): NVML's
+/// processes, the device files they hold and the prolog's mapping
+/// directory (named by Slurm's ids, the minors under CycleCloud's
+/// gres.conf) all give job 7001 GPUs 0, 1, 4 and 5. Reading the mapping
+/// directory's names as indices would give it GPUs 0-3.
+#[test]
+fn jobs_map_to_nvml_indices_through_device_minors() {
+    use keel_exporter::readings::Job;
+    use keel_topo::IdKind;
+    let root_dir = fixture("nd96isr_h100_v5-slurm");
+    let root = Root::new(&root_dir);
+    let snap = keel_gpu::recorded::load(&root_dir.join("gpu.json")).expect("snapshot");
+    let ids = jobs::gpu_ids(&root, Some(&snap));
+    let by_gpu = |m: &std::collections::BTreeMap<u32, Vec<Job>>| -> Vec<(u32, String)> {
+        m.iter()
+            .flat_map(|(g, js)| js.iter().map(move |j| (*g, j.id.clone())))
+            .collect()
+    };
+    let job_of = |g: u32| {
+        if [0, 1, 4, 5].contains(&g) {
+            "7001"
+        } else {
+            "7002"
+        }
+    };
+    let expected: Vec<(u32, String)> = (0..8).map(|g| (g, job_of(g).to_owned())).collect();
+    assert_eq!(by_gpu(&jobs::from_processes(&root, &snap)), expected);
+    let devices = jobs::device_files("/dev/nvidia{}", &ids);
+    assert_eq!(devices.get("/dev/nvidia2"), Some(&1));
+    assert_eq!(by_gpu(&jobs::from_device_files(&root, &devices)), expected);
+    let mapping = jobs::from_mapping_dir(&root_dir.join("var/lib/dcgm-exporter/job-mapping"));
+    assert_eq!(
+        by_gpu(&jobs::to_indices(mapping.clone(), &ids, IdKind::Minor)),
+        expected
+    );
+    assert_ne!(
+        by_gpu(&jobs::to_indices(mapping, &ids, IdKind::Index)),
+        expected,
+        "the fixture tells minors from indices"
+    );
+    // Users from /etc/passwd through the job's processes.
+    let users: Vec<Option<String>> = jobs::from_processes(&root, &snap)[&4]
+        .iter()
+        .map(|j| j.user.clone())
+        .collect();
+    assert_eq!(users, [Some("alice".to_owned())]);
+}
+
+/// The whole exporter on that node with dcgm-exporter's names: `hpc_job`
+/// from the mapping directory on the right GPUs, and XIDs as dcgm-exporter
+/// gives them: the last XID per GPU, and those of the last five minutes
+/// (the kernel log's XID 13 on GPU 5 a minute before `proc/uptime`, not
+/// its XID 43 on GPU 1 an hour before).
+#[test]
+fn dcgm_names_on_a_slurm_node_window_xids_and_label_jobs_by_index() {
+    use keel_exporter::{Exporter, ExporterOptions, Naming};
+    let root_dir = fixture("nd96isr_h100_v5-slurm");
+    let mut opts = ExporterOptions::new(&root_dir);
+    opts.naming = Naming::Dcgm;
+    opts.jobs_from_processes = false;
+    opts.job_mapping_dir = Some(root_dir.join("var/lib/dcgm-exporter/job-mapping"));
+    opts.hostname = "h100-0001".into();
+    let probe = keel_gpu::recorded::RecordedProbe::new(root_dir.join("gpu.json"));
+    let exporter = Exporter::new(opts, Box::new(probe), Arc::new(keel_exporter::SystemClock))
+        .expect("exporter");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let text = rt.block_on(exporter.scrape()).to_string();
+    let lines = |name: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")))
+            .map(|l| {
+                // gpu, hpc_job, xid and value only.
+                let keep = ["gpu=", "hpc_job=", "xid=", "window_size_in_ms="];
+                let inner = l.split_once('{').and_then(|(_, r)| r.rsplit_once('}'));
+                let (labels, value) = inner.expect("labels");
+                let kept: Vec<&str> = labels
+                    .split(',')
+                    .filter(|kv| keep.iter().any(|k| kv.starts_with(k)))
+                    .collect();
+                format!("{}{}", kept.join(","), value)
+            })
+            .collect()
+    };
+    let gpu_jobs = lines("DCGM_FI_DEV_GPU_TEMP");
+    assert!(
+        gpu_jobs.contains(&"gpu=\"2\",hpc_job=\"7002\" 36".to_owned()),
+        "{gpu_jobs:?}"
+    );
+    assert!(
+        gpu_jobs.contains(&"gpu=\"4\",hpc_job=\"7001\" 35".to_owned()),
+        "{gpu_jobs:?}"
+    );
+    let last = lines("DCGM_FI_DEV_XID_ERRORS");
+    assert!(
+        last.contains(&"gpu=\"1\",hpc_job=\"7001\" 43".to_owned()),
+        "{last:?}"
+    );
+    assert!(
+        last.contains(&"gpu=\"5\",hpc_job=\"7001\" 13".to_owned()),
+        "{last:?}"
+    );
+    assert!(
+        last.contains(&"gpu=\"0\",hpc_job=\"7001\" 0".to_owned()),
+        "{last:?}"
+    );
+    let window = lines("DCGM_EXP_XID_ERRORS_COUNT");
+    assert_eq!(window.len(), 8, "{window:?}");
+    assert!(
+        window.contains(&"gpu=\"5\",window_size_in_ms=\"300000\",xid=\"13\" 1".to_owned()),
+        "{window:?}"
+    );
+    assert!(
+        window.contains(&"gpu=\"1\",window_size_in_ms=\"300000\" 0".to_owned()),
+        "{window:?}"
+    );
 }
 
 #[test]
@@ -284,7 +412,10 @@ fn gpus_are_labelled_with_the_jobs_of_their_processes() {
     let mut jobs = jobs::from_processes(&root, &snap);
     jobs::merge(
         &mut jobs,
-        jobs::from_device_files(&root, &jobs::device_files("/dev/nvidia{}", &snap)),
+        jobs::from_device_files(
+            &root,
+            &jobs::device_files("/dev/nvidia{}", &jobs::gpu_ids(&root, Some(&snap))),
+        ),
     );
     let mut r = readings("nd96isr_h100_v5");
     r.gpu.snapshot = Some(Arc::new(snap));

@@ -44,13 +44,93 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn promtool_checks_the_rules_and_their_unit_tests_pass() {
     let text = promtool(&["check", "rules", "deploy/prometheus/keel-alerts.yml"]);
-    assert!(text.contains("SUCCESS: 19 rules found"), "{text}");
+    assert!(text.contains("SUCCESS: 25 rules found"), "{text}");
     let text = promtool(&[
         "test",
         "rules",
         "deploy/prometheus/tests/keel-alerts.test.yml",
     ]);
     assert!(text.contains("SUCCESS"), "{text}");
+}
+
+/// A GPU probe for a machine without a driver.
+struct NoDriver;
+
+impl keel_gpu::GpuProbe for NoDriver {
+    fn snapshot(&self) -> Result<keel_gpu::GpuSnapshot, keel_gpu::GpuError> {
+        Err(keel_gpu::GpuError::Unavailable {
+            reason: "no libnvidia-ml.so.1".into(),
+        })
+    }
+}
+
+/// Prometheus's own lint (`promtool check metrics`: names, units,
+/// suffixes, help) on a scrape of every fixture machine, with everything
+/// the exporter can add switched on (jobs, idle accounting, the expected
+/// GPU count). dcgm-exporter's names (`--dcgm-names`) are its own and are
+/// not linted: they break the conventions as dcgm-exporter does.
+#[test]
+fn promtool_lints_a_scrape_of_every_fixture() {
+    let rt = rt();
+    let mut linted = Vec::new();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(repo().join("tests/fixtures"))
+        .expect("fixtures")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let gpu = dir.join("gpu.json");
+        let probe: Box<dyn keel_gpu::GpuProbe + Send> = if gpu.is_file() {
+            Box::new(keel_gpu::recorded::RecordedProbe::new(&gpu))
+        } else {
+            Box::new(NoDriver)
+        };
+        let mut opts = ExporterOptions::new(&dir);
+        opts.min_interval = Duration::ZERO;
+        opts.device_file_pattern = Some("/dev/nvidia{}".into());
+        let mapping = dir.join("var/lib/dcgm-exporter/job-mapping");
+        opts.job_mapping_dir = mapping.is_dir().then_some(mapping);
+        opts.idle = Some(keel_exporter::IdlePolicy {
+            threshold_percent: 5.0,
+            idle_minutes: 30.0,
+        });
+        opts.expected = Some(keel_exporter::readings::ExpectedGpus {
+            sku: "fixture".into(),
+            gpus: 8,
+        });
+        let exporter =
+            Exporter::new(opts, probe, Arc::new(keel_exporter::SystemClock)).expect("exporter");
+        // Twice: idle accounting exposes its counters from the second scrape.
+        rt.block_on(exporter.scrape());
+        let text = rt.block_on(exporter.scrape());
+        let mut child = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("promtool: {e} (scripts/services/prometheus start installs it)")
+            });
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(text.as_bytes())
+            .expect("write");
+        let out = child.wait_with_output().expect("promtool");
+        assert!(
+            out.status.success(),
+            "promtool check metrics on a scrape of {}:\n{}{}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        linted.push(dir.file_name().map(|n| n.to_string_lossy().into_owned()));
+    }
+    assert!(linted.len() >= 6, "{linted:?}");
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -171,7 +251,7 @@ fn prometheus_scrapes_the_replayed_exporter_and_an_alert_fires() {
     };
     let r = wait(
         "a scrape",
-        &format!("keel_gpu_count{{keel_test=\"{id}\"}}"),
+        &format!("keel_gpu_devices{{keel_test=\"{id}\"}}"),
         &|r| !r.is_empty(),
     );
     assert_eq!(r[0]["value"][1], "8");

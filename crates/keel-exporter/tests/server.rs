@@ -155,7 +155,7 @@ fn metrics_need_the_right_bearer_token() {
         ok.header("content-type"),
         Some("text/plain; version=0.0.4; charset=utf-8")
     );
-    assert!(ok.text().contains("keel_gpu_count 8\n"));
+    assert!(ok.text().contains("keel_gpu_devices 8\n"));
     for bad in ["wrong", "", "scrape-token-for-test"] {
         let r = http::get(s.addr, "/metrics", bad).expect("scrape");
         assert_eq!(r.status, 401, "{bad:?}");
@@ -385,9 +385,11 @@ fn a_connection_flood_is_bounded_and_idle_connections_are_closed() {
 #[test]
 fn idle_gpu_time_is_accounted_per_job_and_the_policy_marks_idle_jobs() {
     let clock = ManualClock::new();
+    // The mapping directory names GPUs by Slurm's ids, device minors: job
+    // 502's GPU is minor 2, which on this machine is NVML's GPU 1.
     let mut snap = snapshot("nd96asr_v4");
     for g in &mut snap.gpus {
-        g.utilization_gpu_percent = Some(if g.index == 2 { 90 } else { 0 });
+        g.utilization_gpu_percent = Some(if g.minor_number == Some(2) { 90 } else { 0 });
     }
     let map = tempfile::tempdir().expect("tempdir");
     std::fs::write(map.path().join("0"), "501\n").expect("write");

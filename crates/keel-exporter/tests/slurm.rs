@@ -31,7 +31,8 @@ fn a_job_holding_gpu_device_files_is_attributed_to_its_job_id() {
     let gpu_node = cluster.node(cluster.nodes().len() - 1).to_owned();
     let out = dir.join("exporter-job-%j.out");
     // The job opens each of its GPUs' device files (SLURM_JOB_GPUS holds
-    // the node's GPU indexes) and says which, then holds them.
+    // Slurm's ids, the device files' numbers under gres.conf's File=
+    // lines) and says which, then holds them.
     let script = format!(
         "set -- $(echo \"$SLURM_JOB_GPUS\" | tr , ' '); exec 3<{dev}/gpu$1 4<{dev}/gpu$2; echo \"gpus=$SLURM_JOB_GPUS\"; sleep 120",
         dev = dir.join("dev").display()
@@ -95,11 +96,30 @@ fn a_job_holding_gpu_device_files_is_attributed_to_its_job_id() {
     };
     let held: Vec<u32> = gpus
         .split(',')
-        .map(|g| g.trim().parse().expect("a GPU index"))
+        .map(|g| g.trim().parse().expect("a Slurm GPU id"))
         .collect();
     assert_eq!(held.len(), 2, "{gpus}");
+    // The snapshot's GPUs (nd96asr_v4) have device minors that are not
+    // their NVML indices: the jobs are keyed by the index whose minor is
+    // the file's number.
+    let snap = keel_gpu::recorded::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/nd96asr_v4/gpu.json"),
+    )
+    .expect("fixture");
+    let mut expected: Vec<u32> = held
+        .iter()
+        .map(|m| {
+            snap.gpus
+                .iter()
+                .find(|g| g.minor_number == Some(*m))
+                .map(|g| g.index)
+                .expect("a GPU with that minor")
+        })
+        .collect();
+    expected.sort_unstable();
+    assert_ne!(expected, held, "the fixture's minors are not its indices");
     let attributed: Vec<u32> = jobs.keys().copied().collect();
-    assert_eq!(attributed, held, "{jobs:?}");
+    assert_eq!(attributed, expected, "{jobs:?}");
     for list in jobs.values() {
         assert_eq!(list.len(), 1, "{jobs:?}");
         assert_eq!(list[0].id, id);

@@ -20,7 +20,7 @@ pub mod clocks;
 pub mod nvml;
 pub mod recorded;
 
-pub use nvml::{LoadedNvmlProbe, NvmlProbe};
+pub use nvml::{CallGate, LoadedNvmlProbe, NvmlProbe};
 pub use recorded::record;
 
 use serde::{Deserialize, Serialize};
@@ -99,6 +99,12 @@ pub struct GpuReading {
     pub index: u32,
     /// PCI address in sysfs form, lowercase: `0000:07:00.0`.
     pub pci_bus_id: String,
+    /// The minor number of its device file, `/dev/nvidia<minor>`
+    /// (`nvmlDeviceGetMinorNumber`). Not the index: the driver numbers
+    /// device files in the order it finds the GPUs, which need not be PCI
+    /// order. Absent from snapshots recorded before it was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor_number: Option<u32>,
     pub uuid: Option<String>,
     pub serial: Option<String>,
     pub name: Option<String>,

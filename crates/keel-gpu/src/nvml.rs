@@ -7,7 +7,10 @@
 //! [`GpuError::Timeout`] when that thread has not answered in time: a hung
 //! driver must not hang keel. A thread that timed out cannot be cancelled
 //! while it is inside the driver; it is left behind and ends when (if) the
-//! driver returns.
+//! driver returns. Until it does, no other NVML call starts in this process
+//! ([`CallGate`]): later snapshots wait for the hung call up to their own
+//! timeout and answer [`GpuError::Timeout`], so a driver that hangs for a
+//! day costs one thread, not one per scrape.
 //!
 //! Every reading is asked for separately; a call that fails or is not
 //! supported leaves its field `None`. Only NVML's device count is
@@ -25,10 +28,11 @@
 //! (`NVML_FI_DEV_REMAPPED_*`), and ECC counters per SRAM/DRAM location from
 //! `nvmlDeviceGetMemoryErrorCounter`.
 
+use std::convert::Infallible;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvml_wrapper::enum_wrappers::device::{
     Clock, EccCounter, MemoryError, MemoryLocation, TemperatureSensor,
@@ -108,33 +112,109 @@ impl GpuProbe for NvmlProbe {
     }
 }
 
-/// Runs `work` on a new thread and waits at most `timeout` for its answer.
+/// At most one call outstanding: the NVML work of this process goes
+/// through [`CallGate::nvml`], which starts a thread for a call only when
+/// the previous one has returned. A call into a hung driver never returns
+/// (or returns hours later), and every call after it would hang in the
+/// same driver: starting a thread for each would leak one per attempt.
+#[derive(Debug, Default)]
+pub struct CallGate {
+    /// The thread of the call in progress: its sender is dropped when the
+    /// thread's work ends (returned or panicked), which disconnects this.
+    busy: Mutex<Option<Receiver<Infallible>>>,
+}
+
+static NVML_CALLS: CallGate = CallGate::new();
+
+impl CallGate {
+    pub const fn new() -> Self {
+        Self {
+            busy: Mutex::new(None),
+        }
+    }
+
+    /// The gate every NVML call of this process goes through.
+    pub fn nvml() -> &'static CallGate {
+        &NVML_CALLS
+    }
+
+    /// Whether a call started through this gate has not returned yet.
+    pub fn is_busy(&self) -> bool {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        Self::settle(&mut busy, Duration::ZERO);
+        busy.is_some()
+    }
+
+    /// Waits up to `wait` for the outstanding call (if any) to end; true
+    /// when none is outstanding afterwards.
+    fn settle(busy: &mut Option<Receiver<Infallible>>, wait: Duration) -> bool {
+        if let Some(done) = busy.as_ref() {
+            match done.recv_timeout(wait) {
+                Err(RecvTimeoutError::Timeout) => return false,
+                Ok(never) => match never {},
+                Err(RecvTimeoutError::Disconnected) => *busy = None,
+            }
+        }
+        true
+    }
+
+    /// Runs `work` on a thread of its own and waits at most `timeout` for
+    /// its answer. While an earlier call through this gate is still
+    /// running, no thread is started: this call waits for the earlier one
+    /// within the same `timeout`, and gives [`GpuError::Timeout`] when it
+    /// has not ended (callers are served one at a time).
+    pub fn run<T, F>(&self, timeout: Duration, work: F) -> Result<T, GpuError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, GpuError> + Send + 'static,
+    {
+        let start = Instant::now();
+        let timed_out = || GpuError::Timeout {
+            seconds: timeout.as_secs_f64(),
+        };
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if !Self::settle(&mut busy, timeout) {
+            return Err(timed_out());
+        }
+        // Capacity 1: a thread that answers after the deadline does not
+        // block on a receiver that is gone.
+        let (answer, answered) = mpsc::sync_channel(1);
+        let (running, done) = mpsc::sync_channel::<Infallible>(0);
+        std::thread::Builder::new()
+            .name("keel-nvml".into())
+            .spawn(move || {
+                let _running = running;
+                let _ = answer.send(work());
+            })
+            .map_err(|e| GpuError::Unavailable {
+                reason: format!("cannot start a thread for NVML: {e}"),
+            })?;
+        *busy = Some(done);
+        match answered.recv_timeout(timeout.saturating_sub(start.elapsed())) {
+            Ok(result) => {
+                // The thread ends as soon as it has sent.
+                *busy = None;
+                result
+            }
+            Err(RecvTimeoutError::Timeout) => Err(timed_out()),
+            Err(RecvTimeoutError::Disconnected) => {
+                *busy = None;
+                Err(GpuError::Nvml {
+                    call: "snapshot",
+                    message: "the NVML thread ended without an answer (it panicked)".into(),
+                })
+            }
+        }
+    }
+}
+
+/// Runs `work` through the process's NVML gate ([`CallGate::nvml`]).
 fn run_with_timeout<T, F>(timeout: Duration, work: F) -> Result<T, GpuError>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, GpuError> + Send + 'static,
 {
-    // Capacity 1: a thread that answers after the deadline does not block on
-    // a receiver that is gone.
-    let (answer, answered) = mpsc::sync_channel(1);
-    std::thread::Builder::new()
-        .name("keel-nvml".into())
-        .spawn(move || {
-            let _ = answer.send(work());
-        })
-        .map_err(|e| GpuError::Unavailable {
-            reason: format!("cannot start a thread for NVML: {e}"),
-        })?;
-    match answered.recv_timeout(timeout) {
-        Ok(result) => result,
-        Err(RecvTimeoutError::Timeout) => Err(GpuError::Timeout {
-            seconds: timeout.as_secs_f64(),
-        }),
-        Err(RecvTimeoutError::Disconnected) => Err(GpuError::Nvml {
-            call: "snapshot",
-            message: "the NVML thread ended without an answer (it panicked)".into(),
-        }),
-    }
+    CallGate::nvml().run(timeout, work)
 }
 
 /// An NVML probe for a long-running process (`keel exporter`): NVML is
@@ -277,6 +357,7 @@ fn read_device(index: u32, bus_id: &str, device: &Device<'_>) -> GpuReading {
         // rather than lose the GPU: it then matches nothing on the PCI bus.
         pci_bus_id: normalize_pci_bus_id(bus_id)
             .unwrap_or_else(|| bus_id.trim().to_ascii_lowercase()),
+        minor_number: device.minor_number().ok(),
         uuid: device.uuid().ok(),
         serial: device.serial().ok(),
         name: device.name().ok(),
@@ -569,8 +650,9 @@ mod tests {
 
     #[test]
     fn work_that_does_not_finish_times_out() {
+        let gate = CallGate::new();
         let (_keep_waiting, wait) = mpsc::channel::<()>();
-        let result = run_with_timeout(Duration::from_millis(50), move || {
+        let result = gate.run(Duration::from_millis(50), move || {
             let _ = wait.recv();
             Ok(())
         });
@@ -578,24 +660,58 @@ mod tests {
             Err(GpuError::Timeout { seconds }) => assert_eq!(seconds, 0.05),
             other => panic!("expected Timeout, got {other:?}"),
         }
+        assert!(gate.is_busy());
+    }
+
+    /// A driver that never answers: a hundred calls start one thread, each
+    /// call gives up at its deadline, and once the hung call returns the
+    /// next one runs.
+    #[test]
+    fn a_hung_call_blocks_new_threads_until_it_returns() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let gate = CallGate::new();
+        let started = Arc::new(AtomicUsize::new(0));
+        let (release, hang) = mpsc::channel::<()>();
+        let hang = Arc::new(Mutex::new(hang));
+        for _ in 0..100 {
+            let (started, hang) = (started.clone(), hang.clone());
+            let result = gate.run(Duration::from_millis(1), move || {
+                started.fetch_add(1, Ordering::SeqCst);
+                let _ = hang.lock().expect("lock").recv();
+                Ok(0)
+            });
+            assert!(
+                matches!(result, Err(GpuError::Timeout { .. })),
+                "{result:?}"
+            );
+        }
+        assert_eq!(started.load(Ordering::SeqCst), 1, "threads started");
+        release.send(()).expect("the hung call is waiting");
+        let started2 = started.clone();
+        let answer = gate.run(Duration::from_secs(30), move || {
+            started2.fetch_add(1, Ordering::SeqCst);
+            Ok(7)
+        });
+        assert_eq!(answer.ok(), Some(7));
+        assert_eq!(started.load(Ordering::SeqCst), 2);
+        assert!(!gate.is_busy());
     }
 
     #[test]
     fn work_that_finishes_gives_its_answer() {
-        assert_eq!(
-            run_with_timeout(Duration::from_secs(10), || Ok(7)).ok(),
-            Some(7)
-        );
-        let err = run_with_timeout::<(), _>(Duration::from_secs(10), || {
+        let gate = CallGate::new();
+        assert_eq!(gate.run(Duration::from_secs(10), || Ok(7)).ok(), Some(7));
+        let err = gate.run::<(), _>(Duration::from_secs(10), || {
             Err(GpuError::Unavailable { reason: "x".into() })
         });
         assert!(matches!(err, Err(GpuError::Unavailable { reason }) if reason == "x"));
+        assert!(!gate.is_busy());
     }
 
     #[test]
     fn work_that_panics_is_an_error() {
-        let result =
-            run_with_timeout::<(), _>(Duration::from_secs(10), || panic!("driver trouble"));
+        let gate = CallGate::new();
+        let result = gate.run::<(), _>(Duration::from_secs(10), || panic!("driver trouble"));
         assert!(
             matches!(
                 result,
@@ -606,6 +722,7 @@ mod tests {
             ),
             "{result:?}"
         );
+        assert!(!gate.is_busy());
     }
 
     fn check(bus_id: &str, expected: Option<&str>) {

@@ -108,6 +108,7 @@ mod tests {
         GpuReading {
             index,
             pci_bus_id: format!("{:04x}:00:00.0", index + 1),
+            minor_number: Some(7 - index),
             uuid: Some(format!("GPU-4c5a1e2b-0000-4000-8000-00000000000{index}")),
             serial: Some("1654923012345".into()),
             name: Some("NVIDIA H100 80GB HBM3".into()),
@@ -431,6 +432,7 @@ mod tests {
             )| GpuReading {
                 index,
                 pci_bus_id,
+                minor_number: index.checked_add(1),
                 uuid,
                 serial,
                 name,

@@ -144,7 +144,15 @@ fn check(machine: &str, expected: Healthy<'_>) {
             "{at}: {uuid} not in {}",
             info_path.display()
         );
-        assert!(info.contains(&format!("Device Minor: \t {i}\n")), "{at}");
+        // NVML's minor number is the driver's Device Minor (not the index:
+        // on nd96asr_v4 they are a permutation of each other).
+        let minor = gpu
+            .minor_number
+            .unwrap_or_else(|| panic!("{at}: no minor number"));
+        assert!(
+            info.contains(&format!("Device Minor: \t {minor}\n")),
+            "{at}"
+        );
         assert!(
             info.contains(&format!("Model: \t\t {}\n", expected.name)),
             "{at}"

@@ -38,6 +38,8 @@ const CHECKS: &[&str] = &[
     "slurm.one_of",
     "slurm.none_of",
     "slurm.set_when",
+    "slurm.prolog_epilog_timeout",
+    "slurm.return_to_service",
     "slurm.finite",
     "slurm.list_has",
     "slurm.power_save_programs",
@@ -66,11 +68,13 @@ const CHECKS: &[&str] = &[
     "prometheus.scrapes_keel",
     "prometheus.keel_alerts",
     "sbatch.option",
+    "sbatch.requeue",
     "sbatch.runs",
     "sbatch.ckpt_cap",
     "env.hcoll_off",
     "env.one_of",
     "env.set",
+    "env.nccl_ib_hca_node_wide",
     "node.check",
     "node.scratch",
 ];
@@ -87,12 +91,19 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
     let p = &rule.params;
     match rule.target {
         Kind::Env => {
+            // NCCL's configuration files count below the job's environment
+            // (NCCL sets their values only where the environment has none),
+            // and do not make a job environment by themselves.
             let env_files: Vec<&EnvVar> = inputs
                 .iter()
                 .filter_map(|i| match i {
-                    Input::Env(v, _) => Some(v.iter()),
+                    Input::Nccl(v, _) => Some(v.iter()),
                     _ => None,
                 })
+                .chain(inputs.iter().filter_map(|i| match i {
+                    Input::Env(v, _) => Some(v.iter()),
+                    _ => None,
+                }))
                 .flatten()
                 .collect();
             let first_env = inputs.iter().find_map(|i| match i {
@@ -131,10 +142,11 @@ pub fn evaluate(rule: &Rule, inputs: &[Input], opts: &Options) -> Outcome {
                     Input::Gres(g) => gres_check(&rule.check, g),
                     Input::Gateway(g) => gateway_check(&rule.check, p, g),
                     Input::Keel(d) => keel_check(&rule.check, p, d),
+                    Input::Sbatch(s) if rule.check == "sbatch.requeue" => sbatch_requeue(s, inputs),
                     Input::Sbatch(s) => sbatch_check(&rule.check, p, s, opts),
                     Input::Node(n) => node_check(&rule.check, n),
                     Input::Prometheus(c) => prometheus_check(&rule.check, c),
-                    Input::Env(..) => Vec::new(),
+                    Input::Env(..) | Input::Nccl(..) => Vec::new(),
                 };
                 failures.extend(f);
             }
@@ -181,6 +193,32 @@ fn is_infinite(v: &str) -> bool {
     ["INFINITE", "UNLIMITED", "-1", "NONE"]
         .iter()
         .any(|x| v.eq_ignore_ascii_case(x))
+}
+
+/// Every node is an autoscaled cloud node: `State=CLOUD` on every
+/// NodeName line, with power saving on (a finite SuspendTime and a
+/// ResumeProgram), as Azure CycleCloud writes slurm.conf.
+fn autoscaled_cloud(c: &SlurmConf) -> bool {
+    let mut nodes = c
+        .records(RecordKind::Node)
+        .filter(|n| !n.name.eq_ignore_ascii_case("DEFAULT"))
+        .peekable();
+    if nodes.peek().is_none() {
+        return false;
+    }
+    let cloud = nodes.all(|n| {
+        n.get("State").is_some_and(|s| {
+            s.value
+                .split('+')
+                .any(|w| w.trim().eq_ignore_ascii_case("CLOUD"))
+        })
+    });
+    let power_save = c
+        .get("SuspendTime")
+        .is_some_and(|t| !is_infinite(t.value.trim()) && !t.value.trim().is_empty())
+        && c.get("ResumeProgram")
+            .is_some_and(|r| !r.value.trim().is_empty());
+    cloud && power_save
 }
 
 fn slurm_check(check: &str, p: &Params, c: &SlurmConf) -> Vec<Failure> {
@@ -245,6 +283,42 @@ fn slurm_check(check: &str, p: &Params, c: &SlurmConf) -> Vec<Failure> {
                     format!("{} is set but {key} is not", trigger.key),
                 ),
             }
+        }
+        "slurm.prolog_epilog_timeout" => {
+            // PrologEpilogTimeout bounds both; since Slurm 25.05
+            // PrologTimeout and EpilogTimeout bound each on its own
+            // (SchedMD/slurm 60be338).
+            let set = |k: &str| c.get(k).is_some_and(|e| !e.value.trim().is_empty());
+            let mut out = Vec::new();
+            for (script, own) in [("Prolog", "PrologTimeout"), ("Epilog", "EpilogTimeout")] {
+                let Some(trigger) = c.get(script) else {
+                    continue;
+                };
+                if !set("PrologEpilogTimeout") && !set(own) {
+                    out.push(Failure {
+                        location: trigger.location.clone(),
+                        message: format!(
+                            "{script} is set but neither PrologEpilogTimeout nor {own} is"
+                        ),
+                    });
+                }
+            }
+            out
+        }
+        "slurm.return_to_service" => {
+            let v = value.map(str::trim).unwrap_or("0");
+            if v == "1" {
+                return Vec::new();
+            }
+            if v == "2" && autoscaled_cloud(c) {
+                return Vec::new();
+            }
+            let why = if v == "2" {
+                ": nodes that are not autoscaled CLOUD nodes come back from DOWN whatever put them there"
+            } else {
+                ""
+            };
+            fail(loc(entry), format!("{}: expected 1{why}", shown(entry)))
         }
         "slurm.finite" => match entry {
             Some(e) if !is_infinite(e.value.trim()) && !e.value.trim().is_empty() => Vec::new(),
@@ -805,6 +879,44 @@ fn directive_int(s: &Sbatch, option: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// Whether Slurm requeues the job after a node failure or preemption:
+/// `#SBATCH --requeue`, or no `--no-requeue` while slurm.conf's
+/// `JobRequeue` is 1 (its default: slurm.conf(5), "JobRequeue ... The
+/// default value is 1"). Without a slurm.conf the default is assumed.
+fn sbatch_requeue(s: &Sbatch, inputs: &[Input]) -> Vec<Failure> {
+    let requeue = s
+        .directives
+        .iter()
+        .rev()
+        .find(|d| d.option == "requeue" || d.option == "no-requeue");
+    match requeue {
+        Some(d) if d.option == "requeue" => Vec::new(),
+        Some(d) => fail(
+            Location {
+                file: s.file.clone(),
+                line: d.line,
+            },
+            "#SBATCH --no-requeue: Slurm will not restart the job after a node failure".to_owned(),
+        ),
+        None => {
+            let off = inputs.iter().find_map(|i| match i {
+                Input::Slurm(c) => c.get("JobRequeue").filter(|e| e.value.trim() == "0"),
+                _ => None,
+            });
+            match off {
+                Some(e) => fail(
+                    file_start(&s.file),
+                    format!(
+                        "no #SBATCH --requeue, and {}:{} sets JobRequeue=0",
+                        e.location.file, e.location.line
+                    ),
+                ),
+                None => Vec::new(),
+            }
+        }
+    }
+}
+
 fn sbatch_check(check: &str, p: &Params, s: &Sbatch, opts: &Options) -> Vec<Failure> {
     match check {
         "sbatch.option" => {
@@ -952,8 +1064,108 @@ fn env_check(
             Some(v) if !v.value.trim().is_empty() => Vec::new(),
             _ => fail(file_start(file), format!("{key} is not set")),
         },
+        "env.nccl_ib_hca_node_wide" => match script {
+            Some(s) => per_rank_ib_hca_lines(s),
+            None => {
+                let rank_var = RANK_VARS.iter().find_map(|r| find(r));
+                match (find("NCCL_IB_HCA"), rank_var) {
+                    (Some(v), Some(r)) if names_one_hca(&v.value) => fail(
+                        v.location.clone(),
+                        format!(
+                            "NCCL_IB_HCA={} names one HCA in a rank's environment ({}={}): each rank has its own",
+                            cut(&v.value),
+                            r.name,
+                            cut(&r.value)
+                        ),
+                    ),
+                    _ => Vec::new(),
+                }
+            }
+        },
         _ => Vec::new(),
     }
+}
+
+/// Variables that differ from rank to rank.
+const RANK_VARS: &[&str] = &[
+    "SLURM_LOCALID",
+    "SLURM_PROCID",
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "MPI_LOCALRANKID",
+    "RANK",
+];
+
+/// Whether shell text refers to a rank variable (`$LOCAL_RANK`,
+/// `${SLURM_LOCALID:-0}`).
+fn mentions_rank_var(text: &str) -> bool {
+    RANK_VARS.iter().any(|v| {
+        [format!("${v}"), format!("${{{v}")].iter().any(|r| {
+            text.match_indices(r.as_str()).any(|(at, m)| {
+                // `$RANK` is not `$RANKS`, nor the tail of `$LOCAL_RANK`.
+                let next = text[at + m.len()..].chars().next();
+                m.starts_with("${") || !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+            })
+        })
+    })
+}
+
+/// An `NCCL_IB_HCA` value that names exactly one HCA (`mlx5_ib3:1`,
+/// `=mlx5_ib3`), not a prefix that matches several (`mlx5`) or an
+/// exclusion (`^mlx5_an0`).
+fn names_one_hca(value: &str) -> bool {
+    let v = value.trim();
+    if v.is_empty() || v.starts_with('^') {
+        return false;
+    }
+    let exact = v.starts_with('=');
+    let items: Vec<&str> = v.trim_start_matches('=').split(',').collect();
+    items.len() == 1 && (exact || items[0].contains(':'))
+}
+
+/// Lines of a script that give `NCCL_IB_HCA` a value per rank: inside a
+/// `case` on a rank variable, or built from one.
+fn per_rank_ib_hca_lines(s: &Sbatch) -> Vec<Failure> {
+    let mut out = Vec::new();
+    let mut in_rank_case = false;
+    for (line, text) in &s.commands {
+        let words: Vec<&str> = text.split_whitespace().collect();
+        if words.first() == Some(&"case") && mentions_rank_var(text) {
+            in_rank_case = true;
+        }
+        for (at, _) in text.match_indices("NCCL_IB_HCA=") {
+            let value = text[at + "NCCL_IB_HCA=".len()..]
+                .split(|c: char| c.is_whitespace() || c == ';')
+                .next()
+                .unwrap_or("");
+            let why = if mentions_rank_var(value) {
+                Some("built from a rank variable")
+            } else if in_rank_case {
+                Some("set in a case on the rank")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                out.push(Failure {
+                    location: Location {
+                        file: s.file.clone(),
+                        line: *line,
+                    },
+                    message: format!(
+                        "NCCL_IB_HCA={} {why}: a different value per rank",
+                        cut(value)
+                    ),
+                });
+                break;
+            }
+        }
+        if words.contains(&"esac") || words.last().is_some_and(|w| w.ends_with("esac")) {
+            in_rank_case = false;
+        }
+    }
+    out
 }
 
 fn node_check(check: &str, n: &NodeFacts) -> Vec<Failure> {

@@ -23,10 +23,15 @@ pub enum Kind {
     Env,
     Node,
     Prometheus,
+    /// NCCL's configuration file (`/etc/nccl.conf`, `~/.nccl.conf`):
+    /// `NAME=value` lines NCCL sets in its process when the environment
+    /// does not (NVIDIA/nccl `src/misc/param.cc`). Azure's HPC images
+    /// write `NCCL_IB_PCI_RELAXED_ORDERING` and `NCCL_TOPO_FILE` there.
+    Nccl,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Slurm,
         Kind::Gres,
         Kind::Gateway,
@@ -35,6 +40,7 @@ impl Kind {
         Kind::Env,
         Kind::Node,
         Kind::Prometheus,
+        Kind::Nccl,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +53,7 @@ impl Kind {
             Kind::Env => "env",
             Kind::Node => "node",
             Kind::Prometheus => "prometheus",
+            Kind::Nccl => "nccl",
         }
     }
 
@@ -295,6 +302,8 @@ pub enum Input {
     Env(Vec<EnvVar>, String),
     Node(NodeFacts),
     Prometheus(PromConfig),
+    /// NCCL's configuration file: its `NCCL_*` lines, and the file.
+    Nccl(Vec<EnvVar>, String),
 }
 
 impl Input {
@@ -308,6 +317,7 @@ impl Input {
             Input::Env(..) => Kind::Env,
             Input::Node(_) => Kind::Node,
             Input::Prometheus(_) => Kind::Prometheus,
+            Input::Nccl(..) => Kind::Nccl,
         }
     }
 
@@ -322,6 +332,7 @@ impl Input {
             Input::Env(_, f) => f,
             Input::Node(n) => &n.host,
             Input::Prometheus(p) => &p.file,
+            Input::Nccl(_, f) => f,
         }
     }
 }
@@ -343,6 +354,9 @@ pub fn detect(path: &Path, text: &str) -> Option<Kind> {
     }
     if name == "keel.toml" {
         return Some(Kind::Keel);
+    }
+    if name == "nccl.conf" || name == ".nccl.conf" {
+        return Some(Kind::Nccl);
     }
     if name == "prometheus.yml" || name == "prometheus.yaml" {
         return Some(Kind::Prometheus);
@@ -472,6 +486,7 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
             Some(Input::Sbatch(s))
         }
         Kind::Env => Some(Input::Env(parse_env(&file, src.text, diags), file)),
+        Kind::Nccl => Some(Input::Nccl(parse_nccl_conf(&file, src.text), file)),
         Kind::Prometheus => {
             parse_prometheus(src.path, src.text, loader, diags).map(Input::Prometheus)
         }
@@ -916,6 +931,32 @@ fn sbatch_options(rest: &str) -> Vec<(String, Option<String>)> {
         }
     }
     out
+}
+
+/// NCCL's configuration file as NCCL reads it (NVIDIA/nccl
+/// `src/misc/param.cc`, `initEnvFunc`): a line starting with `#` is
+/// skipped, any other is `NAME=value` split at the first `=` (no `export`,
+/// no quotes removed, nothing trimmed), and a line without `=` is ignored. Only `NCCL_*`
+/// names are kept: NCCL sets the others in its process too, but too late
+/// for anything else to read them.
+fn parse_nccl_conf(file: &str, text: &str) -> Vec<EnvVar> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.starts_with('#'))
+        .filter_map(|(i, l)| {
+            // NCCL takes the name as written: `NCCL_X = 1` sets `NCCL_X `,
+            // which nothing reads.
+            let (k, v) = l.split_once('=')?;
+            (k.starts_with("NCCL_") && !k.contains(char::is_whitespace)).then(|| EnvVar {
+                name: k.to_owned(),
+                value: v.to_owned(),
+                location: Location {
+                    file: file.to_owned(),
+                    line: u32::try_from(i + 1).unwrap_or(u32::MAX),
+                },
+            })
+        })
+        .collect()
 }
 
 fn parse_env(file: &str, text: &str, diags: &mut Vec<Diagnostic>) -> Vec<EnvVar> {

@@ -9,6 +9,7 @@
 //! changes nothing on the machine.
 
 pub mod error;
+pub mod gpu_ids;
 pub mod idset;
 pub mod machine;
 pub mod pci;
@@ -19,6 +20,7 @@ pub mod snapshot;
 pub mod verify;
 
 pub use error::TopoError;
+pub use gpu_ids::{GpuId, GpuIdError, GpuIds, IdKind};
 pub use idset::{CpuSet, IdSet, NodeSet};
 pub use machine::{read_machine, Machine};
 pub use pci::{PciAddr, Relation};

@@ -515,7 +515,7 @@ fn read_pci(
 }
 
 fn read_gpus(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Gpu>, TopoError> {
-    let minors = read_nvidia_minors(root)?;
+    let minors = crate::gpu_ids::read_procfs_minors(root)?;
     let mut gpus = Vec::new();
     for dev in pci.values() {
         if dev.vendor != 0x10de || dev.class >> 16 != 0x03 {
@@ -540,30 +540,6 @@ fn read_gpus(root: &Root, pci: &BTreeMap<PciAddr, PciDevice>) -> Result<Vec<Gpu>
         });
     }
     Ok(gpus)
-}
-
-/// `/proc/driver/nvidia/gpus/<pci>/information`: `Device Minor: N`.
-fn read_nvidia_minors(root: &Root) -> Result<BTreeMap<PciAddr, u32>, TopoError> {
-    let mut out = BTreeMap::new();
-    for name in root.list("proc/driver/nvidia/gpus")? {
-        let Ok(addr) = name.parse::<PciAddr>() else {
-            continue;
-        };
-        let rel = format!("proc/driver/nvidia/gpus/{name}/information");
-        let Some(info) = root.read_opt(&rel)? else {
-            continue;
-        };
-        for line in info.lines() {
-            if let Some(v) = line.strip_prefix("Device Minor:") {
-                let minor = v
-                    .trim()
-                    .parse()
-                    .map_err(|_| TopoError::parse(root.path(&rel), line, "expected a number"))?;
-                out.insert(addr, minor);
-            }
-        }
-    }
-    Ok(out)
 }
 
 fn read_link_info(root: &Root, dev: &Path) -> Result<PcieLink, TopoError> {

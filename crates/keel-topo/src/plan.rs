@@ -97,9 +97,9 @@ pub struct RankPlan {
     pub hca_port: Option<u32>,
     /// How the HCA is connected to the rank's first GPU.
     pub hca_relation: Option<Relation>,
-    /// `NCCL_IB_HCA=...` value for this rank.
-    pub nccl_ib_hca: Option<String>,
-    /// `UCX_NET_DEVICES=...` value for this rank.
+    /// `UCX_NET_DEVICES=...` value for this rank: UCX (MPI's traffic)
+    /// takes its devices per process. NCCL's `NCCL_IB_HCA` is not set per
+    /// rank (see [`Plan::nccl_ib_hca`]).
     pub ucx_net_devices: Option<String>,
     /// The per-rank `numactl` prefix.
     pub numactl: String,
@@ -113,6 +113,13 @@ pub struct Plan {
     pub ranks: Vec<RankPlan>,
     /// `CUDA_VISIBLE_DEVICES` to export (mpirun), in rank order.
     pub cuda_visible_devices: Option<String>,
+    /// `NCCL_IB_HCA=...` for every rank of the node alike: every
+    /// InfiniBand HCA's port, exact names (`=`), so NCCL uses them all and
+    /// pairs each GPU with its nearest itself, and leaves out Ethernet
+    /// devices (the accelerated-networking VF). NCCL's maintainers: "You
+    /// should not set NCCL_IB_HCA differently on each rank" (NVIDIA/nccl
+    /// issue 1478). `None` without InfiniBand HCAs.
+    pub nccl_ib_hca: Option<String>,
     /// The launcher line (srun, mpirun) or the wrapper script (torchrun,
     /// numactl).
     pub command: String,
@@ -307,10 +314,6 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
             local_rank: r,
             gpus: rank_gpus[r].clone(),
             mask: cpus.to_mask(),
-            nccl_ib_hca: hca.as_ref().map(|h| match port {
-                Some(p) => format!("{h}:{p}"),
-                None => h.clone(),
-            }),
             ucx_net_devices: hca.as_ref().map(|h| format!("{h}:{}", port.unwrap_or(1))),
             hca,
             hca_port: port,
@@ -377,6 +380,14 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         explain.push(line);
     }
 
+    let nccl_ib_hca = node_ib_hcas(machine);
+    match &nccl_ib_hca {
+        Some(v) => explain.push(format!(
+            "NCCL_IB_HCA={v} on every rank alike (NCCL pairs each GPU with its nearest HCA itself; a different value per rank breaks its rings across nodes, NVIDIA/nccl issue 1478); UCX_NET_DEVICES, which UCX takes per process, names each rank's nearest HCA"
+        )),
+        None => explain.push("no InfiniBand HCA: NCCL_IB_HCA is not set".to_owned()),
+    }
+
     let cvd = (req.launcher == Launcher::Mpirun).then(|| {
         order
             .iter()
@@ -412,9 +423,29 @@ pub fn plan(machine: &Machine, req: &PlanRequest) -> Result<Plan, PlanError> {
         cpus_per_rank: req.cpus_per_rank,
         ranks,
         cuda_visible_devices: cvd,
+        nccl_ib_hca,
         command,
         explain,
     })
+}
+
+/// Every InfiniBand HCA port of the node as an exact `NCCL_IB_HCA` list
+/// (`=mlx5_ib0:1,mlx5_ib1:1`): the same value for every rank. Ports whose
+/// link layer is Ethernet are left out.
+pub fn node_ib_hcas(machine: &Machine) -> Option<String> {
+    let mut ports = Vec::new();
+    for h in &machine.hcas {
+        for p in &h.ports {
+            let ib = match p.link_layer.as_deref() {
+                Some(l) => l == "InfiniBand",
+                None => h.link_layer() == Some("InfiniBand"),
+            };
+            if ib {
+                ports.push(format!("{}:{}", h.name, p.port));
+            }
+        }
+    }
+    (!ports.is_empty()).then(|| format!("={}", ports.join(",")))
 }
 
 fn describe(rel: Relation) -> &'static str {
@@ -430,7 +461,7 @@ fn describe(rel: Relation) -> &'static str {
 fn wrapper_script(launcher: Launcher, n: usize, ranks: &[RankPlan]) -> String {
     let mut s = String::new();
     s.push_str("#!/bin/sh\n");
-    s.push_str("# Binds a local rank to the CPUs, memory and HCA next to its GPU.\n");
+    s.push_str("# Binds a local rank to the CPUs and memory next to its GPU, and UCX to the\n# nearest HCA (NCCL_IB_HCA is one value for the whole node: keel tune env).\n");
     match launcher {
         Launcher::Torchrun => s.push_str(&format!(
             "# Use: torchrun --nproc-per-node={n} --no-python ./keel-bind.sh python train.py ...\n"
@@ -443,8 +474,8 @@ fn wrapper_script(launcher: Launcher, n: usize, ranks: &[RankPlan]) -> String {
     s.push_str("case \"$rank\" in\n");
     for r in ranks {
         let mut env = String::new();
-        if let (Some(n), Some(u)) = (&r.nccl_ib_hca, &r.ucx_net_devices) {
-            env = format!("NCCL_IB_HCA={n} UCX_NET_DEVICES={u} ");
+        if let Some(u) = &r.ucx_net_devices {
+            env = format!("UCX_NET_DEVICES={u} ");
         }
         s.push_str(&format!(
             "  {}) exec env {env}{} \"$@\" ;;\n",

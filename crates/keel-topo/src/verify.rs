@@ -94,10 +94,11 @@ pub fn verify(
     scope: Scope,
     nvml: Option<&GpuProcessMap>,
 ) -> Verification {
-    let by_minor: BTreeMap<u32, usize> = machine
-        .gpus
+    let ids = crate::gpu_ids::GpuIds::from_machine(machine);
+    let by_minor: BTreeMap<u32, usize> = ids
+        .gpus()
         .iter()
-        .filter_map(|g| g.minor.map(|m| (m, g.index)))
+        .filter_map(|g| g.minor.map(|m| (m, g.index as usize)))
         .collect();
 
     let selected: Vec<&Process> = processes

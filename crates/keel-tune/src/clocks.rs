@@ -41,6 +41,8 @@ pub enum ClocksError {
     Fs(#[from] keel_fs::FsError),
     #[error("{path} is not a keel clock state file: {message}")]
     State { path: PathBuf, message: String },
+    #[error("--slurm-gpus: {0}")]
+    GpuIds(#[from] keel_topo::GpuIdError),
 }
 
 /// How a GPU's clocks are raised.
@@ -364,6 +366,25 @@ pub struct Options {
     pub apply: bool,
     /// Only these GPUs (NVML indices); empty: all.
     pub only: Vec<u32>,
+}
+
+/// The NVML indices of the GPUs Slurm names by `ids` (`SLURM_JOB_GPUS`):
+/// device minors (gres.conf `File=/dev/nvidiaN`, as CycleCloud writes it)
+/// or NVML indices (`AutoDetect=nvml`), per `kind`. NVML's GPUs are joined
+/// with the driver's minors (`procfs`, by PCI address) through keel-topo's
+/// `GpuIds`; an id that names no GPU is an error, never another GPU.
+pub fn slurm_gpus(
+    ctl: &dyn ClockControl,
+    procfs: &std::collections::BTreeMap<keel_topo::PciAddr, u32>,
+    ids: &[u32],
+    kind: keel_topo::IdKind,
+) -> Result<Vec<u32>, ClocksError> {
+    let gpus = ctl.gpus().map_err(ClocksError::List)?;
+    let map = keel_topo::GpuIds::new(
+        gpus.iter().map(|g| (g.index, g.pci_bus_id.clone(), None)),
+        procfs,
+    );
+    Ok(map.to_indices(ids, kind)?)
 }
 
 fn selected(ctl: &dyn ClockControl, only: &[u32]) -> Result<Vec<ControlledGpu>, ClocksError> {

@@ -1,8 +1,11 @@
 //! The job environment for a node: the SKU profile's NCCL/UCX/MPI settings
 //! (each with its reason and source), `CUDA_DEVICE_ORDER`, NCCL's topology
-//! file where the machine image ships one, and the InfiniBand HCA each
-//! local rank should use (`NCCL_IB_HCA`, `UCX_NET_DEVICES`, as
-//! `keel topo plan` chooses it).
+//! file where the machine image ships one, `NCCL_IB_HCA` as one value for
+//! the whole node (every InfiniBand HCA: NCCL pairs GPUs and HCAs itself,
+//! and its maintainers say never to set it differently per rank, NVIDIA/nccl
+//! issue 1478), and per local rank only what a library takes per process:
+//! `UCX_NET_DEVICES`, the HCA nearest the rank's GPU as `keel topo plan`
+//! chooses it.
 //!
 //! Pure: the caller gives the machine, the profile and whether each
 //! candidate topology file exists; rendering as shell, JSON or Slurm
@@ -130,6 +133,14 @@ pub fn node_env(
     );
     match plan {
         Ok(plan) => {
+            if let Some(v) = &plan.nccl_ib_hca {
+                vars.push(Var {
+                    name: "NCCL_IB_HCA".into(),
+                    value: v.clone(),
+                    reason: "every InfiniBand HCA of the node and nothing else (no Ethernet VF), the same on every rank: NCCL pairs each GPU with its nearest HCA itself (from the PCI topology or NCCL_TOPO_FILE)".into(),
+                    source: "NCCL environment variables (NCCL_IB_HCA: =exact names, port after the colon); NVIDIA/nccl issue 1478: \"You should not set NCCL_IB_HCA differently on each rank\"; keel topo (sysfs /sys/class/infiniband)".into(),
+                });
+            }
             for r in &plan.ranks {
                 let mut rv = Vec::new();
                 let why = match (&r.hca, r.hca_relation) {
@@ -140,19 +151,13 @@ pub fn node_env(
                     (Some(h), None) => format!("the InfiniBand HCA for this rank's GPU ({h})"),
                     _ => String::new(),
                 };
-                if let Some(v) = &r.nccl_ib_hca {
-                    rv.push(Var {
-                        name: "NCCL_IB_HCA".into(),
-                        value: v.clone(),
-                        reason: why.clone(),
-                        source: "keel topo plan (sysfs PCI topology)".into(),
-                    });
-                }
                 if let Some(v) = &r.ucx_net_devices {
                     rv.push(Var {
                         name: "UCX_NET_DEVICES".into(),
                         value: v.clone(),
-                        reason: why.clone(),
+                        reason: format!(
+                            "{why}, for MPI's traffic over UCX, which reads it per process"
+                        ),
                         source: "keel topo plan (sysfs PCI topology)".into(),
                     });
                 }
@@ -168,9 +173,7 @@ pub fn node_env(
                 );
             }
         }
-        Err(e) => notes.push(format!(
-            "NCCL_IB_HCA and UCX_NET_DEVICES not set per rank: {e}"
-        )),
+        Err(e) => notes.push(format!("NCCL_IB_HCA and UCX_NET_DEVICES not set: {e}")),
     }
     Ok(NodeEnv {
         sku: profile.name.clone(),
@@ -207,7 +210,7 @@ pub fn render_sh(env: &NodeEnv) -> String {
     }
     if env.ranks.iter().any(|r| !r.vars.is_empty()) {
         s.push_str(
-            "# per local rank: the InfiniBand HCA nearest the rank's GPU [keel topo plan]\n",
+            "# per local rank, for UCX (MPI) only: the InfiniBand HCA nearest the rank's GPU [keel topo plan]\n",
         );
         s.push_str(
             "case \"${SLURM_LOCALID:-${OMPI_COMM_WORLD_LOCAL_RANK:-${LOCAL_RANK:-}}}\" in\n",

@@ -9,6 +9,15 @@
 //! partition table, LUKS, swap); `--force` lets signatures (only) be
 //! wiped. Everything is read under a root directory, so tests use fixture
 //! trees; the commands run are exactly the ones printed.
+//!
+//! keel names its array (`mdadm --create --name=<label>`), so it knows it
+//! again after a reboot: drives whose md superblock (v1.2, 4 KiB in) names
+//! keel's array are not refused but reassembled (when the kernel has not
+//! already) and mounted; an array that is already mounted there is left
+//! as it is. Planning is therefore idempotent, and `keel scratch apply
+//! --apply` at boot brings scratch back after a plain reboot and builds it
+//! again on the blank drives of a deallocated VM. An array (or a new one)
+//! with fewer drives than the SKU has is refused unless allowed.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -35,6 +44,28 @@ pub enum ScratchError {
     NotRoot { what: String },
     #[error("cannot read the first bytes of {devices}: their signatures are unchecked, so nothing is written")]
     Unchecked { devices: String },
+    #[error("{what} has {found} drives but this SKU has {expected}: a smaller array is slower and smaller than the node's scratch should be (a drive missing or in use?); --allow-fewer-drives builds or mounts it anyway")]
+    TooFewDrives {
+        what: String,
+        found: usize,
+        expected: usize,
+    },
+    #[error("keel's array {name} (uuid {uuid}) has {found} of its {expected} drives ({members}): a RAID0 cannot run without all of them; find the missing drive, or rebuild it empty with --force")]
+    Incomplete {
+        name: String,
+        uuid: String,
+        found: usize,
+        expected: usize,
+        members: String,
+    },
+    #[error(
+        "keel's array {device} is mounted at {at}, not at {mount}: unmount it or pass --mount {at}"
+    )]
+    MountedElsewhere {
+        device: String,
+        at: String,
+        mount: String,
+    },
     #[error("step {step} failed: {command}: {message}")]
     Step {
         step: usize,
@@ -72,6 +103,51 @@ pub struct Drive {
     pub refused: Option<String>,
     /// Its first bytes could not be read (not root): signatures unchecked.
     pub unread: bool,
+    /// The md superblock (metadata 1.2) in its first bytes, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub md: Option<MdSuperblock>,
+}
+
+/// What an md v1.2 superblock (4 KiB into a member) says of its array
+/// (the kernel's `struct mdp_superblock_1`, `include/uapi/linux/raid/md_p.h`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MdSuperblock {
+    /// The array's UUID, 32 hex digits.
+    pub uuid: String,
+    /// The array's name, `homehost:name` as mdadm stores it.
+    pub name: String,
+    pub level: u32,
+    pub raid_disks: u32,
+}
+
+impl MdSuperblock {
+    /// Whether this names the array `label` (`keel-scratch`, or
+    /// `host:keel-scratch` as mdadm prefixes its home host).
+    pub fn is_named(&self, label: &str) -> bool {
+        self.name == label || self.name.split_once(':').is_some_and(|(_, n)| n == label)
+    }
+}
+
+/// Offset of the v1.2 superblock in a member.
+const MD_SB_OFFSET: usize = 0x1000;
+
+/// The md v1.2 superblock in a device's first bytes.
+pub fn md_superblock(head: &[u8]) -> Option<MdSuperblock> {
+    let sb = head.get(MD_SB_OFFSET..MD_SB_OFFSET + 96)?;
+    let le32 = |at: usize| u32::from_le_bytes([sb[at], sb[at + 1], sb[at + 2], sb[at + 3]]);
+    if le32(0) != 0xa92b_4efc || le32(4) != 1 {
+        return None;
+    }
+    let uuid: String = sb[16..32].iter().map(|b| format!("{b:02x}")).collect();
+    let name_bytes = &sb[32..64];
+    let end = name_bytes.iter().position(|b| *b == 0).unwrap_or(32);
+    let name = String::from_utf8_lossy(&name_bytes[..end]).into_owned();
+    Some(MdSuperblock {
+        uuid,
+        name,
+        level: le32(72),
+        raid_disks: le32(92),
+    })
 }
 
 /// One command of a plan.
@@ -111,7 +187,12 @@ pub struct Request {
     pub force: bool,
     /// Use these devices (paths under `/dev`) instead of the NVMe drives.
     pub devices: Vec<PathBuf>,
+    /// The XFS label and the md array's name (`--name`), by which keel
+    /// knows its array again.
     pub label: String,
+    /// The fewest drives an array may have (the SKU's NVMe count); `None`
+    /// or 0: any number.
+    pub min_drives: Option<usize>,
 }
 
 /// A plan: the drives seen, those used, and the exact commands.
@@ -265,9 +346,9 @@ fn inspect(
     {
         refused = Some("used as swap".into());
     }
-    let (signature, unread) = match head(root, &dev) {
-        Some(h) => (signature(&h).map(str::to_owned), false),
-        None => (None, true),
+    let (signature, unread, md) = match head(root, &dev) {
+        Some(h) => (signature(&h).map(str::to_owned), false, md_superblock(&h)),
+        None => (None, true, None),
     };
     Ok(Drive {
         name: name.to_owned(),
@@ -277,6 +358,7 @@ fn inspect(
         signature,
         refused,
         unread,
+        md,
     })
 }
 
@@ -326,8 +408,158 @@ pub fn drives(
     Ok(out)
 }
 
-/// Plans scratch from `drives`.
+/// The arrays `/proc/mdstat` lists (`md127`) and their members' kernel
+/// names.
+fn md_arrays(mdstat: &str) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for (name, array) in md_members(mdstat) {
+        match out.iter_mut().find(|(a, _)| *a == array) {
+            Some((_, m)) => m.push(name),
+            None => out.push((array, vec![name])),
+        }
+    }
+    out
+}
+
+/// keel's own array among `drives`, if any: the members whose superblock
+/// names `req.label`, with the device the kernel assembled them as.
+fn keel_array(root: &Root, drives: &[Drive], req: &Request) -> Result<Option<Plan>, ScratchError> {
+    let ours: Vec<&Drive> = drives
+        .iter()
+        .filter(|d| d.md.as_ref().is_some_and(|m| m.is_named(&req.label)))
+        .collect();
+    let Some(first) = ours.first().and_then(|d| d.md.clone()) else {
+        return Ok(None);
+    };
+    // One array by UUID; another named alike (an old one) is not ours.
+    let members: Vec<&Drive> = ours
+        .iter()
+        .copied()
+        .filter(|d| d.md.as_ref().is_some_and(|m| m.uuid == first.uuid))
+        .collect();
+    let expected = first.raid_disks as usize;
+    let names: Vec<String> = members.iter().map(|d| d.dev.clone()).collect();
+    if members.len() < expected {
+        if req.force {
+            // Rebuilt empty: the create path wipes the stale superblocks.
+            return Ok(None);
+        }
+        return Err(ScratchError::Incomplete {
+            name: first.name.clone(),
+            uuid: first.uuid.clone(),
+            found: members.len(),
+            expected,
+            members: names.join(", "),
+        });
+    }
+    if let Some(min) = req.min_drives.filter(|m| *m > 0) {
+        if expected < min {
+            return Err(ScratchError::TooFewDrives {
+                what: format!("keel's array {}", first.name),
+                found: expected,
+                expected: min,
+            });
+        }
+    }
+    let mdstat = root.read_opt("proc/mdstat")?.unwrap_or_default();
+    let assembled = md_arrays(&mdstat)
+        .into_iter()
+        .find(|(_, m)| members.iter().all(|d| m.contains(&d.name)));
+    let mount = req.mount.display().to_string();
+    let mut steps = Vec::new();
+    let mut notes = Vec::new();
+    let device = match &assembled {
+        Some((md, _)) => format!("/dev/{md}"),
+        None => req.array.display().to_string(),
+    };
+    let all_mounts = mounts(root)?;
+    let mounted_at = assembled
+        .as_ref()
+        .and_then(|_| all_mounts.iter().find(|(d, _)| *d == device))
+        .map(|(_, at)| at.clone());
+    match (&assembled, &mounted_at) {
+        (Some(_), Some(at)) if *at == mount => {
+            notes.push(format!(
+                "keel's array {} is {device}, mounted at {mount}: nothing to do",
+                first.name
+            ));
+        }
+        (Some(_), Some(at)) => {
+            return Err(ScratchError::MountedElsewhere {
+                device,
+                at: at.clone(),
+                mount,
+            })
+        }
+        (assembled, _) => {
+            if let Some((d, _)) = all_mounts.iter().find(|(_, at)| *at == mount) {
+                return Err(ScratchError::MountBusy {
+                    mount,
+                    source_dev: d.clone(),
+                });
+            }
+            if assembled.is_some() {
+                notes.push(format!(
+                    "keel's array {} is assembled as {device} (after a reboot): mounted again, not rebuilt",
+                    first.name
+                ));
+            } else {
+                let mut args = vec!["--assemble", device.as_str(), "--run"];
+                args.extend(names.iter().map(String::as_str));
+                steps.push(Step::new(
+                    "mdadm",
+                    &args,
+                    "assemble keel's array again from its drives (its data kept)",
+                ));
+            }
+            steps.push(Step::new("mkdir", &["-p", &mount], "the mount point"));
+            steps.push(Step::new(
+                "mount",
+                &["-o", "noatime", &device, &mount],
+                "mount it",
+            ));
+        }
+    }
+    // Its members are in use by keel's own array: used, not refused.
+    let mut drives = drives.to_vec();
+    for d in &mut drives {
+        if names.contains(&d.dev) {
+            d.refused = None;
+        }
+    }
+    Ok(Some(Plan {
+        drives,
+        used: names,
+        mount: req.mount.clone(),
+        device,
+        steps,
+        persist: persist(req, expected),
+        notes,
+    }))
+}
+
+/// What keeps scratch across reboots.
+fn persist(req: &Request, drives: usize) -> Vec<String> {
+    let mut persist = vec![
+        "deploy/systemd/keel-scratch.service: runs `keel scratch apply --apply` at boot, before slurmd: it mounts keel's array again after a reboot and builds it anew on the blank drives of a deallocated VM".to_owned(),
+    ];
+    if drives >= 2 {
+        persist.push("or: mdadm --detail --scan >> /etc/mdadm/mdadm.conf".into());
+    }
+    persist.push(format!(
+        "and LABEL={} {} xfs noatime,nofail 0 0   # /etc/fstab: nofail, as the drives are blank after a deallocation",
+        req.label,
+        req.mount.display()
+    ));
+    persist
+}
+
+/// Plans scratch from `drives`: keel's own array mounted again when the
+/// drives hold it, else a new one.
 pub fn plan(root: &Root, drives: Vec<Drive>, req: &Request) -> Result<Plan, ScratchError> {
+    if let Some(p) = keel_array(root, &drives, req)? {
+        return Ok(p);
+    }
     let mount = req.mount.display().to_string();
     if let Some((d, _)) = mounts(root)?.into_iter().find(|(_, at)| *at == mount) {
         return Err(ScratchError::MountBusy {
@@ -380,6 +612,26 @@ pub fn plan(root: &Root, drives: Vec<Drive>, req: &Request) -> Result<Plan, Scra
         };
         return Err(ScratchError::NoDrives { reason });
     }
+    if let Some(min) = req.min_drives.filter(|m| *m > 0) {
+        if used.len() < min {
+            let why: Vec<String> = drives
+                .iter()
+                .filter_map(|d| d.refused.as_ref().map(|r| format!("{}: {r}", d.dev)))
+                .collect();
+            return Err(ScratchError::TooFewDrives {
+                what: format!(
+                    "a new array{}",
+                    if why.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", why.join("; "))
+                    }
+                ),
+                found: used.len(),
+                expected: min,
+            });
+        }
+    }
     let mut steps = Vec::new();
     for w in &wipe {
         steps.push(Step::new(
@@ -392,6 +644,7 @@ pub fn plan(root: &Root, drives: Vec<Drive>, req: &Request) -> Result<Plan, Scra
     if used.len() >= 2 {
         device = req.array.display().to_string();
         let n = format!("--raid-devices={}", used.len());
+        let name = format!("--name={}", req.label);
         let mut args = vec![
             "--create",
             device.as_str(),
@@ -399,6 +652,7 @@ pub fn plan(root: &Root, drives: Vec<Drive>, req: &Request) -> Result<Plan, Scra
             n.as_str(),
             "--chunk=512",
             "--metadata=1.2",
+            name.as_str(),
             "--run",
         ];
         args.extend(used.iter().map(String::as_str));
@@ -432,14 +686,7 @@ pub fn plan(root: &Root, drives: Vec<Drive>, req: &Request) -> Result<Plan, Scra
         &["1777", &mount],
         "writable by every job, files deletable by their owners only (like /tmp)",
     ));
-    let mut persist = Vec::new();
-    if used.len() >= 2 {
-        persist.push("mdadm --detail --scan >> /etc/mdadm/mdadm.conf".into());
-    }
-    persist.push(format!(
-        "LABEL={} {mount} xfs noatime,nofail 0 0   # /etc/fstab: nofail, as the drives are blank after a deallocation",
-        req.label
-    ));
+    let persist = persist(req, used.len());
     Ok(Plan {
         drives,
         used,

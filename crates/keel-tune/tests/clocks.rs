@@ -309,3 +309,33 @@ fn recorded_machines_plan_by_their_clocks() {
     assert!(ndv5.calls.is_empty());
     assert!(!state.exists());
 }
+
+/// `--slurm-gpus "$SLURM_JOB_GPUS"` on NDv4, whose device minors are not
+/// its NVML indices: Slurm's GPU 0 (gres.conf `File=/dev/nvidia0`) is NVML's
+/// GPU 3, and only it is raised.
+#[test]
+fn slurm_gpu_ids_are_device_minors_not_nvml_indices() {
+    use keel_topo::IdKind;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("clocks.json");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/nd96asr_v4");
+    let procfs =
+        keel_topo::gpu_ids::read_procfs_minors(&keel_topo::Root::new(&root)).expect("procfs");
+    let mut ndv4 = recorded("nd96asr_v4");
+    assert_eq!(
+        keel_tune::clocks::slurm_gpus(&ndv4, &procfs, &[0, 4], IdKind::Minor).expect("ids"),
+        [3, 7]
+    );
+    assert_eq!(
+        keel_tune::clocks::slurm_gpus(&ndv4, &procfs, &[0, 4], IdKind::Index).expect("ids"),
+        [0, 4]
+    );
+    let err = keel_tune::clocks::slurm_gpus(&ndv4, &procfs, &[8], IdKind::Minor)
+        .expect_err("no /dev/nvidia8");
+    assert!(err.to_string().contains("device minor 8"), "{err}");
+    let mut o = opts(&state, true);
+    o.only = keel_tune::clocks::slurm_gpus(&ndv4, &procfs, &[0], IdKind::Minor).expect("ids");
+    let report = prolog(&mut ndv4, &o).expect("prolog");
+    let changed: Vec<&str> = report.gpus.iter().map(|g| g.pci_bus_id.as_str()).collect();
+    assert_eq!(changed, ["0004:00:00.0"], "{report:?}");
+}

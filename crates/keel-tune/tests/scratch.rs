@@ -21,6 +21,7 @@ fn request(force: bool) -> Request {
         force,
         devices: vec![],
         label: "keel-scratch".into(),
+        min_drives: Some(8),
     }
 }
 
@@ -68,7 +69,7 @@ fn ndv4_plans_a_raid0_of_its_eight_nvme_drives() {
     assert_eq!(
         lines,
         [
-            "mdadm --create /dev/md128 --level=0 --raid-devices=8 --chunk=512 --metadata=1.2 --run \
+            "mdadm --create /dev/md128 --level=0 --raid-devices=8 --chunk=512 --metadata=1.2 --name=keel-scratch --run \
              /dev/nvme0n1 /dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 /dev/nvme4n1 /dev/nvme5n1 /dev/nvme6n1 /dev/nvme7n1",
             "mkfs.xfs -L keel-scratch /dev/md128",
             "mkdir -p /mnt/resource_nvme",
@@ -97,6 +98,11 @@ fn drives_in_use_are_refused_and_signatures_need_force() {
     write_dev(dir.path(), "nvme0n1", 0, b"XFSB");
     write_dev(dir.path(), "nvme1n1", 0x1000, &[0xFC, 0x4E, 0x2B, 0xA9]);
     write_dev(dir.path(), "nvme2n1", 0, b"");
+    // Fewer drives than the SKU's eight are allowed here.
+    let request = |force| Request {
+        min_drives: None,
+        ..request(force)
+    };
     let plan = plan_at(dir.path(), &request(false)).expect("plan");
     let refused = |dev: &str| {
         plan.drives
@@ -156,6 +162,157 @@ fn a_busy_mount_point_or_no_usable_drive_is_an_error() {
 
     let err = plan_at(&fixture("cpu-only"), &request(false)).expect_err("no nvme");
     assert!(err.to_string().contains("no NVMe drive found"), "{err}");
+}
+
+/// An md v1.2 superblock 4 KiB into a member, as mdadm writes it.
+fn md_member(uuid: u8, name: &str, raid_disks: u32) -> Vec<u8> {
+    let mut sb = vec![0u8; 96];
+    sb[0..4].copy_from_slice(&0xa92b_4efc_u32.to_le_bytes());
+    sb[4..8].copy_from_slice(&1u32.to_le_bytes());
+    sb[16..32].copy_from_slice(&[uuid; 16]);
+    sb[32..32 + name.len()].copy_from_slice(name.as_bytes());
+    sb[92..96].copy_from_slice(&raid_disks.to_le_bytes());
+    sb
+}
+
+/// The NDv4 fixture after a plain reboot: the eight drives carry keel's
+/// array (`mdadm --create --name=keel-scratch`), which the kernel has or
+/// has not assembled again, mounted or not.
+fn rebooted(assembled: bool, mounted: bool, members: usize, raid_disks: u32) -> tempfile::TempDir {
+    let names: Vec<String> = (0..members).map(|i| format!("nvme{i}n1[{i}]")).collect();
+    let mdstat = if assembled {
+        format!(
+            "Personalities : [raid0]\nmd127 : active raid0 {}\n      7500000000 blocks super 1.2 512k chunks\n\nunused devices: <none>\n",
+            names.join(" ")
+        )
+    } else {
+        "Personalities : [raid0]\nunused devices: <none>\n".to_owned()
+    };
+    let mounts = if mounted {
+        "/dev/md127 /mnt/resource_nvme xfs rw,noatime 0 0\n"
+    } else {
+        ""
+    };
+    let dir = altered("nd96asr_v4", mounts, &mdstat);
+    for i in 0..members {
+        write_dev(
+            dir.path(),
+            &format!("nvme{i}n1"),
+            0x1000,
+            &md_member(7, "ndv4-0001:keel-scratch", raid_disks),
+        );
+    }
+    for i in members..8 {
+        write_dev(dir.path(), &format!("nvme{i}n1"), 0, b"");
+    }
+    dir
+}
+
+#[test]
+fn after_a_reboot_keels_array_is_mounted_again_not_refused() {
+    // Assembled by the kernel (md127), not mounted: mount it.
+    let dir = rebooted(true, false, 8, 8);
+    let plan = plan_at(dir.path(), &request(false)).expect("plan");
+    let lines: Vec<String> = plan.steps.iter().map(|s| s.line()).collect();
+    assert_eq!(
+        lines,
+        [
+            "mkdir -p /mnt/resource_nvme",
+            "mount -o noatime /dev/md127 /mnt/resource_nvme"
+        ]
+    );
+    assert_eq!(plan.device, "/dev/md127");
+    assert_eq!(plan.used.len(), 8);
+    assert!(
+        plan.drives.iter().all(|d| d.refused.is_none()),
+        "{:?}",
+        plan.drives
+    );
+
+    // Not assembled: assemble it from its drives, keep its data.
+    let dir = rebooted(false, false, 8, 8);
+    let lines: Vec<String> = plan_at(dir.path(), &request(false))
+        .expect("plan")
+        .steps
+        .iter()
+        .map(|s| s.line())
+        .collect();
+    assert_eq!(
+        lines[0],
+        "mdadm --assemble /dev/md128 --run /dev/nvme0n1 /dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 \
+         /dev/nvme4n1 /dev/nvme5n1 /dev/nvme6n1 /dev/nvme7n1"
+    );
+    assert!(!lines
+        .iter()
+        .any(|l| l.starts_with("mkfs") || l.contains("--create")));
+
+    // Already mounted there: nothing to do (a boot unit may run twice).
+    let dir = rebooted(true, true, 8, 8);
+    let plan = plan_at(dir.path(), &request(false)).expect("plan");
+    assert!(plan.steps.is_empty(), "{:?}", plan.steps);
+    assert!(plan.notes.iter().any(|n| n.contains("nothing to do")));
+
+    // Mounted somewhere else: said so, nothing planned.
+    let mut elsewhere = request(false);
+    elsewhere.mount = "/scratch".into();
+    assert!(matches!(
+        plan_at(dir.path(), &elsewhere),
+        Err(ScratchError::MountedElsewhere { .. })
+    ));
+}
+
+#[test]
+fn an_array_short_of_the_skus_drives_is_refused_unless_allowed() {
+    // keel's array built from 4 of the 8 drives.
+    let dir = rebooted(true, false, 4, 4);
+    match plan_at(dir.path(), &request(false)) {
+        Err(ScratchError::TooFewDrives {
+            found: 4,
+            expected: 8,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let mut allowed = request(false);
+    allowed.min_drives = None;
+    assert_eq!(plan_at(dir.path(), &allowed).expect("plan").used.len(), 4);
+
+    // A member missing (7 of 8 present): a RAID0 cannot run.
+    let dir = rebooted(false, false, 7, 8);
+    match plan_at(dir.path(), &request(false)) {
+        Err(e @ ScratchError::Incomplete { .. }) => {
+            assert!(e.to_string().contains("7 of its 8 drives"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A new array on 7 usable drives of 8 (one mounted elsewhere).
+    let dir = altered(
+        "nd96asr_v4",
+        "/dev/nvme3n1 /data xfs rw,relatime 0 0\n",
+        "Personalities : \nunused devices: <none>\n",
+    );
+    match plan_at(dir.path(), &request(false)) {
+        Err(e @ ScratchError::TooFewDrives { .. }) => {
+            assert!(e.to_string().contains("/dev/nvme3n1: mounted"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(plan_at(dir.path(), &allowed).expect("plan").used.len(), 7);
+}
+
+#[test]
+fn md_superblocks_name_their_array() {
+    let mut head = vec![0u8; scratch::SIGNATURE_BYTES];
+    head[0x1000..0x1000 + 96].copy_from_slice(&md_member(0xab, "host:keel-scratch", 8));
+    let sb = scratch::md_superblock(&head).expect("superblock");
+    assert_eq!(sb.uuid, "ab".repeat(16));
+    assert_eq!(sb.name, "host:keel-scratch");
+    assert_eq!(sb.raid_disks, 8);
+    assert!(sb.is_named("keel-scratch"));
+    assert!(!sb.is_named("scratch"));
+    assert!(scratch::md_superblock(&head[..0x1010]).is_none());
+    assert!(scratch::md_superblock(&vec![0u8; 0x2000]).is_none());
 }
 
 #[test]
@@ -305,6 +462,7 @@ fn real(n: usize) {
         force: false,
         devices: devs.iter().map(PathBuf::from).collect(),
         label: "keel-test".into(),
+        min_drives: None,
     };
     let root = Root::new("/");
     let drives = scratch::drives(&root, None, &req).expect("drives");
@@ -326,9 +484,44 @@ fn real(n: usize) {
             .any(|l| l.split_whitespace().nth(1) == Some(mount.to_str().unwrap_or("-"))),
         "{mounts}"
     );
-    // A second plan refuses the same drives now: mounted (or in the array).
-    let drives = scratch::drives(&root, None, &req).expect("drives");
-    assert!(scratch::plan(&root, drives, &req).is_err());
+    let again = scratch::plan(
+        &root,
+        scratch::drives(&root, None, &req).expect("drives"),
+        &req,
+    );
+    if n == 1 {
+        // A second plan refuses the drive now: it is mounted.
+        assert!(again.is_err());
+    } else {
+        // keel's own array, mounted where it belongs: nothing to do.
+        let again = again.expect("plan of keel's mounted array");
+        assert!(again.steps.is_empty(), "{:?}", again.steps);
+        // What a plain reboot does to it, as far as the drives go:
+        // unmounted and stopped. The next plan assembles and mounts the
+        // same array, its files kept.
+        std::fs::write(mount.join("kept"), b"data").expect("write");
+        for (cmd, args) in [
+            ("umount", vec![mount.display().to_string()]),
+            (
+                "mdadm",
+                vec!["--stop".into(), array.clone().unwrap_or_default()],
+            ),
+        ] {
+            let st = Command::new(cmd).args(&args).status().expect(cmd);
+            assert!(st.success(), "{cmd} {args:?}");
+        }
+        let after = scratch::plan(
+            &root,
+            scratch::drives(&root, None, &req).expect("drives"),
+            &req,
+        )
+        .expect("plan after a reboot");
+        let lines: Vec<String> = after.steps.iter().map(|s| s.line()).collect();
+        assert!(lines[0].starts_with("mdadm --assemble "), "{lines:?}");
+        assert!(!lines.iter().any(|l| l.starts_with("mkfs")), "{lines:?}");
+        scratch::apply(&after, &mut |_| {}).expect("assemble and mount");
+        assert_eq!(std::fs::read(mount.join("kept")).expect("kept"), b"data");
+    }
     let t = scratch::measure(
         &mount,
         VerifyOptions {

@@ -82,6 +82,10 @@ pub struct FileExporter {
     pub max_connections: Option<usize>,
     pub idle_threshold_percent: Option<f64>,
     pub idle_minutes: Option<f64>,
+    pub sku: Option<String>,
+    pub gpus: Option<u32>,
+    pub slurm_gpu_ids: Option<String>,
+    pub xid_window_s: Option<f64>,
 }
 
 /// The effective `keel exporter` settings.
@@ -117,6 +121,16 @@ pub struct ExporterConfig {
     pub idle_threshold_percent: f64,
     /// A job whose GPUs were all idle this long is marked idle.
     pub idle_minutes: f64,
+    /// The node's SKU profile (`keel check profiles`): its GPU count is
+    /// the count expected; unset: Azure IMDS's vmSize (on `/` only).
+    pub sku: Option<String>,
+    /// The GPUs the node must have; overrides the profile's count.
+    pub gpus: Option<u32>,
+    /// What Slurm's GPU ids (job-mapping file names) are: `minor` (gres.conf
+    /// `File=/dev/nvidiaN`, CycleCloud) or `index` (`AutoDetect=nvml`).
+    pub slurm_gpu_ids: String,
+    /// Window of `DCGM_EXP_XID_ERRORS_COUNT` (dcgm-exporter's `-x`).
+    pub xid_window_s: f64,
 }
 
 impl Default for ExporterConfig {
@@ -137,6 +151,10 @@ impl Default for ExporterConfig {
             max_connections: 16,
             idle_threshold_percent: 5.0,
             idle_minutes: 30.0,
+            sku: None,
+            gpus: None,
+            slurm_gpu_ids: "minor".into(),
+            xid_window_s: 300.0,
         }
     }
 }
@@ -163,8 +181,12 @@ pub fn load_exporter(
         dcgm_names,
         max_connections,
         idle_threshold_percent,
-        idle_minutes
+        idle_minutes,
+        slurm_gpu_ids,
+        xid_window_s
     );
+    c.sku = f.sku;
+    c.gpus = f.gpus;
     c.token_sha256 = f.token_sha256;
     c.nvml_library = f.nvml_library;
     c.check_textfile = f.check_textfile;
@@ -202,10 +224,28 @@ pub fn validate_exporter(c: &mut ExporterConfig) -> anyhow::Result<()> {
     }
     if let Some(p) = &c.device_file_pattern {
         if !p.contains("{}") || !p.starts_with('/') {
-            return Err(usage("exporter.device_file_pattern must be an absolute path with {} for the GPU index, e.g. /dev/nvidia{}".into()));
+            return Err(usage("exporter.device_file_pattern must be an absolute path with {} for the GPU's device minor, e.g. /dev/nvidia{}".into()));
         }
     }
+    c.slurm_gpu_ids
+        .parse::<keel_topo::IdKind>()
+        .map_err(|e| usage(format!("exporter.slurm_gpu_ids: {e}")))?;
+    if let Some(s) = &c.sku {
+        if !keel_check::profile::builtin_names().contains(&s.as_str()) {
+            return Err(usage(format!(
+                "exporter.sku = {:?} is not a SKU profile; known: {}",
+                s.chars().take(64).collect::<String>(),
+                keel_check::profile::builtin_names().join(", ")
+            )));
+        }
+    }
+    if c.gpus.is_some_and(|g| g > MAX_GPUS) {
+        return Err(usage(format!(
+            "exporter.gpus must be a whole number of GPUs from 0 to {MAX_GPUS}"
+        )));
+    }
     check_seconds("exporter.deadline_s", c.deadline_s)?;
+    check_seconds("exporter.xid_window_s", c.xid_window_s)?;
     check_seconds("exporter.replay_step_s", c.replay_step_s)?;
     if !(1..=1024).contains(&c.max_connections) {
         return Err(usage(format!(

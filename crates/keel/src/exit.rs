@@ -186,6 +186,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
                 T::List(_) => Code::Failed,
                 T::Fs(_) => Code::Io,
                 T::State { .. } => Code::Data,
+                T::GpuIds(_) => Code::Usage,
             };
         }
         if let Some(g) = e.downcast_ref::<keel_gpu::GpuError>() {

@@ -55,9 +55,21 @@ pub struct ExporterArgs {
     #[arg(long, value_name = "DIR")]
     job_mapping_dir: Option<PathBuf>,
     /// Also attribute GPUs to the jobs of processes holding their device
-    /// files open; `{}` stands for the GPU index (`/dev/nvidia{}`).
+    /// files open; `{}` stands for the GPU's device minor (`/dev/nvidia{}`).
     #[arg(long, value_name = "PATTERN")]
     device_file_pattern: Option<String>,
+    /// What the GPU ids in the job-mapping directory are: `minor` (Slurm's
+    /// ids under gres.conf File=/dev/nvidiaN lines, as CycleCloud writes
+    /// them) or `index` (NVML indices; Slurm with AutoDetect=nvml).
+    #[arg(long, value_name = "minor|index")]
+    slurm_gpu_ids: Option<String>,
+    /// The node's SKU profile: its GPU count is exposed as
+    /// keel_gpu_devices_expected [default: Azure IMDS's vmSize].
+    #[arg(long, value_name = "SKU")]
+    sku: Option<String>,
+    /// The GPUs this node must have (overrides the profile's count).
+    #[arg(long, value_name = "N")]
+    gpus: Option<u32>,
     /// Do not look up the Slurm jobs of the GPUs' processes.
     #[arg(long)]
     no_process_jobs: bool,
@@ -115,6 +127,15 @@ fn effective(args: &ExporterArgs) -> anyhow::Result<ExporterConfig> {
     if let Some(v) = &args.device_file_pattern {
         c.device_file_pattern = Some(v.clone());
     }
+    if let Some(v) = &args.slurm_gpu_ids {
+        c.slurm_gpu_ids = v.clone();
+    }
+    if let Some(v) = &args.sku {
+        c.sku = Some(v.clone());
+    }
+    if let Some(v) = args.gpus {
+        c.gpus = Some(v);
+    }
     if args.no_process_jobs {
         c.jobs_from_processes = false;
     }
@@ -153,6 +174,35 @@ fn probe(cli: &Cli, c: &ExporterConfig) -> anyhow::Result<Box<dyn GpuProbe + Sen
     )))
 }
 
+/// The GPU count the node should have: `gpus`, else the SKU profile's
+/// (`sku`, else the profile of Azure IMDS's vmSize when the exporter reads
+/// this machine, not a root given with --root).
+fn expected(
+    cli: &Cli,
+    c: &ExporterConfig,
+) -> anyhow::Result<Option<keel_exporter::readings::ExpectedGpus>> {
+    use keel_check::profile;
+    let sku = match &c.sku {
+        Some(s) => Some(s.clone()),
+        None if cli.root == Path::new("/") => keel_check::imds::vm_size(
+            keel_check::imds::DEFAULT_ENDPOINT,
+            Duration::from_millis(1000),
+        )
+        .and_then(|size| profile::for_vm_size(&size).map(str::to_owned)),
+        None => None,
+    };
+    let from_profile = match &sku {
+        Some(s) => profile::load(s, None)?.gpu.count,
+        None => None,
+    };
+    Ok(c.gpus
+        .or(from_profile)
+        .map(|gpus| keel_exporter::readings::ExpectedGpus {
+            sku: sku.unwrap_or_else(|| "configured".into()),
+            gpus,
+        }))
+}
+
 pub fn run(cli: &Cli, args: &ExporterArgs, out: &mut Out) -> anyhow::Result<Code> {
     let c = effective(args)?;
     if args.print_config {
@@ -184,6 +234,9 @@ pub fn run(cli: &Cli, args: &ExporterArgs, out: &mut Out) -> anyhow::Result<Code
             threshold_percent: c.idle_threshold_percent,
             idle_minutes: c.idle_minutes,
         }),
+        expected: expected(cli, &c)?,
+        xid_window: Duration::from_secs_f64(c.xid_window_s),
+        slurm_gpu_ids: c.slurm_gpu_ids.parse().map_err(crate::exit::UsageError)?,
     };
     let serve_opts = ServeOptions {
         auth: match &c.token_sha256 {

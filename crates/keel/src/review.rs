@@ -35,11 +35,12 @@ pub enum FailOn {
 pub struct ReviewArgs {
     /// Files to review: slurm.conf (its includes are followed), gres.conf,
     /// keel's gateway file, keel.toml, sbatch scripts, environment files
-    /// (NAME=VALUE lines). The kind is told from the name and content;
-    /// `KIND:PATH` forces it (slurm, gres, gateway, keel, sbatch, env).
-    /// Without paths: $SLURM_CONF or /etc/slurm/slurm.conf (under --root),
-    /// gres.conf beside it, the keel config file and the gateway file it
-    /// names.
+    /// (NAME=VALUE lines), NCCL's nccl.conf. The kind is told from the name
+    /// and content; `KIND:PATH` forces it (slurm, gres, gateway, keel,
+    /// sbatch, env, nccl). Without paths: $SLURM_CONF or
+    /// /etc/slurm/slurm.conf (under --root), gres.conf beside it,
+    /// /etc/nccl.conf (under --root), the keel config file and the gateway
+    /// file it names.
     #[arg(value_name = "PATH")]
     paths: Vec<String>,
     /// Also review this process's environment, as a job's environment.
@@ -87,6 +88,12 @@ fn default_paths(root: &Path) -> Vec<(Option<Kind>, PathBuf)> {
         if gres.is_file() {
             out.push((Some(Kind::Gres), gres));
         }
+    }
+    // Where Azure's HPC images write NCCL's settings (NCCL reads it in
+    // every job on the node).
+    let nccl = root.join("etc/nccl.conf");
+    if nccl.is_file() {
+        out.push((Some(Kind::Nccl), nccl));
     }
     let keel = std::env::var_os("KEEL_CONFIG")
         .map(PathBuf::from)

@@ -47,9 +47,14 @@ pub struct PlanArgs {
     /// are otherwise unused (never a mounted drive or an array member).
     #[arg(long)]
     force: bool,
-    /// The XFS label (used by the printed fstab line).
+    /// The XFS label and the md array's name, by which keel knows its
+    /// array again after a reboot.
     #[arg(long, default_value = "keel-scratch")]
     label: String,
+    /// Build or mount an array of fewer drives than the SKU profile's NVMe
+    /// count (a drive missing or kept for something else).
+    #[arg(long)]
+    allow_fewer_drives: bool,
     /// SKU profile; default: from the GPUs on an Azure VM, else `generic`.
     #[arg(long, env = "KEEL_SKU")]
     sku: Option<String>,
@@ -125,6 +130,11 @@ fn make_plan(cli: &Cli, a: &PlanArgs) -> anyhow::Result<(Plan, keel_check::profi
         force: a.force,
         devices: a.devices.clone(),
         label: a.label.clone(),
+        // Only for the NVMe drives keel finds: devices named explicitly are
+        // the operator's choice.
+        min_drives: (a.devices.is_empty() && !a.allow_fewer_drives)
+            .then_some(profile.host.nvme.map(|n| n as usize))
+            .flatten(),
     };
     let root = keel_topo::Root::new(&cli.root);
     let drives = scratch::drives(&root, m.as_ref(), &req)?;
@@ -185,7 +195,10 @@ fn show_plan(
     for st in &plan.steps {
         s.push_str(&format!("  {}    # {}\n", st.line(), st.why));
     }
-    s.push_str("To keep it across reboots (not done by keel):\n");
+    if plan.steps.is_empty() {
+        s = s.replace("Steps for", "Nothing to do for");
+    }
+    s.push_str("To keep it across reboots:\n");
     for p in &plan.persist {
         s.push_str(&format!("  {p}\n"));
     }
@@ -288,8 +301,12 @@ pub fn code(e: &ScratchError) -> Code {
         ScratchError::Topo(_) | ScratchError::Io { .. } => Code::Io,
         ScratchError::NoDrives { .. }
         | ScratchError::NoDirectIo { .. }
-        | ScratchError::Buffer { .. } => Code::Unknown,
-        ScratchError::MountBusy { .. } | ScratchError::NotRoot { .. } => Code::Usage,
+        | ScratchError::Buffer { .. }
+        | ScratchError::TooFewDrives { .. }
+        | ScratchError::Incomplete { .. } => Code::Unknown,
+        ScratchError::MountBusy { .. }
+        | ScratchError::MountedElsewhere { .. }
+        | ScratchError::NotRoot { .. } => Code::Usage,
         ScratchError::Unchecked { .. } => Code::Unknown,
         ScratchError::Step { .. } => Code::Failed,
     }

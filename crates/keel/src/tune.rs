@@ -61,8 +61,22 @@ pub struct ClockArgs {
     #[arg(long, value_name = "FILE", env = "KEEL_TUNE_STATE", default_value = clocks::DEFAULT_STATE_FILE)]
     state: PathBuf,
     /// Only these GPUs (NVML indices, PCI bus order), e.g. `0,1`; default all.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        conflicts_with = "slurm_gpus"
+    )]
     gpus: Vec<u32>,
+    /// Only the GPUs Slurm names so (`"$SLURM_JOB_GPUS"` in a prolog):
+    /// device minors, which Slurm's ids are under gres.conf
+    /// `File=/dev/nvidiaN` lines (Azure CycleCloud), not NVML indices.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    slurm_gpus: Vec<u32>,
+    /// What --slurm-gpus holds: `minor` (gres.conf File= lines) or `index`
+    /// (gres.conf AutoDetect=nvml, which numbers GPUs in PCI order).
+    #[arg(long, value_name = "minor|index", default_value = "minor")]
+    slurm_gpu_ids: String,
     /// The NVML library to load.
     #[arg(long, value_name = "PATH", default_value = keel_gpu::nvml::DEFAULT_LIBRARY)]
     nvml_library: PathBuf,
@@ -70,8 +84,8 @@ pub struct ClockArgs {
 
 pub fn run(_cli: &Cli, cmd: &TuneCommand, out: &mut Out) -> anyhow::Result<Code> {
     match cmd {
-        TuneCommand::Clocks(a) => clocks_cmd(a, out, "tune clocks", clocks::prolog),
-        TuneCommand::Reset(a) => clocks_cmd(a, out, "tune reset", clocks::epilog),
+        TuneCommand::Clocks(a) => clocks_cmd(_cli, a, out, "tune clocks", clocks::prolog),
+        TuneCommand::Reset(a) => clocks_cmd(_cli, a, out, "tune reset", clocks::epilog),
         TuneCommand::Env(a) => env_cmd(_cli, a, out),
     }
 }
@@ -166,8 +180,18 @@ struct ClocksJson<'a> {
     report: &'a Report,
 }
 
-fn clocks_cmd(a: &ClockArgs, out: &mut Out, command: &str, step: Step) -> anyhow::Result<Code> {
-    let opts = Options {
+fn clocks_cmd(
+    cli: &Cli,
+    a: &ClockArgs,
+    out: &mut Out,
+    command: &str,
+    step: Step,
+) -> anyhow::Result<Code> {
+    let kind: keel_topo::IdKind = a
+        .slurm_gpu_ids
+        .parse()
+        .map_err(|e: String| crate::exit::UsageError(format!("--slurm-gpu-ids: {e}")))?;
+    let mut opts = Options {
         state_file: a.state.clone(),
         apply: a.apply,
         only: a.gpus.clone(),
@@ -192,6 +216,10 @@ fn clocks_cmd(a: &ClockArgs, out: &mut Out, command: &str, step: Step) -> anyhow
             return Ok(Code::Unknown);
         }
     };
+    if !a.slurm_gpus.is_empty() {
+        let procfs = keel_topo::gpu_ids::read_procfs_minors(&keel_topo::Root::new(&cli.root))?;
+        opts.only = clocks::slurm_gpus(&ctl, &procfs, &a.slurm_gpus, kind)?;
+    }
     let report = step(&mut ctl, &opts)?;
     finish(out, command, &report)
 }

@@ -92,7 +92,7 @@ fn exporter_serves_the_replayed_gpus_behind_the_token() {
     let (_p, addr) = start(&["--token-sha256", sha]);
     let r = http::get(addr, "/metrics", token).expect("scrape");
     assert_eq!(r.status, 200, "{}", r.text());
-    assert!(r.text().contains("keel_gpu_count 8\n"));
+    assert!(r.text().contains("keel_gpu_devices 8\n"));
     assert!(r
         .text()
         .contains("keel_hca_port_active{hca=\"mlx5_ib0\",port=\"1\"} 1\n"));
@@ -114,7 +114,9 @@ fn cost_idle_reports_idle_gpu_hours_and_cancels_only_when_told() {
     )
     .expect("json");
     for g in snap["gpus"].as_array_mut().expect("gpus") {
-        g["utilization_gpu_percent"] = if g["index"] == 3 { 80 } else { 0 }.into();
+        // Busy: the GPU the mapping directory's file "3" names, Slurm's id
+        // 3, its device minor (NVML's GPU 0 on this machine).
+        g["utilization_gpu_percent"] = if g["minor_number"] == 3 { 80 } else { 0 }.into();
     }
     let snap_file = dir.path().join("gpu.json");
     std::fs::write(&snap_file, snap.to_string()).expect("write");
@@ -288,7 +290,9 @@ fn cost_report_adds_the_exporters_idle_gpu_hours_priced_by_the_table() {
     )
     .expect("json");
     for g in snap["gpus"].as_array_mut().expect("gpus") {
-        g["utilization_gpu_percent"] = if g["index"] == 3 { 80 } else { 0 }.into();
+        // Busy: the GPU the mapping directory's file "3" names, Slurm's id
+        // 3, its device minor (NVML's GPU 0 on this machine).
+        g["utilization_gpu_percent"] = if g["minor_number"] == 3 { 80 } else { 0 }.into();
     }
     let snap_file = dir.path().join("gpu.json");
     std::fs::write(&snap_file, snap.to_string()).expect("write");

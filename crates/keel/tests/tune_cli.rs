@@ -158,7 +158,25 @@ fn env_json_names_every_variable_with_reason_and_source() {
     // HCOLL is an Open MPI setting: not for torchrun.
     assert!(!names.contains(&"OMPI_MCA_coll_hcoll_enable"), "{names:?}");
     assert_eq!(v["ranks"].as_array().map(Vec::len), Some(8));
-    assert_eq!(v["ranks"][5]["vars"][0]["name"], "NCCL_IB_HCA");
+    // NCCL_IB_HCA once for the node (NVIDIA/nccl issue 1478); per rank
+    // only UCX's devices.
+    let hca = vars
+        .iter()
+        .find(|x| x["name"] == "NCCL_IB_HCA")
+        .expect("NCCL_IB_HCA");
+    assert_eq!(
+        hca["value"],
+        "=mlx5_ib0:1,mlx5_ib1:1,mlx5_ib2:1,mlx5_ib3:1,mlx5_ib4:1,mlx5_ib5:1,mlx5_ib6:1,mlx5_ib7:1"
+    );
+    for r in v["ranks"].as_array().expect("ranks") {
+        let names: Vec<&str> = r["vars"]
+            .as_array()
+            .expect("vars")
+            .iter()
+            .filter_map(|x| x["name"].as_str())
+            .collect();
+        assert_eq!(names, ["UCX_NET_DEVICES"], "{r}");
+    }
 }
 
 #[test]
@@ -183,13 +201,18 @@ fn env_sets_nccl_topo_file_when_the_image_ships_it() {
     );
     assert!(!out.contains("NCCL_TOPO_FILE not set"), "{out}");
 
-    // The TaskProlog form: rank 3's HCA, and the user's own value kept.
+    // The TaskProlog form: the node's HCAs for NCCL, rank 3's for UCX, and
+    // the user's own value kept.
     let (c, out, err) = keel(
         &args(&["--root", &root, "tune", "env", "--format", "slurm"]),
         &[("SLURM_LOCALID", "3"), ("UCX_TLS", "dc")],
     );
     assert_eq!(c, 0, "{err}");
-    assert!(out.contains("export NCCL_IB_HCA=mlx5_ib3:1\n"), "{out}");
+    assert!(
+        out.contains("export NCCL_IB_HCA==mlx5_ib0:1,mlx5_ib1:1,mlx5_ib2:1,mlx5_ib3:1,mlx5_ib4:1,mlx5_ib5:1,mlx5_ib6:1,mlx5_ib7:1\n"),
+        "{out}"
+    );
+    assert!(out.contains("export UCX_NET_DEVICES=mlx5_ib3:1\n"), "{out}");
     assert!(
         out.contains("export NCCL_TOPO_FILE=/opt/microsoft/ndv4-topo.xml\n"),
         "{out}"
