@@ -437,6 +437,24 @@ fn a_client_that_does_not_read_its_response_is_cut_off_after_write_timeout_ms() 
     let mut req = post_head("/v1/chat/completions", &key, body.len()).into_bytes();
     req.extend_from_slice(body.as_bytes());
     s.write_all(&req).expect("write");
+    // A non-streamed answer is recorded in the audit log once the gateway
+    // holds all of it, before it is written: from that line on, only the
+    // client's reading can move the write. Waiting for the line, not a
+    // fixed time, keeps a slow backend on a loaded machine from being
+    // mistaken for a gateway that waits.
+    let audit = dir.path().join("audit.jsonl");
+    let t = Instant::now();
+    while !std::fs::read_to_string(&audit)
+        .unwrap_or_default()
+        .contains("/v1/chat/completions")
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no audit line for the request"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The write timeout is 300 ms; the client still reads nothing.
     std::thread::sleep(Duration::from_secs(3));
     let mut got = Vec::new();
     let _ = s.read_to_end(&mut got);

@@ -964,7 +964,7 @@ async fn connections_are_bounded_in_number_and_time() {
     let (addr, stop, server) = start(ConnectionLimits {
         max_connections: 1,
         write_timeout: Duration::from_millis(500),
-        lifetime: Duration::from_secs(60),
+        lifetime: Duration::from_secs(600),
         ..ConnectionLimits::default()
     })
     .await;
@@ -1001,11 +1001,14 @@ async fn connections_are_bounded_in_number_and_time() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), served)
+    // How long the server takes to fill its send buffer depends on the
+    // machine's load; the bound that matters is the connection's lifetime
+    // (600 s), which only the write timeout can beat.
+    tokio::time::timeout(Duration::from_secs(120), served)
         .await
         .expect("served once the deaf client is cut");
     assert!(refused > 0, "the deaf client never held the place");
-    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(started.elapsed() < Duration::from_secs(120));
     writer.abort();
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(35), server).await;

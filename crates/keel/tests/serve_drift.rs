@@ -187,6 +187,17 @@ fn until<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T
     }
 }
 
+/// Sets the flag when dropped: a test's traffic driver stops even when the
+/// test panics inside its thread scope (which would otherwise wait for the
+/// driver for ever).
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[test]
 fn a_recorded_baseline_is_the_reference_of_a_restarted_gateway() {
     let t = tempfile::tempdir().expect("tmp");
@@ -556,6 +567,9 @@ fn a_shifted_input_column_of_an_oip_model_drifts_and_moves_no_alias_even_under_f
     // The second column moves up by 500; the first stays.
     let stop = AtomicBool::new(false);
     std::thread::scope(|sc| {
+        // A failing assertion below still ends the driver thread, so the
+        // scope can join it and the test fails at once.
+        let _stop = StopOnDrop(&stop);
         let d = sc.spawn(|| {
             let mut i = 0;
             let mut served = std::collections::BTreeSet::new();
@@ -642,6 +656,9 @@ fn the_fallback_action_moves_the_stable_alias_once_and_an_operator_moves_it_back
     // (the threshold of 1 is far above what load-dependent latency moves).
     let stop = AtomicBool::new(false);
     std::thread::scope(|sc| {
+        // A failing assertion below still ends the driver thread, so the
+        // scope can join it and the test fails at once.
+        let _stop = StopOnDrop(&stop);
         let d = sc.spawn(|| {
             let mut n = std::collections::BTreeMap::<String, u64>::new();
             while !stop.load(Ordering::Relaxed) {
