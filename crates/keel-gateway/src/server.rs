@@ -214,7 +214,14 @@ where
                     Some(tls) => {
                         let acceptor = tls.acceptor().clone();
                         tokio::spawn(async move {
-                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                            // A handshake still running when its place is
+                            // taken for a newer connection ends there, so
+                            // no connection lives without a place.
+                            let handshake = tokio::select! {
+                                r = tokio::time::timeout(header_timeout, acceptor.accept(stream)) => r,
+                                _ = place.evicted() => return,
+                            };
+                            match handshake {
                                 Ok(Ok(s)) => connection(s, app, conn_opts, watcher, place).await,
                                 Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                 Err(_) => tracing::debug!("TLS handshake timed out"),
