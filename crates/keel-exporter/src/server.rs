@@ -1,9 +1,16 @@
-//! `/metrics` over HTTP/1.1: `serve(listener, exporter, opts, shutdown)`.
-//! A bearer token (its SHA-256 configured, as keel serve's metrics
-//! listener) or, only when asked for, no authentication for a trusted
-//! scrape network. At most `max_connections` connections at once (further
-//! ones wait in the kernel's accept queue), each must send its request head
-//! within `header_timeout` and lives at most `connection_lifetime`.
+//! `/metrics` over HTTP/1.1: `serve(listener, exporter, opts, shutdown)`,
+//! through keel-http's accept loop. A bearer token (its SHA-256
+//! configured, as keel serve's metrics listener) or, only when asked for,
+//! no authentication for a trusted scrape network. At most
+//! `max_connections` connections at once and `max_per_client` from one
+//! client (an IPv4 address or an IPv6 /64); one more is answered 503 at
+//! once. A connection without the token gives way to a newer one when the
+//! places are full (the oldest waiting for its request head is closed),
+//! and a quarter of the places is kept for scrapers with the token. Each
+//! connection must send its request head within `header_timeout`, waits
+//! as long for its next one, must let its answer be written (10 s without
+//! progress ends it), and lives at most `connection_lifetime`; heads are
+//! at most 16 KiB.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,10 +21,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 
 use crate::Exporter;
 
@@ -34,7 +38,10 @@ pub enum Auth {
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub auth: Auth,
+    /// Connections served at once.
     pub max_connections: usize,
+    /// Connections served at once from one client.
+    pub max_per_client: usize,
     pub header_timeout: Duration,
     pub connection_lifetime: Duration,
 }
@@ -44,39 +51,20 @@ impl Default for ServeOptions {
         Self {
             auth: Auth::None,
             max_connections: 16,
+            max_per_client: 4,
             header_timeout: Duration::from_secs(5),
             connection_lifetime: Duration::from_secs(120),
         }
     }
 }
 
-/// SHA-256 of `bytes`, lowercase hex.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// Compares two hex digests without an early exit.
-fn same_digest(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
+pub use keel_http::sha256_hex;
 
 fn authorized(auth: &Auth, req: &Request<Incoming>) -> bool {
     match auth {
         Auth::None => true,
-        Auth::Token { sha256 } => req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case("bearer "))
-            .is_some_and(|v| same_digest(&sha256_hex(v[7..].trim().as_bytes()), sha256)),
+        Auth::Token { sha256 } => keel_http::bearer_token(req.headers())
+            .is_some_and(|t| keel_http::same_digest(&sha256_hex(t.as_bytes()), sha256)),
     }
 }
 
@@ -119,7 +107,7 @@ async fn handle(
                 .filter_map(|v| v.to_str().ok())
                 .any(|v| v.contains("application/openmetrics-text"));
             let text = exporter.scrape().await;
-            if openmetrics {
+            let mut r = if openmetrics {
                 reply(
                     StatusCode::OK,
                     crate::text::OPENMETRICS_CONTENT_TYPE,
@@ -131,7 +119,11 @@ async fn handle(
                     crate::text::CONTENT_TYPE,
                     Bytes::from(text.as_bytes().to_vec()),
                 )
-            }
+            };
+            // A scraper (with the token, or anyone without one) keeps its
+            // connection's place.
+            r.extensions_mut().insert(keel_http::Authenticated);
+            r
         }
         (&Method::GET, "/health") => reply(StatusCode::OK, "text/plain; charset=utf-8", "ok\n"),
         (&Method::GET, "/") => reply(StatusCode::OK, "text/html; charset=utf-8", LANDING),
@@ -153,6 +145,14 @@ async fn handle(
     }
 }
 
+/// The answer to a connection that gets no place.
+fn busy(why: &'static str) -> Vec<u8> {
+    keel_http::busy_answer(
+        "text/plain; charset=utf-8",
+        &format!("{why}; retry later\n"),
+    )
+}
+
 /// Serves on an already-bound listener until `shutdown` resolves; then
 /// stops accepting and lets open scrapes finish for up to a second.
 pub async fn serve(
@@ -161,52 +161,34 @@ pub async fn serve(
     opts: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let permits = Arc::new(Semaphore::new(opts.max_connections.max(1)));
     let auth = Arc::new(opts.auth.clone());
-    let mut tasks = tokio::task::JoinSet::new();
-    tokio::pin!(shutdown);
-    loop {
-        let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
+    let app = tower::service_fn(move |req| {
         let exporter = exporter.clone();
         let auth = auth.clone();
-        let header_timeout = opts.header_timeout;
-        let lifetime = opts.connection_lifetime;
-        tasks.spawn(async move {
-            let _permit = permit;
-            let svc = hyper::service::service_fn(move |req| {
-                let exporter = exporter.clone();
-                let auth = auth.clone();
-                async move { Ok::<_, Infallible>(handle(exporter, auth, req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .serve_connection(TokioIo::new(stream), svc);
-            let _ = tokio::time::timeout(lifetime, conn).await;
-        });
-        while tasks.try_join_next().is_some() {}
-    }
-    drop(listener);
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
-    Ok(())
+        Box::pin(async move { Ok::<_, Infallible>(handle(exporter, auth, req).await) })
+            as std::pin::Pin<
+                Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>,
+            >
+    });
+    let reserved = match opts.auth {
+        Auth::Token { .. } => opts.max_connections / 4,
+        Auth::None => 0,
+    };
+    let limits = keel_http::Limits {
+        max_connections: opts.max_connections,
+        max_per_client: opts.max_per_client,
+        reserved,
+        header_timeout: opts.header_timeout,
+        idle_timeout: opts.header_timeout,
+        write_timeout: Duration::from_secs(10),
+        lifetime: opts.connection_lifetime,
+        drain: Duration::from_secs(1),
+        max_head_bytes: 16 << 10,
+    };
+    let opts = keel_http::ServeOptions {
+        limits,
+        busy,
+        bad_host: None,
+    };
+    keel_http::serve(listener, app, opts, shutdown).await
 }

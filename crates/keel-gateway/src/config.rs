@@ -99,6 +99,7 @@ pub struct FileServer {
     pub max_body_bytes: Option<usize>,
     pub max_body_bytes_in_flight: Option<usize>,
     pub max_connections: Option<usize>,
+    pub max_connections_per_client: Option<usize>,
     pub max_header_bytes: Option<usize>,
     pub header_timeout_ms: Option<u64>,
     pub body_timeout_ms: Option<u64>,
@@ -306,6 +307,9 @@ pub struct ServerConfig {
     pub max_body_bytes_in_flight: usize,
     /// Open connections per listener; more are answered 503 and closed.
     pub max_connections: usize,
+    /// Open connections per listener from one client (an IPv4 address or
+    /// an IPv6 /64); more are answered 503 and closed.
+    pub max_connections_per_client: usize,
     /// A connection's read (request head) and write buffer (hyper's
     /// `max_buf_size`); a longer head gets 431.
     pub max_header_bytes: usize,
@@ -798,6 +802,7 @@ impl GatewayConfig {
             max_body_bytes: f.server.max_body_bytes.unwrap_or(4 << 20),
             max_body_bytes_in_flight: f.server.max_body_bytes_in_flight.unwrap_or(64 << 20),
             max_connections: f.server.max_connections.unwrap_or(1024),
+            max_connections_per_client: f.server.max_connections_per_client.unwrap_or(256),
             max_header_bytes: f.server.max_header_bytes.unwrap_or(32 << 10),
             header_timeout_ms: f.server.header_timeout_ms.unwrap_or(10_000),
             body_timeout_ms: f.server.body_timeout_ms.unwrap_or(30_000),
@@ -831,6 +836,9 @@ impl GatewayConfig {
         }
         if server.max_connections == 0 {
             return bad("server.max_connections must be at least 1".into());
+        }
+        if server.max_connections_per_client == 0 {
+            return bad("server.max_connections_per_client must be at least 1".into());
         }
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&server.max_header_bytes) {
             return bad(format!(
@@ -1831,6 +1839,10 @@ url = "http://127.0.0.1:8002/prefix"
         assert_eq!(c.traffic.circuit.failure_statuses, [502, 503, 504]);
         for (line, expect) in [
             ("max_connections = 0", "server.max_connections must be at least 1"),
+            (
+                "max_connections_per_client = 0",
+                "server.max_connections_per_client must be at least 1",
+            ),
             (
                 "max_header_bytes = 4096",
                 "server.max_header_bytes must be from 8192 to 1048576, not 4096",

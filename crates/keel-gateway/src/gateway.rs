@@ -1140,6 +1140,11 @@ impl Gateway {
                 }
             }
         }
+        if info.key.is_some() {
+            // A client with a valid key keeps its connection's place
+            // (keel-http: never closed to make room for another).
+            resp.extensions_mut().insert(keel_http::Authenticated);
+        }
         resp.extensions_mut().insert(info);
         resp
     }

@@ -24,7 +24,6 @@ pub mod body;
 pub mod budget;
 pub mod clock;
 pub mod config;
-pub mod conn;
 pub mod digits;
 pub mod drift;
 pub mod drift_action;

@@ -636,6 +636,10 @@ pub fn visible_chars(s: &str) -> u32 {
         .unwrap_or(u32::MAX)
 }
 
+/// The longest unfinished event a stream holds (an OpenAI chunk is well
+/// under a kilobyte).
+pub const MAX_PENDING_EVENT: usize = 256 << 10;
+
 /// Splits an SSE stream into events as bytes arrive, forwarding each whole
 /// event at once; reads `usage` from the events that carry it, and drops
 /// the usage-only chunk (and any `usage` field) when `strip_usage`.
@@ -664,7 +668,10 @@ impl SseFilter {
         }
     }
 
-    /// Takes a chunk; returns the bytes to forward now.
+    /// Takes a chunk; returns the bytes to forward now. An unfinished
+    /// event longer than [`MAX_PENDING_EVENT`] is forwarded as it is, not
+    /// read, so what a stream holds stays bounded whatever the backend
+    /// sends.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         self.buf.extend_from_slice(chunk);
         let mut out = Vec::new();
@@ -676,6 +683,9 @@ impl SseFilter {
             start = ev.end;
         }
         self.buf.drain(..start);
+        if self.buf.len() > MAX_PENDING_EVENT {
+            out.append(&mut self.buf);
+        }
         out
     }
 
@@ -1006,6 +1016,24 @@ mod tests {
         fn audit_verify_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
             let _ = crate::audit::verify(&data[..]);
         }
+    }
+
+    #[test]
+    fn an_unfinished_event_is_held_only_up_to_its_cap() {
+        let mut f = SseFilter::new(false);
+        let mut out = f.push(b"data: {\"a\":1}\n\n");
+        assert_eq!(out, b"data: {\"a\":1}\n\n");
+        // A backend that never ends its event: held up to the cap, then
+        // passed on as it is, never growing past it.
+        let piece = vec![b'x'; 64 << 10];
+        let mut passed = 0;
+        for _ in 0..64 {
+            out = f.push(&piece);
+            passed += out.len();
+            assert!(f.buf.len() <= MAX_PENDING_EVENT + piece.len());
+        }
+        passed += f.finish().len();
+        assert_eq!(passed, 64 * piece.len(), "every byte is forwarded once");
     }
 
     #[test]

@@ -7,8 +7,6 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -23,8 +21,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder};
 
+use keel_http::{ConnService, Deadlines, Guarded, Place, Places};
+
 use crate::body::GwBody;
-use crate::conn::{ConnService, Deadlines, Guarded, InFlight};
 use crate::error::ApiError;
 use crate::gateway::{AccessInfo, AccessRecord, AccessSink, Gateway, Listener};
 use crate::keys::sha256_hex;
@@ -42,8 +41,15 @@ pub struct ServeOptions {
     /// A response write that makes no progress this long closes the
     /// connection (a client that does not read).
     pub write_timeout: Duration,
-    /// Connections open at once; the next is answered 503 and closed.
+    /// Connections open at once; the next is answered 503 and closed
+    /// (after the oldest connection without a key waiting for a request
+    /// head, if there is one, has been closed to make room for it).
     pub max_connections: usize,
+    /// Connections open at once from one client (an IPv4 address or an
+    /// IPv6 /64); the next is answered 503 and closed.
+    pub max_connections_per_client: usize,
+    /// Places that connections without a key never hold.
+    pub reserved_connections: usize,
     /// A connection's read and write buffer (hyper's `max_buf_size`): a
     /// longer request head is answered 431.
     pub max_header_bytes: usize,
@@ -61,6 +67,8 @@ impl ServeOptions {
             idle_timeout: Duration::from_millis(s.idle_timeout_ms),
             write_timeout: Duration::from_millis(s.write_timeout_ms),
             max_connections: s.max_connections,
+            max_connections_per_client: s.max_connections_per_client,
+            reserved_connections: s.max_connections / 8,
             max_header_bytes: s.max_header_bytes,
             grace: Duration::from_secs_f64(s.shutdown_grace_s),
             tls,
@@ -82,20 +90,24 @@ retry-after: 1\r\nconnection: close\r\ncontent-length: 112\r\n\r\n\
 {\"error\":{\"message\":\"too many connections to the gateway; retry later\",\
 \"type\":\"service_unavailable\",\"code\":503}}";
 
-/// One open connection of a listener, given back when it closes.
-struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
+/// What a connection over its client's share is told before it is closed.
+const BUSY_CLIENT: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+retry-after: 1\r\nconnection: close\r\ncontent-length: 130\r\n\r\n\
+{\"error\":{\"message\":\"too many connections to the gateway from this address; retry later\",\
+\"type\":\"service_unavailable\",\"code\":503}}";
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// Serves one connection until it closes, a deadline passes, or a
-/// graceful shutdown ends it.
-async fn connection<I, S>(io: I, app: S, opts: ConnOptions, watcher: Watcher, slot: Slot)
+/// The answer to an HTTP/1.1 request without exactly one `Host`.
+fn bad_host() -> Response<GwBody> {
+    ApiError::bad_request("an HTTP/1.1 request needs exactly one Host header").into_response()
+}
+
+/// Serves one connection until it closes, a deadline passes, a graceful
+/// shutdown ends it, or (not having authenticated) it is closed to make
+/// room for a newer connection.
+async fn connection<I, S>(io: I, app: S, opts: ConnOptions, watcher: Watcher, place: Place)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Service<Request<Incoming>, Response = Response<GwBody>, Error = Infallible>
@@ -104,7 +116,7 @@ where
         + 'static,
     S::Future: Send + Unpin + 'static,
 {
-    let in_flight = InFlight::default();
+    let in_flight = place.in_flight().clone();
     let io = Guarded::new(io, opts.deadlines, in_flight.clone());
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -116,10 +128,15 @@ where
         .max_buf_size(opts.max_header_bytes)
         .serve_connection(
             TokioIo::new(io),
-            TowerToHyperService::new(ConnService::new(app, in_flight)),
+            TowerToHyperService::new(ConnService::new(app, in_flight, Some(bad_host))),
         );
-    let _ = watcher.watch(conn).await;
-    drop(slot);
+    tokio::select! {
+        _ = watcher.watch(conn) => {}
+        _ = place.evicted() => {
+            tracing::debug!("a connection without a key waiting for a request closed to make room");
+        }
+    }
+    drop(place);
 }
 
 /// What each connection's task is given.
@@ -133,8 +150,11 @@ struct ConnOptions {
 /// until `shutdown` resolves, then stops accepting and waits up to the
 /// grace period for open connections to finish. A TLS handshake that
 /// fails or takes longer than the header timeout closes its connection.
-/// A connection beyond `max_connections` is answered 503 (plain HTTP) or
-/// closed (TLS) at once, before anything of it is read.
+/// A connection beyond `max_connections` or `max_connections_per_client`
+/// is answered 503 (plain HTTP) or closed (TLS) at once, before anything
+/// of it is read; when the places are full, the oldest connection that
+/// has not sent a valid key and waits for a request head is closed to
+/// make room first (keel-http's `Places`).
 pub async fn serve<S>(
     listener: TcpListener,
     app: S,
@@ -149,7 +169,11 @@ where
     S::Future: Send + Unpin + 'static,
 {
     let graceful = GracefulShutdown::new();
-    let open = Arc::new(AtomicUsize::new(0));
+    let places = Places::new(
+        opts.max_connections,
+        opts.max_connections_per_client,
+        opts.reserved_connections,
+    );
     let conn_opts = ConnOptions {
         deadlines: opts.deadlines(),
         max_header_bytes: opts.max_header_bytes,
@@ -158,37 +182,47 @@ where
     loop {
         tokio::select! {
             r = listener.accept() => {
-                let stream = match r {
-                    Ok((s, _)) => s,
+                let (stream, peer) = match r {
+                    Ok(a) => a,
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                 };
-                // Only this task adds; connections closing only subtract.
-                if open.load(Ordering::Relaxed) >= opts.max_connections {
-                    if opts.tls.is_none() {
-                        let _ = stream.try_write(BUSY);
+                let place = match places.admit(peer.ip()) {
+                    Ok(p) => p,
+                    Err(why) => {
+                        if opts.tls.is_none() {
+                            let _ = stream.try_write(match why {
+                                keel_http::Refused::Full => BUSY,
+                                keel_http::Refused::PerClient => BUSY_CLIENT,
+                            });
+                        }
+                        tracing::debug!(reason = why.message(), "connection refused");
+                        continue;
                     }
-                    tracing::debug!(max = opts.max_connections, "connection refused: too many open");
-                    continue;
-                }
-                open.fetch_add(1, Ordering::Relaxed);
-                let slot = Slot(open.clone());
+                };
                 let _ = stream.set_nodelay(true);
                 let watcher = graceful.watcher();
                 let app = app.clone();
                 let header_timeout = opts.header_timeout;
                 match &opts.tls {
                     None => {
-                        tokio::spawn(connection(stream, app, conn_opts, watcher, slot));
+                        tokio::spawn(connection(stream, app, conn_opts, watcher, place));
                     }
                     Some(tls) => {
                         let acceptor = tls.acceptor().clone();
                         tokio::spawn(async move {
-                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(s)) => connection(s, app, conn_opts, watcher, slot).await,
+                            // A handshake still running when its place is
+                            // taken for a newer connection ends there, so
+                            // no connection lives without a place.
+                            let handshake = tokio::select! {
+                                r = tokio::time::timeout(header_timeout, acceptor.accept(stream)) => r,
+                                _ = place.evicted() => return,
+                            };
+                            match handshake {
+                                Ok(Ok(s)) => connection(s, app, conn_opts, watcher, place).await,
                                 Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                 Err(_) => tracing::debug!("TLS handshake timed out"),
                             }
@@ -391,18 +425,9 @@ pub fn access_line(r: &AccessRecord, out: &mut Vec<u8>) {
     out.push(b'\n');
 }
 
-/// Compares two hex digests without an early exit.
-fn same_digest(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
 fn bearer_ok(req: &Request<Incoming>, token_sha256: &str) -> bool {
     crate::auth::credential(req.headers())
-        .is_some_and(|t| same_digest(&sha256_hex(t.as_bytes()), token_sha256))
+        .is_some_and(|t| keel_http::same_digest(&sha256_hex(t.as_bytes()), token_sha256))
 }
 
 fn text(status: StatusCode, ct: &'static str, body: impl Into<Bytes>) -> Response<GwBody> {
@@ -443,7 +468,7 @@ impl Service<Request<Incoming>> for AdminService {
                 return Ok(ApiError::unauthorized().into_response());
             }
             let path = req.uri().path().to_owned();
-            Ok(match (req.method().clone(), path.as_str()) {
+            let mut r = match (req.method().clone(), path.as_str()) {
                 (Method::POST, "/admin/reload") => match s.gateway.reload().await {
                     Ok(()) => json_ok(json!({"reloaded": true})),
                     Err(e) => {
@@ -472,7 +497,9 @@ impl Service<Request<Incoming>> for AdminService {
                     }
                 }
                 _ => ApiError::not_found("no such admin route").into_response(),
-            })
+            };
+            r.extensions_mut().insert(keel_http::Authenticated);
+            Ok(r)
         })
     }
 }
@@ -615,14 +642,16 @@ impl Service<Request<Incoming>> for MetricsService {
             if !bearer_ok(&req, &s.token_sha256) {
                 return Ok(ApiError::unauthorized().into_response());
             }
-            Ok(match (req.method(), req.uri().path()) {
+            let mut r = match (req.method(), req.uri().path()) {
                 (&Method::GET, "/metrics") => text(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",
                     s.gateway.render_metrics(),
                 ),
                 _ => ApiError::not_found("no such route").into_response(),
-            })
+            };
+            r.extensions_mut().insert(keel_http::Authenticated);
+            Ok(r)
         })
     }
 }
@@ -712,8 +741,14 @@ mod access_tests {
     use super::*;
 
     #[test]
-    fn the_busy_answer_is_whole() {
-        let text = std::str::from_utf8(BUSY).expect("ascii");
+    fn the_busy_answers_are_whole() {
+        for busy in [BUSY, BUSY_CLIENT] {
+            busy_answer_is_whole(busy);
+        }
+    }
+
+    fn busy_answer_is_whole(busy: &[u8]) {
+        let text = std::str::from_utf8(busy).expect("ascii");
         let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
         let len: usize = head
             .lines()

@@ -125,7 +125,20 @@ fn connections_beyond_max_connections_are_answered_503_and_closed() {
     let cfg = one_backend(dir.path(), &b, "max_connections = 3", "")
         .replace("header_timeout_ms = 500", "header_timeout_ms = 20000");
     let g = Running::start(dir.path(), &cfg);
-    let mut held: Vec<TcpStream> = (0..3).map(|_| raw(g.public)).collect();
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    // Three clients with a key keep their connections alive: a connection
+    // without a key would be closed to make room for a new one.
+    let models =
+        format!("GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n");
+    let mut held: Vec<TcpStream> = (0..3)
+        .map(|_| {
+            let mut s = raw(g.public);
+            s.write_all(models.as_bytes()).expect("write");
+            let a = one_answer(&mut s);
+            assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+            s
+        })
+        .collect();
     let mut over = raw(g.public);
     let out = read_all(&mut over);
     assert!(out.starts_with("HTTP/1.1 503"), "{out:?}");
@@ -160,6 +173,96 @@ fn connections_beyond_max_connections_are_answered_503_and_closed() {
         200
     );
     drop(held);
+    g.stop();
+}
+
+/// A connection from `source` (a loopback address of its own: a client of
+/// its own) that gives up reading after 5 s.
+fn raw_from(source: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.bind(&SocketAddr::from((source, 0)).into())
+        .expect("bind the source address");
+    sock.connect(&addr.into()).expect("connect");
+    let s: TcpStream = sock.into();
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    s
+}
+
+/// One answer's head and Content-Length body from a kept-alive connection.
+fn one_answer(s: &mut TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text;
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return text,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+#[test]
+fn clients_without_a_key_cannot_take_every_place_from_a_client_with_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(dir.path(), &b, "max_connections = 8", "")
+        .replace("header_timeout_ms = 500", "header_timeout_ms = 60000");
+    let g = Running::start(dir.path(), &cfg);
+    let (_, key) = add_key(dir.path(), "u", &["user"], None);
+    // 8 clients without a key hold every place with heads never sent.
+    let mut slow: Vec<TcpStream> = (0..8u8)
+        .map(|i| raw_from([127, 0, 7, 1 + i], g.public))
+        .collect();
+    // A client with a key is served: the oldest slow head made room.
+    let models =
+        format!("GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n");
+    let mut keyed = raw_from([127, 0, 0, 1], g.public);
+    keyed.write_all(models.as_bytes()).expect("write");
+    let a = one_answer(&mut keyed);
+    assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+    assert_eq!(read_all(&mut slow[0]), "", "the oldest slow head is closed");
+    // More slow heads never close the connection with a key.
+    slow.extend((0..12u8).map(|i| raw_from([127, 0, 8, 1 + i], g.public)));
+    keyed.write_all(models.as_bytes()).expect("write");
+    let a = one_answer(&mut keyed);
+    assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+    drop(slow);
+    g.stop();
+}
+
+#[test]
+fn connections_beyond_max_connections_per_client_are_answered_503() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBackend::start(&[]);
+    let cfg = one_backend(dir.path(), &b, "max_connections_per_client = 2", "")
+        .replace("header_timeout_ms = 500", "header_timeout_ms = 60000");
+    let g = Running::start(dir.path(), &cfg);
+    let _held: Vec<TcpStream> = (0..2).map(|_| raw_from([127, 0, 9, 1], g.public)).collect();
+    let mut over = raw_from([127, 0, 9, 1], g.public);
+    let out = read_all(&mut over);
+    assert!(out.starts_with("HTTP/1.1 503"), "{out:?}");
+    assert!(out.contains("from this address"), "{out:?}");
+    // Another client is served.
+    let out = send(
+        g.public,
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(out.starts_with("HTTP/1.1 200"), "{out:?}");
     g.stop();
 }
 

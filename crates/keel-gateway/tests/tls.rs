@@ -505,3 +505,44 @@ fn listeners_serve_https_close_other_connections_and_reload_certificates() {
     std::fs::copy(renewed.server_key(), &key_file).expect("copy");
     g.stop();
 }
+
+/// On an HTTPS listener, a connection whose handshake has not finished
+/// gives up its place like a slow head: the oldest is closed at once for a
+/// newer connection, never left running without a place until the header
+/// timeout.
+#[test]
+fn a_handshake_not_finished_gives_its_place_to_a_newer_connection() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = TestPki::generate(dir.path());
+    let b = TestBackend::start(&[]);
+    let tls = format!(
+        "tls_cert = {}\ntls_key = {}\nmax_connections = 2\n",
+        toml_path(&pki.server_cert()),
+        toml_path(&pki.server_key())
+    );
+    let cfg = format!(
+        "{}{}",
+        head(dir.path())
+            .replace("[server]\n", &format!("[server]\n{tls}"))
+            .replace("header_timeout_ms = 500", "header_timeout_ms = 60000"),
+        model("chat", "", &[("blue", b.url(), 1)])
+    );
+    let g = Running::start(dir.path(), &cfg);
+    // Two connections that never start a handshake hold both places.
+    let mut first = TcpStream::connect(g.public).expect("connect");
+    first
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _second = TcpStream::connect(g.public).expect("connect");
+    // A client that completes its handshake takes the oldest one's place.
+    let c = pki.client();
+    let r = c.request(g.public, "GET", "/healthz", &[], b"").expect("r");
+    assert_eq!(r.status, 200);
+    let mut buf = [0u8; 16];
+    match first.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the oldest connection is closed within 10 s, not 60: {other:?}"),
+    }
+    g.stop();
+}

@@ -393,6 +393,7 @@ async fn json_errors(r: Response) -> Response {
     if !(status.is_client_error() || status.is_server_error()) || is_json {
         return r;
     }
+    let authenticated = r.extensions().get::<keel_http::Authenticated>().copied();
     let text = axum::body::to_bytes(r.into_body(), 4096)
         .await
         .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
@@ -417,6 +418,9 @@ async fn json_errors(r: Response) -> Response {
         }
     };
     let mut out = ApiError::new(status, code, message).into_response();
+    if let Some(a) = authenticated {
+        out.extensions_mut().insert(a);
+    }
     if status == StatusCode::PAYLOAD_TOO_LARGE {
         // The rest of the body was never read: the connection closes
         // after this answer, and says so, so that a client does not send
@@ -551,16 +555,21 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     // MLflow's client asks for the latest versions with a POST: a read.
     let writes = !matches!(*req.method(), Method::GET | Method::HEAD)
         && !req.uri().path().ends_with("/get-latest-versions");
-    if writes && role != Role::Write {
-        return ApiError::new(
+    let mut response = if writes && role != Role::Write {
+        ApiError::new(
             StatusCode::FORBIDDEN,
             "PERMISSION_DENIED",
             format!("{actor} may only read"),
         )
-        .into_response();
-    }
-    req.extensions_mut().insert(Identity { actor });
-    next.run(req).await
+        .into_response()
+    } else {
+        req.extensions_mut().insert(Identity { actor });
+        next.run(req).await
+    };
+    // A client with a valid key keeps its connection's place
+    // (keel-http: it is never closed to make room for another).
+    response.extensions_mut().insert(keel_http::Authenticated);
+    response
 }
 
 // ----- keel's read API ----------------------------------------------------

@@ -851,10 +851,15 @@ async fn connections_are_bounded_in_number_and_time() {
     let limits = ConnectionLimits {
         max_connections: 2,
         max_per_client: 64,
+        // Both places for any connection: the held ones below have not
+        // been answered yet, so they do not count as authenticated.
+        reserved: 0,
         header_timeout: Duration::from_millis(500),
+        idle_timeout: Duration::from_millis(500),
         write_timeout: Duration::from_millis(500),
         lifetime: Duration::from_secs(2),
         drain: Duration::from_secs(2),
+        ..ConnectionLimits::default()
     };
     let (addr, stop, server) = start(limits).await;
     // A request with a key: its connection is kept alive.
@@ -1024,6 +1029,110 @@ async fn connections_are_bounded_in_number_and_time() {
     );
     let _ = stop.send(());
     drop(_first);
+    tokio::time::timeout(Duration::from_secs(35), server)
+        .await
+        .expect("the server stops")
+        .expect("join")
+        .expect("serve");
+}
+
+/// A connection from `source` (a loopback address of its own: a client of
+/// its own) to `addr`.
+async fn connect_from(source: [u8; 4], addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let s = tokio::net::TcpSocket::new_v4().expect("socket");
+    s.bind(std::net::SocketAddr::from((source, 0)))
+        .expect("bind the source address");
+    s.connect(addr).await.expect("connect")
+}
+
+/// Reads one answer's head and a body of its Content-Length.
+async fn one_answer(s: &mut tokio::net::TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text;
+            }
+        }
+        match tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return String::from_utf8_lossy(&got).into_owned(),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("no answer within 10 s: {}", String::from_utf8_lossy(&got)),
+        }
+    }
+}
+
+/// Unauthenticated connections that never send a head (from 8 addresses,
+/// each within its per-client share) cannot keep a client with a key out:
+/// the oldest of them is closed to make room, and a connection that has
+/// authenticated is never closed for a newer one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_heads_without_a_key_give_way_to_a_client_with_one() {
+    use std::time::Duration;
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    let app = router(reg, ServeOptions::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_with(
+        listener,
+        app,
+        ConnectionLimits {
+            max_connections: 16,
+            max_per_client: 2,
+            // Long enough that no slow head ends by itself in this test.
+            header_timeout: Duration::from_secs(120),
+            ..ConnectionLimits::default()
+        },
+        async {
+            let _ = rx.await;
+        },
+    ));
+    // 8 clients hold 2 connections each, sending nothing: every place.
+    let mut slow = Vec::new();
+    for i in 0..8u8 {
+        for _ in 0..2 {
+            slow.push(connect_from([127, 0, 1, 1 + i], addr).await);
+        }
+    }
+    let authed = format!("GET /api/v1/models HTTP/1.1\r\nHost: x\r\napi-key: {key}\r\n\r\n");
+    let mut keyed = connect_from([127, 0, 0, 1], addr).await;
+    keyed.write_all(authed.as_bytes()).await.expect("write");
+    let answer = one_answer(&mut keyed).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The oldest slow head was closed to make room.
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), slow[0].read(&mut buf))
+        .await
+        .expect("the oldest slow head is closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf[..n]));
+    // More slow heads from new clients make room among themselves, never
+    // by closing the authenticated connection, which is served again.
+    for i in 0..12u8 {
+        slow.push(connect_from([127, 0, 2, 1 + i], addr).await);
+    }
+    keyed.write_all(authed.as_bytes()).await.expect("write");
+    let answer = one_answer(&mut keyed).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let _ = stop.send(());
+    drop(slow);
+    drop(keyed);
     tokio::time::timeout(Duration::from_secs(35), server)
         .await
         .expect("the server stops")

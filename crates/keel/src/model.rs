@@ -1498,6 +1498,8 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
         let limits = keel_registry::http::ConnectionLimits {
             max_connections: cfg.serve_max_connections,
             max_per_client: cfg.serve_max_connections_per_client,
+            // An eighth of the places is kept for clients with a key.
+            reserved: cfg.serve_max_connections / 8,
             ..Default::default()
         };
         keel_registry::http::serve_with(listener, app, limits, shutdown).await?;

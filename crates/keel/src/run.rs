@@ -156,6 +156,16 @@ struct RunOpts {
     /// Serve Prometheus metrics at http://ADDR/metrics while supervising.
     #[arg(long, value_name = "HOST:PORT")]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// SHA-256 (hex) of the bearer token scrapers of --metrics-listen must
+    /// send (`keel serve token` makes a token and its hash); without it,
+    /// anyone who can connect may read the metrics.
+    #[arg(
+        long,
+        value_name = "HEX",
+        env = "KEEL_RUN_METRICS_TOKEN_SHA256",
+        hide_env_values = true
+    )]
+    metrics_token_sha256: Option<String>,
     /// Longest the checks on all nodes may take.
     #[arg(long, default_value_t = 120.0, value_name = "SECS")]
     check_timeout: f64,
@@ -228,6 +238,7 @@ struct Plan {
     command: Vec<String>,
     slurm: Option<SlurmMode>,
     metrics_listen: Option<std::net::SocketAddr>,
+    metrics_token: Option<keel_http::TokenHash>,
 }
 
 /// What Slurm mode needs.
@@ -374,6 +385,12 @@ impl Plan {
             command: args.command.clone(),
             slurm,
             metrics_listen: o.metrics_listen,
+            metrics_token: o
+                .metrics_token_sha256
+                .as_deref()
+                .map(keel_http::TokenHash::parse)
+                .transpose()
+                .map_err(|e| UsageError(format!("--metrics-token-sha256: {e}")))?,
         })
     }
 }
@@ -587,14 +604,23 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         ..Default::default()
     }));
     if let Some(addr) = plan.metrics_listen {
-        let listener = std::net::TcpListener::bind(addr)
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
             .map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
         say(&format!(
-            "metrics on http://{}/metrics",
-            listener.local_addr().map_or(addr, |a| a)
+            "metrics on http://{}/metrics{}",
+            listener.local_addr().map_or(addr, |a| a),
+            if plan.metrics_token.is_some() {
+                " (bearer token required)"
+            } else {
+                ""
+            }
         ));
-        let m = metrics.clone();
-        std::thread::spawn(move || serve_metrics(&listener, &m));
+        tokio::spawn(serve_metrics(
+            listener,
+            metrics.clone(),
+            plan.metrics_token.clone(),
+        ));
     }
     std::fs::create_dir_all(&plan.ckpt_dir)
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
@@ -1272,25 +1298,91 @@ fn remove_earlier_restores(root: &Path) {
     }
 }
 
-/// Answers `GET /metrics` (anything else 404) until the process ends.
-fn serve_metrics(listener: &std::net::TcpListener, m: &Mutex<keel_run::metrics::Snapshot>) {
-    for conn in listener.incoming() {
-        let Ok(mut s) = conn else { continue };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        let mut line = String::new();
-        let _ = BufReader::new(&s).read_line(&mut line);
-        let (status, body) =
-            if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics?") {
-                let snap = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                ("200 OK", keel_run::metrics::render(&snap))
-            } else {
-                ("404 Not Found", "not found\n".to_owned())
-            };
-        let _ = write!(
-            s,
-            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
+type MetricsBody = http_body_util::Full<bytes::Bytes>;
+
+/// The answer to one request to the metrics endpoint: `GET /metrics`
+/// (with the bearer token when one is configured), else 401, 405 or 404.
+fn metrics_answer(
+    req: &http::Request<hyper::body::Incoming>,
+    m: &Mutex<keel_run::metrics::Snapshot>,
+    token: Option<&keel_http::TokenHash>,
+) -> http::Response<MetricsBody> {
+    use http::{header, Method, StatusCode};
+    let reply = |status: StatusCode, body: String| {
+        let mut r = http::Response::new(MetricsBody::new(body.into()));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
         );
+        r
+    };
+    if req.uri().path() != "/metrics" {
+        return reply(StatusCode::NOT_FOUND, "not found\n".into());
+    }
+    if req.method() != Method::GET {
+        let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
+        r.headers_mut()
+            .insert(header::ALLOW, header::HeaderValue::from_static("GET"));
+        return r;
+    }
+    if token.is_some_and(|t| !t.allows(req.headers())) {
+        let mut r = reply(
+            StatusCode::UNAUTHORIZED,
+            "a valid bearer token is required\n".into(),
+        );
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+        return r;
+    }
+    let snap = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut r = reply(StatusCode::OK, keel_run::metrics::render(&snap));
+    r.extensions_mut().insert(keel_http::Authenticated);
+    r
+}
+
+/// Serves the metrics until the process ends, through keel-http's
+/// hardened loop: 16 connections at once, 4 from one client (a quarter of
+/// the places kept for scrapers with the token), a request head of at
+/// most 8 KiB within 5 s, a write that makes no progress for 10 s and a
+/// connection older than 30 s ended.
+async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    m: Arc<Mutex<keel_run::metrics::Snapshot>>,
+    token: Option<keel_http::TokenHash>,
+) {
+    type Answer = std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<http::Response<MetricsBody>, std::convert::Infallible>,
+                > + Send,
+        >,
+    >;
+    let reserved = if token.is_some() { 4 } else { 0 };
+    let token = token.map(Arc::new);
+    let app = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let r = metrics_answer(&req, &m, token.as_deref());
+        Box::pin(std::future::ready(Ok(r))) as Answer
+    });
+    let opts = keel_http::ServeOptions {
+        limits: keel_http::Limits {
+            max_connections: 16,
+            max_per_client: 4,
+            reserved,
+            header_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(10),
+            lifetime: Duration::from_secs(30),
+            drain: Duration::from_secs(1),
+            max_head_bytes: 8 << 10,
+        },
+        busy: |why| keel_http::busy_answer("text/plain; charset=utf-8", why),
+        bad_host: None,
+    };
+    if let Err(e) = keel_http::serve(listener, app, opts, std::future::pending()).await {
+        say(&format!("warning: the metrics endpoint stopped: {e}"));
     }
 }
 

@@ -696,6 +696,100 @@ fn the_supervisor_serves_prometheus_metrics() {
     assert_eq!(code(&o), 75, "{}", stderr(&o));
 }
 
+/// The metrics endpoint of a training node's supervisor: a client that
+/// trickles a request head does not hold up scrapes, a head over 8 KiB is
+/// refused (431) instead of buffered, and with a token's hash configured
+/// only a scrape with the token is answered.
+#[test]
+fn the_metrics_endpoint_bounds_heads_serves_scrapes_beside_slow_clients_and_checks_a_token() {
+    use std::io::{Read, Write};
+    let job = Job::new();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    drop(l);
+    let listen = addr.to_string();
+    let token = "run-metrics-token-for-tests";
+    let sha = sha256_hex_of(token);
+    let child = job
+        .command(
+            &["--metrics-listen", &listen, "--heartbeat-pattern", "loss"],
+            &[
+                ("TOY_STEPS", "100000"),
+                ("TOY_EVERY", "5"),
+                ("TOY_STEP_SECS", "0.05"),
+                ("KEEL_RUN_METRICS_TOKEN_SHA256", sha.as_str()),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+    let auth = format!("Bearer {token}");
+    wait_for("metrics", Duration::from_secs(20), || {
+        keel_testkit::http::request(addr, "GET", "/metrics", &[("authorization", &auth)], b"")
+            .is_ok_and(|r| r.status == 200)
+    });
+    // Without the token, or with another: 401.
+    for h in [vec![], vec![("authorization", "Bearer nope")]] {
+        let r = keel_testkit::http::request(addr, "GET", "/metrics", &h, b"").expect("get");
+        assert_eq!(r.status, 401, "{}", r.text());
+    }
+    // A client that sends its head a byte at a time, for longer than the
+    // scrape below may wait.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickle = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).expect("connect");
+            for b in b"GET /metrics HTTP/1.1\r\nX-Slow: "
+                .iter()
+                .chain(b"a".repeat(400).iter())
+            {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let r = keel_testkit::http::request(addr, "GET", "/metrics", &[("authorization", &auth)], b"")
+        .expect("a scrape beside the slow client");
+    assert_eq!(r.status, 200);
+    assert!(r.text().contains("keel_run_phase"), "{}", r.text());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    // A head of 64 KiB without a line end: refused, not buffered.
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _ = s.write_all(&b"G".repeat(64 << 10));
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
+    trickle.join().expect("trickle");
+    sigterm(&child);
+    let o = child.wait_with_output().expect("wait");
+    assert_eq!(code(&o), 75, "{}", stderr(&o));
+}
+
+/// SHA-256 of a token, hex: what `keel serve token` prints beside it.
+fn sha256_hex_of(token: &str) -> String {
+    let o = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(token.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .expect("digest")
+        .to_owned()
+}
+
 #[test]
 fn a_slow_checkpoint_save_gets_its_allowance() {
     let job = Job::new();

@@ -1,13 +1,14 @@
-//! What one client connection may hold, and for how long: its socket
-//! wrapped with read and write deadlines (`Guarded`), and its service
-//! wrapped so that the deadlines know whether a request is in flight and
-//! an HTTP/1.1 request without exactly one `Host` is refused (`ConnService`).
+//! One connection: its socket wrapped with read and write deadlines
+//! ([`Guarded`]), and its service wrapped so that the deadlines know
+//! whether a request is in flight, the connection's place knows whether it
+//! has authenticated, and (where asked) an HTTP/1.1 request without
+//! exactly one `Host` is refused ([`ConnService`]).
 //!
 //! Deadlines on the read side follow the connection's phase: a request
 //! head must arrive within the header timeout (from the connection's start,
 //! or from the first byte of a later request), a kept-alive connection
 //! waits at most the idle timeout for its next request, and while a
-//! request is in flight the request path's own timeouts apply. A write
+//! request is in flight the server's own request timeouts apply. A write
 //! that makes no progress for the write timeout (a client that does not
 //! read) closes the connection. A deadline that passes is an I/O error,
 //! on which hyper closes the connection.
@@ -16,20 +17,26 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
-use crate::body::GwBody;
-use crate::error::ApiError;
+use crate::places::State;
+
+/// A response extension a server sets when the request came with a valid
+/// credential: its connection then holds its place for good (it is never
+/// closed to make room for a newer one, and may use the places reserved
+/// for authenticated clients).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Authenticated;
 
 /// The deadlines of one connection.
 #[derive(Debug, Clone, Copy)]
@@ -39,35 +46,94 @@ pub struct Deadlines {
     pub write: Duration,
 }
 
-/// One connection's requests: how many started, and how many of them are
-/// not finished (their response body not yet all handed to the socket).
+/// One connection's state: how many of its requests started, how many of
+/// them are not finished (their response body not yet all handed to the
+/// socket), whether one was authenticated, and its place.
 #[derive(Debug, Clone, Default)]
-pub struct InFlight(Arc<Counts>);
+pub struct InFlight(Arc<ConnState>);
+
+/// Where a connection's place is kept.
+#[derive(Debug)]
+pub(crate) struct PlaceRef {
+    pub(crate) state: Weak<Mutex<State>>,
+    pub(crate) id: u64,
+}
 
 #[derive(Debug, Default)]
-struct Counts {
+pub(crate) struct ConnState {
     started: AtomicUsize,
     open: AtomicUsize,
+    pub(crate) authenticated: AtomicBool,
+    /// The place was given back (the connection ended, or was closed to
+    /// make room); changed only under the places' lock.
+    pub(crate) released: AtomicBool,
+    pub(crate) evict: Notify,
+    pub(crate) place: Option<PlaceRef>,
+}
+
+impl ConnState {
+    pub(crate) fn placed(place: PlaceRef) -> Self {
+        Self {
+            place: Some(place),
+            ..Self::default()
+        }
+    }
+
+    pub(crate) fn in_flight(&self) -> bool {
+        self.open.load(Ordering::Relaxed) > 0
+    }
+
+    fn authenticate(&self) {
+        if self.authenticated.load(Ordering::Relaxed) {
+            return;
+        }
+        match self
+            .place
+            .as_ref()
+            .and_then(|p| Some((p.state.upgrade()?, p.id)))
+        {
+            Some((state, id)) => state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .authenticated(id, self),
+            None => self.authenticated.store(true, Ordering::Relaxed),
+        }
+    }
 }
 
 impl InFlight {
+    pub(crate) fn from_state(s: Arc<ConnState>) -> Self {
+        Self(s)
+    }
+    pub(crate) fn state(&self) -> &ConnState {
+        &self.0
+    }
     fn open(&self) -> bool {
-        self.0.open.load(Ordering::Relaxed) > 0
+        self.0.in_flight()
     }
     fn started(&self) -> usize {
         self.0.started.load(Ordering::Relaxed)
     }
-    fn enter(&self) -> Busy {
+    /// A request starts; it is finished when the returned guard drops.
+    pub fn enter(&self) -> Busy {
         self.0.started.fetch_add(1, Ordering::Relaxed);
         self.0.open.fetch_add(1, Ordering::Relaxed);
         Busy(self.0.clone())
+    }
+    /// The connection has sent a valid credential: it keeps its place.
+    pub fn authenticate(&self) {
+        self.0.authenticate();
+    }
+    /// Whether a request of the connection has been authenticated.
+    pub fn is_authenticated(&self) -> bool {
+        self.0.authenticated.load(Ordering::Relaxed)
     }
 }
 
 /// One request in flight; dropped with its response body (or with the
 /// request's future when the client goes away first).
 #[derive(Debug)]
-pub struct Busy(Arc<Counts>);
+pub struct Busy(Arc<ConnState>);
 
 impl Drop for Busy {
     fn drop(&mut self) {
@@ -266,19 +332,19 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Guarded<I> {
 
 /// A response body that ends its request's time in flight when dropped.
 #[derive(Debug)]
-pub struct Tracked {
-    body: GwBody,
+pub struct Tracked<B> {
+    body: B,
     _busy: Option<Busy>,
 }
 
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = Infallible;
+impl<B: Body + Unpin> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
         Pin::new(&mut self.get_mut().body).poll_frame(cx)
     }
 
@@ -292,17 +358,42 @@ impl Body for Tracked {
 }
 
 /// One connection's service: counts its requests in flight for the
-/// deadlines and refuses an HTTP/1.1 request without exactly one `Host`
-/// header (RFC 9112, section 3.2) with 400.
-#[derive(Debug, Clone)]
-pub struct ConnService<S> {
+/// deadlines, marks the connection authenticated when a response carries
+/// [`Authenticated`], and, given `bad_host`, answers an HTTP/1.1 request
+/// without exactly one `Host` header with it (RFC 9112, section 3.2: 400).
+pub struct ConnService<S, B> {
     inner: S,
     in_flight: InFlight,
+    bad_host: Option<fn() -> Response<B>>,
 }
 
-impl<S> ConnService<S> {
-    pub fn new(inner: S, in_flight: InFlight) -> Self {
-        Self { inner, in_flight }
+impl<S: Clone, B> Clone for ConnService<S, B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            in_flight: self.in_flight.clone(),
+            bad_host: self.bad_host,
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, B> std::fmt::Debug for ConnService<S, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnService")
+            .field("inner", &self.inner)
+            .field("in_flight", &self.in_flight)
+            .field("host_check", &self.bad_host.is_some())
+            .finish()
+    }
+}
+
+impl<S, B> ConnService<S, B> {
+    pub fn new(inner: S, in_flight: InFlight, bad_host: Option<fn() -> Response<B>>) -> Self {
+        Self {
+            inner,
+            in_flight,
+            bad_host,
+        }
     }
 }
 
@@ -313,14 +404,14 @@ fn host_ok<B>(req: &Request<B>) -> bool {
     }
 }
 
-impl<S> Service<Request<hyper::body::Incoming>> for ConnService<S>
+impl<S, B> Service<Request<hyper::body::Incoming>> for ConnService<S, B>
 where
-    S: Service<Request<hyper::body::Incoming>, Response = Response<GwBody>, Error = Infallible>,
+    S: Service<Request<hyper::body::Incoming>, Response = Response<B>, Error = Infallible>,
     S::Future: Unpin,
 {
-    type Response = Response<Tracked>;
+    type Response = Response<Tracked<B>>;
     type Error = Infallible;
-    type Future = ConnFuture<S::Future>;
+    type Future = ConnFuture<S::Future, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
@@ -328,10 +419,8 @@ where
 
     fn call(&mut self, req: Request<hyper::body::Incoming>) -> Self::Future {
         let busy = Some(self.in_flight.enter());
-        if !host_ok(&req) {
-            let refused =
-                ApiError::bad_request("an HTTP/1.1 request needs exactly one Host header")
-                    .into_response();
+        if let Some(bad_host) = self.bad_host.filter(|_| !host_ok(&req)) {
+            let refused = bad_host();
             return ConnFuture {
                 inner: None,
                 refused: Some(refused),
@@ -348,17 +437,19 @@ where
 
 /// The inner service's answer (or the refusal), its body tracked.
 #[derive(Debug)]
-pub struct ConnFuture<F> {
+pub struct ConnFuture<F, B> {
     inner: Option<F>,
-    refused: Option<Response<GwBody>>,
+    refused: Option<Response<B>>,
     busy: Option<Busy>,
 }
 
-impl<F> Future for ConnFuture<F>
+impl<F, B> Unpin for ConnFuture<F, B> where F: Unpin {}
+
+impl<F, B> Future for ConnFuture<F, B>
 where
-    F: Future<Output = Result<Response<GwBody>, Infallible>> + Unpin,
+    F: Future<Output = Result<Response<B>, Infallible>> + Unpin,
 {
-    type Output = Result<Response<Tracked>, Infallible>;
+    type Output = Result<Response<Tracked<B>>, Infallible>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
@@ -373,6 +464,11 @@ where
         };
         this.inner = None;
         let busy = this.busy.take();
+        if let Some(b) = &busy {
+            if resp.extensions().get::<Authenticated>().is_some() {
+                b.0.authenticate();
+            }
+        }
         Poll::Ready(Ok(resp.map(|body| Tracked { body, _busy: busy })))
     }
 }
