@@ -403,7 +403,7 @@ fn slow_heads_cannot_starve_a_scraper_and_a_client_over_its_share_gets_503_at_on
     // room for it.
     let r = http::get(s.addr, "/metrics", TOKEN).expect("scrape under the flood");
     assert_eq!(r.status, 200);
-    assert!(r.text().contains("keel_gpu_count 8\n"));
+    assert!(r.text().contains("keel_gpu_devices 8\n"));
     assert_eq!(read_all(&mut slow[0]), "", "the oldest slow head is closed");
     drop(slow);
 }
