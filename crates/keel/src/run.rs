@@ -717,6 +717,31 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     std::fs::create_dir_all(&plan.ckpt_dir)
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
 
+    // Signals are taken from the start: a warning (`--signal=B:USR1@...`)
+    // that Slurm sends during the pre-flight checks or the restore must
+    // not kill keel (their default action); it is answered once the
+    // trainer runs.
+    let (tx, rx) = mpsc::channel::<Note>();
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
+        let mut usr2 = signal(SignalKind::user_defined2()).context("cannot handle SIGUSR2")?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let name = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = usr1.recv() => "SIGUSR1",
+                    _ = usr2.recv() => "SIGUSR2",
+                };
+                if tx.send(Note::Signal(name)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
     if let Some(m) = &plan.slurm {
         mark_job(plan, m);
         let avoid = keel_run::placed_on_excluded(&history, &m.nodes, &plan.policy);
@@ -762,27 +787,6 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             return conclude(plan, &outcome, d, at, None, json);
         }
         say(&format!("pre-flight: {} nodes passed", m.nodes.len()));
-    }
-
-    let (tx, rx) = mpsc::channel::<Note>();
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
-        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
-        let mut usr2 = signal(SignalKind::user_defined2()).context("cannot handle SIGUSR2")?;
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            loop {
-                let name = tokio::select! {
-                    _ = term.recv() => "SIGTERM",
-                    _ = usr1.recv() => "SIGUSR1",
-                    _ = usr2.recv() => "SIGUSR2",
-                };
-                if tx.send(Note::Signal(name)).is_err() {
-                    break;
-                }
-            }
-        });
     }
 
     // Resume from the newest checkpoint that verifies.
