@@ -313,9 +313,10 @@ fn a_failed_node_is_excluded_and_training_resumes_from_dcp_with_the_same_result(
     // The GPU goes bad on n2; the trainer's rank there crashes at 13.
     std::fs::write(job.path("fault"), b"").expect("fault");
     let show = job.wait("requeued without n2 and n3", 180, |s| {
-        field(s, "Restarts") == "1" && field(s, "JobState") == "PENDING"
+        field(s, "Restarts") == "1"
+            && field(s, "JobState") == "PENDING"
+            && excluded(s) == [n2.clone(), n3.clone()]
     });
-    assert_eq!(excluded(&show), [n2.clone(), n3.clone()], "{show}");
     assert_ne!(field(&show, "Priority"), "0", "held: {show}");
     job.skip_requeue_delay();
     let show = job.wait("completed", 300, |s| field(s, "JobState") == "COMPLETED");
@@ -420,15 +421,17 @@ fn a_hung_rank_is_blamed_on_its_node_and_the_job_requeued_without_it() {
             )
         },
     );
-    let show = job.wait("requeued after the hang", 240, |s| {
-        field(s, "Restarts") == "1"
+    // Requeued (Restarts=1 as soon as `scontrol requeue` ran), then its
+    // ExcNodeList set.
+    let show = job.wait("requeued without n2", 240, |s| {
+        field(s, "Restarts") == "1" && excluded(s) == [n2.clone(), n3.clone()]
     });
+    assert_ne!(field(&show, "Priority"), "0", "held: {show}");
     let out = job.out();
     assert!(
         out.contains(&format!("no heartbeat from {n2} for")),
         "{out}"
     );
-    assert_eq!(excluded(&show), [n2.clone(), n3.clone()], "{show}");
     let st: serde_json::Value =
         serde_json::from_slice(&std::fs::read(job.path("keel-run.json")).expect("state"))
             .expect("json");
