@@ -26,6 +26,8 @@ Environment:
   DDP_MODE       ok | crash-at:N | hang-at:N
   DDP_FAULT_NODE with crash-at/hang-at: only on this node (SLURMD_NODENAME)
   DDP_FAULT_FILE with crash-at/hang-at: only while this file exists
+  DDP_RESUME_LATEST  1: without keel run, resume from the newest committed
+                 step_<N> under KEEL_CKPT_DIR
 """
 import json
 import os
@@ -98,8 +100,32 @@ def state(step):
     return {"model": msd, "optim": osd, "step": torch.tensor(step)}
 
 
+def latest_committed():
+    """The newest step_<N> under the checkpoint directory that DCP
+    committed (its .metadata written): how a trainer without keel run
+    (DDP_RESUME_LATEST=1, the benchmark's baselines) finds where to
+    resume."""
+    best = None
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        if name.startswith("step_") and name[5:].isdigit():
+            if os.path.exists(os.path.join(ckpt_dir, name, ".metadata")):
+                n = int(name[5:])
+                if best is None or n > best:
+                    best = n
+    return best
+
+
 start = 0
 resume_dir = os.environ.get("KEEL_RESUME_DIR")
+if not resume_dir and os.environ.get("DDP_RESUME_LATEST") == "1":
+    n = latest_committed()
+    if n is not None:
+        resume_dir = os.path.join(ckpt_dir, f"step_{n}")
+        os.environ["KEEL_RESUME_STEP"] = str(n)
 if resume_dir:
     sd = state(0)
     dcp.load(sd, checkpoint_id=resume_dir)
