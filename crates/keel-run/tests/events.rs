@@ -15,7 +15,7 @@ fn a_preempt_for_this_vm_is_reported_once_with_its_notice_and_others_are_ignored
     let imds = client(&fake);
     let vm = imds.vm_name().expect("vm name");
     assert_eq!(vm, "vm-1");
-    let mut poller = Poller::new(imds.clone(), &[vm.clone()]);
+    let mut poller = Poller::new(imds.clone(), std::slice::from_ref(&vm));
     assert!(poller.poll().expect("poll").is_empty());
     let now = SystemTime::now();
     fake.set_events(vec![
