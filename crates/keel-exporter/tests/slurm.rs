@@ -32,9 +32,12 @@ fn a_job_holding_gpu_device_files_is_attributed_to_its_job_id() {
     let out = dir.join("exporter-job-%j.out");
     // The job opens each of its GPUs' device files (SLURM_JOB_GPUS holds
     // Slurm's ids, the device files' numbers under gres.conf's File=
-    // lines) and says which, then holds them.
+    // lines) and says which, then holds them. The stand-in files have the
+    // NVIDIA driver's numbers and no driver behind them, so they are
+    // opened with O_PATH (a descriptor /proc shows like any other), as
+    // reading them would fail with ENXIO.
     let script = format!(
-        "set -- $(echo \"$SLURM_JOB_GPUS\" | tr , ' '); exec 3<{dev}/gpu$1 4<{dev}/gpu$2; echo \"gpus=$SLURM_JOB_GPUS\"; sleep 120",
+        "set -- $(echo \"$SLURM_JOB_GPUS\" | tr , ' '); echo \"gpus=$SLURM_JOB_GPUS\"; exec python3 -c 'import os, sys, time; fds = [os.open(p, os.O_PATH) for p in sys.argv[1:]]; time.sleep(120)' {dev}/gpu$1 {dev}/gpu$2",
         dev = dir.join("dev").display()
     );
     let id = cluster

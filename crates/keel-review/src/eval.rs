@@ -71,6 +71,7 @@ const CHECKS: &[&str] = &[
     "sbatch.requeue",
     "sbatch.runs",
     "sbatch.ckpt_cap",
+    "sbatch.keel_run_signal",
     "env.hcoll_off",
     "env.one_of",
     "env.set",
@@ -991,8 +992,93 @@ fn sbatch_check(check: &str, p: &Params, s: &Sbatch, opts: &Options) -> Vec<Fail
             }
             out
         }
+        "sbatch.keel_run_signal" => keel_run_signal(s, p),
         _ => Vec::new(),
     }
+}
+
+/// A `keel run` line's waits against the script's `--signal`: the warning
+/// must go to the batch shell (`B:`, keel run), be a signal keel run
+/// answers, and come early enough for the checkpoint deadline, the grace
+/// and the stop reserve before Slurm's SIGKILL, which follows the end by
+/// KillWait (`params.min`, Slurm's default 30 s: the rule reads only the
+/// script). As `keel_run::budget::least_signal_secs`.
+fn keel_run_signal(s: &Sbatch, p: &Params) -> Vec<Failure> {
+    let Some((line, text)) = s.commands.iter().find(|(_, l)| {
+        l.split_whitespace()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .any(|w| w[0].ends_with("keel") && w[1] == "run")
+    }) else {
+        return Vec::new();
+    };
+    let at = |line: u32| Location {
+        file: s.file.clone(),
+        line,
+    };
+    let secs = |flag: &str, default: f64| {
+        flag_value(text, flag)
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .unwrap_or(default)
+    };
+    let deadline = secs("--checkpoint-deadline", 120.0);
+    let grace = secs("--grace", 30.0);
+    let reserve = secs("--stop-reserve", 3.0);
+    #[allow(clippy::cast_precision_loss)]
+    let kill_wait = p.min.unwrap_or(30) as f64;
+    let need = (deadline + grace + reserve - kill_wait).max(0.0);
+    let Some(d) = s.directive("signal") else {
+        return fail(
+            at(*line),
+            format!("keel run gets no warning before the time limit: no #SBATCH --signal (it needs B:USR1@{need:.0} or more)"),
+        );
+    };
+    let value = d.value.as_deref().unwrap_or("");
+    let (target, rest) = match value.split_once(':') {
+        Some((t, r)) => (Some(t), r),
+        None => (None, value),
+    };
+    let (sig, when) = match rest.split_once('@') {
+        Some((sig, w)) => (sig, w.trim().parse::<f64>().ok()),
+        None => (rest, Some(60.0)),
+    };
+    let sig = sig.trim().to_ascii_uppercase();
+    let sig = sig.strip_prefix("SIG").unwrap_or(&sig);
+    let mut out = Vec::new();
+    if !target.is_some_and(|t| t.contains('B')) {
+        out.push(Failure {
+            location: at(d.line),
+            message: format!(
+                "--signal={} goes to the job's steps, not to the batch shell where keel run runs: use B:",
+                cut(value)
+            ),
+        });
+    }
+    if !matches!(sig, "USR1" | "USR2" | "TERM" | "10" | "12" | "15") {
+        out.push(Failure {
+            location: at(d.line),
+            message: format!(
+                "--signal={}: keel run checkpoints on USR1, USR2 or TERM only",
+                cut(value)
+            ),
+        });
+    }
+    match when {
+        Some(w) if w >= need => {}
+        Some(w) => out.push(Failure {
+            location: at(d.line),
+            message: format!(
+                "--signal={} warns {w:.0} s before the end, but keel run's waits (--checkpoint-deadline {deadline:.0} + --grace {grace:.0} + --stop-reserve {reserve:.0} s, less KillWait {kill_wait:.0} s) need {need:.0} s: keel shortens them and the checkpoint may not commit",
+                cut(value)
+            ),
+        }),
+        None => out.push(Failure {
+            location: at(d.line),
+            message: format!("--signal={}: the time is not a number", cut(value)),
+        }),
+    }
+    out
 }
 
 fn env_check(

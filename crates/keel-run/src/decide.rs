@@ -211,6 +211,27 @@ pub fn decide(
     d
 }
 
+/// The nodes of an allocation the job must not run on: those that failed
+/// it `exclude_after` times or more. An attempt placed on one was requeued
+/// without its exclusions taking effect (the supervisor killed between
+/// the requeue and the `ExcNodeList` update, or a site's plugin rewriting
+/// the list); it is requeued again before it trains there.
+pub fn placed_on_excluded(
+    history: &JobHistory,
+    allocation: &[String],
+    policy: &RunPolicy,
+) -> Vec<String> {
+    let bad = excluded(history, &[], policy.exclude_after);
+    let mut hit: Vec<String> = allocation
+        .iter()
+        .filter(|n| bad.contains(n))
+        .cloned()
+        .collect();
+    hit.sort();
+    hit.dedup();
+    hit
+}
+
 /// Nodes with `at_least` failures of this job, counting `new` ones.
 fn excluded(history: &JobHistory, new: &[(String, Cause)], at_least: u32) -> Vec<String> {
     let mut h = history.clone();
@@ -228,6 +249,18 @@ fn excluded(history: &JobHistory, new: &[(String, Cause)], at_least: u32) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attempt_on_a_node_the_job_excludes_is_found() {
+        let mut h = JobHistory::default();
+        h.record_failure("n2", Cause::Crash);
+        let p = RunPolicy::default();
+        let alloc = vec!["n1".to_owned(), "n2".to_owned()];
+        assert!(placed_on_excluded(&h, &alloc, &p).is_empty());
+        h.record_failure("n2", Cause::Check);
+        assert_eq!(placed_on_excluded(&h, &alloc, &p), vec!["n2".to_owned()]);
+        assert!(placed_on_excluded(&h, &["n1".to_owned(), "n3".to_owned()], &p).is_empty());
+    }
     use keel_slurm::{parse_state, NodeInfo};
 
     fn node(name: &str, state: &str, reason: Option<&str>, verdict: Verdict) -> NodeReport {

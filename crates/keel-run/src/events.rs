@@ -6,10 +6,12 @@
 //! header `Metadata: true` returns `{DocumentIncarnation, Events: [...]}`;
 //! the incarnation grows whenever the events change. Events are delivered
 //! to every VM of an availability set or scale-set placement group, so
-//! only those whose `Resources` name this VM count. Acknowledging is a
+//! only those whose `Resources` name one of the job's VMs count (the batch
+//! host sees its peers' events too). Acknowledging is a
 //! `POST` of `{"StartRequests":[{"EventId":...}]}` to the same address; it
 //! lets Azure start the event for every VM it lists, so only a leader
-//! should do it.
+//! should do it, only after the job's checkpoint is committed and only
+//! for an event that names no VM outside the job ([`ack`]).
 //!
 //! Nothing here ever decides to stop training on a failure to reach IMDS
 //! or to read what it says: errors are returned to the caller, who keeps
@@ -250,26 +252,30 @@ fn parse_rfc3339_utc(s: &str) -> Option<SystemTime> {
         .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
 }
 
-/// Follows successive documents for one VM and reports each event that
-/// affects it once.
+/// Follows successive documents for the VMs of one job and reports each
+/// event that affects any of them once. The batch host of a multi-node
+/// job receives the events of its whole placement group, so an event
+/// naming another of the job's VMs (a spot eviction of node 2) ends the
+/// job's training as surely as one naming this VM.
 #[derive(Debug, Clone)]
 pub struct Tracker {
-    vm: String,
+    vms: Vec<String>,
     incarnation: Option<u64>,
     seen: BTreeSet<String>,
 }
 
 impl Tracker {
-    pub fn new(vm: &str) -> Self {
+    /// Tracks the events naming any of `vms` (compared without case).
+    pub fn new(vms: &[String]) -> Self {
         Self {
-            vm: vm.to_owned(),
+            vms: vms.to_vec(),
             incarnation: None,
             seen: BTreeSet::new(),
         }
     }
 
-    /// The events of `doc` for this VM not reported before. A document
-    /// with the incarnation already seen is not read again.
+    /// The events of `doc` for the job's VMs not reported before. A
+    /// document with the incarnation already seen is not read again.
     pub fn observe(&mut self, doc: &Document) -> Vec<Event> {
         if self.incarnation == Some(doc.incarnation) {
             return Vec::new();
@@ -277,9 +283,41 @@ impl Tracker {
         self.incarnation = Some(doc.incarnation);
         doc.events
             .iter()
-            .filter(|e| e.affects(&self.vm) && self.seen.insert(e.id.clone()))
+            .filter(|e| self.vms.iter().any(|v| e.affects(v)) && self.seen.insert(e.id.clone()))
             .cloned()
             .collect()
+    }
+}
+
+/// Whether to acknowledge an event (`StartRequests`), which lets Azure
+/// start it at once for every VM it lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ack {
+    /// The job's checkpoint is committed and the event names only the
+    /// job's VMs.
+    Yes,
+    /// No checkpoint was committed: the event keeps its notice.
+    NotCommitted,
+    /// The event names VMs outside the job, whose work an early start
+    /// would cut short.
+    Foreign(Vec<String>),
+}
+
+/// Decides whether the supervisor of the job running on `job_vms` may
+/// acknowledge `event` (see [`Ack`]).
+pub fn ack(event: &Event, job_vms: &[String], committed: bool) -> Ack {
+    let foreign: Vec<String> = event
+        .resources
+        .iter()
+        .filter(|r| !job_vms.iter().any(|v| v.eq_ignore_ascii_case(r)))
+        .cloned()
+        .collect();
+    if !foreign.is_empty() {
+        Ack::Foreign(foreign)
+    } else if !committed {
+        Ack::NotCommitted
+    } else {
+        Ack::Yes
     }
 }
 
@@ -529,14 +567,15 @@ pub struct Poller {
 }
 
 impl Poller {
-    pub fn new(imds: Imds, vm: &str) -> Self {
+    /// Polls for the events naming any of `vms` (the job's VMs).
+    pub fn new(imds: Imds, vms: &[String]) -> Self {
         Self {
             imds,
-            tracker: Tracker::new(vm),
+            tracker: Tracker::new(vms),
         }
     }
 
-    /// One poll: the new events for this VM.
+    /// One poll: the new events for the job's VMs.
     pub fn poll(&mut self) -> Result<Vec<Event>, EventsError> {
         let doc = self.imds.events()?;
         Ok(self.tracker.observe(&doc))
@@ -577,7 +616,7 @@ mod tests {
         assert_eq!(a.duration, None);
         assert_eq!(doc.events[1].not_before, None);
         assert_eq!(doc.events[1].duration, Some(Duration::from_secs(5)));
-        let mut t = Tracker::new("vm-1");
+        let mut t = Tracker::new(&["vm-1".to_owned()]);
         let ids: Vec<_> = t.observe(&doc).into_iter().map(|e| e.id).collect();
         assert_eq!(ids, ["A", "B"]);
         assert!(t.observe(&doc).is_empty(), "same incarnation");
@@ -587,6 +626,32 @@ mod tests {
         };
         assert!(t.observe(&next).is_empty(), "events already reported");
         assert!(EventType::Preempt.ends_training() && !EventType::Freeze.ends_training());
+    }
+
+    #[test]
+    fn events_naming_any_of_the_jobs_vms_are_kept() {
+        let doc = parse_document(DOC.as_bytes()).expect("parse");
+        // The batch host vm-3 of a job on vm-3 and vm-9: C names vm-9.
+        let job = ["vm-3".to_owned(), "vm-9".to_owned()];
+        let mut t = Tracker::new(&job);
+        let ids: Vec<_> = t.observe(&doc).into_iter().map(|e| e.id).collect();
+        assert_eq!(ids, ["C"]);
+        let mut t = Tracker::new(&["vm-2".to_owned()]);
+        let ids: Vec<_> = t.observe(&doc).into_iter().map(|e| e.id).collect();
+        assert_eq!(ids, ["A"]);
+    }
+
+    #[test]
+    fn only_a_committed_event_of_the_jobs_own_vms_is_acknowledged() {
+        let doc = parse_document(DOC.as_bytes()).expect("parse");
+        let a = &doc.events[0]; // vm-1 and vm-2
+        let both = ["VM-1".to_owned(), "vm-2".to_owned()];
+        assert_eq!(ack(a, &both, true), Ack::Yes);
+        assert_eq!(ack(a, &both, false), Ack::NotCommitted);
+        assert_eq!(
+            ack(a, &["vm-1".to_owned()], true),
+            Ack::Foreign(vec!["vm-2".to_owned()])
+        );
     }
 
     #[test]

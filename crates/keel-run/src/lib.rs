@@ -17,6 +17,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod budget;
 pub mod decide;
 pub mod events;
 pub mod goodput;
@@ -24,7 +25,7 @@ pub mod hang;
 pub mod history;
 pub mod metrics;
 
-pub use decide::{decide, Decision, NodeReport, Outcome, RunPolicy, Verdict};
+pub use decide::{decide, placed_on_excluded, Decision, NodeReport, Outcome, RunPolicy, Verdict};
 pub use goodput::{account, AttemptTimes, Goodput};
 pub use hang::{HangConfig, HangDetector, HangStatus, Phase, Timeout};
 pub use history::{Cause, FailureRecord, History, HistoryError, JobHistory};

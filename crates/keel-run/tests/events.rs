@@ -15,7 +15,7 @@ fn a_preempt_for_this_vm_is_reported_once_with_its_notice_and_others_are_ignored
     let imds = client(&fake);
     let vm = imds.vm_name().expect("vm name");
     assert_eq!(vm, "vm-1");
-    let mut poller = Poller::new(imds.clone(), &vm);
+    let mut poller = Poller::new(imds.clone(), std::slice::from_ref(&vm));
     assert!(poller.poll().expect("poll").is_empty());
     let now = SystemTime::now();
     fake.set_events(vec![
@@ -55,7 +55,7 @@ fn a_preempt_for_this_vm_is_reported_once_with_its_notice_and_others_are_ignored
 #[test]
 fn imds_down_or_garbage_is_an_error_and_polling_recovers() {
     let fake = FakeImds::start("vm-1").expect("fake imds");
-    let mut poller = Poller::new(client(&fake), "vm-1");
+    let mut poller = Poller::new(client(&fake), &["vm-1".to_owned()]);
     fake.set_mode(ImdsMode::Garbage);
     assert!(matches!(poller.poll(), Err(EventsError::Document(_))));
     fake.set_mode(ImdsMode::Down);

@@ -173,16 +173,26 @@ impl Slurm {
     }
 
     /// Requeues a job (the batch script starts again from the top with the
-    /// same job id), keeping it off `exclude`.
+    /// same job id), keeping it off `exclude` as well as off the nodes it
+    /// already excludes (the user's `--exclude`); returns the job's
+    /// excluded nodes as Slurm stored them.
     ///
-    /// Slurm changes `ExcNodeList` only on a pending job, and a running job
-    /// becomes pending only once its batch script (the caller) has exited.
-    /// So with nodes to exclude the job is requeued held (`scontrol
-    /// requeuehold`), and a detached shell that outlives the caller sets
-    /// `ExcNodeList` as soon as Slurm accepts it and then releases the job.
-    /// If that never succeeds (within ten minutes) the job stays held rather
-    /// than run on the suspect nodes.
-    pub fn requeue(&self, job: &str, exclude: &[String]) -> Result<(), SlurmError> {
+    /// Slurm changes `ExcNodeList` only on a pending job, and the value it
+    /// is given replaces the list. So the job's list is read first and
+    /// merged with `exclude`, then the job is requeued (`scontrol requeue`:
+    /// pending at once, while its batch script, the caller, is still being
+    /// ended) and the merged list is set (`scontrol update JobId=ID
+    /// ExcNodeList=...`, retried until Slurm accepts it or the deadline)
+    /// and read back. All of it runs in the caller's process: nothing is
+    /// left to a helper that proctrack/cgroup would kill with the batch
+    /// step, and nothing holds the job. Should the caller be killed between
+    /// the requeue and the update, the job is requeued without the new
+    /// exclusions (it can still run), never held.
+    ///
+    /// A list that does not read back as set (a site's job_submit plugin
+    /// rewriting it) is [`SlurmError::NotExcluded`]: the job is requeued,
+    /// and may run on the nodes named there.
+    pub fn requeue(&self, job: &str, exclude: &[String]) -> Result<Vec<String>, SlurmError> {
         check_job(job)?;
         for n in exclude {
             check_name(n)?;
@@ -192,37 +202,104 @@ impl Slurm {
         if exclude.is_empty() {
             let args = vec!["requeue".to_owned(), job.to_owned()];
             self.run_ok("scontrol", &args, deadline)?;
-            return Ok(());
+            return self.excluded_by(job, deadline);
         }
-        const RELEASE: &str = r#"trap '' HUP INT TERM
-i=0
-while [ $i -lt 1200 ]; do
-  if "$1" update "JobId=$2" "ExcNodeList=$3" >/dev/null 2>&1; then
-    exec "$1" release "$2"
-  fi
-  sleep 0.5
-  i=$((i + 1))
-done
-exit 1"#;
-        let mut cmd = std::process::Command::new("sh");
-        cmd.args(["-c", RELEASE, "keel-requeue"])
-            .arg(self.program("scontrol"))
-            .arg(job)
-            .arg(exclude.join(","))
-            .envs(self.config.env.iter().map(|(k, v)| (k, v)))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        // Not waited for: it must outlive the caller, which exits next.
-        #[allow(clippy::zombie_processes)]
-        cmd.spawn().map_err(|source| SlurmError::Io {
-            program: PathBuf::from("sh"),
-            source,
-        })?;
-        let args = vec!["requeuehold".to_owned(), job.to_owned()];
+        let mut merged = self.excluded_by(job, deadline)?;
+        merged.extend(exclude.iter().cloned());
+        merged.sort();
+        merged.dedup();
+        let args = vec!["requeue".to_owned(), job.to_owned()];
         self.run_ok("scontrol", &args, deadline)?;
-        Ok(())
+        let args = vec![
+            "update".to_owned(),
+            format!("JobId={job}"),
+            format!("ExcNodeList={}", merged.join(",")),
+        ];
+        loop {
+            let out = self.run("scontrol", &args, deadline)?;
+            if out.status.success() {
+                break;
+            }
+            // Right after the requeue the job is PENDING|COMPLETING, which
+            // Slurm accepts; anything else (not pending yet on a slow
+            // controller) is retried until the deadline.
+            if Instant::now() + Duration::from_millis(200) >= deadline {
+                return Err(self.failed("scontrol", &args, &out));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let now = self.excluded_by(job, deadline)?;
+        let missing: Vec<String> = merged
+            .iter()
+            .filter(|n| !now.contains(n))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            Ok(now)
+        } else {
+            Err(SlurmError::NotExcluded {
+                job: job.to_owned(),
+                missing,
+            })
+        }
+    }
+
+    /// The nodes a job excludes (`ExcNodeList` of `scontrol show job -o
+    /// ID`, expanded), sorted; empty when it excludes none.
+    pub fn excluded(&self, job: &str) -> Result<Vec<String>, SlurmError> {
+        check_job(job)?;
+        self.excluded_by(job, self.deadline())
+    }
+
+    fn excluded_by(&self, job: &str, deadline: Instant) -> Result<Vec<String>, SlurmError> {
+        let args = strings(&["show", "job", "-o", job]);
+        let out = self.run_ok("scontrol", &args, deadline)?;
+        let unreadable = |reason: String| SlurmError::Parse {
+            command: run::display(&self.program("scontrol"), &args),
+            output: out.stdout.chars().take(200).collect(),
+            reason,
+        };
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("JobId={job} ")))
+            .ok_or_else(|| unreadable(format!("no record of job {job}")))?;
+        let list = line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("ExcNodeList="))
+            .ok_or_else(|| unreadable("no ExcNodeList field".into()))?;
+        if list == "(null)" || list.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut nodes = crate::expand_hostlist(list).map_err(|e| unreadable(e.to_string()))?;
+        nodes.sort();
+        nodes.dedup();
+        Ok(nodes)
+    }
+
+    /// The controller's `KillWait` (`scontrol show config`): from the
+    /// SIGTERM of a kill sequence to its SIGKILL.
+    pub fn kill_wait(&self) -> Result<Duration, SlurmError> {
+        let args = strings(&["show", "config"]);
+        let out = self.run_ok("scontrol", &args, self.deadline())?;
+        crate::parse_kill_wait(&out.stdout).ok_or_else(|| SlurmError::Parse {
+            command: run::display(&self.program("scontrol"), &args),
+            output: String::new(),
+            reason: "no KillWait line".into(),
+        })
+    }
+
+    /// The time left to a job's end (`squeue -h -j ID -o %L`); `None` for
+    /// a job without a limit.
+    pub fn time_left(&self, job: &str) -> Result<Option<Duration>, SlurmError> {
+        check_job(job)?;
+        let args = strings(&["-h", "-j", job, "-o", "%L"]);
+        let out = self.run_ok("squeue", &args, self.deadline())?;
+        Ok(out
+            .stdout
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .and_then(crate::parse_squeue_time))
     }
 
     /// A job's Comment, read unambiguously: `squeue -h -j ID -o %k` prints
@@ -724,6 +801,61 @@ if [ -f "$d/comment" ]; then cat "$d/comment"; echo; else echo '(null)'; fi"#;
             slurm.mark_job("42_1", crate::RUN_MARKER),
             Err(SlurmError::Parse { .. })
         ));
+    }
+
+    /// An `scontrol` for job 42 that keeps its ExcNodeList in a file
+    /// (`n3`, the user's, at first), accepts an update only after the
+    /// requeue (`not pending` before, as Slurm answers a running job),
+    /// and logs every call; `rewrite` makes the update store only `n3`
+    /// (a site plugin rewriting the list).
+    fn requeue_fake(rewrite: bool) -> (tempfile::TempDir, Slurm) {
+        let store = if rewrite {
+            "printf 'n3' >\"$d/exc\""
+        } else {
+            "printf '%s' \"${3#ExcNodeList=}\" >\"$d/exc\""
+        };
+        let script = format!(
+            r#"{PING_UP}
+d=$(dirname "$0")
+echo "$@" >>"$d/calls"
+[ -f "$d/exc" ] || printf 'n3' >"$d/exc"
+case "$1" in
+  show) echo "JobId=42 JobName=train JobState=RUNNING ExcNodeList=$(cat "$d/exc") NodeList=n2"; exit 0;;
+  requeue) touch "$d/requeued"; exit 0;;
+  update) [ -f "$d/requeued" ] || {{ echo "Job is no longer pending execution" >&2; exit 1; }}; {store}; exit 0;;
+esac
+exit 2"#
+        );
+        fake(&script, "")
+    }
+
+    #[test]
+    fn a_requeue_excludes_the_new_nodes_and_keeps_the_users() {
+        let (dir, slurm) = requeue_fake(false);
+        let kept = slurm
+            .requeue("42", &["n2".to_owned(), "n1".to_owned()])
+            .expect("requeues");
+        assert_eq!(kept, ["n1", "n2", "n3"]);
+        let calls = std::fs::read_to_string(dir.path().join("calls")).expect("calls");
+        // Read, requeue, then the merged list (never before the
+        // requeue: Slurm refuses it on a running job), read back.
+        assert_eq!(
+            calls,
+            "show job -o 42\nrequeue 42\nupdate JobId=42 ExcNodeList=n1,n2,n3\nshow job -o 42\n"
+        );
+        assert!(!calls.contains("requeuehold") && !calls.contains("release"));
+    }
+
+    #[test]
+    fn a_list_that_does_not_read_back_is_not_excluded() {
+        let (_dir, slurm) = requeue_fake(true);
+        match slurm.requeue("42", &["n2".to_owned()]) {
+            Err(SlurmError::NotExcluded { job, missing }) => {
+                assert_eq!(job, "42");
+                assert_eq!(missing, ["n2"]);
+            }
+            other => panic!("expected NotExcluded, got {other:?}"),
+        }
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub enum SlurmError {
     /// Slurm does not know the node.
     #[error("slurm has no node named {name:?}")]
     NoSuchNode { name: String },
+    /// A job's `ExcNodeList` did not read back with every node it was set
+    /// to exclude (a site's job_submit plugin may rewrite it).
+    #[error("job {job} was requeued but its ExcNodeList does not exclude {}", missing.join(","))]
+    NotExcluded { job: String, missing: Vec<String> },
     /// A node name or reason that cannot be passed to scontrol safely.
     #[error("invalid {what} {value:?}: {problem}")]
     Invalid {

@@ -20,6 +20,7 @@ mod error;
 mod hostlist;
 mod node;
 mod run;
+mod times;
 
 pub use client::{check_name as check_node_name, Slurm, SlurmConfig};
 pub use comment::{has_marker, with_marker, RUN_MARKER};
@@ -29,3 +30,4 @@ pub use hostlist::{expand_hostlist, HostlistError, MAX_HOSTS};
 pub use node::{
     parse_scontrol_node, parse_sinfo, parse_state, NodeFlags, NodeInfo, NodeState, ParseError,
 };
+pub use times::{parse_grace_time, parse_kill_wait, parse_squeue_time};

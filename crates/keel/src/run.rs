@@ -103,12 +103,20 @@ struct RunOpts {
     /// From SIGTERM to SIGKILL when the trainer is stopped.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     grace: f64,
-    /// The signal that tells the trainer to checkpoint now.
-    #[arg(long, default_value = "USR1", value_name = "SIGNAL")]
+    /// A signal sent to the trainer's process group, besides the request
+    /// file (KEEL_CKPT_REQUEST), to ask for a checkpoint now: `none` (the
+    /// default: torchrun's agent dies of USR1/USR2 and turns TERM, INT,
+    /// HUP and QUIT into a shutdown), USR1, USR2, TERM, INT, HUP or QUIT.
+    #[arg(long, default_value = "none", value_name = "SIGNAL")]
     checkpoint_signal: String,
-    /// How long to wait for that checkpoint's commit.
+    /// How long to wait for that checkpoint's commit (less when Slurm's
+    /// KillWait, the job's time left or an event's notice allow less).
     #[arg(long, default_value_t = 120.0, value_name = "SECS")]
     checkpoint_deadline: f64,
+    /// Kept back from the time Slurm (or a notice) allows a stop, for
+    /// recording the attempt and the requeue's scontrol calls.
+    #[arg(long, default_value_t = 3.0, value_name = "SECS")]
+    stop_reserve: f64,
     /// Seconds between passes of the checkpoint watcher.
     #[arg(long, default_value_t = 1.0, value_name = "SECS")]
     watch_interval: f64,
@@ -127,8 +135,15 @@ struct RunOpts {
     /// This VM's name in Scheduled Events (default: asked from IMDS).
     #[arg(long, value_name = "NAME")]
     vm_name: Option<String>,
+    /// The VM names of all the job's nodes, comma-separated, as Scheduled
+    /// Events name them (default with --slurm: the allocation's node
+    /// names, CycleCloud's nodes being named after their VMs). An event
+    /// naming any of them, or this VM, ends training.
+    #[arg(long, value_name = "LIST")]
+    job_vms: Option<String>,
     /// Acknowledge an event (StartRequests) once its checkpoint is
-    /// committed. Give it on one machine of a job only.
+    /// committed, and only an event that names no VM outside the job.
+    /// Give it on one machine of a job only (the batch host).
     #[arg(long)]
     imds_ack: bool,
     /// The job the history is kept under (default: SLURM_JOB_ID, else
@@ -191,10 +206,11 @@ fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
         .ok_or_else(|| UsageError(format!("--{name} must be a positive number of seconds")).into())
 }
 
-fn signal_named(name: &str) -> anyhow::Result<rustix::process::Signal> {
+fn signal_named(name: &str) -> anyhow::Result<Option<rustix::process::Signal>> {
     use rustix::process::Signal;
     let n = name.trim().to_ascii_uppercase();
-    Ok(match n.strip_prefix("SIG").unwrap_or(&n) {
+    Ok(Some(match n.strip_prefix("SIG").unwrap_or(&n) {
+        "NONE" => return Ok(None),
         "USR1" => Signal::USR1,
         "USR2" => Signal::USR2,
         "TERM" => Signal::TERM,
@@ -204,11 +220,11 @@ fn signal_named(name: &str) -> anyhow::Result<rustix::process::Signal> {
         _ => {
             let shown: String = name.chars().take(32).collect();
             return Err(UsageError(format!(
-                "--checkpoint-signal {shown:?}: expected USR1, USR2, TERM, INT, HUP or QUIT"
+                "--checkpoint-signal {shown:?}: expected none, USR1, USR2, TERM, INT, HUP or QUIT"
             ))
             .into());
         }
-    })
+    }))
 }
 
 /// Everything an attempt needs, validated.
@@ -225,13 +241,18 @@ struct Plan {
     heartbeat_pattern: Option<String>,
     hang: HangConfig,
     grace: Duration,
-    checkpoint_signal: rustix::process::Signal,
+    checkpoint_signal: Option<rustix::process::Signal>,
+    /// Where a checkpoint request is written (KEEL_CKPT_REQUEST).
+    request_file: PathBuf,
     checkpoint_deadline: Duration,
+    stop_reserve: Duration,
     watch_interval: Duration,
     imds: Option<Imds>,
     aws_imds: Option<Imds>,
     gcp_metadata: Option<Imds>,
     vm_name: Option<String>,
+    /// The other VMs of the job (beside this one).
+    job_vms: Vec<String>,
     imds_ack: bool,
     job: String,
     policy: RunPolicy,
@@ -344,6 +365,18 @@ impl Plan {
             .or_else(|| std::env::var("SLURM_JOB_ID").ok())
             .filter(|j| !j.is_empty())
             .unwrap_or_else(|| "local".into());
+        let request_file = ckpt_dir.join(REQUEST_FILE);
+        let mut job_vms: Vec<String> = match &o.job_vms {
+            Some(list) => list
+                .split(',')
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            None => slurm.as_ref().map(|m| m.nodes.clone()).unwrap_or_default(),
+        };
+        job_vms.sort();
+        job_vms.dedup();
         Ok(Self {
             restore_dir: o
                 .restore_dir
@@ -369,12 +402,16 @@ impl Plan {
             },
             grace: secs("grace", o.grace)?,
             checkpoint_signal: signal_named(&o.checkpoint_signal)?,
+            request_file,
             checkpoint_deadline: secs("checkpoint-deadline", o.checkpoint_deadline)?,
+            stop_reserve: Duration::try_from_secs_f64(o.stop_reserve)
+                .map_err(|_| UsageError("--stop-reserve must be a number of seconds".into()))?,
             watch_interval: secs("watch-interval", o.watch_interval)?,
             imds,
             aws_imds,
             gcp_metadata,
             vm_name: o.vm_name.clone(),
+            job_vms,
             imds_ack: o.imds_ack,
             job,
             policy: RunPolicy {
@@ -419,6 +456,10 @@ enum Note {
     Evict {
         id: String,
         kind: String,
+        /// The event's VMs, and the job's (for the acknowledgement);
+        /// empty for AWS and GCP notices, which nobody acknowledges.
+        resources: Vec<String>,
+        job_vms: Vec<String>,
         /// Until the event may start (zero when it started or has no time).
         notice: Duration,
     },
@@ -433,6 +474,28 @@ fn pgid(child: &Child) -> Option<rustix::process::Pid> {
 fn signal_group(child: &Child, sig: rustix::process::Signal) {
     if let Some(p) = pgid(child) {
         let _ = rustix::process::kill_process_group(p, sig);
+    }
+}
+
+/// The checkpoint request file's name in the checkpoint directory.
+const REQUEST_FILE: &str = ".keel-checkpoint-request";
+
+/// Asks the trainer for a checkpoint now: writes a new request into the
+/// request file (atomically: a trainer reads either the last request or
+/// this one), then sends the checkpoint signal when one is configured.
+/// The file reaches every rank under any launcher (torchrun's agent
+/// forwards no signal without shutting its workers down); a trainer reads
+/// it at a step boundary and saves when its content changed.
+fn request_checkpoint(plan: &Plan, child: &Child, why: &str) {
+    let body = format!("{} {why}\n", now_ms());
+    if let Err(e) = keel_fs::write_atomic(&plan.request_file, body.as_bytes(), 0o644) {
+        say(&format!(
+            "cannot write the checkpoint request {}: {e}",
+            plan.request_file.display()
+        ));
+    }
+    if let Some(sig) = plan.checkpoint_signal {
+        signal_group(child, sig);
     }
 }
 
@@ -452,6 +515,61 @@ fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> 
     say("the trainer ignored SIGTERM; sending SIGKILL");
     signal_group(child, rustix::process::Signal::KILL);
     child.wait().ok()
+}
+
+/// A checkpoint asked for before stopping: until when its commit is
+/// waited for, the stop's grace, the commits seen when asked, and the
+/// Scheduled Event (id, its VMs, the job's VMs) to acknowledge.
+struct Draining {
+    deadline: Instant,
+    grace: Duration,
+    commits_then: u64,
+    event: Option<(String, Vec<String>, Vec<String>)>,
+}
+
+/// What Slurm allows from a signal to its SIGKILL (see
+/// [`keel_run::budget::until_kill`]): KillWait after SIGTERM, the job's
+/// time left and KillWait after the warning signal. `None` outside Slurm
+/// or when it cannot be read.
+fn slurm_until_kill(plan: &Plan, sigterm: bool, kill_wait: Option<Duration>) -> Option<Duration> {
+    let m = plan.slurm.as_ref()?;
+    let time_left = if sigterm {
+        None
+    } else {
+        let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
+        match m.client.time_left(&job) {
+            Ok(t) => t,
+            Err(e) => {
+                say(&format!("cannot read the job's time left ({e})"));
+                None
+            }
+        }
+    };
+    keel_run::budget::until_kill(sigterm, kill_wait, time_left)
+}
+
+/// The waits of a stop with `left` before the kill, saying so when they
+/// had to be shortened.
+fn stop_plan(plan: &Plan, left: Option<Duration>) -> keel_run::budget::StopPlan {
+    let p = keel_run::budget::plan_stop(
+        left,
+        keel_run::budget::StopConfig {
+            checkpoint_deadline: plan.checkpoint_deadline,
+            grace: plan.grace,
+            reserve: plan.stop_reserve,
+        },
+    );
+    if p.shortened {
+        say(&format!(
+            "the stop must fit in {:.1} s: the checkpoint wait is {:.1} s (--checkpoint-deadline {:.0}) and the grace {:.1} s (--grace {:.0})",
+            left.unwrap_or_default().as_secs_f64(),
+            p.checkpoint_deadline.as_secs_f64(),
+            plan.checkpoint_deadline.as_secs_f64(),
+            p.grace.as_secs_f64(),
+            plan.grace.as_secs_f64()
+        ));
+    }
+    p
 }
 
 struct Attempt {
@@ -625,8 +743,51 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     std::fs::create_dir_all(&plan.ckpt_dir)
         .with_context(|| format!("cannot create {}", plan.ckpt_dir.display()))?;
 
+    // Signals are taken from the start: a warning (`--signal=B:USR1@...`)
+    // that Slurm sends during the pre-flight checks or the restore must
+    // not kill keel (their default action); it is answered once the
+    // trainer runs.
+    let (tx, rx) = mpsc::channel::<Note>();
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
+        let mut usr2 = signal(SignalKind::user_defined2()).context("cannot handle SIGUSR2")?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let name = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = usr1.recv() => "SIGUSR1",
+                    _ = usr2.recv() => "SIGUSR2",
+                };
+                if tx.send(Note::Signal(name)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
     if let Some(m) = &plan.slurm {
         mark_job(plan, m);
+        let avoid = keel_run::placed_on_excluded(&history, &m.nodes, &plan.policy);
+        if !avoid.is_empty() {
+            // The last requeue's exclusions did not take: requeue again
+            // before training there. Counted as a start-up failure, so a
+            // list something keeps rewriting ends in the retry budget.
+            say(&format!(
+                "this attempt is on {}, which this job excludes: requeueing it again",
+                avoid.join(",")
+            ));
+            let outcome = Outcome::Failed {
+                cause: Cause::Check,
+                nodes: Vec::new(),
+                during_startup: true,
+                detail: format!("placed on excluded node {}", avoid.join(",")),
+            };
+            let d = decide(&outcome, &history, &[], &plan.policy);
+            return conclude(plan, &outcome, d, at, None, json);
+        }
         let t = Instant::now();
         let reports = check_nodes(m);
         at.times.preflight_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(0);
@@ -652,25 +813,6 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             return conclude(plan, &outcome, d, at, None, json);
         }
         say(&format!("pre-flight: {} nodes passed", m.nodes.len()));
-    }
-
-    let (tx, rx) = mpsc::channel::<Note>();
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
-        let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            loop {
-                let name = tokio::select! {
-                    _ = term.recv() => "SIGTERM",
-                    _ = usr1.recv() => "SIGUSR1",
-                };
-                if tx.send(Note::Signal(name)).is_err() {
-                    break;
-                }
-            }
-        });
     }
 
     // Resume from the newest checkpoint that verifies.
@@ -720,7 +862,8 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     if let Some(imds) = plan.imds.clone() {
         let tx = tx.clone();
         let vm = plan.vm_name.clone();
-        std::thread::spawn(move || poll_imds(imds, vm, tx));
+        let others = plan.job_vms.clone();
+        std::thread::spawn(move || poll_imds(imds, vm, others, tx));
     }
     if let Some(imds) = plan.aws_imds.clone() {
         let tx = tx.clone();
@@ -731,9 +874,21 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
         std::thread::spawn(move || poll_gcp(&md, &tx));
     }
 
+    // A request left by an earlier attempt is not this attempt's.
+    match std::fs::remove_file(&plan.request_file) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "cannot remove the old checkpoint request {}",
+                plan.request_file.display()
+            )))
+        }
+    }
     let mut cmd = Command::new(&plan.command[0]);
     cmd.args(&plan.command[1..])
         .env("KEEL_CKPT_DIR", &plan.ckpt_dir)
+        .env("KEEL_CKPT_REQUEST", &plan.request_file)
         .env_remove("KEEL_RESUME_DIR")
         .env_remove("KEEL_RESUME_STEP")
         .stdout(Stdio::piped())
@@ -806,12 +961,26 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
     let mut next_pass = Instant::now();
     // Set when asked to checkpoint now: the deadline, the commits seen
     // when asked, and the event to acknowledge.
-    let mut draining: Option<(Instant, u64, Option<String>)> = None;
+    let mut draining: Option<Draining> = None;
+    // Slurm's KillWait, read once: what a SIGTERM leaves before SIGKILL.
+    let kill_wait = plan
+        .slurm
+        .as_ref()
+        .and_then(|m| match m.client.kill_wait() {
+            Ok(k) => Some(k),
+            Err(e) => {
+                say(&format!(
+                    "cannot read Slurm's KillWait ({e}); a stop waits what was configured"
+                ));
+                None
+            }
+        });
     let mut cancelled = false;
     let outcome;
     loop {
         if cancelled {
-            stop(&mut child, plan.grace);
+            // Slurm's SIGKILL follows its SIGTERM by KillWait.
+            stop(&mut child, stop_plan(plan, kill_wait).grace);
             outcome = Outcome::Cancelled;
             break;
         }
@@ -866,28 +1035,53 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                         ));
                         cancelled = true;
                     } else if draining.is_none() {
-                        say(&format!("{name}: asking the trainer to checkpoint now"));
-                        signal_group(&child, plan.checkpoint_signal);
-                        draining =
-                            Some((Instant::now() + plan.checkpoint_deadline, at.commits, None));
+                        let left = slurm_until_kill(plan, name == "SIGTERM", kill_wait);
+                        let waits = stop_plan(plan, left);
+                        say(&format!(
+                            "{name}: asking the trainer to checkpoint now (waiting up to {:.1} s for the commit, {:.1} s to stop{})",
+                            waits.checkpoint_deadline.as_secs_f64(),
+                            waits.grace.as_secs_f64(),
+                            left.map_or(String::new(), |l| format!(
+                                "; Slurm kills the job in {:.0} s",
+                                l.as_secs_f64()
+                            ))
+                        ));
+                        request_checkpoint(plan, &child, name);
+                        draining = Some(Draining {
+                            deadline: Instant::now() + waits.checkpoint_deadline,
+                            grace: waits.grace,
+                            commits_then: at.commits,
+                            event: None,
+                        });
                     }
                 }
-                Note::Evict { id, kind, notice } => {
+                Note::Evict {
+                    id,
+                    kind,
+                    notice,
+                    resources,
+                    job_vms,
+                } => {
                     if draining.is_none() {
-                        // The event's NotBefore, less a second to stop the
-                        // trainer, caps the wait (when it is in the future).
-                        let wait = if notice.is_zero() {
-                            plan.checkpoint_deadline
+                        // The event's NotBefore caps every wait (when it
+                        // is in the future).
+                        let waits = stop_plan(plan, (!notice.is_zero()).then_some(notice));
+                        let on = if resources.is_empty() {
+                            String::new()
                         } else {
-                            plan.checkpoint_deadline
-                                .min(notice.saturating_sub(Duration::from_secs(1)))
+                            format!(" for {}", resources.join(","))
                         };
                         say(&format!(
-                            "scheduled event {kind} ({id}) for this VM, {:.0} s notice: asking the trainer to checkpoint now",
+                            "scheduled event {kind} ({id}){on}, {:.0} s notice: asking the trainer to checkpoint now",
                             notice.as_secs_f64()
                         ));
-                        signal_group(&child, plan.checkpoint_signal);
-                        draining = Some((Instant::now() + wait, at.commits, Some(id)));
+                        request_checkpoint(plan, &child, &kind);
+                        draining = Some(Draining {
+                            deadline: Instant::now() + waits.checkpoint_deadline,
+                            grace: waits.grace,
+                            commits_then: at.commits,
+                            event: Some((id, resources, job_vms)),
+                        });
                     }
                 }
             }
@@ -943,7 +1137,13 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
             }
             next_pass = Instant::now() + plan.watch_interval;
         }
-        if let Some((deadline, commits_then, event)) = &draining {
+        if let Some(Draining {
+            deadline,
+            grace,
+            commits_then,
+            event,
+        }) = &draining
+        {
             let committed = at.commits > *commits_then;
             if committed || Instant::now() >= *deadline {
                 if committed {
@@ -951,7 +1151,7 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                 } else {
                     say("WARNING: no checkpoint was committed before the deadline; stopping the trainer");
                 }
-                stop(&mut child, plan.grace);
+                stop(&mut child, *grace);
                 push_pass(
                     &mut watcher,
                     &plan.ckpt_dir,
@@ -962,11 +1162,29 @@ async fn supervise(plan: &Plan, json: bool) -> anyhow::Result<Code> {
                     origin,
                 )
                 .await?;
-                if let (Some(id), Some(imds)) = (event, &plan.imds) {
+                if let (Some((id, resources, job_vms)), Some(imds)) = (event, &plan.imds) {
                     if plan.imds_ack {
-                        match imds.acknowledge(&[id]) {
-                            Ok(()) => say(&format!("acknowledged scheduled event {id}")),
-                            Err(e) => say(&format!("cannot acknowledge event {id}: {e}")),
+                        let e = keel_run::events::Event {
+                            id: id.clone(),
+                            kind: keel_run::events::EventType::Other(String::new()),
+                            resources: resources.clone(),
+                            status: String::new(),
+                            not_before: None,
+                            duration: None,
+                            source: String::new(),
+                        };
+                        match keel_run::events::ack(&e, job_vms, at.commits > *commits_then) {
+                            keel_run::events::Ack::Yes => match imds.acknowledge(&[id]) {
+                                Ok(()) => say(&format!("acknowledged scheduled event {id}")),
+                                Err(e) => say(&format!("cannot acknowledge event {id}: {e}")),
+                            },
+                            keel_run::events::Ack::NotCommitted => say(&format!(
+                                "scheduled event {id} not acknowledged: no checkpoint was committed"
+                            )),
+                            keel_run::events::Ack::Foreign(vms) => say(&format!(
+                                "scheduled event {id} not acknowledged: it names {}, outside this job",
+                                vms.join(",")
+                            )),
                         }
                     }
                 }
@@ -1138,8 +1356,23 @@ fn conclude(
                 d.exclude.join(",")
             };
             match m.client.requeue(&job, &d.exclude) {
-                Ok(()) => {
-                    what = format!("{what}; requeued job {job} excluding {shown}");
+                Ok(kept) => {
+                    // What Slurm stored: the new exclusions and the
+                    // user's own `--exclude`.
+                    let stored = if kept.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        kept.join(",")
+                    };
+                    what = format!(
+                        "{what}; requeued job {job} excluding {shown} (its ExcNodeList: {stored})"
+                    );
+                    code = Code::Requeue;
+                }
+                Err(e @ keel_slurm::SlurmError::NotExcluded { .. }) => {
+                    // Requeued all the same: the next attempt finds itself
+                    // on the node and requeues again (placed_on_excluded).
+                    what = format!("{what}; WARNING: {e}");
                     code = Code::Requeue;
                 }
                 Err(e) => what = format!("{what}; cannot requeue job {job}: {e}"),
@@ -1491,6 +1724,8 @@ fn poll_notice(
 fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
     poll_notice("AWS Spot notice", Duration::from_secs(2), tx, || {
         Ok(imds.aws_instance_action()?.map(|n| Note::Evict {
+            resources: Vec::new(),
+            job_vms: Vec::new(),
             id: format!("aws-spot-{}", n.action),
             kind: format!("AWS Spot {}", n.action),
             notice: n
@@ -1506,6 +1741,8 @@ fn poll_aws(imds: &Imds, tx: &mpsc::Sender<Note>) {
 fn poll_gcp(md: &Imds, tx: &mpsc::Sender<Note>) {
     poll_notice("GCP preemption flag", Duration::from_secs(1), tx, || {
         Ok(md.gcp_preempted()?.then(|| Note::Evict {
+            resources: Vec::new(),
+            job_vms: Vec::new(),
             id: "gcp-preempted".to_owned(),
             kind: "GCP preemption".to_owned(),
             notice: Duration::from_secs(30),
@@ -1514,7 +1751,7 @@ fn poll_gcp(md: &Imds, tx: &mpsc::Sender<Note>) {
 }
 
 /// Polls Scheduled Events once a second until the supervisor goes away.
-fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
+fn poll_imds(imds: Imds, vm: Option<String>, others: Vec<String>, tx: mpsc::Sender<Note>) {
     let mut warned = false;
     let vm = loop {
         match vm.clone().map(Ok).unwrap_or_else(|| imds.vm_name()) {
@@ -1530,7 +1767,11 @@ fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
             }
         }
     };
-    let mut poller = Poller::new(imds, &vm);
+    let mut job_vms = others;
+    if !job_vms.iter().any(|v| v.eq_ignore_ascii_case(&vm)) {
+        job_vms.push(vm.clone());
+    }
+    let mut poller = Poller::new(imds, &job_vms);
     let mut failing = false;
     loop {
         match poller.poll() {
@@ -1542,6 +1783,8 @@ fn poll_imds(imds: Imds, vm: Option<String>, tx: mpsc::Sender<Note>) {
                 for e in events {
                     if e.kind.ends_training() {
                         let note = Note::Evict {
+                            resources: e.resources.clone(),
+                            job_vms: job_vms.clone(),
                             id: e.id.clone(),
                             kind: e.kind.as_str().to_owned(),
                             notice: e.notice(SystemTime::now()),

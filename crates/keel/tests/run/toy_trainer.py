@@ -2,7 +2,9 @@
 """A toy trainer for `keel run` tests: one "step" every TOY_STEP_SECS,
 a PyTorch DCP-shaped checkpoint directory (step_<N>/__0_0.distcp, then
 .metadata last) every TOY_EVERY steps under $KEEL_CKPT_DIR, and on the
-checkpoint signal (SIGUSR1) a checkpoint at the next step boundary.
+checkpoint request (a new content in $KEEL_CKPT_REQUEST, or SIGUSR1 when
+keel run is given --checkpoint-signal USR1) a checkpoint at the next step
+boundary.
 
 Environment:
   TOY_STEPS      train until this step, then exit 0 (default 20)
@@ -66,6 +68,25 @@ else:
     log("fresh")
 
 asked = False
+request_file = os.environ.get("KEEL_CKPT_REQUEST")
+last_request = None
+
+
+def requested():
+    """Whether keel run wrote a request not answered yet."""
+    global last_request
+    if not request_file:
+        return False
+    try:
+        with open(request_file) as f:
+            req = f.read()
+    except FileNotFoundError:
+        return False
+    if req and req != last_request:
+        last_request = req
+        return True
+    return False
+
 
 
 def on_signal(signum, frame):
@@ -112,6 +133,8 @@ while step < steps:
         mine = os.path.join(os.environ["KEEL_HEARTBEAT_DIR"], node)
         with open(mine, "a"):
             os.utime(mine)
+    if mode != "ignore-signals" and requested():
+        asked = True
     if step % every == 0 or asked:
         save(step)
         asked = False
