@@ -1413,8 +1413,14 @@ fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayE
             c.interval_s
         ));
     }
-    if c.min_canary_samples == 0 {
-        return bad("min_canary_samples must be at least 1".into());
+    // Below the checks' own minimum a step could advance with checks that
+    // cannot judge its requests (issue: 0 passed, 7 inconclusive, promoted).
+    let least = keel_canary::analysis::Thresholds::default().largest_min_samples();
+    if c.min_canary_samples < least {
+        return bad(format!(
+            "min_canary_samples {} is below {least}, the sample size the canary checks need to decide (error rate, finish reason, empty answers, stream aborts): use at least {least}",
+            c.min_canary_samples
+        ));
     }
     if c.max_intervals == 0 {
         return bad("max_intervals must be at least 1".into());
@@ -1710,7 +1716,15 @@ url = "http://127.0.0.1:8002/prefix"
             ),
             (
                 "min_canary_samples = 0",
-                "rollout.min_canary_samples must be at least 1",
+                "rollout.min_canary_samples 0 is below 50",
+            ),
+            (
+                "min_canary_samples = 5",
+                "rollout.min_canary_samples 5 is below 50, the sample size",
+            ),
+            (
+                "min_canary_samples = 49",
+                "min_canary_samples 49 is below 50",
             ),
             ("bogus = 1", "bogus"),
         ] {

@@ -876,7 +876,7 @@ fn a_rollout_survives_a_gateway_restart_and_is_promoted() {
     use std::os::unix::fs::PermissionsExt;
     let mut s = rollout_setup(
         &[],
-        "steps = [50, 90, 100]\ninterval_s = 1\nmin_canary_samples = 40",
+        "steps = [50, 90, 100]\ninterval_s = 1\nmin_canary_samples = 50",
     );
     canary_set(&s);
     let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
