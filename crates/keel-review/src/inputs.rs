@@ -484,7 +484,7 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
                         file,
                         line: u32::try_from(e.line()).unwrap_or(1).max(1),
                     },
-                    format!("not node facts: {}", cut(&e.to_string())),
+                    format!("not node facts: {}", json_problem(&e)),
                 ));
                 None
             }
@@ -738,6 +738,25 @@ fn yaml_too_big(text: &str, max_depth: usize, max_nodes: u64) -> Option<(u32, Ya
         if nodes > max_nodes {
             return Some((line(), YamlTooBig::Nodes));
         }
+    }
+}
+
+/// What is wrong with a JSON document, without its content: serde's
+/// messages quote the values they reject (`invalid type: string "..."`),
+/// and the file may not be what it claims to be.
+fn json_problem(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    let msg = e.to_string();
+    let at = format!("line {} column {}", e.line(), e.column());
+    match e.classify() {
+        Category::Syntax => format!("not JSON at {at}"),
+        Category::Eof => "the JSON ends early".to_owned(),
+        Category::Io => "cannot be read".to_owned(),
+        // Field names are the schema's words: kept.
+        Category::Data if msg.starts_with("unknown field") || msg.starts_with("missing field") => {
+            cut(msg.split(", expected").next().unwrap_or(&msg))
+        }
+        Category::Data => format!("a value of the wrong type or range at {at}"),
     }
 }
 
