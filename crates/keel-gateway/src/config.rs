@@ -609,7 +609,8 @@ fn read_hmac_key(path: &Path) -> Result<Vec<u8>, GatewayError> {
             "must be readable by its owner only (chmod 600): it is a secret".into(),
         ));
     }
-    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let bytes =
+        keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|e| bad(e.to_string()))?;
     let key = bytes.trim_ascii().to_vec();
     if key.len() < 32 {
         return Err(bad(format!(
@@ -625,7 +626,7 @@ fn group_id(name: &str, etc_group: &Path) -> Result<u32, String> {
     if let Ok(id) = name.parse::<u32>() {
         return Ok(id);
     }
-    let text = std::fs::read_to_string(etc_group)
+    let text = keel_fs::read_regular_to_string(etc_group, keel_fs::MAX_CONFIG_BYTES)
         .map_err(|e| format!("cannot read {}: {e}", etc_group.display()))?;
     text.lines()
         .filter_map(|l| {
@@ -758,10 +759,13 @@ impl GatewayConfig {
 
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Self, GatewayError> {
-        let text = std::fs::read_to_string(path).map_err(|source| GatewayError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            keel_fs::read_regular_to_string(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
+                GatewayError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         let base = path.parent().unwrap_or(Path::new("."));
         Self::from_toml(&text, base).map_err(|e| match e {
             GatewayError::Config(m) => GatewayError::Config(format!("{}: {m}", path.display())),

@@ -1057,8 +1057,8 @@ fn verify_path(a: &VerifyArgs, out: &mut Out) -> anyhow::Result<Code> {
         return Err(UsageError(format!("{} is not a directory", dir.display())).into());
     }
     let key = PublicKey::read(key_path)?;
-    let bundle =
-        std::fs::read(sig_path).with_context(|| format!("cannot read {}", sig_path.display()))?;
+    let bundle = keel_fs::read_regular(sig_path, keel_fs::MAX_CONFIG_BYTES)
+        .with_context(|| format!("cannot read {}", sig_path.display()))?;
     let mut ignore = a.ignore_paths.clone();
     // The signature file itself, when it lies inside the directory.
     if let (Ok(d), Ok(s)) = (std::fs::canonicalize(dir), std::fs::canonicalize(sig_path)) {

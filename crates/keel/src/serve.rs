@@ -332,7 +332,7 @@ fn admin_access(admin: &AdminArgs) -> anyhow::Result<(&str, String)> {
     let token_file = admin.token_file.as_deref().ok_or_else(|| {
         UsageError("give the admin token: --token-file FILE (its first line is the token)".into())
     })?;
-    let token = std::fs::read_to_string(token_file)
+    let token = keel_fs::read_regular_to_string(token_file, keel_fs::MAX_CONFIG_BYTES)
         .with_context(|| format!("cannot read the admin token file {}", token_file.display()))?;
     let token = token.lines().next().unwrap_or_default().trim().to_owned();
     if token.is_empty() {
@@ -396,9 +396,11 @@ fn drift(cmd: &DriftCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result
         let b = match model {
             Some(m) => Baseline::read(file, m)?,
             None => {
-                let bytes = std::fs::read(file).with_context(|| {
-                    format!("cannot read the drift baseline {}", file.display())
-                })?;
+                let bytes =
+                    keel_fs::read_regular(file, keel_gateway::drift_baseline::MAX_BASELINE_BYTES)
+                        .with_context(|| {
+                        format!("cannot read the drift baseline {}", file.display())
+                    })?;
                 let name = serde_json::from_slice::<serde_json::Value>(&bytes)
                     .ok()
                     .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_owned))
