@@ -267,6 +267,7 @@ pub struct FileAudit {
     pub group: Option<String>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
+    pub anchor_file: Option<PathBuf>,
     pub sync: Option<bool>,
 }
 
@@ -589,6 +590,9 @@ pub struct AuditConfig {
     pub group: Option<u32>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: u64,
+    /// Where the latest checkpoint is kept outside the log (with
+    /// checkpoints: `anchor_file`, else `<path>.anchor`).
+    pub anchor_file: Option<PathBuf>,
     /// Sync a request's line to disk before its response is released.
     pub sync: bool,
     /// The key of the log's signed checkpoints (read from `hmac_key_file`),
@@ -1169,10 +1173,25 @@ impl GatewayConfig {
             return bad("audit.checkpoint_every must be at least 1 line".into());
         }
         let hmac_key_file = f.audit.hmac_key_file.map(rel);
+        let audit_path = f.audit.path.clone().map(rel);
+        let anchor_file = match (&hmac_key_file, f.audit.anchor_file.map(rel)) {
+            (None, Some(_)) => return bad("audit.anchor_file needs audit.hmac_key_file".into()),
+            (None, None) => None,
+            (Some(_), Some(a)) => Some(a),
+            (Some(_), None) => audit_path.as_ref().map(|p| {
+                let mut s = p.clone().into_os_string();
+                s.push(".anchor");
+                PathBuf::from(s)
+            }),
+        };
+        if anchor_file.is_some() && anchor_file == audit_path {
+            return bad("audit.anchor_file must be another file than audit.path".into());
+        }
         let checkpoints = match &hmac_key_file {
             Some(k) => Some(crate::audit::Checkpoints {
                 key: read_hmac_key(k)?,
                 every,
+                anchor: anchor_file.clone(),
             }),
             None if f.audit.checkpoint_every.is_some() => {
                 return bad("audit.checkpoint_every needs audit.hmac_key_file".into());
@@ -1185,6 +1204,7 @@ impl GatewayConfig {
             group,
             hmac_key_file,
             checkpoint_every: every,
+            anchor_file,
             sync: f.audit.sync.unwrap_or(false),
             checkpoints,
         };
