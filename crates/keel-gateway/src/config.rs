@@ -42,6 +42,7 @@ pub struct FileConfig {
 pub struct FileRegistry {
     pub url: String,
     pub key_file: PathBuf,
+    pub ca_file: Option<PathBuf>,
     pub poll_ms: Option<u64>,
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
@@ -90,6 +91,7 @@ pub struct FileModelRegistry {
     pub stable: Option<String>,
     pub canary: Option<String>,
     pub require_signature: Option<bool>,
+    pub allowed_backends: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -459,10 +461,13 @@ pub struct HealthConfig {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RegistryConfig {
-    /// `http://host:port` of `keel model serve`.
+    /// `http://host:port` or `https://host:port` of `keel model serve`.
     pub url: String,
     /// A file holding a registry API key with read rights.
     pub key_file: PathBuf,
+    /// Also trust the CAs in this PEM file for an `https://` registry
+    /// (besides the system's roots).
+    pub ca_file: Option<PathBuf>,
     pub poll_ms: u64,
     /// The trusted key (PEM) signatures of versions are checked against,
     /// for models with `require_signature`.
@@ -512,6 +517,9 @@ pub struct ModelRegistryConfig {
     /// The alias of a candidate version.
     pub canary: Option<String>,
     pub require_signature: bool,
+    /// The backends the model's versions may name in their
+    /// `keel.backend` tag (required with `require_signature`); empty: any.
+    pub allowed_backends: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1298,11 +1306,34 @@ fn model_registry(
             .into(),
         });
     }
+    let require_signature = r.require_signature.unwrap_or(false);
+    let allowed_backends: Vec<String> = r
+        .allowed_backends
+        .unwrap_or_default()
+        .into_iter()
+        .map(|b| b.trim().trim_end_matches('/').to_owned())
+        .collect();
+    for b in &allowed_backends {
+        let ok = (b.starts_with("http://") || b.starts_with("https://"))
+            && b.parse::<http::Uri>().is_ok_and(|u| u.host().is_some());
+        if !ok {
+            return Err(GatewayError::Config(format!(
+                "model {model:?}: registry.allowed_backends entry {:?} is not an http:// or https:// URL",
+                b.chars().take(200).collect::<String>()
+            )));
+        }
+    }
+    if require_signature && allowed_backends.is_empty() {
+        return Err(GatewayError::Config(format!(
+            "model {model:?}: registry.require_signature needs registry.allowed_backends, the backends its versions may be served from: the signature covers the files, the backend tag is the registry's to change"
+        )));
+    }
     Ok(ModelRegistryConfig {
         model: r.model,
         stable,
         canary: r.canary,
-        require_signature: r.require_signature.unwrap_or(false),
+        require_signature,
+        allowed_backends,
     })
 }
 
@@ -1311,11 +1342,19 @@ fn registry_config(
     rel: &impl Fn(PathBuf) -> PathBuf,
 ) -> Result<RegistryConfig, GatewayError> {
     let url = r.url.trim_end_matches('/').to_owned();
-    if !url.starts_with("http://") || url.len() <= "http://".len() {
+    let host = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"));
+    if host.is_none_or(str::is_empty) {
         return Err(GatewayError::Config(format!(
-            "registry.url {:?} must be http://host:port",
+            "registry.url {:?} must be http://host:port or https://host:port",
             r.url.chars().take(200).collect::<String>()
         )));
+    }
+    if r.ca_file.is_some() && !url.starts_with("https://") {
+        return Err(GatewayError::Config(
+            "registry.ca_file is for an https:// registry.url".into(),
+        ));
     }
     let poll_ms = r.poll_ms.unwrap_or(1000);
     if !(100..=60_000).contains(&poll_ms) {
@@ -1326,6 +1365,7 @@ fn registry_config(
     Ok(RegistryConfig {
         url,
         key_file: rel(r.key_file),
+        ca_file: r.ca_file.map(rel),
         poll_ms,
         public_key_file: r.public_key_file.map(rel),
         write_key_file: r.write_key_file.map(rel),
@@ -1957,11 +1997,52 @@ registry = { model = "chat-llm", canary = "canary" }
         ))
         .expect_err("same aliases");
         assert!(e.contains("both \"production\""), "{e}");
-        let e = check(&format!(
-            "[registry]\nurl = \"https://r:1\"\nkey_file = \"k\"\n{model}"
+        // https:// with a CA file is accepted; a CA file for http:// and
+        // other schemes are not.
+        check(&format!(
+            "[registry]\nurl = \"https://r:1\"\nkey_file = \"k\"\nca_file = \"ca.pem\"\n{model}"
         ))
-        .expect_err("https");
-        assert!(e.contains("must be http://host:port"), "{e}");
+        .expect("https");
+        let e = check(&format!(
+            "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\nca_file = \"ca.pem\"\n{model}"
+        ))
+        .expect_err("ca_file for http");
+        assert!(e.contains("registry.ca_file is for an https://"), "{e}");
+        let e = check(&format!(
+            "[registry]\nurl = \"ftp://r:1\"\nkey_file = \"k\"\n{model}"
+        ))
+        .expect_err("ftp");
+        assert!(
+            e.contains("must be http://host:port or https://host:port"),
+            "{e}"
+        );
+        // Signatures need the backends the versions may name.
+        let signed = "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\npublic_key_file = \"a.pub\"\n[[models]]\nname = \"chat\"\n";
+        let e = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true }}\n"
+        ))
+        .expect_err("no allowed_backends");
+        assert!(
+            e.contains("require_signature needs registry.allowed_backends"),
+            "{e}"
+        );
+        let e = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true, allowed_backends = [\"10.0.0.5:8000\"] }}\n"
+        ))
+        .expect_err("not a URL");
+        assert!(e.contains("is not an http:// or https:// URL"), "{e}");
+        let c = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true, allowed_backends = [\"https://10.0.0.5:8000/\"] }}\n"
+        ))
+        .expect("valid");
+        assert_eq!(
+            c.models[0]
+                .registry
+                .as_ref()
+                .expect("registry")
+                .allowed_backends,
+            vec!["https://10.0.0.5:8000".to_owned()]
+        );
         let e = check(&format!(
             "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\npoll_ms = 10\n{model}"
         ))

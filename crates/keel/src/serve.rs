@@ -904,17 +904,34 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
 }
 
 /// Checks registry versions' signatures against `registry.public_key_file`:
-/// the bundle must open with that key and sign the version's digest.
+/// the bundle must open with that key and sign this model and version
+/// (the statement's subject, `MODEL:VERSION` as `keel model sign` names
+/// it: another version's signature over the same files does not do) and
+/// the version's digest.
 struct TrustedKey(keel_registry::sign::PublicKey);
 
 impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
-    fn check(&self, digest: Option<&str>, bundle: &str, _recorded: &str) -> Result<(), String> {
+    fn check(
+        &self,
+        model: &str,
+        version: u64,
+        digest: Option<&str>,
+        bundle: &str,
+        _recorded: &str,
+    ) -> Result<(), String> {
         let payload = self
             .0
             .open_bundle(bundle.as_bytes())
             .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
         let st = keel_registry::sign::parse_statement(&payload)
             .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        let subject = format!("{model}:{version}");
+        if st.name != subject {
+            return Err(format!(
+                "it signs {:?}, not {subject:?}: a signature of another model or version",
+                st.name.chars().take(200).collect::<String>()
+            ));
+        }
         match digest {
             Some(d) if d == st.digest => Ok(()),
             Some(d) => Err(format!(

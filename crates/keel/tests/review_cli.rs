@@ -574,7 +574,7 @@ fn review_of_the_registry_following_test_gateways() {
         url,
         "chat",
         "public_key_file = \"a.pub\"",
-        ", require_signature = true",
+        ", require_signature = true, allowed_backends = [\"http://127.0.0.1:18000\"]",
     );
     let review = |cfg: &Path| {
         let (code, out, err) = run(keel().args(["--json", "review"]).arg(cfg));
