@@ -1193,6 +1193,15 @@ fn a_rollout_whose_aliases_changed_while_the_gateway_was_down_stops() {
         std::fs::read_to_string(&p).expect("read"),
         "{\"version\": 1, \"rollouts\": [{\"id\": "
     );
+    // A state file that is a FIFO no one writes: refused at once, naming
+    // it, instead of keel serve waiting on it forever before it listens
+    // (issue 44, E11).
+    std::fs::remove_file(&p).expect("rm");
+    let made = Command::new("mkfifo").arg(&p).status().expect("mkfifo");
+    assert!(made.success());
+    let (code, err) = start_fails(&s.cfg);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
 }
 
 #[test]
