@@ -85,6 +85,8 @@ struct AppState {
     readers: Arc<Readers>,
     /// Places for heavy reads (lists, searches, the chain check).
     heavy: Arc<tokio::sync::Semaphore>,
+    /// How long a heavy read waits for one.
+    heavy_wait: std::time::Duration,
     /// The most bytes of items one answer holds.
     max_response: usize,
     token_sha256: Option<String>,
@@ -124,7 +126,7 @@ const KEEL_PAGES: PageBounds = PageBounds {
 
 /// A place for a heavy read, or 503 when none frees up in time.
 async fn heavy_place(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-    match tokio::time::timeout(HEAVY_WAIT, st.heavy.clone().acquire_owned()).await {
+    match tokio::time::timeout(st.heavy_wait, st.heavy.clone().acquire_owned()).await {
         Ok(Ok(p)) => Ok(p),
         _ => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -286,6 +288,12 @@ impl IntoResponse for ApiError {
                 axum::http::HeaderValue::from_static("Bearer"),
             );
         }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
         r
     }
 }
@@ -406,6 +414,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
     let st = AppState {
         readers: Arc::new(readers),
         heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+        heavy_wait: HEAVY_WAIT,
         max_response: if opts.max_response_bytes == 0 {
             MAX_RESPONSE_BYTES
         } else {
@@ -2220,6 +2229,36 @@ mod tests {
             page_token: page_token.map(str::to_owned),
             order_by: Vec::new(),
         }
+    }
+
+    /// At most [`HEAVY_READS`] heavy reads hold a place; the next waits,
+    /// is answered 503 when none frees up in time, and gets one as soon
+    /// as one is given back.
+    #[tokio::test]
+    async fn heavy_reads_take_one_of_a_few_places() {
+        let reg = Registry::open_in_memory(Arc::new(crate::FixedClock(0))).expect("registry");
+        let st = AppState {
+            reg: Arc::new(Mutex::new(reg)),
+            readers: Arc::new(Readers {
+                source: None,
+                idle: Mutex::new(Vec::new()),
+            }),
+            heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+            heavy_wait: std::time::Duration::from_millis(50),
+            max_response: MAX_RESPONSE_BYTES,
+            token_sha256: None,
+            azure_account: None,
+            tracking: None,
+        };
+        let mut held = Vec::new();
+        for _ in 0..HEAVY_READS {
+            held.push(heavy_place(&st).await.expect("a place"));
+        }
+        let e = heavy_place(&st).await.expect_err("none left");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
+        held.pop();
+        heavy_place(&st).await.expect("a place given back");
     }
 
     #[test]
