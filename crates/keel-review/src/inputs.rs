@@ -1083,6 +1083,19 @@ mod tests {
         assert!(c.is_some() && d.is_empty(), "{d:?}");
     }
 
+    /// serde's messages quote the values they reject; what keel reports
+    /// of a JSON input does not.
+    #[test]
+    fn json_problems_name_no_value() {
+        let e = serde_json::from_str::<u64>("\"SECRET\"").expect_err("a string");
+        let p = json_problem(&e);
+        assert!(!p.contains("SECRET") && p.contains("line 1"), "{p}");
+        let e = serde_json::from_str::<u64>("SECRET").expect_err("not JSON");
+        assert_eq!(json_problem(&e), "not JSON at line 1 column 1");
+        let e = serde_json::from_str::<u64>("").expect_err("empty");
+        assert_eq!(json_problem(&e), "the JSON ends early");
+    }
+
     /// A billion laughs in about a kilobyte: nine levels of nine aliases
     /// of the level below, 9^9 nodes once expanded.
     #[test]
