@@ -185,9 +185,10 @@ pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
 /// Reads a regular file of at most `max_bytes`, the one way keel reads a
 /// file someone else named: a FIFO, a device (a link to `/dev/zero`), a
-/// socket or a directory is refused without waiting or reading (the open
-/// does not block: `O_NONBLOCK`, then the open file's own type is
-/// checked), and a larger file after `max_bytes + 1` bytes. The errors
+/// socket or a directory is refused without waiting or reading (it is
+/// not opened at all; and should the path change in between, the open
+/// does not block, `O_NONBLOCK`, and the open file's own type is checked
+/// again), and a larger file after `max_bytes + 1` bytes. The errors
 /// are `InvalidInput` ("not a regular file") and `InvalidData` ("larger
 /// than N bytes"), each worth showing as it is.
 pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
@@ -216,15 +217,19 @@ pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
 /// audit log of any length): a FIFO, device, socket or directory is
 /// refused without waiting (`InvalidInput`, "not a regular file").
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let not_regular =
+        || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+    // A device is not even opened (opening some has effects); the open
+    // file's own type is checked again after, as the path may change.
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(not_regular());
+    }
     let f = OpenOptions::new()
         .read(true)
         .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
         .open(path)?;
     if !f.metadata()?.is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+        return Err(not_regular());
     }
     // A regular file ignores O_NONBLOCK: reads are plain reads.
     Ok(f)
