@@ -13,7 +13,9 @@
 //!
 //! A check with fewer samples than its minimum in either window is
 //! inconclusive, which is not a failure: the step holds and the windows
-//! keep growing.
+//! keep growing. No step advances (and no rollout promotes) unless at
+//! least one check passed: an analysis with every check inconclusive is
+//! no evidence ([`decide_step`]).
 //!
 //! The rate checks (`error_rate`, `length_finish`, `empty_answer`,
 //! `stream_abort`) of a step after the first also count the canary's
@@ -212,6 +214,27 @@ impl Default for Thresholds {
     }
 }
 
+impl Thresholds {
+    /// The largest of the checks' minimum sample sizes: a step with fewer
+    /// canary requests cannot have every check that sees its requests
+    /// decide, so a [`StepPolicy::min_canary_samples`] below it would let
+    /// a step advance on checks that could not judge (50 by default).
+    pub fn largest_min_samples(&self) -> u64 {
+        [
+            self.error_rate.min_samples,
+            self.latency.min_samples,
+            self.completion_tokens.min_samples,
+            self.length_finish.min_samples,
+            self.empty_answer.min_samples,
+            self.stream_abort.min_samples,
+            self.output_mean.min_samples,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1)
+    }
+}
+
 /// The checks, in the order [`analyse`] reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -323,6 +346,12 @@ impl Analysis {
 
     pub fn failed(&self) -> bool {
         self.failures().next().is_some()
+    }
+
+    /// Whether at least one check passed: an analysis whose every check
+    /// was inconclusive is no evidence, and no step advances on it.
+    pub fn decided(&self) -> bool {
+        self.checks.iter().any(|c| c.outcome == Outcome::Pass)
     }
 }
 
@@ -714,15 +743,18 @@ impl Default for StepPolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepDecision {
-    /// No check failed and the step has its samples: next weight.
+    /// No check failed, at least one passed, and the step has its
+    /// samples: next weight.
     Advance,
-    /// No check failed but the canary has too few requests: keep the
-    /// weight for another interval, the windows growing.
+    /// No check failed but the canary has too few requests, or no check
+    /// could decide (every one inconclusive): keep the weight for another
+    /// interval, the windows growing.
     Hold,
     /// A check failed: canary weight 0, canary alias rolled back.
     Abort,
-    /// Still too few requests after `max_intervals`: neither promote nor
-    /// roll back (no traffic is no evidence either way).
+    /// Still too few requests, or no check that could decide, after
+    /// `max_intervals`: neither promote nor roll back (no traffic, and no
+    /// check that could judge it, is no evidence either way).
     Pause,
 }
 
@@ -760,7 +792,7 @@ pub fn decide_step(
     if analysis.failed() {
         return StepDecision::Abort;
     }
-    if canary_requests >= policy.min_canary_samples {
+    if canary_requests >= policy.min_canary_samples && analysis.decided() {
         StepDecision::Advance
     } else if intervals >= policy.max_intervals {
         StepDecision::Pause

@@ -238,10 +238,16 @@ impl Rollout {
             }
             StepDecision::Pause => {
                 self.phase = Phase::Paused;
+                let min = self.plan.policy.min_canary_samples;
+                let why = if (canary.len() as u64) < min {
+                    format!("fewer than {min} canary requests")
+                } else {
+                    "no check could decide (every one inconclusive)".to_owned()
+                };
                 Action::Pause {
                     reason: format!(
-                        "rollout {}: paused at {weight}%: fewer than {} canary requests after {} intervals",
-                        self.id, self.plan.policy.min_canary_samples, self.intervals
+                        "rollout {}: paused at {weight}%: {why} after {} intervals",
+                        self.id, self.intervals
                     ),
                 }
             }
@@ -344,7 +350,7 @@ fn cut(s: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::FinishReason;
+    use crate::analysis::{FinishReason, Outcome};
 
     fn ok(chars: u32) -> Sample {
         Sample {
@@ -433,6 +439,35 @@ mod tests {
         assert_eq!(r.on_interval(&[], &[]), Action::Continue);
         assert!(matches!(r.on_interval(&[], &[]), Action::Pause { .. }));
         assert_eq!(r.phase, Phase::Paused);
+    }
+
+    /// Enough canary requests by the policy, but no check could judge
+    /// them (too few for every check, or no stable window to compare
+    /// with): the step holds, then pauses; it never promotes.
+    #[test]
+    fn no_step_advances_when_no_check_could_decide() {
+        let mut p = plan(&[50, 100]);
+        p.policy.min_canary_samples = 5;
+        p.policy.max_intervals = 3;
+        let (mut r, _) = Rollout::start("r6", p).unwrap();
+        let stable = vec![ok(200); 2000];
+        assert_eq!(r.on_interval(&stable, &[ok(200); 7]), Action::Continue);
+        let v = r.verdicts.last().unwrap();
+        assert_eq!(v.decision, StepDecision::Hold);
+        assert!(v
+            .analysis
+            .checks
+            .iter()
+            .all(|c| c.outcome == Outcome::Inconclusive));
+        assert_eq!(r.on_interval(&[], &[ok(200); 150]), Action::Continue);
+        let Action::Pause { reason } = r.on_interval(&[], &[ok(200); 150]) else {
+            panic!("not paused")
+        };
+        assert_eq!(
+            reason,
+            "rollout r6: paused at 50%: no check could decide (every one inconclusive) after 3 intervals"
+        );
+        assert_eq!((r.phase, r.weight()), (Phase::Paused, 50));
     }
 
     #[test]

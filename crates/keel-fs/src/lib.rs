@@ -175,9 +175,76 @@ impl Lock {
     }
 }
 
-/// Reads `path` (`None` when it does not exist).
+/// The largest state file [`read_optional`] (and so [`update`]) reads:
+/// a key file, a rollout's or a supervisor's state.
+pub const MAX_STATE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The largest configuration-sized file (TOML, PEM, a key or token file,
+/// a JWKS) keel reads.
+pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Reads a regular file of at most `max_bytes`, the one way keel reads a
+/// file someone else named: a FIFO, a device (a link to `/dev/zero`), a
+/// socket or a directory is refused without waiting or reading (it is
+/// not opened at all; and should the path change in between, the open
+/// does not block, `O_NONBLOCK`, and the open file's own type is checked
+/// again), and a larger file after `max_bytes + 1` bytes. The errors
+/// are `InvalidInput` ("not a regular file") and `InvalidData` ("larger
+/// than N bytes"), each worth showing as it is.
+pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind, Read};
+    let f = open_regular(path)?;
+    let meta = f.metadata()?;
+    let mut bytes = Vec::with_capacity(meta.len().min(max_bytes) as usize);
+    f.take(max_bytes.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        const MIB: u64 = 1024 * 1024;
+        let bound = if max_bytes >= MIB && max_bytes.is_multiple_of(MIB) {
+            format!("{} MiB", max_bytes / MIB)
+        } else {
+            format!("{max_bytes} bytes")
+        };
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("larger than {bound}"),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Opens a regular file for reading, for a reader that streams it (an
+/// audit log of any length): a FIFO, device, socket or directory is
+/// refused without waiting (`InvalidInput`, "not a regular file").
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let not_regular =
+        || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+    // A device is not even opened (opening some has effects); the open
+    // file's own type is checked again after, as the path may change.
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(not_regular());
+    }
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(not_regular());
+    }
+    // A regular file ignores O_NONBLOCK: reads are plain reads.
+    Ok(f)
+}
+
+/// [`read_regular`] as UTF-8 text.
+pub fn read_regular_to_string(path: &Path, max_bytes: u64) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, max_bytes)?)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+/// Reads `path` (`None` when it does not exist): a regular file of at
+/// most [`MAX_STATE_BYTES`] ([`read_regular`]).
 pub fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, FsError> {
-    match std::fs::read(path) {
+    match read_regular(path, MAX_STATE_BYTES) {
         Ok(b) => Ok(Some(b)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(FsError::Read {
@@ -209,6 +276,55 @@ pub fn update<T, E: From<FsError>>(
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    fn mkfifo(p: &Path) {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            p,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .expect("mkfifo");
+    }
+
+    /// A FIFO no one writes, a link to /dev/zero, a directory and a file
+    /// over the bound are each refused at once; a small regular file (or
+    /// a link to one) is read.
+    #[test]
+    fn only_bounded_regular_files_are_read() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let fifo = d.path().join("state.json");
+        mkfifo(&fifo);
+        let e = read_regular(&fifo, 1024).expect_err("fifo");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        let e = read_optional(&fifo).expect_err("fifo state");
+        assert!(
+            matches!(&e, FsError::Read { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput),
+            "{e:?}"
+        );
+        let zero = d.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).expect("symlink");
+        let e = read_regular(&zero, 1024).expect_err("device");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        let e = read_regular(d.path(), 1024).expect_err("directory");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        let big = d.path().join("big");
+        std::fs::write(&big, vec![b'x'; 1025]).expect("write");
+        let e = read_regular(&big, 1024).expect_err("too big");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert_eq!(e.to_string(), "larger than 1024 bytes");
+        assert_eq!(read_regular(&big, 1025).expect("fits").len(), 1025);
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&big, &link).expect("symlink");
+        assert_eq!(read_regular(&link, 2048).expect("link").len(), 1025);
+        std::fs::write(&big, [0xff, 0xfe]).expect("write");
+        let e = read_regular_to_string(&big, 1024).expect_err("not text");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert!(read_optional(&d.path().join("absent"))
+            .expect("absent")
+            .is_none());
+    }
 
     #[test]
     fn a_held_lock_is_not_taken_until_it_is_dropped() {

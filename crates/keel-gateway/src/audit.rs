@@ -178,12 +178,22 @@ pub struct KeyedReport {
     pub checkpoints: u64,
     /// Lines up to and including the last good checkpoint.
     pub signed_through: u64,
+    /// The checkpoint line the anchor records, found in the log with its
+    /// MAC (`None` without an anchor).
+    pub anchored: Option<u64>,
 }
 
 /// `verify`, and every `checkpoint` line's MAC checked under `key`: a
 /// checkpoint whose MAC does not match, or whose head is not the line
-/// before it, breaks the chain there.
-pub fn verify_with_key(mut r: impl BufRead, key: &[u8]) -> Result<KeyedReport, VerifyError> {
+/// before it, breaks the chain there. With `anchor` (the latest
+/// checkpoint as kept outside the log), a log that does not hold that
+/// checkpoint, line for line, is broken: cut back to an earlier
+/// checkpoint, or rewritten.
+pub fn verify_with_key(
+    mut r: impl BufRead,
+    key: &[u8],
+    anchor: Option<&Anchor>,
+) -> Result<KeyedReport, VerifyError> {
     let mut all = Vec::new();
     r.read_to_end(&mut all).map_err(|e| ChainBroken {
         line: 1,
@@ -191,6 +201,27 @@ pub fn verify_with_key(mut r: impl BufRead, key: &[u8]) -> Result<KeyedReport, V
     })?;
     let chain = verify(all.as_slice())?;
     let (mut checkpoints, mut signed_through) = (0, 0);
+    let mut anchored = None;
+    if let Some(a) = anchor {
+        if checkpoint_mac(key, a.covers_seq, &a.covers_hash) != a.mac {
+            return Err(ChainBroken {
+                line: 0,
+                reason: "the anchor's MAC does not match: it was not written with this key".into(),
+            }
+            .into());
+        }
+        if a.checkpoint_seq() > chain.entries {
+            return Err(ChainBroken {
+                line: chain.entries,
+                reason: format!(
+                    "the log ends at line {} but its anchor records a checkpoint at line {}: lines were cut off",
+                    chain.entries,
+                    a.checkpoint_seq()
+                ),
+            }
+            .into());
+        }
+    }
     let mut prev = (0u64, GENESIS.to_owned());
     for (i, line) in all.split(|&b| b == b'\n').enumerate() {
         let n = i as u64 + 1;
@@ -224,6 +255,22 @@ pub fn verify_with_key(mut r: impl BufRead, key: &[u8]) -> Result<KeyedReport, V
             }
             checkpoints += 1;
             signed_through = n;
+            if anchor.is_some_and(|a| {
+                (a.covers_seq, a.covers_hash.as_str(), a.mac.as_str()) == (cs, ch, mac)
+            }) {
+                anchored = Some(n);
+            }
+        }
+        if let Some(a) = anchor.filter(|a| a.checkpoint_seq() == n && anchored != Some(n)) {
+            return Err(ChainBroken {
+                line: n,
+                reason: format!(
+                    "line {n} is not the checkpoint the anchor records (covering line {} with hash {}): the log was rewritten",
+                    a.covers_seq,
+                    a.covers_hash
+                ),
+            }
+            .into());
         }
         prev = (n, hash);
     }
@@ -231,6 +278,7 @@ pub fn verify_with_key(mut r: impl BufRead, key: &[u8]) -> Result<KeyedReport, V
         chain,
         checkpoints,
         signed_through,
+        anchored,
     })
 }
 
@@ -279,10 +327,77 @@ pub struct AuditOptions {
 /// can write the file; a checkpoint cannot be made without the key, so
 /// `verify_with_key` detects a log rewritten, re-chained or emptied by
 /// someone who does not hold it.
+///
+/// A log cut back to an earlier checkpoint still verifies on its own: the
+/// checkpoints left are good. So after each checkpoint is on disk the
+/// writer also replaces `anchor`, a file outside the log (written
+/// atomically, mode 0600) holding the latest checkpoint ([`Anchor`]);
+/// `verify_with_key` given it fails a log that no longer holds that
+/// checkpoint, and the gateway refuses to continue such a log at start
+/// (the next checkpoint would replace the evidence).
 #[derive(Clone)]
 pub struct Checkpoints {
     pub key: Vec<u8>,
     pub every: u64,
+    /// Where the latest checkpoint is kept outside the log (`None`: not
+    /// kept).
+    pub anchor: Option<PathBuf>,
+}
+
+/// The latest checkpoint, kept outside the log: the checkpoint line is
+/// line `covers_seq + 1` and carries exactly these fields.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Anchor {
+    /// The format's version (1).
+    pub version: u32,
+    pub covers_seq: u64,
+    pub covers_hash: String,
+    pub mac: String,
+}
+
+/// The largest anchor file read (a real one is some 200 bytes).
+const MAX_ANCHOR_BYTES: u64 = 4096;
+
+impl Anchor {
+    /// The checkpoint line's own sequence number.
+    pub fn checkpoint_seq(&self) -> u64 {
+        self.covers_seq.saturating_add(1)
+    }
+
+    /// Reads an anchor file (`Ok(None)` when there is none).
+    pub fn read(path: &Path) -> Result<Option<Anchor>, GatewayError> {
+        let bytes = match keel_fs::read_regular(path, MAX_ANCHOR_BYTES) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(GatewayError::Read {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
+        };
+        let malformed = |reason: String| GatewayError::Malformed {
+            what: "audit anchor",
+            path: path.to_owned(),
+            reason,
+        };
+        let a: Anchor = serde_json::from_slice(&bytes)
+            .map_err(|e| malformed(format!("not an audit anchor: {e}")))?;
+        if a.version != 1 {
+            return Err(malformed(format!(
+                "version {} (this keel reads 1)",
+                a.version
+            )));
+        }
+        Ok(Some(a))
+    }
+
+    fn write(&self, path: &Path) -> Result<(), keel_fs::FsError> {
+        let mut text = serde_json::to_vec(self).unwrap_or_default();
+        text.push(b'\n');
+        keel_fs::write_atomic(path, &text, 0o600)
+    }
 }
 
 impl std::fmt::Debug for Checkpoints {
@@ -290,6 +405,7 @@ impl std::fmt::Debug for Checkpoints {
         f.debug_struct("Checkpoints")
             .field("key", &"<secret>")
             .field("every", &self.every)
+            .field("anchor", &self.anchor)
             .finish()
     }
 }
@@ -485,6 +601,23 @@ impl AuditLog {
         };
         let (mut seq, mut prev) = (tail.seq, tail.prev);
         let checkpoints = opts.checkpoints.clone();
+        // A log shorter than its anchor lost lines since the gateway last
+        // wrote it: continuing would replace the anchor, the evidence.
+        if let Some(anchor_path) = checkpoints.as_ref().and_then(|c| c.anchor.as_deref()) {
+            if let Some(a) = Anchor::read(anchor_path)? {
+                if a.checkpoint_seq() > seq {
+                    return Err(GatewayError::Malformed {
+                        what: "audit log",
+                        path: path.to_owned(),
+                        reason: format!(
+                            "it ends at line {seq} but its anchor {} records a checkpoint at line {}: lines were cut off. `keel serve audit verify --key KEYFILE` says more; move the log and the anchor aside to start a new one",
+                            anchor_path.display(),
+                            a.checkpoint_seq()
+                        ),
+                    });
+                }
+            }
+        }
         // The last line a checkpoint covers (itself included).
         let mut signed = seq;
         let mut file = file;
@@ -516,9 +649,19 @@ impl AuditLog {
                 buf.extend_from_slice(line.as_bytes());
                 buf.push(b'\n');
             }
+            let mut anchor = None;
             if let Some(c) = &checkpoints {
                 if seq > 0 && (seq - signed >= c.every || (last && seq > signed)) {
                     let ev = checkpoint_event(&c.key, seq, &prev);
+                    anchor = c.anchor.as_deref().map(|p| {
+                        let a = Anchor {
+                            version: 1,
+                            covers_seq: seq,
+                            covers_hash: prev.clone(),
+                            mac: checkpoint_mac(&c.key, seq, &prev),
+                        };
+                        (p, a)
+                    });
                     seq += 1;
                     let (line, hash) = chain_line(seq, &prev, &ev);
                     prev = hash;
@@ -528,6 +671,24 @@ impl AuditLog {
                 }
             }
             let mut failed = file.write_all(&buf).err();
+            // The anchor moves only once its checkpoint is on disk: an
+            // anchor ahead of the log would read as lines cut off.
+            if let (Some((anchor_path, a)), None) = (&anchor, &failed) {
+                let kept = file.sync_data().map_err(|e| e.to_string()).and_then(|()| {
+                    a.write(anchor_path).map_err(|e| {
+                        let mut s = e.to_string();
+                        let mut src = std::error::Error::source(&e);
+                        while let Some(x) = src {
+                            s.push_str(&format!(": {x}"));
+                            src = x.source();
+                        }
+                        s
+                    })
+                });
+                if let Err(error) = kept {
+                    tracing::error!(path = %anchor_path.display(), %error, "audit anchor not written; verify --key will report the checkpoints up to the last anchor written");
+                }
+            }
             if last {
                 if let Err(e) = file.sync_all() {
                     failed.get_or_insert(e);
@@ -811,6 +972,7 @@ mod tests {
             checkpoints: Some(Checkpoints {
                 key: key.clone(),
                 every: 3,
+                anchor: None,
             }),
             ..AuditOptions::default()
         };
@@ -821,7 +983,7 @@ mod tests {
         }
         log.close();
         let text = std::fs::read_to_string(&p).expect("read");
-        let r = verify_with_key(text.as_bytes(), &key).expect("verifies");
+        let r = verify_with_key(text.as_bytes(), &key, None).expect("verifies");
         // 7 events, a checkpoint after the 3rd, the 6th (with the first
         // checkpoint counted: after line 3 and line 7) and at close.
         assert_eq!(r.checkpoints, 3, "{text}");
@@ -857,15 +1019,72 @@ mod tests {
             verify(forged.as_bytes()).is_ok(),
             "the bare chain cannot tell"
         );
-        match verify_with_key(forged.as_bytes(), &key) {
+        match verify_with_key(forged.as_bytes(), &key, None) {
             Err(VerifyError::Broken(b)) => assert!(b.reason.contains("MAC"), "{b}"),
             other => panic!("expected a MAC failure: {other:?}"),
         }
         // Another key.
-        assert!(verify_with_key(text.as_bytes(), b"another key").is_err());
+        assert!(verify_with_key(text.as_bytes(), b"another key", None).is_err());
         // An emptied log has no checkpoint at all.
-        let r = verify_with_key(&b""[..], &key).expect("empty verifies");
+        let r = verify_with_key(&b""[..], &key, None).expect("empty verifies");
         assert_eq!(r.checkpoints, 0);
+    }
+
+    /// Issue 44 (E9): a log cut right after its first of several
+    /// checkpoints still verifies on its checkpoints alone; the anchor
+    /// kept outside the log catches the cut, and the gateway will not
+    /// continue such a log.
+    #[test]
+    fn the_anchor_catches_a_log_cut_back_to_an_early_checkpoint() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("audit.jsonl");
+        let anchor = dir.path().join("audit.anchor");
+        let key = b"0123456789abcdef0123456789abcdef".to_vec();
+        let opts = AuditOptions {
+            checkpoints: Some(Checkpoints {
+                key: key.clone(),
+                every: 3,
+                anchor: Some(anchor.clone()),
+            }),
+            ..AuditOptions::default()
+        };
+        let log = AuditLog::open(&p, &opts).expect("open");
+        for i in 0..7 {
+            log.record(ev(i));
+            log.batcher.drain(std::time::Duration::from_secs(2));
+        }
+        log.close();
+        let text = std::fs::read_to_string(&p).expect("read");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&anchor)
+            .expect("anchor")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let a = Anchor::read(&anchor).expect("read").expect("an anchor");
+        let r = verify_with_key(text.as_bytes(), &key, Some(&a)).expect("verifies");
+        assert_eq!(r.anchored, Some(r.chain.entries), "{text}");
+        // Cut after the first checkpoint (line 4).
+        let cut: String = text.lines().take(4).map(|l| format!("{l}\n")).collect();
+        let r = verify_with_key(cut.as_bytes(), &key, None).expect("alone it verifies");
+        assert_eq!((r.checkpoints, r.signed_through), (1, 4));
+        match verify_with_key(cut.as_bytes(), &key, Some(&a)) {
+            Err(VerifyError::Broken(b)) => {
+                assert!(b.reason.contains("lines were cut off"), "{b}")
+            }
+            other => panic!("expected the cut to be found: {other:?}"),
+        }
+        // An anchor made without the key.
+        let mut forged = a.clone();
+        forged.mac = "00".repeat(32);
+        assert!(verify_with_key(text.as_bytes(), &key, Some(&forged)).is_err());
+        // The gateway refuses to continue the cut log (its next
+        // checkpoint would replace the anchor).
+        std::fs::write(&p, &cut).expect("cut");
+        let e = AuditLog::open(&p, &opts).expect_err("cut log refused");
+        assert!(e.to_string().contains("audit log"), "{e}");
+        let shown = format!("{e:?}");
+        assert!(shown.contains("lines were cut off"), "{shown}");
     }
 
     #[tokio::test]

@@ -103,10 +103,13 @@ impl JwtVerifier {
     }
 
     pub fn load_file(path: &Path) -> Result<JwkSet, GatewayError> {
-        let text = std::fs::read_to_string(path).map_err(|source| GatewayError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            keel_fs::read_regular_to_string(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
+                GatewayError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         parse_jwks(&text, &path.display().to_string())
     }
 

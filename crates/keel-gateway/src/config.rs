@@ -42,6 +42,7 @@ pub struct FileConfig {
 pub struct FileRegistry {
     pub url: String,
     pub key_file: PathBuf,
+    pub ca_file: Option<PathBuf>,
     pub poll_ms: Option<u64>,
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
@@ -90,6 +91,7 @@ pub struct FileModelRegistry {
     pub stable: Option<String>,
     pub canary: Option<String>,
     pub require_signature: Option<bool>,
+    pub allowed_backends: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -268,6 +270,7 @@ pub struct FileAudit {
     pub group: Option<String>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: Option<u64>,
+    pub anchor_file: Option<PathBuf>,
     pub sync: Option<bool>,
 }
 
@@ -462,10 +465,13 @@ pub struct HealthConfig {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RegistryConfig {
-    /// `http://host:port` of `keel model serve`.
+    /// `http://host:port` or `https://host:port` of `keel model serve`.
     pub url: String,
     /// A file holding a registry API key with read rights.
     pub key_file: PathBuf,
+    /// Also trust the CAs in this PEM file for an `https://` registry
+    /// (besides the system's roots).
+    pub ca_file: Option<PathBuf>,
     pub poll_ms: u64,
     /// The trusted key (PEM) signatures of versions are checked against,
     /// for models with `require_signature`.
@@ -515,6 +521,9 @@ pub struct ModelRegistryConfig {
     /// The alias of a candidate version.
     pub canary: Option<String>,
     pub require_signature: bool,
+    /// The backends the model's versions may name in their
+    /// `keel.backend` tag (required with `require_signature`); empty: any.
+    pub allowed_backends: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -593,6 +602,9 @@ pub struct AuditConfig {
     pub group: Option<u32>,
     pub hmac_key_file: Option<PathBuf>,
     pub checkpoint_every: u64,
+    /// Where the latest checkpoint is kept outside the log (with
+    /// checkpoints: `anchor_file`, else `<path>.anchor`).
+    pub anchor_file: Option<PathBuf>,
     /// Sync a request's line to disk before its response is released.
     pub sync: bool,
     /// The key of the log's signed checkpoints (read from `hmac_key_file`),
@@ -613,7 +625,8 @@ fn read_hmac_key(path: &Path) -> Result<Vec<u8>, GatewayError> {
             "must be readable by its owner only (chmod 600): it is a secret".into(),
         ));
     }
-    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let bytes =
+        keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|e| bad(e.to_string()))?;
     let key = bytes.trim_ascii().to_vec();
     if key.len() < 32 {
         return Err(bad(format!(
@@ -629,7 +642,7 @@ fn group_id(name: &str, etc_group: &Path) -> Result<u32, String> {
     if let Ok(id) = name.parse::<u32>() {
         return Ok(id);
     }
-    let text = std::fs::read_to_string(etc_group)
+    let text = keel_fs::read_regular_to_string(etc_group, keel_fs::MAX_CONFIG_BYTES)
         .map_err(|e| format!("cannot read {}: {e}", etc_group.display()))?;
     text.lines()
         .filter_map(|l| {
@@ -762,10 +775,13 @@ impl GatewayConfig {
 
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Self, GatewayError> {
-        let text = std::fs::read_to_string(path).map_err(|source| GatewayError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            keel_fs::read_regular_to_string(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
+                GatewayError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         let base = path.parent().unwrap_or(Path::new("."));
         Self::from_toml(&text, base).map_err(|e| match e {
             GatewayError::Config(m) => GatewayError::Config(format!("{}: {m}", path.display())),
@@ -1173,10 +1189,25 @@ impl GatewayConfig {
             return bad("audit.checkpoint_every must be at least 1 line".into());
         }
         let hmac_key_file = f.audit.hmac_key_file.map(rel);
+        let audit_path = f.audit.path.clone().map(rel);
+        let anchor_file = match (&hmac_key_file, f.audit.anchor_file.map(rel)) {
+            (None, Some(_)) => return bad("audit.anchor_file needs audit.hmac_key_file".into()),
+            (None, None) => None,
+            (Some(_), Some(a)) => Some(a),
+            (Some(_), None) => audit_path.as_ref().map(|p| {
+                let mut s = p.clone().into_os_string();
+                s.push(".anchor");
+                PathBuf::from(s)
+            }),
+        };
+        if anchor_file.is_some() && anchor_file == audit_path {
+            return bad("audit.anchor_file must be another file than audit.path".into());
+        }
         let checkpoints = match &hmac_key_file {
             Some(k) => Some(crate::audit::Checkpoints {
                 key: read_hmac_key(k)?,
                 every,
+                anchor: anchor_file.clone(),
             }),
             None if f.audit.checkpoint_every.is_some() => {
                 return bad("audit.checkpoint_every needs audit.hmac_key_file".into());
@@ -1189,6 +1220,7 @@ impl GatewayConfig {
             group,
             hmac_key_file,
             checkpoint_every: every,
+            anchor_file,
             sync: f.audit.sync.unwrap_or(false),
             checkpoints,
         };
@@ -1282,11 +1314,34 @@ fn model_registry(
             .into(),
         });
     }
+    let require_signature = r.require_signature.unwrap_or(false);
+    let allowed_backends: Vec<String> = r
+        .allowed_backends
+        .unwrap_or_default()
+        .into_iter()
+        .map(|b| b.trim().trim_end_matches('/').to_owned())
+        .collect();
+    for b in &allowed_backends {
+        let ok = (b.starts_with("http://") || b.starts_with("https://"))
+            && b.parse::<http::Uri>().is_ok_and(|u| u.host().is_some());
+        if !ok {
+            return Err(GatewayError::Config(format!(
+                "model {model:?}: registry.allowed_backends entry {:?} is not an http:// or https:// URL",
+                b.chars().take(200).collect::<String>()
+            )));
+        }
+    }
+    if require_signature && allowed_backends.is_empty() {
+        return Err(GatewayError::Config(format!(
+            "model {model:?}: registry.require_signature needs registry.allowed_backends, the backends its versions may be served from: the signature covers the files, the backend tag is the registry's to change"
+        )));
+    }
     Ok(ModelRegistryConfig {
         model: r.model,
         stable,
         canary: r.canary,
-        require_signature: r.require_signature.unwrap_or(false),
+        require_signature,
+        allowed_backends,
     })
 }
 
@@ -1295,11 +1350,19 @@ fn registry_config(
     rel: &impl Fn(PathBuf) -> PathBuf,
 ) -> Result<RegistryConfig, GatewayError> {
     let url = r.url.trim_end_matches('/').to_owned();
-    if !url.starts_with("http://") || url.len() <= "http://".len() {
+    let host = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"));
+    if host.is_none_or(str::is_empty) {
         return Err(GatewayError::Config(format!(
-            "registry.url {:?} must be http://host:port",
+            "registry.url {:?} must be http://host:port or https://host:port",
             r.url.chars().take(200).collect::<String>()
         )));
+    }
+    if r.ca_file.is_some() && !url.starts_with("https://") {
+        return Err(GatewayError::Config(
+            "registry.ca_file is for an https:// registry.url".into(),
+        ));
     }
     let poll_ms = r.poll_ms.unwrap_or(1000);
     if !(100..=60_000).contains(&poll_ms) {
@@ -1310,6 +1373,7 @@ fn registry_config(
     Ok(RegistryConfig {
         url,
         key_file: rel(r.key_file),
+        ca_file: r.ca_file.map(rel),
         poll_ms,
         public_key_file: r.public_key_file.map(rel),
         write_key_file: r.write_key_file.map(rel),
@@ -1421,8 +1485,14 @@ fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayE
             c.interval_s
         ));
     }
-    if c.min_canary_samples == 0 {
-        return bad("min_canary_samples must be at least 1".into());
+    // Below the checks' own minimum a step could advance with checks that
+    // cannot judge its requests (issue: 0 passed, 7 inconclusive, promoted).
+    let least = keel_canary::analysis::Thresholds::default().largest_min_samples();
+    if c.min_canary_samples < least {
+        return bad(format!(
+            "min_canary_samples {} is below {least}, the sample size the canary checks need to decide (error rate, finish reason, empty answers, stream aborts): use at least {least}",
+            c.min_canary_samples
+        ));
     }
     if c.max_intervals == 0 {
         return bad("max_intervals must be at least 1".into());
@@ -1718,7 +1788,15 @@ url = "http://127.0.0.1:8002/prefix"
             ),
             (
                 "min_canary_samples = 0",
-                "rollout.min_canary_samples must be at least 1",
+                "rollout.min_canary_samples 0 is below 50",
+            ),
+            (
+                "min_canary_samples = 5",
+                "rollout.min_canary_samples 5 is below 50, the sample size",
+            ),
+            (
+                "min_canary_samples = 49",
+                "min_canary_samples 49 is below 50",
             ),
             ("bogus = 1", "bogus"),
         ] {
@@ -1931,11 +2009,52 @@ registry = { model = "chat-llm", canary = "canary" }
         ))
         .expect_err("same aliases");
         assert!(e.contains("both \"production\""), "{e}");
-        let e = check(&format!(
-            "[registry]\nurl = \"https://r:1\"\nkey_file = \"k\"\n{model}"
+        // https:// with a CA file is accepted; a CA file for http:// and
+        // other schemes are not.
+        check(&format!(
+            "[registry]\nurl = \"https://r:1\"\nkey_file = \"k\"\nca_file = \"ca.pem\"\n{model}"
         ))
-        .expect_err("https");
-        assert!(e.contains("must be http://host:port"), "{e}");
+        .expect("https");
+        let e = check(&format!(
+            "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\nca_file = \"ca.pem\"\n{model}"
+        ))
+        .expect_err("ca_file for http");
+        assert!(e.contains("registry.ca_file is for an https://"), "{e}");
+        let e = check(&format!(
+            "[registry]\nurl = \"ftp://r:1\"\nkey_file = \"k\"\n{model}"
+        ))
+        .expect_err("ftp");
+        assert!(
+            e.contains("must be http://host:port or https://host:port"),
+            "{e}"
+        );
+        // Signatures need the backends the versions may name.
+        let signed = "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\npublic_key_file = \"a.pub\"\n[[models]]\nname = \"chat\"\n";
+        let e = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true }}\n"
+        ))
+        .expect_err("no allowed_backends");
+        assert!(
+            e.contains("require_signature needs registry.allowed_backends"),
+            "{e}"
+        );
+        let e = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true, allowed_backends = [\"10.0.0.5:8000\"] }}\n"
+        ))
+        .expect_err("not a URL");
+        assert!(e.contains("is not an http:// or https:// URL"), "{e}");
+        let c = check(&format!(
+            "{signed}registry = {{ model = \"chat\", require_signature = true, allowed_backends = [\"https://10.0.0.5:8000/\"] }}\n"
+        ))
+        .expect("valid");
+        assert_eq!(
+            c.models[0]
+                .registry
+                .as_ref()
+                .expect("registry")
+                .allowed_backends,
+            vec!["https://10.0.0.5:8000".to_owned()]
+        );
         let e = check(&format!(
             "[registry]\nurl = \"http://r:1\"\nkey_file = \"k\"\npoll_ms = 10\n{model}"
         ))

@@ -87,12 +87,18 @@ pub fn known_feature(name: &str) -> bool {
             .is_some_and(crate::drift::valid_input_label)
 }
 
+/// The largest baseline file read: a regular file
+/// ([`keel_fs::read_regular`]); real ones are some kilobytes.
+pub const MAX_BASELINE_BYTES: u64 = keel_fs::MAX_CONFIG_BYTES;
+
 impl Baseline {
     /// Reads and checks `path`, a baseline for gateway model `model`.
     pub fn read(path: &Path, model: &str) -> Result<Self, BaselineError> {
-        let bytes = std::fs::read(path).map_err(|source| BaselineError::Read {
-            path: path.to_owned(),
-            source,
+        let bytes = keel_fs::read_regular(path, MAX_BASELINE_BYTES).map_err(|source| {
+            BaselineError::Read {
+                path: path.to_owned(),
+                source,
+            }
         })?;
         let file: BaselineFile =
             serde_json::from_slice(&bytes).map_err(|e| BaselineError::Parse {

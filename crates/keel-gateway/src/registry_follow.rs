@@ -81,6 +81,7 @@ pub fn follows(cfg: &GatewayConfig) -> Vec<Follow> {
                     stable_alias: r.stable.clone(),
                     canary_alias: r.canary.clone(),
                     require_signature: r.require_signature,
+                    allowed_backends: r.allowed_backends.clone(),
                 },
                 canary_percent: Arc::new(AtomicU32::new(0)),
             })
@@ -94,7 +95,7 @@ pub fn client(cfg: &GatewayConfig) -> Result<Option<RegistryClient>, FollowError
     let Some(r) = &cfg.registry else {
         return Ok(None);
     };
-    client_with(&r.url, &r.key_file).map(Some)
+    client_with(&r.url, r.ca_file.as_deref(), &r.key_file).map(Some)
 }
 
 /// The registry client rollouts change aliases with: the key of
@@ -106,21 +107,28 @@ pub fn write_client(cfg: &GatewayConfig) -> Result<Option<RegistryClient>, Follo
     let Some(path) = &r.write_key_file else {
         return Ok(None);
     };
-    client_with(&r.url, path).map(Some)
+    client_with(&r.url, r.ca_file.as_deref(), path).map(Some)
 }
 
-fn client_with(url: &str, path: &std::path::Path) -> Result<RegistryClient, FollowError> {
-    let text = std::fs::read_to_string(path).map_err(|source| FollowError::KeyFile {
-        path: path.to_owned(),
-        source,
-    })?;
+fn client_with(
+    url: &str,
+    ca_file: Option<&std::path::Path>,
+    path: &std::path::Path,
+) -> Result<RegistryClient, FollowError> {
+    let text =
+        keel_fs::read_regular_to_string(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
+            FollowError::KeyFile {
+                path: path.to_owned(),
+                source,
+            }
+        })?;
     let key = text.lines().next().unwrap_or_default().trim();
     if key.is_empty() {
         return Err(FollowError::EmptyKey {
             path: path.to_owned(),
         });
     }
-    RegistryClient::new(url, key).map_err(FollowError::Client)
+    RegistryClient::with_ca(url, key, ca_file).map_err(FollowError::Client)
 }
 
 /// What one poll did.

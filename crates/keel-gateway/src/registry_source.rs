@@ -10,14 +10,27 @@
 //! `/api/v1` read routes) with an API key and turns the aliases into a
 //! [`Routing`]. It refuses, with an error naming what to fix, a model the
 //! registry does not have, an alias that is not set, a version that is not
-//! READY, a version with no (or a malformed) backend tag, a version with no
-//! signature when the model requires signatures, and a key the registry
-//! does not accept. It never falls back to anything it was not told.
+//! READY, a version with no (or a malformed) backend tag, a backend not
+//! in the model's `allowed_backends`, a version with no signature (or one
+//! that does not sign this model, version and digest) when the model
+//! requires signatures, and a key the registry does not accept. It never
+//! falls back to anything it was not told.
+//!
+//! What routes traffic is the backend tag, which the registry can change
+//! on a signed version: so a model that requires signatures also names
+//! the backends its versions may be served from (`allowed_backends`, the
+//! gateway's own configuration), and a signature must sign this model and
+//! version (its statement's subject, `MODEL:VERSION` as `keel model sign`
+//! writes it), not only the same files. The registry is reached over
+//! `http://` or `https://` (the system's roots and an optional CA file;
+//! its keys travel in cleartext over `http://`), and every answer is read
+//! up to [`MAX_ANSWER_BYTES`].
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
@@ -28,6 +41,11 @@ pub const BACKEND_TAG: &str = "keel.backend";
 
 /// How long one registry request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The largest registry answer read (a version with its file list and
+/// signature bundle is some kilobytes; one with 100,000 files some
+/// megabytes). A larger one is an error, read no further.
+pub const MAX_ANSWER_BYTES: usize = 16 << 20;
 
 #[derive(Debug, Error)]
 pub enum RegistrySourceError {
@@ -60,6 +78,23 @@ pub enum RegistrySourceError {
         version: u64,
         alias: String,
     },
+    #[error("registry model {model:?} version {version} (alias {alias:?}): backend {backend:?} is not one of the model's allowed_backends")]
+    BackendNotAllowed {
+        model: String,
+        version: u64,
+        alias: String,
+        backend: String,
+    },
+    #[error("asked for registry model {model:?} version {version}, the registry answered {got}")]
+    WrongVersion {
+        model: String,
+        version: u64,
+        got: String,
+    },
+    #[error("the registry's answer to {path} is larger than {} MiB", MAX_ANSWER_BYTES >> 20)]
+    TooLarge { path: String },
+    #[error("registry TLS: {reason}")]
+    Tls { reason: String },
     #[error("registry model {model:?} version {version}: tag {BACKEND_TAG} {value:?} is not an http:// or https:// URL")]
     BadBackend {
         model: String,
@@ -91,7 +126,7 @@ pub enum RegistrySourceError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("registry url {url:?} must be http://host:port")]
+    #[error("registry url {url:?} must be http://host:port or https://host:port")]
     BadUrl { url: String },
 }
 
@@ -106,6 +141,10 @@ pub struct ModelSource {
     pub canary_alias: Option<String>,
     /// Refuse versions with no signature.
     pub require_signature: bool,
+    /// The backends this model's versions may name (URLs as the tag has
+    /// them, without a trailing `/`); empty: any (only without
+    /// `require_signature`, which the configuration enforces).
+    pub allowed_backends: Vec<String>,
 }
 
 /// A version and the backend that serves it.
@@ -126,12 +165,15 @@ pub struct Routing {
 }
 
 /// Checks a version's signature for models with `require_signature`:
-/// `digest` is the version's manifest digest, `bundle` its signature
-/// bundle (OpenSSF model signing), `recorded_key_pem` the key recorded at
+/// the bundle (OpenSSF model signing) must sign version `version` of
+/// registry model `model` (the statement's subject) and `digest`, the
+/// version's manifest digest; `recorded_key_pem` is the key recorded at
 /// signing. The implementation decides which key it trusts.
 pub trait SignatureCheck: Send + Sync {
     fn check(
         &self,
+        model: &str,
+        version: u64,
         digest: Option<&str>,
         bundle: &str,
         recorded_key_pem: &str,
@@ -143,7 +185,7 @@ pub trait SignatureCheck: Send + Sync {
 pub struct RegistryClient {
     base: String,
     authorization: http::HeaderValue,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     signatures: Option<std::sync::Arc<dyn SignatureCheck>>,
 }
 
@@ -188,6 +230,8 @@ struct SignatureBody {
 
 #[derive(Deserialize)]
 struct VersionBody {
+    #[serde(default)]
+    model: String,
     version: u64,
     status: String,
     #[serde(default)]
@@ -211,17 +255,53 @@ struct ErrorDoc {
 }
 
 impl RegistryClient {
-    /// A client for the registry at `url` (`http://host:port`) sending
-    /// `key` as a bearer token.
+    /// A client for the registry at `url` (`http://host:port`, or
+    /// `https://host:port` trusting the system's roots) sending `key` as a
+    /// bearer token.
     pub fn new(url: &str, key: &str) -> Result<Self, RegistrySourceError> {
+        Self::with_ca(url, key, None)
+    }
+
+    /// [`RegistryClient::new`], an `https://` registry's certificate also
+    /// checked against the CAs in the PEM file `ca_file`.
+    pub fn with_ca(
+        url: &str,
+        key: &str,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Self, RegistrySourceError> {
         let base = url.trim_end_matches('/').to_owned();
-        if !base.starts_with("http://") || base.len() <= "http://".len() {
+        let scheme_len = if base.starts_with("http://") {
+            "http://".len()
+        } else if base.starts_with("https://") {
+            "https://".len()
+        } else {
+            0
+        };
+        if scheme_len == 0 || base.len() <= scheme_len {
             return Err(RegistrySourceError::BadUrl { url: truncate(url) });
         }
         let mut authorization = http::HeaderValue::from_str(&format!("Bearer {key}"))
             .map_err(|_| RegistrySourceError::Unauthorized { status: 0 })?;
         authorization.set_sensitive(true);
-        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let tls_files = crate::tls::UpstreamTlsFiles::read(&crate::config::UpstreamTlsConfig {
+            system_roots: true,
+            ca_file: ca_file.map(std::path::Path::to_owned),
+            client_cert: None,
+            client_key: None,
+        })
+        .map_err(|e| RegistrySourceError::Tls {
+            reason: e.to_string(),
+        })?;
+        let (tls, _) = tls_files
+            .client_config()
+            .map_err(|e| RegistrySourceError::Tls {
+                reason: e.to_string(),
+            })?;
+        let mut http = HttpConnector::new();
+        // https:// URIs go through to hyper-rustls, which wraps them.
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(REQUEST_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new()).build(HttpsConnector::from((http, tls)));
         Ok(RegistryClient {
             base,
             authorization,
@@ -274,11 +354,22 @@ impl RegistryClient {
                 .await
                 .map_err(|e| unreachable(Box::new(e)))?;
             let status = resp.status().as_u16();
-            let body = resp
-                .into_body()
+            let body = Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
                 .collect()
                 .await
-                .map_err(|e| unreachable(Box::new(e)))?
+                .map_err(|e| {
+                    if e.is::<http_body_util::LengthLimitError>() {
+                        RegistrySourceError::TooLarge {
+                            path: path_and_query
+                                .split('?')
+                                .next()
+                                .unwrap_or_default()
+                                .to_owned(),
+                        }
+                    } else {
+                        unreachable(e)
+                    }
+                })?
                 .to_bytes();
             Ok((status, body))
         };
@@ -444,6 +535,13 @@ impl RegistryClient {
             })?;
         let v = doc.model_version;
         let signature = doc.signature;
+        if v.model != src.model || v.version != version {
+            return Err(RegistrySourceError::WrongVersion {
+                model: src.model.clone(),
+                version,
+                got: truncate(&format!("{}:{}", v.model, v.version)),
+            });
+        }
         if v.status != "READY" {
             return Err(RegistrySourceError::NotReady {
                 model: src.model.clone(),
@@ -463,6 +561,8 @@ impl RegistryClient {
             if let Some(check) = &self.signatures {
                 check
                     .check(
+                        &src.model,
+                        v.version,
                         v.manifest_digest.as_deref(),
                         &sig.bundle,
                         &sig.public_key_pem,
@@ -494,6 +594,21 @@ impl RegistryClient {
                 model: src.model.clone(),
                 version: v.version,
                 value: truncate(&backend),
+            });
+        }
+        // The registry names the backend; the gateway's configuration says
+        // which ones may be named.
+        if !src.allowed_backends.is_empty()
+            && !src
+                .allowed_backends
+                .iter()
+                .any(|a| a.trim_end_matches('/') == backend.trim_end_matches('/'))
+        {
+            return Err(RegistrySourceError::BackendNotAllowed {
+                model: src.model.clone(),
+                version: v.version,
+                alias: alias.to_owned(),
+                backend: truncate(&backend),
             });
         }
         Ok(VersionRoute {

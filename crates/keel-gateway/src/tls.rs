@@ -33,7 +33,7 @@ pub fn provider() -> Arc<CryptoProvider> {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, GatewayError> {
-    std::fs::read(path).map_err(|source| GatewayError::Read {
+    keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| GatewayError::Read {
         path: path.to_owned(),
         source,
     })

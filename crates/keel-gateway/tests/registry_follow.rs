@@ -148,6 +148,7 @@ fn the_gateway_follows_alias_changes_and_survives_the_registry_going_down() {
             stable_alias: "production".into(),
             canary_alias: Some("canary".into()),
             require_signature: false,
+            allowed_backends: Vec::new(),
         },
         canary_percent: Arc::new(AtomicU32::new(0)),
     };
@@ -267,6 +268,7 @@ fn bad_input_at_start_is_an_error_not_a_fallback() {
                 stable_alias: "production".into(),
                 canary_alias: None,
                 require_signature: false,
+                allowed_backends: Vec::new(),
             },
             canary_percent: Arc::new(AtomicU32::new(0)),
         };

@@ -98,7 +98,163 @@ fn source(model: &str, stable: &str, canary: Option<&str>) -> ModelSource {
         stable_alias: stable.into(),
         canary_alias: canary.map(Into::into),
         require_signature: false,
+        allowed_backends: Vec::new(),
     }
+}
+
+/// Issue 44 (E3): the backend a version names must be one the gateway's
+/// configuration allows, whatever the registry says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_outside_allowed_backends_is_refused() {
+    let s = start().await;
+    let c = RegistryClient::new(&s.url, &s.reader).expect("client");
+    let mut src = source("chat", "production", Some("canary"));
+    src.allowed_backends = vec!["http://127.0.0.1:9001".into()];
+    let e = c
+        .resolve(&src)
+        .await
+        .expect_err("canary's backend is not allowed");
+    assert!(
+        matches!(&e, RegistrySourceError::BackendNotAllowed { version: 2, backend, .. } if backend == "http://127.0.0.1:9002/v"),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("not one of the model's allowed_backends"),
+        "{e}"
+    );
+    src.allowed_backends.push("http://127.0.0.1:9002/v/".into());
+    let r = c.resolve(&src).await.expect("both allowed");
+    assert_eq!(r.canary.map(|v| v.version), Some(2));
+    s.stop().await;
+}
+
+/// A server that answers every request with 200 and a JSON body of
+/// `len` bytes (spaces after `{}`), however long.
+async fn huge_answers(len: usize) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    let task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{}}"
+                );
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b' '; 1 << 20];
+                let mut left = len - 2;
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    if s.write_all(&chunk[..n]).await.is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+            });
+        }
+    });
+    (url, task)
+}
+
+/// Issue 44 (E8): an answer over the cap is an error, read no further
+/// than the cap; one under it is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_answer_over_the_cap_is_refused() {
+    use keel_gateway::registry_source::MAX_ANSWER_BYTES;
+    let (url, task) = huge_answers(MAX_ANSWER_BYTES + 1).await;
+    let c = RegistryClient::new(&url, "k").expect("client");
+    let e = c
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(&e, RegistrySourceError::TooLarge { path } if path == "/api/v1/models/get"),
+        "{e}"
+    );
+    task.abort();
+    let (url, task) = huge_answers(MAX_ANSWER_BYTES).await;
+    let c = RegistryClient::new(&url, "k").expect("client");
+    let e = c
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect_err("read, then not a model document");
+    assert!(matches!(e, RegistrySourceError::BadResponse { .. }), "{e}");
+    task.abort();
+}
+
+/// A TLS front for `upstream` (the registry's plain listener) with the
+/// test PKI's server certificate: `https://127.0.0.1:PORT`.
+async fn tls_front(
+    pki: &keel_testkit::tls::TestPki,
+    upstream: &str,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use rustls::pki_types::pem::PemObject;
+    let certs: Vec<rustls::pki_types::CertificateDer<'static>> =
+        rustls::pki_types::CertificateDer::pem_file_iter(pki.server_cert())
+            .expect("cert")
+            .collect::<Result<_, _>>()
+            .expect("certs");
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(pki.server_key()).expect("key");
+    let cfg = rustls::ServerConfig::builder_with_provider(keel_gateway::tls::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("https://{}", l.local_addr().expect("addr"));
+    let upstream = upstream.trim_start_matches("http://").to_owned();
+    let task = tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let (acceptor, upstream) = (acceptor.clone(), upstream.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(s).await else {
+                    return;
+                };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    (url, task)
+}
+
+/// Issue 44 (E3): the registry over HTTPS, its certificate checked
+/// against `registry.ca_file`; a certificate from another CA is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_registry_is_read_with_its_ca_file() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let pki = keel_testkit::tls::TestPki::generate(dir.path());
+    let s = start().await;
+    let (url, task) = tls_front(&pki, &s.url).await;
+    let c = RegistryClient::with_ca(&url, &s.reader, Some(&pki.ca())).expect("client");
+    let r = c
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect("resolve over https");
+    assert_eq!(r.stable.version, 1);
+    let other = RegistryClient::with_ca(&url, &s.reader, Some(&pki.other_ca())).expect("client");
+    let e = other
+        .resolve(&source("chat", "production", None))
+        .await
+        .expect_err("a certificate of another CA");
+    assert!(matches!(e, RegistrySourceError::Unreachable { .. }), "{e}");
+    let e = RegistryClient::new("ftp://registry:1", "k").expect_err("scheme");
+    assert!(e.to_string().contains("https://host:port"), "{e}");
+    task.abort();
+    s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,14 @@
 //! Reads run on read-only connections of their own (a snapshot each), so
 //! a long search holds up no other request; writes share one connection.
 //!
+//! What a read makes the server hold is bounded: every list is a page
+//! (`max_results`, `page_token`, `next_page_token`: keel's lists 100 by
+//! default and at most 1,000, MLflow's searches with MLflow's own sizes),
+//! every answer holds at most [`MAX_RESPONSE_BYTES`] of items (a page is
+//! cut short there with a token for the rest), and at most
+//! [`HEAVY_READS`] lists, searches or chain checks run at once (the next
+//! waits, then gets 503).
+//!
 //! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
 //! database failures are logged by nobody here and shown as a plain
 //! "internal error", never with internals.
@@ -60,6 +68,8 @@ pub struct ServeOptions {
     pub token_sha256: Option<String>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// The most bytes of items one answer holds (0: [`MAX_RESPONSE_BYTES`]).
+    pub max_response_bytes: usize,
     /// The Azure storage account `az://` artifact URLs live in: MLflow's
     /// client reads them as `wasbs://CONTAINER@ACCOUNT.blob.core.windows.net/PATH`.
     pub azure_account: Option<String>,
@@ -73,6 +83,12 @@ struct AppState {
     /// The writer: every change goes through it, one at a time.
     reg: Arc<Mutex<Registry>>,
     readers: Arc<Readers>,
+    /// Places for heavy reads (lists, searches, the chain check).
+    heavy: Arc<tokio::sync::Semaphore>,
+    /// How long a heavy read waits for one.
+    heavy_wait: std::time::Duration,
+    /// The most bytes of items one answer holds.
+    max_response: usize,
     token_sha256: Option<String>,
     azure_account: Option<Arc<str>>,
     tracking: Option<crate::tracking::TrackingServer>,
@@ -88,6 +104,131 @@ struct Readers {
 
 /// Idle read connections kept for the next requests.
 const IDLE_READERS: usize = 8;
+
+/// Heavy reads (a list, a search, the chain check) that run at once; more
+/// wait up to [`HEAVY_WAIT`] for a place, then get 503 with
+/// `Retry-After`. Each holds at most one page (at most
+/// [`MAX_RESPONSE_BYTES`]) of answer, so together they hold a bounded
+/// amount of memory whatever the registry holds.
+pub const HEAVY_READS: usize = 4;
+/// How long a heavy read waits for a place.
+const HEAVY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The most bytes of items one answer holds: a page is cut short there
+/// (at least one item), with a `next_page_token` for the rest.
+pub const MAX_RESPONSE_BYTES: usize = 16 << 20;
+
+/// keel's own lists (`/api/v1/models`, `versions`, `history`): 100 items
+/// a page by default, at most 1,000.
+const KEEL_PAGES: PageBounds = PageBounds {
+    default: 100,
+    most: 1_000,
+};
+
+/// A place for a heavy read, or 503 when none frees up in time.
+async fn heavy_place(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    match tokio::time::timeout(st.heavy_wait, st.heavy.clone().acquire_owned()).await {
+        Ok(Ok(p)) => Ok(p),
+        _ => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "TEMPORARILY_UNAVAILABLE",
+            format!("the registry is busy with {HEAVY_READS} large reads: retry in a few seconds"),
+        )),
+    }
+}
+
+/// `items` as a JSON array, cut short before `cap` bytes (but holding at
+/// least one item), and how many it holds.
+fn capped_array<T: serde::Serialize>(items: &[T], cap: usize) -> Result<(String, usize), ApiError> {
+    let mut out = String::from("[");
+    let mut taken = 0;
+    for item in items {
+        let text = serde_json::to_string(item).map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "INTERNAL_ERROR",
+                "internal error",
+            )
+        })?;
+        if taken > 0 && out.len() + text.len() + 2 > cap {
+            break;
+        }
+        if taken > 0 {
+            out.push(',');
+        }
+        out.push_str(&text);
+        taken += 1;
+    }
+    out.push(']');
+    Ok((out, taken))
+}
+
+/// A page of keel's API: `{"version": 1, FIELD: [...], "next_page_token":
+/// ...}` from `items` (fetched one past the page, so that a full page
+/// knows whether more follow); `key` gives the token of an item, the
+/// position after it.
+fn keel_page<T: serde::Serialize>(
+    field: &str,
+    items: &[T],
+    max: usize,
+    cap: usize,
+    key: impl Fn(&T) -> String,
+) -> Result<Response, ApiError> {
+    let page = &items[..items.len().min(max)];
+    let (array, taken) = capped_array(page, cap)?;
+    let next = (taken < items.len())
+        .then(|| taken.checked_sub(1).map(|i| key(&items[i])))
+        .flatten();
+    let mut body = format!("{{\"version\":{API_VERSION},\"{field}\":{array}");
+    if let Some(t) = next {
+        body.push_str(",\"next_page_token\":");
+        body.push_str(&serde_json::Value::from(t).to_string());
+    }
+    body.push('}');
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response())
+}
+
+/// `max_results` and `page_token` of one of keel's lists.
+#[derive(Deserialize)]
+struct PageQuery {
+    #[serde(default)]
+    name: String,
+    alias: Option<String>,
+    max_results: Option<String>,
+    page_token: Option<String>,
+}
+
+impl PageQuery {
+    fn max(&self) -> Result<usize, ApiError> {
+        let Some(v) = &self.max_results else {
+            return Ok(KEEL_PAGES.default);
+        };
+        match v.trim().parse::<usize>() {
+            Ok(n) if (1..=KEEL_PAGES.most).contains(&n) => Ok(n),
+            _ => Err(ApiError::invalid(format!(
+                "max_results {:?} must be a whole number within 1..={}",
+                head(v, 40),
+                KEEL_PAGES.most
+            ))),
+        }
+    }
+
+    /// The token as a sequence or version number (0: from the start).
+    fn number(&self) -> Result<i64, ApiError> {
+        match self.page_token.as_deref().filter(|t| !t.is_empty()) {
+            None => Ok(0),
+            Some(t) => t.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "bad page_token {:?}: expected the next_page_token of an earlier page",
+                    head(t, 40)
+                ))
+            }),
+        }
+    }
+}
 
 /// A keel storage URL as MLflow's artifact repositories name it:
 /// `file://` and `s3://` as they are, `az://C/P` as `wasbs://` in
@@ -145,6 +286,12 @@ impl IntoResponse for ApiError {
             r.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,
                 axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
             );
         }
         r
@@ -266,6 +413,13 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
     };
     let st = AppState {
         readers: Arc::new(readers),
+        heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+        heavy_wait: HEAVY_WAIT,
+        max_response: if opts.max_response_bytes == 0 {
+            MAX_RESPONSE_BYTES
+        } else {
+            opts.max_response_bytes
+        },
         reg: Arc::new(Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
         azure_account: opts.azure_account.map(Arc::from),
@@ -590,9 +744,17 @@ fn with_version(v: Value) -> Json<Value> {
     Json(Value::Object(doc))
 }
 
-async fn v1_models(State(st): State<AppState>) -> ApiResult {
-    let models = read(&st, |r| r.models()).await?;
-    Ok(with_version(json!({ "models": models })))
+/// Models by name, a page at a time (`max_results`, `page_token`: the
+/// last name of the page before).
+async fn v1_models(
+    State(st): State<AppState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Response, ApiError> {
+    let max = q.max()?;
+    let after = q.page_token.clone().filter(|t| !t.is_empty());
+    let _place = heavy_place(&st).await?;
+    let models = read(&st, move |r| r.models_after(after.as_deref(), max + 1)).await?;
+    keel_page("models", &models, max, st.max_response, |m| m.name.clone())
 }
 
 async fn v1_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
@@ -600,9 +762,19 @@ async fn v1_model(State(st): State<AppState>, Query(q): Query<NameQuery>) -> Api
     Ok(with_version(json!({ "model": model })))
 }
 
-async fn v1_versions(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let versions = read(&st, move |r| r.versions(&q.name)).await?;
-    Ok(with_version(json!({ "versions": versions })))
+/// A model's versions, oldest first, a page at a time (`max_results`,
+/// `page_token`: the last version number of the page before).
+async fn v1_versions(
+    State(st): State<AppState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Response, ApiError> {
+    let max = q.max()?;
+    let after = q.number()? as u64;
+    let _place = heavy_place(&st).await?;
+    let versions = read(&st, move |r| r.versions_after(&q.name, after, max + 1)).await?;
+    keel_page("versions", &versions, max, st.max_response, |v| {
+        v.version.to_string()
+    })
 }
 
 /// One version by `version=N` or `alias=A` (else the latest READY one),
@@ -633,9 +805,23 @@ async fn v1_aliases(State(st): State<AppState>, Query(q): Query<NameQuery>) -> A
     ))
 }
 
-async fn v1_history(State(st): State<AppState>, Query(q): Query<NameQuery>) -> ApiResult {
-    let events = read(&st, move |r| r.history(&q.name, q.alias.as_deref())).await?;
-    Ok(with_version(json!({ "events": events })))
+/// A model's alias history (`alias`: one alias), oldest first, a page at
+/// a time (`max_results`, `page_token`: the last event number of the page
+/// before).
+async fn v1_history(
+    State(st): State<AppState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Response, ApiError> {
+    let max = q.max()?;
+    let after = q.number()?;
+    let _place = heavy_place(&st).await?;
+    let events = read(&st, move |r| {
+        r.history_after(&q.name, q.alias.as_deref(), after, max + 1)
+    })
+    .await?;
+    keel_page("events", &events, max, st.max_response, |e| {
+        e.seq.to_string()
+    })
 }
 
 #[derive(Deserialize)]
@@ -718,6 +904,7 @@ async fn v1_delete_alias(
 }
 
 async fn v1_audit_verify(State(st): State<AppState>) -> ApiResult {
+    let _place = heavy_place(&st).await?;
     let report = read(&st, |r| r.verify_chains()).await?;
     Ok(with_version(json!({ "ok": report.ok(), "report": report })))
 }
@@ -1293,6 +1480,8 @@ async fn mlf_search_models(State(st): State<AppState>, uri: Uri) -> ApiResult {
     }
     let start = page_start(&q)?;
     let acct = st.azure_account.clone();
+    let cap = st.max_response;
+    let _place = heavy_place(&st).await?;
     let (models, next) = read(&st, move |r| {
         let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
         let mut rows = r.model_rows(with_tags)?;
@@ -1310,12 +1499,23 @@ async fn mlf_search_models(State(st): State<AppState>, uri: Uri) -> ApiResult {
             "last_updated_timestamp" => SortKey::Num(m.updated_ms),
             _ => SortKey::Text(&m.name),
         });
-        // Only this page's models are loaded.
+        // Only this page's models are loaded, up to the answer's size cap.
         let (rows, next) = page_of(rows, start, &q, MODEL_PAGES.default);
-        let models = rows
-            .iter()
-            .map(|m| model_with_latest(r, &m.name, acct.as_deref()))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut models = Vec::new();
+        let mut bytes = 0usize;
+        for m in &rows {
+            let v = model_with_latest(r, &m.name, acct.as_deref())?;
+            bytes += v.to_string().len() + 1;
+            if !models.is_empty() && bytes > cap {
+                break;
+            }
+            models.push(v);
+        }
+        let next = if models.len() < rows.len() {
+            Some((start + models.len()).to_string())
+        } else {
+            next
+        };
         Ok((models, next))
     })
     .await?;
@@ -1589,6 +1789,8 @@ async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult 
         .map(|c| c.value.clone());
     let start = page_start(&q)?;
     let acct = st.azure_account.clone();
+    let cap = st.max_response;
+    let _place = heavy_place(&st).await?;
     let (versions, next) = read(&st, move |r| {
         let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
         let mut rows = r.version_rows(exact_name.as_deref(), with_tags)?;
@@ -1616,12 +1818,25 @@ async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult 
                 _ => SortKey::Text(&v.model),
             },
         );
-        // Only this page's versions are loaded.
+        // Only this page's versions are loaded, up to the answer's size
+        // cap: a page cut short there says where the rest starts, as
+        // MLflow's clients follow next_page_token.
         let (rows, next) = page_of(rows, start, &q, VERSION_PAGES.default);
-        let versions = rows
-            .iter()
-            .map(|row| Ok(mlf_version(&r.version_of_row(row)?, acct.as_deref())))
-            .collect::<Result<Vec<_>, RegistryError>>()?;
+        let mut versions = Vec::new();
+        let mut bytes = 0usize;
+        for row in &rows {
+            let v = mlf_version(&r.version_of_row(row)?, acct.as_deref());
+            bytes += v.to_string().len() + 1;
+            if !versions.is_empty() && bytes > cap {
+                break;
+            }
+            versions.push(v);
+        }
+        let next = if versions.len() < rows.len() {
+            Some((start + versions.len()).to_string())
+        } else {
+            next
+        };
         Ok((versions, next))
     })
     .await?;
@@ -2023,6 +2238,36 @@ mod tests {
             page_token: page_token.map(str::to_owned),
             order_by: Vec::new(),
         }
+    }
+
+    /// At most [`HEAVY_READS`] heavy reads hold a place; the next waits,
+    /// is answered 503 when none frees up in time, and gets one as soon
+    /// as one is given back.
+    #[tokio::test]
+    async fn heavy_reads_take_one_of_a_few_places() {
+        let reg = Registry::open_in_memory(Arc::new(crate::FixedClock(0))).expect("registry");
+        let st = AppState {
+            reg: Arc::new(Mutex::new(reg)),
+            readers: Arc::new(Readers {
+                source: None,
+                idle: Mutex::new(Vec::new()),
+            }),
+            heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+            heavy_wait: std::time::Duration::from_millis(50),
+            max_response: MAX_RESPONSE_BYTES,
+            token_sha256: None,
+            azure_account: None,
+            tracking: None,
+        };
+        let mut held = Vec::new();
+        for _ in 0..HEAVY_READS {
+            held.push(heavy_place(&st).await.expect("a place"));
+        }
+        let e = heavy_place(&st).await.expect_err("none left");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
+        held.pop();
+        let _place = heavy_place(&st).await.expect("a place given back");
     }
 
     #[test]

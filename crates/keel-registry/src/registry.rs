@@ -321,6 +321,28 @@ impl Registry {
             .collect()
     }
 
+    /// Models by name after `after` (exclusive), at most `limit`: one
+    /// page of [`Registry::models`], so a reader never holds every model.
+    pub fn models_after(&self, after: Option<&str>, limit: usize) -> Result<Vec<Model>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let ids: Vec<i64> = {
+            let mut st = self
+                .conn
+                .prepare(
+                    "SELECT id FROM models WHERE ?1 IS NULL OR name > ?1 ORDER BY name LIMIT ?2",
+                )
+                .map_err(RegistryError::db("listing models"))?;
+            let rows = st
+                .query_map(params![after, limit], |r| r.get(0))
+                .map_err(RegistryError::db("listing models"))?;
+            rows.collect::<rusqlite::Result<_>>()
+                .map_err(RegistryError::db("listing models"))?
+        };
+        ids.into_iter()
+            .map(|id| load_model(&self.conn, id))
+            .collect()
+    }
+
     /// Deletes a model that has no versions (versions are never deleted,
     /// so neither is a model that has any).
     pub fn delete_model(&mut self, actor: &str, name: &str) -> Result<()> {
@@ -745,6 +767,21 @@ impl Registry {
             .collect()
     }
 
+    /// A model's versions numbered above `after`, at most `limit`, oldest
+    /// first: one page of [`Registry::versions`].
+    pub fn versions_after(&self, model: &str, after: u64, limit: usize) -> Result<Vec<Version>> {
+        let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
+            name: model.to_owned(),
+        })?;
+        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.version_ids("WHERE v.model_id = ?1 AND v.number > ?2", &[&id, &after])?
+            .into_iter()
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .map(|vid| load_version(&self.conn, vid))
+            .collect()
+    }
+
     /// Versions across models, optionally of one model and one run.
     pub fn search_versions(
         &self,
@@ -1085,9 +1122,29 @@ impl Registry {
         alias_events(&self.conn, Some(model), alias)
     }
 
+    /// A model's alias history (one alias, or all) after sequence number
+    /// `after`, at most `limit`, oldest first: one page of
+    /// [`Registry::history`].
+    pub fn history_after(
+        &self,
+        model: &str,
+        alias: Option<&str>,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<AliasEvent>> {
+        require_model(&self.conn, model)?;
+        alias_events_after(&self.conn, Some(model), alias, after, Some(limit))
+    }
+
     /// The audit log, oldest first.
     pub fn audit_log(&self) -> Result<Vec<AuditEvent>> {
         audit_events(&self.conn)
+    }
+
+    /// The audit log after sequence number `after`, at most `limit`: one
+    /// page of [`Registry::audit_log`].
+    pub fn audit_log_after(&self, after: i64, limit: usize) -> Result<Vec<AuditEvent>> {
+        audit_events_after(&self.conn, after, Some(limit))
     }
 
     /// Checks both hash chains end to end, then the current state against
@@ -1095,12 +1152,21 @@ impl Registry {
     /// READY version's files against its manifest digest and the digest
     /// its registration event recorded.
     pub fn verify_chains(&self) -> Result<ChainReport> {
+        // Both chains are read a page at a time: a registry of any size is
+        // checked in bounded memory (the replayed aliases and the digests
+        // registrations recorded are kept, one entry per alias and per
+        // version).
+        const PAGE: usize = 1000;
         let mut breaks = Vec::new();
-        let alias = alias_events(&self.conn, None, None)?;
-        let audit = audit_events(&self.conn)?;
-        let alias_head = check_chain(
-            ChainName::AliasHistory,
-            alias.iter().map(|e| {
+        let mut replayed: BTreeMap<(String, String), Vec<Option<u64>>> = BTreeMap::new();
+        let mut alias_check = ChainCheck::new(ChainName::AliasHistory);
+        let (mut after, mut alias_count) = (0i64, 0u64);
+        loop {
+            let page = alias_events_after(&self.conn, None, None, after, Some(PAGE))?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            for e in &page {
+                alias_count += 1;
                 let rec = AliasRecord {
                     seq: e.seq,
                     time_ms: e.time_ms,
@@ -1112,19 +1178,30 @@ impl Registry {
                     new_version: e.new_version.map(|v| v as i64),
                     reason: &e.reason,
                 };
-                (
-                    e.seq,
-                    e.prev_hash.clone(),
-                    e.hash.clone(),
-                    chain::link(ALIAS_DOMAIN, &e.prev_hash, &rec),
-                )
-            }),
-            meta(&self.conn, "alias_head")?,
-            &mut breaks,
-        );
-        let audit_head = check_chain(
-            ChainName::AuditLog,
-            audit.iter().map(|e| {
+                let computed = chain::link(ALIAS_DOMAIN, &e.prev_hash, &rec);
+                alias_check.step(e.seq, &e.prev_hash, &e.hash, &computed, &mut breaks);
+                let s = replayed
+                    .entry((e.model.clone(), e.alias.clone()))
+                    .or_default();
+                match e.action {
+                    AliasAction::Set | AliasAction::Delete => s.push(e.new_version),
+                    AliasAction::Rollback => {
+                        s.pop();
+                    }
+                }
+            }
+        }
+        let alias_head = alias_check.finish(meta(&self.conn, "alias_head")?, &mut breaks);
+
+        let mut registered: BTreeMap<String, Option<String>> = BTreeMap::new();
+        let mut audit_check = ChainCheck::new(ChainName::AuditLog);
+        let (mut after, mut audit_count) = (0i64, 0u64);
+        loop {
+            let page = audit_events_after(&self.conn, after, Some(PAGE))?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            for e in &page {
+                audit_count += 1;
                 let rec = AuditRecord {
                     seq: e.seq,
                     time_ms: e.time_ms,
@@ -1133,30 +1210,20 @@ impl Registry {
                     target: &e.target,
                     detail: &e.detail,
                 };
-                (
-                    e.seq,
-                    e.prev_hash.clone(),
-                    e.hash.clone(),
-                    chain::link(AUDIT_DOMAIN, &e.prev_hash, &rec),
-                )
-            }),
-            meta(&self.conn, "audit_head")?,
-            &mut breaks,
-        );
-
-        // Aliases now versus their replayed history.
-        let mut replayed: BTreeMap<(String, String), Vec<Option<u64>>> = BTreeMap::new();
-        for e in &alias {
-            let s = replayed
-                .entry((e.model.clone(), e.alias.clone()))
-                .or_default();
-            match e.action {
-                AliasAction::Set | AliasAction::Delete => s.push(e.new_version),
-                AliasAction::Rollback => {
-                    s.pop();
+                let computed = chain::link(AUDIT_DOMAIN, &e.prev_hash, &rec);
+                audit_check.step(e.seq, &e.prev_hash, &e.hash, &computed, &mut breaks);
+                if e.action == "version.register" {
+                    let d: serde_json::Value = serde_json::from_str(&e.detail).unwrap_or_default();
+                    registered.insert(
+                        e.target.clone(),
+                        d["manifest_digest"].as_str().map(str::to_owned),
+                    );
                 }
             }
         }
+        let audit_head = audit_check.finish(meta(&self.conn, "audit_head")?, &mut breaks);
+
+        // Aliases now versus their replayed history.
         let mut current: BTreeMap<(String, String), u64> = BTreeMap::new();
         {
             let mut st = self
@@ -1195,19 +1262,11 @@ impl Registry {
             }
         }
 
-        // READY versions: files against digest, digest against the audit.
-        let mut registered: BTreeMap<String, Option<String>> = BTreeMap::new();
-        for e in &audit {
-            if e.action == "version.register" {
-                let d: serde_json::Value = serde_json::from_str(&e.detail).unwrap_or_default();
-                registered.insert(
-                    e.target.clone(),
-                    d["manifest_digest"].as_str().map(str::to_owned),
-                );
-            }
-        }
+        // READY versions, one at a time: files against digest, digest
+        // against the audit.
         let mut checked = 0u64;
-        for v in self.search_versions(None, None)? {
+        for vid in self.version_ids("WHERE v.status = 'READY'", &[])? {
+            let v = load_version(&self.conn, vid)?;
             if v.status != Status::Ready {
                 continue;
             }
@@ -1248,9 +1307,18 @@ impl Registry {
                 Some(_) => {}
             }
         }
+        if breaks.len() > MAX_BREAKS {
+            let more = breaks.len() - MAX_BREAKS;
+            breaks.truncate(MAX_BREAKS);
+            breaks.push(Break {
+                chain: ChainName::State,
+                seq: 0,
+                what: format!("and {more} more problem(s), not listed"),
+            });
+        }
         Ok(ChainReport {
-            alias_events: alias.len() as u64,
-            audit_events: audit.len() as u64,
+            alias_events: alias_count,
+            audit_events: audit_count,
             alias_head,
             audit_head,
             versions_checked: checked,
@@ -1849,22 +1917,45 @@ fn set_meta(c: &Connection, key: &str, value: &str) -> Result<()> {
 }
 
 /// Walks a chain, records its first break, returns its head hash.
-fn check_chain(
+/// The most problems a chain check lists (the count of the rest is
+/// given): a tampered database could otherwise make the report itself
+/// unbounded.
+const MAX_BREAKS: usize = 1000;
+
+/// One hash chain checked event by event, in sequence order.
+struct ChainCheck {
     chain: ChainName,
-    events: impl Iterator<Item = (i64, String, String, String)>,
-    head: Option<String>,
-    breaks: &mut Vec<Break>,
-) -> String {
-    let mut prev = GENESIS.to_owned();
-    let mut expected_seq = 1;
-    let mut broken = false;
-    for (seq, prev_hash, hash, computed) in events {
-        let what = if seq != expected_seq {
+    prev: String,
+    expected_seq: i64,
+    broken: bool,
+}
+
+impl ChainCheck {
+    fn new(chain: ChainName) -> Self {
+        ChainCheck {
+            chain,
+            prev: GENESIS.to_owned(),
+            expected_seq: 1,
+            broken: false,
+        }
+    }
+
+    /// The next event: its number, stored links and the hash its content
+    /// gives. Only a chain's first break is recorded.
+    fn step(
+        &mut self,
+        seq: i64,
+        prev_hash: &str,
+        hash: &str,
+        computed: &str,
+        breaks: &mut Vec<Break>,
+    ) {
+        let what = if seq != self.expected_seq {
             Some(format!(
                 "event #{seq} follows #{}: event(s) missing",
-                expected_seq - 1
+                self.expected_seq - 1
             ))
-        } else if prev_hash != prev {
+        } else if prev_hash != self.prev {
             Some(format!(
                 "event #{seq} does not link to the event before it (an event was removed, reordered or rewritten)"
             ))
@@ -1876,25 +1967,33 @@ fn check_chain(
             None
         };
         if let Some(what) = what {
-            if !broken {
-                breaks.push(Break { chain, seq, what });
-                broken = true;
+            if !self.broken {
+                breaks.push(Break {
+                    chain: self.chain,
+                    seq,
+                    what,
+                });
+                self.broken = true;
             }
         }
-        prev = hash;
-        expected_seq = seq + 1;
+        hash.clone_into(&mut self.prev);
+        self.expected_seq = seq + 1;
     }
-    if !broken && head.as_deref().unwrap_or(GENESIS) != prev {
-        breaks.push(Break {
-            chain,
-            seq: expected_seq,
-            what: format!(
-                "the chain ends at event #{} but the recorded head is later: event(s) removed from the end",
-                expected_seq - 1
-            ),
-        });
+
+    /// The chain's head, checked against the one recorded.
+    fn finish(self, head: Option<String>, breaks: &mut Vec<Break>) -> String {
+        if !self.broken && head.as_deref().unwrap_or(GENESIS) != self.prev {
+            breaks.push(Break {
+                chain: self.chain,
+                seq: self.expected_seq,
+                what: format!(
+                    "the chain ends at event #{} but the recorded head is later: event(s) removed from the end",
+                    self.expected_seq - 1
+                ),
+            });
+        }
+        self.prev
     }
-    prev
 }
 
 fn alias_events(
@@ -1902,16 +2001,29 @@ fn alias_events(
     model: Option<&str>,
     alias: Option<&str>,
 ) -> Result<Vec<AliasEvent>> {
+    alias_events_after(c, model, alias, 0, None)
+}
+
+/// Alias events after sequence number `after`, at most `limit` (all
+/// without one), oldest first.
+fn alias_events_after(
+    c: &Connection,
+    model: Option<&str>,
+    alias: Option<&str>,
+    after: i64,
+    limit: Option<usize>,
+) -> Result<Vec<AliasEvent>> {
+    let limit = limit.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
     let mut st = c
         .prepare(
             "SELECT seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash
              FROM alias_events
-             WHERE (?1 IS NULL OR model = ?1) AND (?2 IS NULL OR alias = ?2)
-             ORDER BY seq",
+             WHERE (?1 IS NULL OR model = ?1) AND (?2 IS NULL OR alias = ?2) AND seq > ?3
+             ORDER BY seq LIMIT ?4",
         )
         .map_err(RegistryError::db("reading alias history"))?;
     let rows = st
-        .query_map(params![model, alias], |r| {
+        .query_map(params![model, alias, after, limit], |r| {
             let action: String = r.get(5)?;
             Ok(AliasEvent {
                 seq: r.get(0)?,
@@ -1935,14 +2047,21 @@ fn alias_events(
 }
 
 fn audit_events(c: &Connection) -> Result<Vec<AuditEvent>> {
+    audit_events_after(c, 0, None)
+}
+
+/// Audit events after sequence number `after`, at most `limit` (all
+/// without one), oldest first.
+fn audit_events_after(c: &Connection, after: i64, limit: Option<usize>) -> Result<Vec<AuditEvent>> {
+    let limit = limit.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
     let mut st = c
         .prepare(
             "SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
-             FROM audit_events ORDER BY seq",
+             FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2",
         )
         .map_err(RegistryError::db("reading the audit log"))?;
     let rows = st
-        .query_map([], |r| {
+        .query_map(params![after, limit], |r| {
             Ok(AuditEvent {
                 seq: r.get(0)?,
                 time_ms: r.get(1)?,

@@ -421,9 +421,11 @@ impl PublicKey {
 }
 
 fn read_text(path: &Path) -> Result<String, SignError> {
-    let bytes = std::fs::read(path).map_err(|source| SignError::Read {
-        path: path.to_owned(),
-        source,
+    let bytes = keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
+        SignError::Read {
+            path: path.to_owned(),
+            source,
+        }
     })?;
     String::from_utf8(bytes).map_err(|_| SignError::BadKey {
         path: path.to_owned(),

@@ -1160,3 +1160,134 @@ async fn slow_heads_without_a_key_give_way_to_a_client_with_one() {
         .expect("join")
         .expect("serve");
 }
+
+/// Issue 44 (E2): every list is a page. keel's own lists (versions,
+/// models, history) give 100 items by default, at most 1,000, and a
+/// `next_page_token` while more follow; MLflow's searches keep MLflow's
+/// page sizes, and every answer is cut short at the response size cap
+/// with a token for the rest, which MLflow's clients follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_list_is_paged_and_every_answer_is_capped() {
+    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+    let key = keel_registry::auth::new_secret();
+    reg.create_api_key("admin", "k", Role::Read, &key)
+        .expect("k");
+    for _ in 0..25 {
+        let new = NewVersion {
+            model: "m".into(),
+            source: "s3://b/m".into(),
+            create_model: true,
+            ..Default::default()
+        };
+        reg.register_version("ci", &new, None).expect("version");
+    }
+    for i in 0..12 {
+        reg.set_alias("ci", "m", "production", i + 1, "release")
+            .expect("alias");
+    }
+    for name in ["x", "y", "z"] {
+        reg.create_model("ci", name, "", &[]).expect("model");
+    }
+    let app = router(
+        reg,
+        ServeOptions {
+            max_response_bytes: 4096,
+            ..Default::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, app, async {
+        let _ = rx.await;
+    }));
+    let auth = format!("api-key: {key}");
+    let get = |path: String| {
+        let auth = auth.clone();
+        async move {
+            let (s, t) = call(addr, "GET", &path, "", Some(&auth)).await;
+            assert_eq!(s, 200, "{path}: {t}");
+            json(&t)
+        }
+    };
+    // Pages of 10 versions, in order, each with the token of the next.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let v = get(format!(
+            "/api/v1/versions?name=m&max_results=10&page_token={token}"
+        ))
+        .await;
+        assert_eq!(v["version"], 1);
+        let items = v["versions"].as_array().expect("versions");
+        assert!(!items.is_empty() && items.len() <= 10, "{v}");
+        seen.extend(items.iter().map(|i| i["version"].as_u64().expect("n")));
+        pages += 1;
+        match v["next_page_token"].as_str() {
+            Some(t) => token = t.to_owned(),
+            None => break,
+        }
+    }
+    assert_eq!(seen, (1..=25).collect::<Vec<u64>>());
+    assert!(pages >= 3, "{pages}");
+    // The default page, the bound on max_results, a bad token.
+    let v = get("/api/v1/models".into()).await;
+    let names: Vec<&str> = v["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| m["name"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(names, ["m", "x", "y", "z"]);
+    assert!(v.get("next_page_token").is_none(), "{v}");
+    let v = get("/api/v1/models?max_results=2".into()).await;
+    assert_eq!(v["next_page_token"], "x", "{v}");
+    let v = get("/api/v1/models?max_results=2&page_token=x".into()).await;
+    assert_eq!(v["models"][0]["name"], "y", "{v}");
+    for bad in [
+        "/api/v1/versions?name=m&max_results=1001",
+        "/api/v1/versions?name=m&max_results=0",
+        "/api/v1/versions?name=m&page_token=-3",
+    ] {
+        let (s, t) = call(addr, "GET", bad, "", Some(&auth)).await;
+        assert_eq!(s, 400, "{bad}: {t}");
+        assert!(t.contains("INVALID_PARAMETER_VALUE"), "{t}");
+    }
+    let v = get("/api/v1/history?name=m&alias=production&max_results=5".into()).await;
+    assert_eq!(v["events"].as_array().expect("events").len(), 5);
+    assert_eq!(v["next_page_token"], v["events"][4]["seq"].to_string());
+    // MLflow's search: a 4 KiB answer holds a few versions, then a token;
+    // following the tokens gives every version once.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let (s, t) = call(
+            addr,
+            "GET",
+            &format!(
+                "/api/2.0/mlflow/model-versions/search?filter=name%3D%27m%27&page_token={token}"
+            ),
+            "",
+            Some(&auth),
+        )
+        .await;
+        assert_eq!(s, 200, "{t}");
+        assert!(t.len() < 4096 + 1024, "{}", t.len());
+        let v = json(&t);
+        let got = versions_of(&v);
+        assert!(!got.is_empty(), "{v}");
+        seen.extend(got);
+        match v["next_page_token"].as_str() {
+            Some(n) => token = n.to_owned(),
+            None => break,
+        }
+    }
+    let mut want: Vec<String> = (1..=25).rev().map(|n| format!("m:{n}")).collect();
+    want.sort();
+    seen.sort();
+    assert_eq!(seen, want);
+    let _ = tx.send(());
+}

@@ -188,6 +188,11 @@ pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
             ))
         } else if !is_tres(tres) {
             Some(format!("AllocTRES {} is not a TRES list", cut(tres)))
+        } else if gpus_in_tres(tres).is_none() {
+            Some(format!(
+                "AllocTRES {}: a GPU count is not a whole number that fits in 64 bits",
+                cut(tres)
+            ))
         } else if elapsed.parse::<u64>().is_err() {
             Some(format!(
                 "ElapsedRaw {} is not a number of seconds",
@@ -215,7 +220,7 @@ pub fn parse_sacct(file: &str, text: &str) -> (Vec<SacctJob>, Vec<Diagnostic>) {
                 user: user.to_owned(),
                 account: account.to_owned(),
                 partition: partition.to_owned(),
-                gpus: gpus_in_tres(tres),
+                gpus: gpus_in_tres(tres).unwrap_or_default(),
                 elapsed_s: elapsed.parse().unwrap_or(0),
                 state: state.to_owned(),
                 start: parse_time(start),
@@ -422,21 +427,24 @@ pub fn join_sacct_json(
 }
 
 /// The GPU count of an AllocTRES string: `gres/gpu=N`, else the sum of
-/// typed `gres/gpu:TYPE=N` entries.
-pub fn gpus_in_tres(tres: &str) -> u64 {
+/// typed `gres/gpu:TYPE=N` entries; `None` when a count (or the typed
+/// entries' sum) does not fit in 64 bits, which no real allocation does.
+pub fn gpus_in_tres(tres: &str) -> Option<u64> {
     let mut untyped = None;
-    let mut typed = 0u64;
+    let mut typed = Some(0u64);
     for item in tres.split(',') {
         let Some((k, v)) = item.split_once('=') else {
             continue;
         };
-        let Ok(n) = v.trim().parse::<u64>() else {
+        let gpu = k == "gres/gpu" || k.starts_with("gres/gpu:");
+        if !gpu {
             continue;
-        };
+        }
+        let n = v.trim().parse::<u64>().ok();
         if k == "gres/gpu" {
             untyped = Some(n);
-        } else if k.starts_with("gres/gpu:") {
-            typed = typed.saturating_add(n);
+        } else {
+            typed = typed.zip(n).and_then(|(t, n)| t.checked_add(n));
         }
     }
     untyped.unwrap_or(typed)
@@ -1177,13 +1185,47 @@ mod tests {
     #[test]
     fn tres_gpu_counts() {
         assert_eq!(
-            gpus_in_tres("billing=16,cpu=16,gres/gpu=8,mem=64G,node=1"),
+            gpus_in_tres("billing=16,cpu=16,gres/gpu=8,mem=64G,node=1").expect("fits"),
             8
         );
-        assert_eq!(gpus_in_tres("cpu=4,gres/gpu:a100=2,gres/gpu:h100=1"), 3);
-        assert_eq!(gpus_in_tres("cpu=4,gres/gpu=4,gres/gpu:h100=4"), 4);
-        assert_eq!(gpus_in_tres("cpu=4,mem=1G"), 0);
-        assert_eq!(gpus_in_tres(""), 0);
+        assert_eq!(
+            gpus_in_tres("cpu=4,gres/gpu:a100=2,gres/gpu:h100=1"),
+            Some(3)
+        );
+        assert_eq!(gpus_in_tres("cpu=4,gres/gpu=4,gres/gpu:h100=4"), Some(4));
+        assert_eq!(gpus_in_tres("cpu=4,mem=1G"), Some(0));
+        assert_eq!(gpus_in_tres(""), Some(0));
+        assert_eq!(
+            gpus_in_tres("gres/gpu=18446744073709551615"),
+            Some(u64::MAX)
+        );
+        assert_eq!(gpus_in_tres("gres/gpu=18446744073709551616"), None);
+        assert_eq!(
+            gpus_in_tres("gres/gpu:a=18446744073709551615,gres/gpu:b=1"),
+            None
+        );
+    }
+
+    /// A GPU count that overflows is reported like one of -1, never
+    /// dropped silently.
+    #[test]
+    fn a_gpu_count_that_overflows_is_reported() {
+        let text = "\
+1|big|u|a|gpu|gres/gpu=99999999999999999999|3600|COMPLETED|Unknown|Unknown
+2|neg|u|a|gpu|gres/gpu=-1|3600|COMPLETED|Unknown|Unknown
+3|sum|u|a|gpu|gres/gpu:a=18446744073709551615,gres/gpu:b=1|3600|COMPLETED|Unknown|Unknown
+4|ok|u|a|gpu|gres/gpu=8|3600|COMPLETED|Unknown|Unknown
+";
+        let (jobs, diags) = parse_sacct("f", text);
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].job_id, "4");
+        let lines: Vec<u32> = diags.iter().map(|d| d.location.line).collect();
+        assert_eq!(lines, vec![1, 2, 3]);
+        assert!(
+            diags[0].message.contains("GPU count"),
+            "{}",
+            diags[0].message
+        );
     }
 
     #[test]

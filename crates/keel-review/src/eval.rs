@@ -736,17 +736,25 @@ fn gateway_check(check: &str, p: &Params, g: &GatewayInput) -> Vec<Failure> {
                     .get("stable")
                     .and_then(|v| v.as_str())
                     .unwrap_or("production");
-                if r.get("require_signature").and_then(|v| v.as_bool()) != Some(true) {
-                    out.push(Failure {
-                        location: d.location("models", i, "registry"),
-                        message: format!(
-                            "model {} serves registry model {}@{} without registry.require_signature = true",
-                            model_name(m),
-                            cut(r.get("model").and_then(|v| v.as_str()).unwrap_or("?")),
-                            cut(stable)
-                        ),
-                    });
-                }
+                let signed = r.get("require_signature").and_then(|v| v.as_bool()) == Some(true);
+                let allowed = r
+                    .get("allowed_backends")
+                    .and_then(|v| v.as_array())
+                    .is_some_and(|a| !a.is_empty());
+                let missing = match (signed, allowed) {
+                    (false, _) => "registry.require_signature = true",
+                    (true, false) => "registry.allowed_backends (where its versions may be served)",
+                    (true, true) => continue,
+                };
+                out.push(Failure {
+                    location: d.location("models", i, "registry"),
+                    message: format!(
+                        "model {} serves registry model {}@{} without {missing}",
+                        model_name(m),
+                        cut(r.get("model").and_then(|v| v.as_str()).unwrap_or("?")),
+                        cut(stable)
+                    ),
+                });
             }
             out
         }

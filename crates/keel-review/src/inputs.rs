@@ -499,7 +499,7 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
                         file,
                         line: u32::try_from(e.line()).unwrap_or(1).max(1),
                     },
-                    format!("not node facts: {}", cut(&e.to_string())),
+                    format!("not node facts: {}", json_problem(&e)),
                 ));
                 None
             }
@@ -543,12 +543,20 @@ fn parse_prometheus(
     let file = path.display().to_string();
     // yaml-rust2 bounds the nesting of flow collections only: a block
     // nested thousands deep overflows the stack when its tree is built or
-    // dropped. Its events are counted first.
-    if let Some(line) = nested_deeper_than(text, MAX_YAML_DEPTH) {
+    // dropped; and it copies an anchored node at every alias, so a
+    // kilobyte of aliases of aliases builds gigabytes. Its events are
+    // counted first, each alias as the nodes it expands to.
+    if let Some((line, problem)) = yaml_too_big(text, MAX_YAML_DEPTH, MAX_YAML_NODES) {
+        let what = match problem {
+            YamlTooBig::Depth => format!("YAML nested deeper than {MAX_YAML_DEPTH} levels"),
+            YamlTooBig::Nodes => format!(
+                "YAML whose aliases expand to more than {MAX_YAML_NODES} nodes (an alias bomb?)"
+            ),
+        };
         diags.push(Diagnostic::new(
             DiagnosticKind::Malformed,
             Location { file, line },
-            format!("not read: YAML nested deeper than {MAX_YAML_DEPTH} levels"),
+            format!("not read: {what}"),
         ));
         return None;
     }
@@ -682,28 +690,88 @@ fn parse_prometheus(
 /// configuration may have (a real one has fewer than ten).
 pub const MAX_YAML_DEPTH: usize = 256;
 
-/// The line where `text`'s collections nest deeper than `max`, if they do;
-/// `None` too for text that is not YAML (the loader reports it).
-fn nested_deeper_than(text: &str, max: usize) -> Option<u32> {
+/// The most nodes (scalars, sequences, mappings) a Prometheus
+/// configuration may have once its aliases are expanded: a large real one
+/// (ten thousand static targets) has some tens of thousands; this bound
+/// keeps the loaded tree within some tens of megabytes.
+pub const MAX_YAML_NODES: u64 = 250_000;
+
+/// Why [`yaml_too_big`] refused a text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum YamlTooBig {
+    Depth,
+    Nodes,
+}
+
+/// The line where `text`'s collections nest deeper than `max_depth`, or
+/// where its nodes, each alias counted as the nodes of what it names,
+/// pass `max_nodes`; `None` when neither happens, and for text that is
+/// not YAML (the loader reports it). One pass over the parser's events,
+/// in time and memory linear in the text whatever its aliases.
+fn yaml_too_big(text: &str, max_depth: usize, max_nodes: u64) -> Option<(u32, YamlTooBig)> {
+    use std::collections::HashMap;
     use yaml_rust2::parser::Parser;
     use yaml_rust2::Event;
     let mut parser = Parser::new_from_str(text);
-    let mut depth = 0usize;
+    // Open collections: their anchor id and the node count before them.
+    let mut open: Vec<(usize, u64)> = Vec::new();
+    // Expanded nodes of each anchor.
+    let mut anchored: HashMap<usize, u64> = HashMap::new();
+    let mut nodes = 0u64;
     loop {
         let Ok((event, mark)) = parser.next_token() else {
             return None;
         };
+        let line = || u32::try_from(mark.line()).unwrap_or(u32::MAX).max(1);
         match event {
-            Event::SequenceStart(..) | Event::MappingStart(..) => {
-                depth += 1;
-                if depth > max {
-                    return Some(u32::try_from(mark.line()).unwrap_or(u32::MAX).max(1));
+            Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
+                open.push((anchor, nodes));
+                nodes += 1;
+                if open.len() > max_depth {
+                    return Some((line(), YamlTooBig::Depth));
                 }
             }
-            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            Event::SequenceEnd | Event::MappingEnd => {
+                if let Some((anchor, before)) = open.pop() {
+                    if anchor > 0 {
+                        anchored.insert(anchor, nodes - before);
+                    }
+                }
+            }
+            Event::Scalar(_, _, anchor, _) => {
+                nodes += 1;
+                if anchor > 0 {
+                    anchored.insert(anchor, 1);
+                }
+            }
+            Event::Alias(anchor) => {
+                nodes = nodes.saturating_add(anchored.get(&anchor).copied().unwrap_or(1));
+            }
             Event::StreamEnd => return None,
             _ => {}
         }
+        if nodes > max_nodes {
+            return Some((line(), YamlTooBig::Nodes));
+        }
+    }
+}
+
+/// What is wrong with a JSON document, without its content: serde's
+/// messages quote the values they reject (`invalid type: string "..."`),
+/// and the file may not be what it claims to be.
+fn json_problem(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    let msg = e.to_string();
+    let at = format!("line {} column {}", e.line(), e.column());
+    match e.classify() {
+        Category::Syntax => format!("not JSON at {at}"),
+        Category::Eof => "the JSON ends early".to_owned(),
+        Category::Io => "cannot be read".to_owned(),
+        // Field names are the schema's words: kept.
+        Category::Data if msg.starts_with("unknown field") || msg.starts_with("missing field") => {
+            cut(msg.split(", expected").next().unwrap_or(&msg))
+        }
+        Category::Data => format!("a value of the wrong type or range at {at}"),
     }
 }
 
@@ -1054,6 +1122,49 @@ mod tests {
         assert!(c.is_none() && d.len() == 1, "{d:?}");
         let (c, d) = prometheus(&format!("scrape_configs:\n{}x\n", "- ".repeat(200)));
         assert!(c.is_some() && d.is_empty(), "{d:?}");
+    }
+
+    /// serde's messages quote the values they reject; what keel reports
+    /// of a JSON input does not.
+    #[test]
+    fn json_problems_name_no_value() {
+        let e = serde_json::from_str::<u64>("\"SECRET\"").expect_err("a string");
+        let p = json_problem(&e);
+        assert!(!p.contains("SECRET") && p.contains("line 1"), "{p}");
+        let e = serde_json::from_str::<u64>("SECRET").expect_err("not JSON");
+        assert_eq!(json_problem(&e), "not JSON at line 1 column 1");
+        let e = serde_json::from_str::<u64>("").expect_err("empty");
+        assert_eq!(json_problem(&e), "the JSON ends early");
+    }
+
+    /// A billion laughs in about a kilobyte: nine levels of nine aliases
+    /// of the level below, 9^9 nodes once expanded.
+    #[test]
+    fn a_yaml_alias_bomb_is_reported_not_expanded() {
+        let mut text = String::from("a0: &a0 [\"lol\"]\n");
+        for i in 1..=9 {
+            let refs = vec![format!("*a{}", i - 1); 9].join(", ");
+            text.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+        }
+        text.push_str("scrape_configs: *a9\n");
+        assert!(text.len() < 1200, "{}", text.len());
+        let (c, d) = prometheus(&text);
+        assert!(c.is_none());
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].kind, DiagnosticKind::Malformed);
+        assert_eq!(
+            d[0].message,
+            "not read: YAML whose aliases expand to more than 250000 nodes (an alias bomb?)"
+        );
+        assert!((6..=11).contains(&d[0].location.line), "{d:?}");
+        // Aliases that stay small are read as Prometheus reads them.
+        let (c, d) = prometheus(
+            "scrape_configs:\n  - job_name: a\n    static_configs: &t\n      - targets: [\"h:9400\"]\n  - job_name: b\n    static_configs: *t\n",
+        );
+        let c = c.expect("read");
+        assert!(d.is_empty(), "{d:?}");
+        assert_eq!(c.jobs.len(), 2);
+        assert_eq!(c.jobs[1].targets, vec!["h:9400".to_owned()]);
     }
 
     #[test]

@@ -115,28 +115,12 @@ pub struct FsLoader;
 pub const MAX_LOADED_BYTES: u64 = 4 * 1024 * 1024;
 
 impl Loader for FsLoader {
-    /// Reads a regular file of at most [`MAX_LOADED_BYTES`]: a device
-    /// (`/dev/zero`) or a FIFO is refused before it is opened, a larger
-    /// file after that many bytes.
+    /// Reads a regular file of at most [`MAX_LOADED_BYTES`]
+    /// ([`keel_fs::read_regular`]): a device (`/dev/zero`) or a FIFO is
+    /// refused without waiting or reading, a larger file after that many
+    /// bytes.
     fn load(&self, path: &Path) -> std::io::Result<String> {
-        use std::io::{Error, ErrorKind, Read};
-        let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
-        if !std::fs::metadata(path)?.is_file() {
-            return Err(not_regular());
-        }
-        let f = std::fs::File::open(path)?;
-        if !f.metadata()?.is_file() {
-            return Err(not_regular());
-        }
-        let mut bytes = Vec::new();
-        f.take(MAX_LOADED_BYTES + 1).read_to_end(&mut bytes)?;
-        if bytes.len() as u64 > MAX_LOADED_BYTES {
-            return Err(Error::new(
-                ErrorKind::InvalidData,
-                format!("larger than {} MiB", MAX_LOADED_BYTES / (1024 * 1024)),
-            ));
-        }
-        String::from_utf8(bytes).map_err(|_| Error::new(ErrorKind::InvalidData, "not UTF-8 text"))
+        keel_fs::read_regular_to_string(path, MAX_LOADED_BYTES)
     }
 }
 
@@ -347,6 +331,10 @@ fn strip_comment(line: &str) -> String {
 }
 
 /// Splits a line into `Key=Value` pairs; a value may be double-quoted.
+///
+/// An error says what is wrong and never repeats the line: a line that
+/// does not parse may come from any file an `Include` names
+/// (`Include /etc/shadow`), and the report must not carry its content.
 fn split_pairs(line: &str) -> Result<Vec<(String, String)>, String> {
     let mut pairs = Vec::new();
     let mut chars = line.chars().peekable();
@@ -366,11 +354,17 @@ fn split_pairs(line: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if chars.peek() != Some(&'=') {
-            return Err(format!("expected Key=Value, found {}", crate::cut(&key)));
+            return Err(format!(
+                "expected Key=Value: word {} of the line has no =",
+                pairs.len() + 1
+            ));
         }
         chars.next();
         if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(format!("bad key {}", crate::cut(&key)));
+            return Err(format!(
+                "bad key in word {} of the line: a key is letters, digits and _",
+                pairs.len() + 1
+            ));
         }
         let mut value = String::new();
         if chars.peek() == Some(&'"') {
@@ -384,7 +378,10 @@ fn split_pairs(line: &str) -> Result<Vec<(String, String)>, String> {
                 value.push(c);
             }
             if !closed {
-                return Err(format!("unterminated quote in the value of {key}"));
+                return Err(format!(
+                    "unterminated quote in the value of word {} of the line",
+                    pairs.len() + 1
+                ));
             }
         } else {
             while let Some(&c) = chars.peek() {

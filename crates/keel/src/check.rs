@@ -414,7 +414,7 @@ pub fn check_node(
     let mut results: Vec<CheckResult> =
         keel_check::run(&profile, &inputs, RunOptions { expect_idle }, &SystemClock);
     for file in json_files(bench)? {
-        let text = std::fs::read_to_string(&file)
+        let text = keel_fs::read_regular_to_string(&file, keel_fs::MAX_STATE_BYTES)
             .with_context(|| format!("cannot read {}", file.display()))?;
         let doc: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| crate::exit::DataError(format!("{} is not JSON: {e}", file.display())))?;
@@ -668,8 +668,8 @@ fn merge(paths: &[PathBuf], pct: f64, out: &mut Out) -> anyhow::Result<Code> {
     }
     let mut reports = Vec::new();
     for f in &files {
-        let text =
-            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
+        let text = keel_fs::read_regular_to_string(f, keel_fs::MAX_STATE_BYTES)
+            .with_context(|| format!("cannot read {}", f.display()))?;
         let r: Report = serde_json::from_str(&text).map_err(|e| {
             crate::exit::DataError(format!(
                 "{} is not a keel check --json report: {e}",

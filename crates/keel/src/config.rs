@@ -52,7 +52,7 @@ pub fn load_cost(
     let Some(path) = config_path(explicit, env) else {
         return Ok(FileCost::default());
     };
-    let text = std::fs::read_to_string(&path)
+    let text = keel_fs::read_regular_to_string(&path, keel_fs::MAX_CONFIG_BYTES)
         .with_context(|| format!("cannot read the config file {}", path.display()))?;
     let invalid =
         |e: String| crate::exit::UsageError(format!("invalid config file {}: {e}", path.display()));
@@ -631,7 +631,7 @@ fn load_file(
     let path = config_path(explicit, env);
     let file = match &path {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
+            let text = keel_fs::read_regular_to_string(p, keel_fs::MAX_CONFIG_BYTES)
                 .with_context(|| format!("cannot read the config file {}", p.display()))?;
             toml::from_str::<FileConfig>(&text).map_err(|e| {
                 crate::exit::UsageError(format!("invalid config file {}: {e}", p.display()))

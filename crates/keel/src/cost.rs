@@ -16,6 +16,11 @@ use keel_review::cost::{
 use serde_json::json;
 
 use crate::exit::{Code, DataError, UsageError};
+
+/// The largest `sacct` output `keel cost` reads, recorded (`--sacct-file`,
+/// `--sacct-json`) or live: a year of a busy cluster's `-P` rows is some
+/// tens of megabytes, its `--json` some hundreds.
+const MAX_SACCT_BYTES: u64 = 1024 * 1024 * 1024;
 use crate::output::Out;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -213,7 +218,7 @@ fn idle_source(args: &CostArgs) -> anyhow::Result<Option<IdleSource>> {
         .or(file.exporter_token_file);
     let token = match token_file {
         Some(f) => Some(
-            std::fs::read_to_string(&f)
+            keel_fs::read_regular_to_string(&f, keel_fs::MAX_CONFIG_BYTES)
                 .with_context(|| format!("cannot read the token file {}", f.display()))?
                 .trim()
                 .to_owned(),
@@ -274,15 +279,28 @@ fn run_sacct(args: &CostArgs, json: bool) -> anyhow::Result<String> {
         )?;
     let mut stdout = child.stdout.take().context("sacct stdout")?;
     let mut stderr = child.stderr.take().context("sacct stderr")?;
+    // sacct's answer is bounded like a recorded one: past the bound the
+    // rest is drained unread and the run is an error.
     let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let r = stdout.read_to_string(&mut s);
-        r.map(|_| s)
+        let mut bytes = Vec::new();
+        (&mut stdout)
+            .take(MAX_SACCT_BYTES + 1)
+            .read_to_end(&mut bytes)?;
+        if bytes.len() as u64 > MAX_SACCT_BYTES {
+            let _ = std::io::copy(&mut stdout, &mut std::io::sink());
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("sacct printed more than {} MiB", MAX_SACCT_BYTES >> 20),
+            ));
+        }
+        String::from_utf8(bytes)
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
     });
     let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
+        let mut bytes = Vec::new();
+        let _ = (&mut stderr).take(64 * 1024).read_to_end(&mut bytes);
+        let _ = std::io::copy(&mut stderr, &mut std::io::sink());
+        String::from_utf8_lossy(&bytes).into_owned()
     });
     let deadline = Instant::now() + Duration::from_secs(args.sacct_timeout);
     let status = loop {
@@ -339,7 +357,7 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
         )
         .into());
     };
-    let price_text = std::fs::read_to_string(prices_file)
+    let price_text = keel_fs::read_regular_to_string(prices_file, keel_fs::MAX_CONFIG_BYTES)
         .with_context(|| format!("cannot read {}", prices_file.display()))?;
     let prices = PriceTable::parse(&price_text)
         .map_err(|e| DataError(format!("{}: {e}", prices_file.display())))?;
@@ -348,7 +366,8 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
     let (file, text) = match &args.sacct_file {
         Some(p) => (
             p.display().to_string(),
-            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
+            keel_fs::read_regular_to_string(p, MAX_SACCT_BYTES)
+                .with_context(|| format!("cannot read {}", p.display()))?,
         ),
         None => ("sacct".to_owned(), run_sacct(args, false)?),
     };
@@ -358,7 +377,7 @@ pub fn run(json_flag: bool, args: &CostArgs, out: &mut Out) -> anyhow::Result<Co
     let json = match (&args.sacct_file, &args.sacct_json) {
         (Some(_), None) => None,
         (Some(_), Some(p)) => {
-            let text = std::fs::read_to_string(p)
+            let text = keel_fs::read_regular_to_string(p, MAX_SACCT_BYTES)
                 .with_context(|| format!("cannot read {}", p.display()))?;
             Some((
                 p.display().to_string(),

@@ -115,7 +115,7 @@ pub fn run(command: &CostCommand, out: &mut Out, json: bool) -> anyhow::Result<C
                 .trim_end_matches('/');
             let token = match &a.token_file {
                 Some(f) => Some(
-                    std::fs::read_to_string(f)
+                    keel_fs::read_regular_to_string(f, keel_fs::MAX_CONFIG_BYTES)
                         .with_context(|| format!("cannot read the token file {}", f.display()))?
                         .trim()
                         .to_owned(),

@@ -686,8 +686,44 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
+/// Rows the listing commands read from the registry at a time: a page
+/// is read, rendered (a table row each, or JSON) and dropped before the
+/// next, so no listing holds a whole registry's versions.
+const PAGE: usize = 500;
+
+/// Calls `page(after)` until it returns fewer than [`PAGE`] items, handing
+/// each item to `each`; `key` gives the position after an item.
+fn for_each_page<T, K>(
+    mut page: impl FnMut(Option<&K>) -> Result<Vec<T>, keel_registry::RegistryError>,
+    key: impl Fn(&T) -> K,
+    mut each: impl FnMut(T) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut after: Option<K> = None;
+    loop {
+        let items = page(after.as_ref())?;
+        let full = items.len() >= PAGE;
+        if let Some(last) = items.last() {
+            after = Some(key(last));
+        }
+        for i in items {
+            each(i)?;
+        }
+        if !full {
+            return Ok(());
+        }
+    }
+}
+
 fn ls(reg: &Registry, out: &mut Out) -> anyhow::Result<Code> {
-    let models = reg.models()?;
+    let mut models = Vec::new();
+    for_each_page(
+        |after: Option<&String>| reg.models_after(after.map(String::as_str), PAGE),
+        |m| m.name.clone(),
+        |m| {
+            models.push(m);
+            Ok(())
+        },
+    )?;
     if out.json {
         out.json("model ls", &json!({ "models": models }))?;
         return Ok(Code::Ok);
@@ -718,8 +754,18 @@ fn show(reg: &Registry, reference: &str, out: &mut Out) -> anyhow::Result<Code> 
     match parse_ref(reference)? {
         VersionRef::Latest(name) => {
             let m = reg.model(&name)?;
-            let versions = reg.versions(&name)?;
             if out.json {
+                let mut versions = Vec::new();
+                for_each_page(
+                    |after: Option<&u64>| {
+                        reg.versions_after(&name, after.copied().unwrap_or(0), PAGE)
+                    },
+                    |v| v.version,
+                    |v| {
+                        versions.push(serde_json::to_value(v)?);
+                        Ok(())
+                    },
+                )?;
                 out.json("model show", &json!({ "model": m, "versions": versions }))?;
                 return Ok(Code::Ok);
             }
@@ -737,24 +783,31 @@ fn show(reg: &Registry, reference: &str, out: &mut Out) -> anyhow::Result<Code> 
             let mut t = Table::new(&[
                 "Version", "Status", "Files", "Size", "Digest", "Aliases", "Signed", "Created",
             ]);
-            for v in &versions {
-                t.row(vec![
-                    v.version.to_string(),
-                    v.status.to_string(),
-                    v.files.len().to_string(),
-                    human_bytes(v.total_bytes()),
-                    v.manifest_digest
-                        .as_deref()
-                        .map_or("-".into(), |d| head(d, 12).to_owned()),
-                    if v.aliases.is_empty() {
-                        "-".into()
-                    } else {
-                        v.aliases.join(",")
-                    },
-                    if v.signed { "yes" } else { "no" }.into(),
-                    rfc3339(v.created_ms),
-                ]);
-            }
+            // A row each, a page of versions (with their file lists) at a
+            // time.
+            for_each_page(
+                |after: Option<&u64>| reg.versions_after(&name, after.copied().unwrap_or(0), PAGE),
+                |v| v.version,
+                |v| {
+                    t.row(vec![
+                        v.version.to_string(),
+                        v.status.to_string(),
+                        v.files.len().to_string(),
+                        human_bytes(v.total_bytes()),
+                        v.manifest_digest
+                            .as_deref()
+                            .map_or("-".into(), |d| head(d, 12).to_owned()),
+                        if v.aliases.is_empty() {
+                            "-".into()
+                        } else {
+                            v.aliases.join(",")
+                        },
+                        if v.signed { "yes" } else { "no" }.into(),
+                        rfc3339(v.created_ms),
+                    ]);
+                    Ok(())
+                },
+            )?;
             s.push_str(&t.render());
             out.text(&s)?;
         }
@@ -874,7 +927,15 @@ fn alias_result(
 }
 
 fn history(reg: &Registry, name: &str, alias: Option<&str>, out: &mut Out) -> anyhow::Result<Code> {
-    let events = reg.history(name, alias)?;
+    let mut events = Vec::new();
+    for_each_page(
+        |after: Option<&i64>| reg.history_after(name, alias, after.copied().unwrap_or(0), PAGE),
+        |e| e.seq,
+        |e| {
+            events.push(e);
+            Ok(())
+        },
+    )?;
     if out.json {
         out.json("model history", &json!({ "model": name, "events": events }))?;
         return Ok(Code::Ok);
@@ -1057,8 +1118,8 @@ fn verify_path(a: &VerifyArgs, out: &mut Out) -> anyhow::Result<Code> {
         return Err(UsageError(format!("{} is not a directory", dir.display())).into());
     }
     let key = PublicKey::read(key_path)?;
-    let bundle =
-        std::fs::read(sig_path).with_context(|| format!("cannot read {}", sig_path.display()))?;
+    let bundle = keel_fs::read_regular(sig_path, keel_fs::MAX_CONFIG_BYTES)
+        .with_context(|| format!("cannot read {}", sig_path.display()))?;
     let mut ignore = a.ignore_paths.clone();
     // The signature file itself, when it lies inside the directory.
     if let (Ok(d), Ok(s)) = (std::fs::canonicalize(dir), std::fs::canonicalize(sig_path)) {
@@ -1433,7 +1494,15 @@ fn audit_verify(reg: &Registry, out: &mut Out) -> anyhow::Result<Code> {
 }
 
 fn audit_log(reg: &Registry, out: &mut Out) -> anyhow::Result<Code> {
-    let events = reg.audit_log()?;
+    let mut events = Vec::new();
+    for_each_page(
+        |after: Option<&i64>| reg.audit_log_after(after.copied().unwrap_or(0), PAGE),
+        |e| e.seq,
+        |e| {
+            events.push(e);
+            Ok(())
+        },
+    )?;
     if out.json {
         out.json("model audit log", &json!({ "events": events }))?;
         return Ok(Code::Ok);
@@ -1477,6 +1546,7 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
             keel_registry::http::ServeOptions {
                 token_sha256: cfg.serve_token_sha256.clone(),
                 max_body_bytes: 1 << 20,
+                max_response_bytes: keel_registry::http::MAX_RESPONSE_BYTES,
                 // The account keel-store reads az:// URLs from.
                 azure_account: std::env::var("AZURE_STORAGE_ACCOUNT_NAME")
                     .ok()

@@ -101,7 +101,7 @@ fn default_paths(root: &Path) -> Vec<(Option<Kind>, PathBuf)> {
             std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/keel/keel.toml"))
         });
     if let Some(k) = keel.filter(|k| k.is_file()) {
-        if let Ok(text) = std::fs::read_to_string(&k) {
+        if let Ok(text) = keel_fs::read_regular_to_string(&k, keel_fs::MAX_CONFIG_BYTES) {
             if let Some(g) = toml::from_str::<toml::Table>(&text)
                 .ok()
                 .and_then(|t| t.get("serve")?.get("config")?.as_str().map(PathBuf::from))
@@ -195,8 +195,8 @@ pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> 
         );
     }
     if let Some(p) = &args.suppressions {
-        let text =
-            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+        let text = keel_fs::read_regular_to_string(p, keel_fs::MAX_CONFIG_BYTES)
+            .with_context(|| format!("cannot read {}", p.display()))?;
         opts.suppressions = Suppressions::parse(&text, &catalogue)
             .map_err(|e| DataError(format!("{}: {e}", p.display())))?;
     }
@@ -208,7 +208,8 @@ pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> 
     };
     let mut texts = Vec::new();
     for (kind, path) in targets {
-        let text = std::fs::read_to_string(&path)
+        // A regular file of at most 4 MiB, as the files it includes.
+        let text = keel_fs::read_regular_to_string(&path, keel_review::slurm::MAX_LOADED_BYTES)
             .with_context(|| format!("cannot read {}", path.display()))?;
         texts.push((kind, path, text));
     }

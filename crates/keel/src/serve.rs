@@ -173,6 +173,11 @@ enum AuditCommand {
         /// someone without the key.
         #[arg(long, value_name = "FILE")]
         key: Option<PathBuf>,
+        /// The log's anchor (`audit.anchor_file`; default FILE.anchor when
+        /// it exists), checked with --key: a log cut back to an earlier
+        /// checkpoint no longer holds the checkpoint it records.
+        #[arg(long, value_name = "FILE", requires = "key")]
+        anchor: Option<PathBuf>,
     },
 }
 
@@ -304,8 +309,8 @@ pub fn run(args: &ServeArgs, out: &mut Out) -> anyhow::Result<Code> {
             keys(&sc, command, out)
         }
         Some(ServeCommand::Audit {
-            command: AuditCommand::Verify { file, key },
-        }) => verify(file, key.as_deref(), out),
+            command: AuditCommand::Verify { file, key, anchor },
+        }) => verify(file, key.as_deref(), anchor.as_deref(), out),
         Some(ServeCommand::Rollout { command, admin }) => rollout(command, admin, out),
         Some(ServeCommand::Drift { command, admin }) => drift(command, admin, out),
         Some(ServeCommand::Token) => {
@@ -332,7 +337,7 @@ fn admin_access(admin: &AdminArgs) -> anyhow::Result<(&str, String)> {
     let token_file = admin.token_file.as_deref().ok_or_else(|| {
         UsageError("give the admin token: --token-file FILE (its first line is the token)".into())
     })?;
-    let token = std::fs::read_to_string(token_file)
+    let token = keel_fs::read_regular_to_string(token_file, keel_fs::MAX_CONFIG_BYTES)
         .with_context(|| format!("cannot read the admin token file {}", token_file.display()))?;
     let token = token.lines().next().unwrap_or_default().trim().to_owned();
     if token.is_empty() {
@@ -396,9 +401,11 @@ fn drift(cmd: &DriftCommand, admin: &AdminArgs, out: &mut Out) -> anyhow::Result
         let b = match model {
             Some(m) => Baseline::read(file, m)?,
             None => {
-                let bytes = std::fs::read(file).with_context(|| {
-                    format!("cannot read the drift baseline {}", file.display())
-                })?;
+                let bytes =
+                    keel_fs::read_regular(file, keel_gateway::drift_baseline::MAX_BASELINE_BYTES)
+                        .with_context(|| {
+                        format!("cannot read the drift baseline {}", file.display())
+                    })?;
                 let name = serde_json::from_slice::<serde_json::Value>(&bytes)
                     .ok()
                     .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_owned))
@@ -897,17 +904,34 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
 }
 
 /// Checks registry versions' signatures against `registry.public_key_file`:
-/// the bundle must open with that key and sign the version's digest.
+/// the bundle must open with that key and sign this model and version
+/// (the statement's subject, `MODEL:VERSION` as `keel model sign` names
+/// it: another version's signature over the same files does not do) and
+/// the version's digest.
 struct TrustedKey(keel_registry::sign::PublicKey);
 
 impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
-    fn check(&self, digest: Option<&str>, bundle: &str, _recorded: &str) -> Result<(), String> {
+    fn check(
+        &self,
+        model: &str,
+        version: u64,
+        digest: Option<&str>,
+        bundle: &str,
+        _recorded: &str,
+    ) -> Result<(), String> {
         let payload = self
             .0
             .open_bundle(bundle.as_bytes())
             .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
         let st = keel_registry::sign::parse_statement(&payload)
             .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
+        let subject = format!("{model}:{version}");
+        if st.name != subject {
+            return Err(format!(
+                "it signs {:?}, not {subject:?}: a signature of another model or version",
+                st.name.chars().take(200).collect::<String>()
+            ));
+        }
         match digest {
             Some(d) if d == st.digest => Ok(()),
             Some(d) => Err(format!(
@@ -1077,18 +1101,47 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
     Ok(Code::Ok)
 }
 
-fn verify(file: &Path, key: Option<&Path>, out: &mut Out) -> anyhow::Result<Code> {
-    let f = std::fs::File::open(file)
+fn verify(
+    file: &Path,
+    key: Option<&Path>,
+    anchor: Option<&Path>,
+    out: &mut Out,
+) -> anyhow::Result<Code> {
+    let f = keel_fs::open_regular(file)
         .with_context(|| format!("cannot read the audit log {}", file.display()))?;
     let key = key
         .map(|k| {
-            std::fs::read(k)
+            keel_fs::read_regular(k, keel_fs::MAX_CONFIG_BYTES)
                 .map(|b| b.trim_ascii().to_vec())
                 .with_context(|| format!("cannot read the key {}", k.display()))
         })
         .transpose()?;
+    // An anchor named must be there; the default one only when it is.
+    let anchor_path = match anchor {
+        Some(a) => Some(a.to_owned()),
+        None => {
+            let mut s = file.as_os_str().to_owned();
+            s.push(".anchor");
+            key.as_ref().map(|_| PathBuf::from(s))
+        }
+    };
+    let anchor_doc = match &anchor_path {
+        Some(p) => match audit::Anchor::read(p)? {
+            Some(a) => Some(a),
+            None if anchor.is_some() => {
+                return Err(crate::exit::DataError(format!(
+                    "the anchor {} does not exist",
+                    p.display()
+                ))
+                .into())
+            }
+            None => None,
+        },
+        None => None,
+    };
     let result = match &key {
-        Some(k) => audit::verify_with_key(BufReader::new(f), k).map(|r| (r.chain.clone(), Some(r))),
+        Some(k) => audit::verify_with_key(BufReader::new(f), k, anchor_doc.as_ref())
+            .map(|r| (r.chain.clone(), Some(r))),
         None => audit::verify(BufReader::new(f)).map(|r| (r, None)),
     };
     match &result {
@@ -1101,6 +1154,12 @@ fn verify(file: &Path, key: Option<&Path>, out: &mut Out) -> anyhow::Result<Code
                 if let Some(k) = keyed {
                     v["checkpoints"] = k.checkpoints.into();
                     v["signed_through"] = k.signed_through.into();
+                    v["anchor"] = anchor_doc
+                        .as_ref()
+                        .and(anchor_path.as_ref())
+                        .map(|p| p.display().to_string())
+                        .into();
+                    v["anchored_checkpoint"] = k.anchored.into();
                 }
                 out.json("serve audit verify", &v)?;
             } else {
@@ -1113,10 +1172,14 @@ fn verify(file: &Path, key: Option<&Path>, out: &mut Out) -> anyhow::Result<Code
                 let signed = match keyed {
                     Some(k) if k.checkpoints == 0 => " but NO signed checkpoint: a log rewritten or emptied without the key looks like this".to_owned(),
                     Some(k) => format!(
-                        "; {} signed checkpoint(s), lines 1-{} vouched for by the key, {} after the last",
+                        "; {} signed checkpoint(s), lines 1-{} vouched for by the key, {} after the last; {}",
                         k.checkpoints,
                         k.signed_through,
-                        r.entries - k.signed_through
+                        r.entries - k.signed_through,
+                        match (k.anchored, &anchor_path) {
+                            (Some(n), Some(p)) => format!("the checkpoint at line {n} that the anchor {} records is there", p.display()),
+                            _ => "no anchor file: a log cut back to an earlier checkpoint would verify too".to_owned(),
+                        }
                     ),
                     None => String::new(),
                 };

@@ -118,6 +118,147 @@ fn malformed_and_unknown_lines_are_reported_not_fatal() {
     );
 }
 
+/// An included file whose lines do not parse (`Include /etc/shadow`)
+/// shows up as its file, line numbers and problems: no word of it reaches
+/// the text, JSON or SARIF report.
+#[test]
+fn lines_that_do_not_parse_are_never_repeated() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conf = dir.path().join("slurm.conf");
+    let shadow = dir.path().join("shadow");
+    std::fs::write(
+        &shadow,
+        "root:$6$SECRETsalt$SECREThash:19000:0:99999:7:::\n\
+         SECRETword SECRETother\n\
+         Key=\"SECRETunterminated\n\
+         SECRET-key=SECRETvalue\n",
+    )
+    .expect("write");
+    std::fs::write(
+        &conf,
+        format!("ClusterName=x\nInclude {}\n", shadow.display()),
+    )
+    .expect("write");
+    let (_, json, err) = run(keel().args(["--json", "review"]).arg(&conf));
+    assert!(!json.contains("SECRET"), "{json}");
+    let v: Value = serde_json::from_str(&json).expect("json");
+    let diags: Vec<(String, u64)> = v["diagnostics"]
+        .as_array()
+        .expect("diagnostics")
+        .iter()
+        .filter(|d| d["location"]["file"].as_str() == Some(&shadow.display().to_string()))
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap_or("").to_owned(),
+                d["location"]["line"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        diags,
+        (1..=4)
+            .map(|l| ("malformed".to_owned(), l))
+            .collect::<Vec<_>>(),
+        "{json}{err}"
+    );
+    let (_, text, err) = run(keel().arg("review").arg(&conf));
+    assert!(text.contains("shadow"), "{text}{err}");
+    assert!(
+        !text.contains("SECRET") && !err.contains("SECRET"),
+        "{text}{err}"
+    );
+    let (_, sarif, err) = run(keel().args(["review", "--format", "sarif"]).arg(&conf));
+    assert!(sarif.starts_with('{'), "{sarif}{err}");
+    assert!(
+        !sarif.contains("SECRET") && !err.contains("SECRET"),
+        "{sarif}{err}"
+    );
+}
+
+/// Runs `cmd` and gives up after 30 s (killing it): what a test of a
+/// command that used to hang needs.
+fn run_within(cmd: &mut Command) -> Option<(i32, String, String)> {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run keel");
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    let _ = child.stdout.take().expect("out").read_to_string(&mut out);
+    let _ = child.stderr.take().expect("err").read_to_string(&mut err);
+    Some((status.code().unwrap_or(-1), out, err))
+}
+
+/// A FIFO no one writes and a link to /dev/zero, given where `keel
+/// review`, `keel cost` and `keel serve drift baseline show` expect a
+/// file, are refused at once with the file's name, not read forever.
+#[test]
+fn fifos_and_devices_given_as_files_are_refused_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fifo = dir.path().join("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let zero = dir.path().join("zero");
+    std::os::unix::fs::symlink("/dev/zero", &zero).expect("symlink");
+    for bad in [&fifo, &zero] {
+        let name = bad.display().to_string();
+        let cases: Vec<Command> = vec![
+            {
+                let mut c = keel();
+                c.arg("review").arg(format!("slurm:{name}"));
+                c
+            },
+            {
+                let mut c = keel();
+                c.arg("cost")
+                    .arg("--prices")
+                    .arg(cost_fixture("prices.toml"))
+                    .arg("--sacct-file")
+                    .arg(bad);
+                c
+            },
+            {
+                let mut c = keel();
+                c.arg("cost")
+                    .arg("--prices")
+                    .arg(bad)
+                    .arg("--sacct-file")
+                    .arg(cost_fixture("prices.toml"));
+                c
+            },
+            {
+                let mut c = keel();
+                c.args(["serve", "drift", "baseline", "show"]).arg(bad);
+                c
+            },
+        ];
+        for mut c in cases {
+            let shown = format!("{c:?}");
+            let (code, _, err) = run_within(&mut c).unwrap_or_else(|| panic!("hung: {shown}"));
+            assert_ne!(code, 0, "{shown}: {err}");
+            assert!(
+                err.contains(&name) && err.contains("not a regular file"),
+                "{shown}: {err}"
+            );
+        }
+    }
+}
+
 /// Checks the SARIF 2.1.0 schema's requirements on what keel writes: the
 /// root's version and runs; tool.driver.name; each rule's id; each
 /// result's message text, a ruleId that names a rule, a ruleIndex that
@@ -433,7 +574,7 @@ fn review_of_the_registry_following_test_gateways() {
         url,
         "chat",
         "public_key_file = \"a.pub\"",
-        ", require_signature = true",
+        ", require_signature = true, allowed_backends = [\"http://127.0.0.1:18000\"]",
     );
     let review = |cfg: &Path| {
         let (code, out, err) = run(keel().args(["--json", "review"]).arg(cfg));

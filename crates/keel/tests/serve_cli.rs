@@ -176,21 +176,64 @@ fn signed_checkpoints_catch_a_rechained_or_emptied_audit_log() {
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
 
     let (_, secret) = create_key(&cfg, "alice", "user", None);
-    let mut g = GatewayProcess::start(&keel(), &cfg);
-    for _ in 0..3 {
-        let r =
-            http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body()).expect("req");
-        assert_eq!(r.status, 200);
+    // Two runs: each shutdown writes a checkpoint, so the log has at
+    // least two, whatever the batching.
+    for _ in 0..2 {
+        let mut g = GatewayProcess::start(&keel(), &cfg);
+        for _ in 0..3 {
+            let r = http::post_json(g.public, "/v1/chat/completions", &secret, &chat_body())
+                .expect("req");
+            assert_eq!(r.status, 200);
+        }
+        g.signal("TERM");
+        assert_eq!(g.wait(), Some(0));
     }
-    g.signal("TERM");
-    assert_eq!(g.wait(), Some(0));
     let audit = dir.path().join("audit.jsonl");
     let (a, k) = (audit.to_str().expect("utf8"), key.to_str().expect("utf8"));
     let (code, out) = run(&["--json", "serve", "audit", "verify", a, "--key", k]);
     assert_eq!(code, 0, "{out}");
     let v: Value = serde_json::from_str(&out).expect("json");
-    assert!(v["checkpoints"].as_u64().expect("checkpoints") >= 1, "{v}");
+    assert!(v["checkpoints"].as_u64().expect("checkpoints") >= 2, "{v}");
     assert_eq!(v["signed_through"], v["entries"], "{v}");
+    assert_eq!(v["anchored_checkpoint"], v["entries"], "{v}");
+    let anchor = dir.path().join("audit.jsonl.anchor");
+    assert_eq!(v["anchor"], anchor.display().to_string(), "{v}");
+
+    // Cut right after the first checkpoint: the checkpoints left verify,
+    // the anchor kept beside the log does not (issue 44, E9).
+    let text = std::fs::read_to_string(&audit).expect("audit");
+    let first = text
+        .lines()
+        .position(|l| l.contains("\"event\":\"checkpoint\""))
+        .expect("a checkpoint");
+    let cut: String = text
+        .lines()
+        .take(first + 1)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&audit, &cut).expect("cut");
+    let (code, out) = run(&["serve", "audit", "verify", a, "--key", k]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("lines were cut off"), "{out}");
+    let (code, out) = run(&[
+        "serve",
+        "audit",
+        "verify",
+        a,
+        "--key",
+        k,
+        "--anchor",
+        "/nonexistent",
+    ]);
+    assert_ne!(code, 0, "{out}");
+    let moved = dir.path().join("elsewhere.anchor");
+    std::fs::rename(&anchor, &moved).expect("move the anchor");
+    let (code, out) = run(&["serve", "audit", "verify", a, "--key", k]);
+    assert_eq!(code, 0, "without its anchor the cut log verifies: {out}");
+    assert!(out.contains("no anchor file"), "{out}");
+    let m = moved.to_str().expect("utf8");
+    let (code, out) = run(&["serve", "audit", "verify", a, "--key", k, "--anchor", m]);
+    assert_eq!(code, 2, "{out}");
 
     std::fs::write(&audit, "").expect("empty");
     let (code, out) = run(&["serve", "audit", "verify", a]);

@@ -288,6 +288,28 @@ fn keel_serve_checks_signatures_against_the_trusted_key() {
         "{err}"
     );
 
+    // The signature covers the files, not where requests go: the
+    // backends must be named in the gateway's configuration too.
+    let cfg = config_with(
+        t.path(),
+        &url,
+        "chat",
+        "public_key_file = \"a.pub\"",
+        signed,
+    );
+    let (code, err) = start_fails(&cfg);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("require_signature needs registry.allowed_backends"),
+        "{err}"
+    );
+    let signed = format!(
+        ", require_signature = true, allowed_backends = [\"{}\", \"{}/\"]",
+        b1.url(),
+        b2.url()
+    );
+    let signed = signed.as_str();
+
     let cfg = config_with(
         t.path(),
         &url,
@@ -336,6 +358,98 @@ fn keel_serve_checks_signatures_against_the_trusted_key() {
         "{}",
         m.text()
     );
+
+    // Issue 44 (E3): whoever can write the registry rewrites signed v1's
+    // backend to one of theirs, or gives v3 (the same files as v1) v1's
+    // signature: neither is followed, and no request reaches theirs.
+    let evil = TestBackend::start(&["--name", "evil"]);
+    let clock = std::sync::Arc::new(keel_registry::FixedClock(1_800_000_000_000));
+    let mut reg = keel_registry::Registry::open(&db, clock).expect("registry db");
+    let refused = |gw: &GatewayProcess| -> u64 {
+        let m =
+            http::get(gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN).expect("metrics");
+        m.text()
+            .lines()
+            .find(|l| {
+                l.starts_with("keel_errors_total{route=\"registry\",kind=\"registry_refused\"}")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let wait_refused = |gw: &GatewayProcess, before: u64| {
+        let t0 = Instant::now();
+        while refused(gw) < before + 2 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no refused poll");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    ok(model(
+        &db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "production",
+            "1",
+            "--reason",
+            "back",
+        ],
+    ));
+    reg.set_version_tag("mallory", "chat", 1, "keel.backend", Some(&evil.url()))
+        .expect("rewrite the tag");
+    let before = refused(&gw);
+    wait_refused(&gw, before);
+    for _ in 0..5 {
+        assert_eq!(served_by(&gw, &key), "v1");
+    }
+    reg.set_version_tag("mallory", "chat", 1, "keel.backend", Some(&b1.url()))
+        .expect("tag back");
+    let v1_files = t.path().join("chat-v1");
+    ok(model(
+        &db,
+        &[
+            "register",
+            "chat",
+            "--path",
+            v1_files.to_str().expect("utf8"),
+            "--tag",
+            &format!("keel.backend={}", b2.url()),
+        ],
+    ));
+    let sig = reg.signature("chat", 1).expect("read").expect("v1 signed");
+    reg.attach_signature(
+        "mallory",
+        "chat",
+        3,
+        &sig.bundle,
+        &sig.public_key_pem,
+        &sig.key_hint,
+    )
+    .expect("copy v1's signature to v3");
+    let v3 = reg.version("chat", 3).expect("v3");
+    assert_eq!(
+        v3.manifest_digest,
+        reg.version("chat", 1).expect("v1").manifest_digest,
+        "v3 has v1's files"
+    );
+    ok(model(
+        &db,
+        &[
+            "alias",
+            "set",
+            "chat",
+            "production",
+            "3",
+            "--reason",
+            "copied",
+        ],
+    ));
+    let before = refused(&gw);
+    wait_refused(&gw, before);
+    for _ in 0..5 {
+        assert_eq!(served_by(&gw, &key), "v1");
+    }
+    assert_eq!(evil.count("/v1/chat/completions"), 0);
 }
 
 /// `keel serve rollout ARGS --admin .. --token-file ..`: (exit code,
@@ -902,7 +1016,7 @@ fn a_rollout_survives_a_gateway_restart_and_is_promoted() {
     use std::os::unix::fs::PermissionsExt;
     let mut s = rollout_setup(
         &[],
-        "steps = [50, 90, 100]\ninterval_s = 1\nmin_canary_samples = 40",
+        "steps = [50, 90, 100]\ninterval_s = 1\nmin_canary_samples = 50",
     );
     canary_set(&s);
     let (code, _, err) = rollout_cli(&s.gw, s.t.path(), &["start", "chat"]);
@@ -1111,6 +1225,15 @@ fn a_rollout_whose_aliases_changed_while_the_gateway_was_down_stops() {
         std::fs::read_to_string(&p).expect("read"),
         "{\"version\": 1, \"rollouts\": [{\"id\": "
     );
+    // A state file that is a FIFO no one writes: refused at once, naming
+    // it, instead of keel serve waiting on it forever before it listens
+    // (issue 44, E11).
+    std::fs::remove_file(&p).expect("rm");
+    let made = Command::new("mkfifo").arg(&p).status().expect("mkfifo");
+    assert!(made.success());
+    let (code, err) = start_fails(&s.cfg);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
 }
 
 #[test]
