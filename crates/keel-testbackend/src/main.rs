@@ -341,7 +341,7 @@ impl State {
                 if x.as_i64().is_some_and(|n| n < -1) {
                     return reply(
                         StatusCode::BAD_REQUEST,
-                        json!({"error": {"code": 400, "type": "invalid_request_error", "message": format!("{k} must be at least -1")}}),
+                        json!({"error": {"code": 400, "type": "invalid_request_error", "message": format!("Field '{k}': Value must be between -1 <= value <= 2147483647, but got {x}")}}),
                     );
                 }
             }

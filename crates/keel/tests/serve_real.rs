@@ -277,10 +277,27 @@ fn llama_server_errors_and_model_list_pass_through_keel() {
     );
     assert!((400..500).contains(&r.status), "{} {}", r.status, r.text());
     assert!(r.json()["error"]["message"].is_string(), "{}", r.text());
-    // `best_of`: keel reserves for it, the server does not support it.
+    // `best_of`: keel reserves for two choices, the server ignores it and
+    // generates one; the client sees, and keel charges, that one.
     let r = g.post("/v1/completions", &completion(json!({"max_tokens": 2, "best_of": 2})));
-    assert_eq!(r.status, 400, "{}", r.text());
-    assert!(r.text().contains("best_of"), "{}", r.text());
+    let a = answer(&r, false);
+    assert_eq!(a.usage.map(|u| u["completion_tokens"].clone()), Some(json!(2)));
+    // A length below -1: the server refuses it...
+    let direct = http::post_json(
+        keel_testkit::serve::llama_server_url()
+            .trim_start_matches("http://")
+            .parse()
+            .expect("addr"),
+        "/v1/completions",
+        "",
+        &completion(json!({"n_predict": -2})),
+    )
+    .expect("direct");
+    assert_eq!(direct.status, 400, "{}", direct.text());
+    assert!(direct.text().contains("n_predict"), "{}", direct.text());
+    // ...keel replaces any negative n_predict by its reservation first.
+    let a = answer(&g.post("/v1/completions", &completion(json!({"n_predict": -2}))), false);
+    assert_eq!(a.predicted, Some(DEFAULT_MAX), "{a:?}");
     // A negative max_tokens is keel's 400 before the server.
     let r = g.post("/v1/chat/completions", &chat(json!({"max_tokens": -3})));
     assert_eq!(r.status, 400, "{}", r.text());
