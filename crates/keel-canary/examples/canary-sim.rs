@@ -265,11 +265,7 @@ fn main() {
         ..b
     };
     let cases: Vec<(&str, Version, Version)> = vec![
-        (
-            "fast backend, identical (0.24 ms)",
-            fast,
-            fast,
-        ),
+        ("fast backend, identical (0.24 ms)", fast, fast),
         (
             "fast backend, canary x1.22 (+0.05 ms)",
             fast,

@@ -837,7 +837,10 @@ mod tests {
         let (stable, canary) = (fast(3506, 0.2362), fast(864, 0.2896));
         let c = outcome(&analyse(&stable, &canary, &t), Check::Latency);
         assert!(c.p_value.unwrap() < 1e-6, "{c}");
-        assert!(c.canary_value.unwrap() / c.stable_value.unwrap() > 1.2, "{c}");
+        assert!(
+            c.canary_value.unwrap() / c.stable_value.unwrap() > 1.2,
+            "{c}"
+        );
         assert_eq!(c.outcome, Outcome::Pass, "{c}");
         assert!(c.to_string().ends_with("threshold 1.2 and +5"), "{c}");
         // A floor of 0 is the relative threshold alone: the same windows fail.
@@ -854,7 +857,10 @@ mod tests {
         );
         assert_eq!(c.outcome, Outcome::Fail, "{c}");
         // And one above the ratio but under the floor does not: 4 ms to 8 ms.
-        let c = outcome(&analyse(&fast(500, 4.0), &fast(200, 8.0), &t), Check::Latency);
+        let c = outcome(
+            &analyse(&fast(500, 4.0), &fast(200, 8.0), &t),
+            Check::Latency,
+        );
         assert_eq!(c.outcome, Outcome::Pass, "{c}");
     }
 

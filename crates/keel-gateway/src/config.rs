@@ -1779,7 +1779,10 @@ url = "http://127.0.0.1:8002/prefix"
                 "latency_min_increase_ms = -1.0",
                 "rollout.latency_min_increase_ms -1 must be within 0..3600000",
             ),
-            ("latency_min_increase_ms = nan", "latency_min_increase_ms NaN"),
+            (
+                "latency_min_increase_ms = nan",
+                "latency_min_increase_ms NaN",
+            ),
             ("bogus = 1", "bogus"),
         ] {
             let e = GatewayConfig::from_toml(

@@ -319,7 +319,10 @@ fn load(path: &std::path::Path) -> Result<HashMap<String, Arc<Mutex<Run>>>, Roll
     for rec in doc.rollouts {
         let model = rec.model.clone();
         let run = run_from_record(rec).map_err(corrupt)?;
-        if runs.insert(model.clone(), Arc::new(Mutex::new(run))).is_some() {
+        if runs
+            .insert(model.clone(), Arc::new(Mutex::new(run)))
+            .is_some()
+        {
             return Err(corrupt(format!("model {model:?} has two rollouts")));
         }
     }

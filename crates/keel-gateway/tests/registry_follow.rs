@@ -270,7 +270,7 @@ fn bad_input_at_start_is_an_error_not_a_fallback() {
                 require_signature: false,
             },
             canary_percent: Arc::new(AtomicU32::new(0)),
-        applied_stable: Default::default(),
+            applied_stable: Default::default(),
         };
         registry
             .rt

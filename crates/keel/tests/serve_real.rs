@@ -148,7 +148,8 @@ fn answer(r: &http::HttpResponse, stream: bool) -> Answer {
         };
     }
     assert_eq!(
-        r.header("content-type").map(|c| c.starts_with("text/event-stream")),
+        r.header("content-type")
+            .map(|c| c.starts_with("text/event-stream")),
         Some(true)
     );
     let mut a = Answer::default();
@@ -183,13 +184,17 @@ fn answer(r: &http::HttpResponse, stream: bool) -> Answer {
 
 fn chat(extra: Value) -> Value {
     let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "Tell me a story."}], "seed": 45});
-    b.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+    b.as_object_mut()
+        .expect("object")
+        .extend(extra.as_object().expect("object").clone());
     b
 }
 
 fn completion(extra: Value) -> Value {
     let mut b = json!({"model": "m", "prompt": "Once upon a time", "seed": 45});
-    b.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+    b.as_object_mut()
+        .expect("object")
+        .extend(extra.as_object().expect("object").clone());
     b
 }
 
@@ -279,9 +284,15 @@ fn llama_server_errors_and_model_list_pass_through_keel() {
     assert!(r.json()["error"]["message"].is_string(), "{}", r.text());
     // `best_of`: keel reserves for two choices, the server ignores it and
     // generates one; the client sees, and keel charges, that one.
-    let r = g.post("/v1/completions", &completion(json!({"max_tokens": 2, "best_of": 2})));
+    let r = g.post(
+        "/v1/completions",
+        &completion(json!({"max_tokens": 2, "best_of": 2})),
+    );
     let a = answer(&r, false);
-    assert_eq!(a.usage.map(|u| u["completion_tokens"].clone()), Some(json!(2)));
+    assert_eq!(
+        a.usage.map(|u| u["completion_tokens"].clone()),
+        Some(json!(2))
+    );
     // A length below -1: the server refuses it...
     let direct = http::post_json(
         keel_testkit::serve::llama_server_url()
@@ -296,7 +307,10 @@ fn llama_server_errors_and_model_list_pass_through_keel() {
     assert_eq!(direct.status, 400, "{}", direct.text());
     assert!(direct.text().contains("n_predict"), "{}", direct.text());
     // ...keel replaces any negative n_predict by its reservation first.
-    let a = answer(&g.post("/v1/completions", &completion(json!({"n_predict": -2}))), false);
+    let a = answer(
+        &g.post("/v1/completions", &completion(json!({"n_predict": -2}))),
+        false,
+    );
     assert_eq!(a.predicted, Some(DEFAULT_MAX), "{a:?}");
     // A negative max_tokens is keel's 400 before the server.
     let r = g.post("/v1/chat/completions", &chat(json!({"max_tokens": -3})));
@@ -349,7 +363,9 @@ fn mlserver_inference_metadata_readiness_and_errors_through_keel() {
     let nf = http::get(g.gw.public, "/v2/models/missing/ready", &g.key).expect("ready");
     assert_eq!(nf.status, 404, "{}", nf.text());
     assert!(
-        nf.json()["error"].as_str().is_some_and(|e| e.contains("no-such-model")),
+        nf.json()["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no-such-model")),
         "{}",
         nf.text()
     );

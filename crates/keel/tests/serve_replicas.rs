@@ -80,11 +80,21 @@ fn fleet(db_index: u32, v2_args: &[&str], rollout: &str) -> Fleet {
         let tag = format!("keel.backend={b}");
         ok(model(
             &db,
-            &["register", "chat", "--path", files.to_str().expect("utf8"), "--tag", &tag],
+            &[
+                "register",
+                "chat",
+                "--path",
+                files.to_str().expect("utf8"),
+                "--tag",
+                &tag,
+            ],
         ));
     }
     for (alias, v) in [("production", "1"), ("canary", "2")] {
-        ok(model(&db, &["alias", "set", "chat", alias, v, "--reason", "test"]));
+        ok(model(
+            &db,
+            &["alias", "set", "chat", alias, v, "--reason", "test"],
+        ));
     }
     let read = read_key(&db, "gateway", "read");
     let write = read_key(&db, "rollouts", "write");
@@ -179,8 +189,13 @@ impl Fleet {
 
     /// One chat request to replica `i`: who served it.
     fn chat(&self, i: usize) -> Option<String> {
-        let r = http::post_json(self.gw(i).public, "/v1/chat/completions", &self.key, &chat_body())
-            .ok()?;
+        let r = http::post_json(
+            self.gw(i).public,
+            "/v1/chat/completions",
+            &self.key,
+            &chat_body(),
+        )
+        .ok()?;
         (r.status == 200).then(|| {
             r.json()["system_fingerprint"]
                 .as_str()
@@ -215,7 +230,11 @@ impl Fleet {
     }
 
     fn alias_history(&self, alias: &str) -> Vec<Value> {
-        let addr = self.url.trim_start_matches("http://").parse().expect("addr");
+        let addr = self
+            .url
+            .trim_start_matches("http://")
+            .parse()
+            .expect("addr");
         let key = std::fs::read_to_string(self.dirs[0].join("registry.key")).expect("key");
         let r = http::get(
             addr,
@@ -259,14 +278,18 @@ fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
     );
     let (code, _, err) = f.cli(0, &["start", "chat"]);
     assert_eq!(code, 0, "{err}");
-    f.until(1, Duration::from_secs(5), "at 50% on b", |s| s["weight"] == 50);
+    f.until(1, Duration::from_secs(5), "at 50% on b", |s| {
+        s["weight"] == 50
+    });
     f.settle();
     let seen = f.round_robin(70);
     for (i, s) in seen.iter().enumerate() {
         let canary = s.get("v2").copied().unwrap_or(0);
         assert!((1..50).contains(&canary), "replica {i}: {s:?}");
     }
-    let s = f.until(1, Duration::from_secs(20), "aborted", |s| s["phase"] == "aborted");
+    let s = f.until(1, Duration::from_secs(20), "aborted", |s| {
+        s["phase"] == "aborted"
+    });
     let empty = check(&s, "empty_answer");
     assert_eq!(empty["outcome"], "fail", "{s:#}");
     let n = empty["canary_n"].as_u64().expect("n");
@@ -275,7 +298,10 @@ fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
         .map(|s| s.get("v2").copied().unwrap_or(0))
         .max()
         .unwrap_or(0);
-    assert!(n >= 50 && n > most, "canary n {n}, one replica's most {most}");
+    assert!(
+        n >= 50 && n > most,
+        "canary n {n}, one replica's most {most}"
+    );
     // The canary alias is deleted once, and both replicas stop sending to v2.
     let deletes: Vec<_> = f
         .alias_history("canary")
@@ -303,7 +329,9 @@ fn a_healthy_canary_is_promoted_from_the_samples_of_both_replicas() {
     );
     let (code, _, err) = f.cli(1, &["start", "chat"]);
     assert_eq!(code, 0, "{err}");
-    f.until(0, Duration::from_secs(5), "at 50% on a", |s| s["weight"] == 50);
+    f.until(0, Duration::from_secs(5), "at 50% on a", |s| {
+        s["weight"] == 50
+    });
     f.settle();
     let seen = f.round_robin(70);
     for (i, s) in seen.iter().enumerate() {
@@ -347,7 +375,11 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 // Only the replica that is still alive once the driver died.
-                let i = if driver_died.load(Ordering::Relaxed) { 1 } else { (n % 2) as usize };
+                let i = if driver_died.load(Ordering::Relaxed) {
+                    1
+                } else {
+                    (n % 2) as usize
+                };
                 let _ = http::post_json(
                     f.gws[i].as_ref().map(|g| g.public).expect("replica"),
                     "/v1/chat/completions",
@@ -363,7 +395,10 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
         });
         let driver = s["driver"].as_str().expect("driver").to_owned();
         let a = f.gws[0].as_ref().expect("a").public.to_string();
-        assert!(driver.starts_with(&format!("{a}#")), "{driver} is not a ({a})");
+        assert!(
+            driver.starts_with(&format!("{a}#")),
+            "{driver} is not a ({a})"
+        );
         driver_died.store(true, Ordering::Relaxed);
         // Held while its requests finish; kill -9 then.
         std::thread::sleep(Duration::from_millis(100));
@@ -378,11 +413,16 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
         // must take up.
         let left = f.status(1);
         assert_eq!(left["weight"], 30, "{left:#}");
-        let taken = f.until(1, Duration::from_millis(LEASE_MS * 3 + 2000), "taken over", |s| {
-            s["driver"]
-                .as_str()
-                .is_some_and(|d| d != driver && d.starts_with(&format!("{}#", f.gw(1).public)))
-        });
+        let taken = f.until(
+            1,
+            Duration::from_millis(LEASE_MS * 3 + 2000),
+            "taken over",
+            |s| {
+                s["driver"]
+                    .as_str()
+                    .is_some_and(|d| d != driver && d.starts_with(&format!("{}#", f.gw(1).public)))
+            },
+        );
         let took = t0.elapsed();
         assert!(
             took < Duration::from_millis(LEASE_MS + 2000),
@@ -393,7 +433,10 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
         let first = drive.first().expect("rollout_drive on b");
         assert_eq!(first["step"], 1, "{first}");
         assert_eq!(first["weight"], 30, "{first}");
-        assert!(taken["weight"].as_u64().is_some_and(|w| w >= 30), "{taken:#}");
+        assert!(
+            taken["weight"].as_u64().is_some_and(|w| w >= 30),
+            "{taken:#}"
+        );
         let done = f.until(1, Duration::from_secs(60), "promoted", |s| {
             s["phase"] == "promoted" && s["registry"]["ok"] == true
         });
@@ -427,12 +470,18 @@ fn every_replica_applies_the_weight_and_any_replica_pauses_resumes_and_aborts() 
     std::thread::sleep(Duration::from_millis(1000));
     let seen = f.round_robin(200);
     let (canary, total) = seen.iter().fold((0, 0), |(c, t), s| {
-        (c + s.get("v2").copied().unwrap_or(0), t + s.values().sum::<u64>())
+        (
+            c + s.get("v2").copied().unwrap_or(0),
+            t + s.values().sum::<u64>(),
+        )
     });
     assert_eq!(total, 400, "{seen:?}");
     f.settle();
     let share = canary as f64 / total as f64;
-    assert!((share - 0.30).abs() < 0.08, "canary share {share:.3} of {total}: {seen:?}");
+    assert!(
+        (share - 0.30).abs() < 0.08,
+        "canary share {share:.3} of {total}: {seen:?}"
+    );
     for s in &seen {
         assert!(s.contains_key("v1") && s.contains_key("v2"), "{seen:?}");
     }
@@ -442,10 +491,14 @@ fn every_replica_applies_the_weight_and_any_replica_pauses_resumes_and_aborts() 
     // Pause through b, resume through a, abort through b.
     let (code, _, err) = f.cli(1, &["pause", "chat"]);
     assert_eq!(code, 0, "{err}");
-    f.until(0, Duration::from_secs(3), "paused on a", |s| s["phase"] == "paused");
+    f.until(0, Duration::from_secs(3), "paused on a", |s| {
+        s["phase"] == "paused"
+    });
     let (code, _, err) = f.cli(0, &["start", "chat"]);
     assert_eq!(code, 0, "{err}");
-    f.until(1, Duration::from_secs(3), "resumed on b", |s| s["phase"] == "progressing");
+    f.until(1, Duration::from_secs(3), "resumed on b", |s| {
+        s["phase"] == "progressing"
+    });
     let (code, out, err) = f.cli(1, &["abort", "chat"]);
     assert_eq!(code, 0, "{out}{err}");
     let s = f.until(0, Duration::from_secs(3), "aborted on a", |s| {

@@ -249,7 +249,9 @@ impl Shared {
                     let rev = std::str::from_utf8(rev)
                         .ok()
                         .and_then(|r| r.parse().ok())
-                        .ok_or_else(|| RedisError::Protocol("a revision that is not a number".into()))?;
+                        .ok_or_else(|| {
+                            RedisError::Protocol("a revision that is not a number".into())
+                        })?;
                     Ok(Some((rev, doc.clone())))
                 }
                 [Reply::Bulk(None), Reply::Bulk(None)] => Ok(None),
@@ -406,7 +408,11 @@ impl Rollouts {
         let fence = if as_driver { sh.replica.as_str() } else { "" };
         let rev_s = rev.to_string();
         let n = sh
-            .int(CAS, &[&rec_key(&model), &lease_key(&model)], &[&rev_s, &doc, fence])
+            .int(
+                CAS,
+                &[&rec_key(&model), &lease_key(&model)],
+                &[&rev_s, &doc, fence],
+            )
             .await
             .map_err(store_err)?;
         if n < 0 {
@@ -783,7 +789,14 @@ mod tests {
             assert_eq!(decode(&encode(&s)), Some(s), "{}", encode(&s));
         }
         assert_eq!(encode(&empty), "1|3|-|-|-|0|0|-");
-        for bad in ["", "1|3|-|-|-|0|0", "2|3|-|-|-|0|0|-", "0|NaN|-|-|-|0|0|-", "0|1|-|x|-|0|0|-", "0|1|-1|-|-|0|0|-"] {
+        for bad in [
+            "",
+            "1|3|-|-|-|0|0",
+            "2|3|-|-|-|0|0|-",
+            "0|NaN|-|-|-|0|0|-",
+            "0|1|-|x|-|0|0|-",
+            "0|1|-1|-|-|0|0|-",
+        ] {
             assert_eq!(decode(bad), None, "{bad}");
         }
     }
