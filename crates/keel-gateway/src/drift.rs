@@ -982,7 +982,12 @@ mod tests {
         // Clients send prompts thirty times longer, under a load that makes
         // every answer ten times slower; the answers themselves are the same.
         for i in 0..50 {
-            b.record("chat", "v1", &at(100.0 + (i % 20) as f64 * 10.0), Some(1000 + i % 10));
+            b.record(
+                "chat",
+                "v1",
+                &at(100.0 + (i % 20) as f64 * 10.0),
+                Some(1000 + i % 10),
+            );
         }
         let shifted: Vec<_> = b
             .measures()
@@ -1311,10 +1316,21 @@ mod tests {
         assert!(name.starts_with("input.features."), "{name}");
         assert!(psi > 1.0, "{psi}");
         assert_eq!(e, Evaluation::Measured(psi));
-        // Each part's fresh observations are its own.
+        // Each part's fresh observations are its own: an answer's latency
+        // and prompt length belong to the reported part, inputs only to it.
         assert_eq!(b.evaluate("tab", "v1").0, Evaluation::Inconclusive);
+        b.record_inputs("tab", "v1", &tensor("features", 4, 2, 1000.0, 0));
+        assert_eq!(b.evaluate("tab", "v1").0, Evaluation::Inconclusive);
+        assert!(matches!(
+            b.evaluate_inputs("tab", "v1").0,
+            Evaluation::Measured(_)
+        ));
         b.record("tab", "v1", &steady, Some(30));
         assert!(matches!(b.evaluate("tab", "v1").0, Evaluation::Measured(_)));
+        assert!(matches!(
+            b.evaluate_inputs("tab", "v1").0,
+            Evaluation::Measured(_)
+        ));
         assert_eq!(b.evaluate_inputs("tab", "v1").0, Evaluation::Inconclusive);
     }
 }
