@@ -390,3 +390,120 @@ fn mlserver_inference_metadata_readiness_and_errors_through_keel() {
     let e = g.post("/v2/models/m/infer", &bad);
     assert_eq!(e.status, 500, "{}", e.text());
 }
+
+#[test]
+#[ignore = "needs MLServer: scripts/test starts it (scripts/services/oip-server)"]
+fn a_rollout_over_mlserver_analyses_its_outputs_and_watches_its_inputs() {
+    use serve_common::{model, ok, registry_at};
+    let (url, name) = keel_testkit::serve::oip_server();
+    let t = tempfile::tempdir().expect("tmp");
+    let dir = t.path();
+    let db = dir.join("registry.db");
+    // Two registry versions of the same MLServer model: a healthy canary.
+    for v in 1..=2 {
+        let files = dir.join(format!("v{v}"));
+        std::fs::create_dir_all(&files).expect("mkdir");
+        std::fs::write(files.join("model.joblib"), format!("version {v}")).expect("write");
+        let tag = format!("keel.backend={url}");
+        ok(model(
+            &db,
+            &[
+                "register",
+                "chat",
+                "--path",
+                files.to_str().expect("utf8"),
+                "--tag",
+                &tag,
+            ],
+        ));
+    }
+    for (alias, v) in [("production", "1"), ("canary", "2")] {
+        ok(model(
+            &db,
+            &["alias", "set", "chat", alias, v, "--reason", "test"],
+        ));
+    }
+    for (file, who, role) in [
+        ("registry.key", "gateway", "read"),
+        ("rollouts.key", "rollouts", "write"),
+    ] {
+        let v: Value = serde_json::from_str(&ok(model(
+            &db,
+            &["--json", "keys", "create", who, "--role", role],
+        )))
+        .expect("json");
+        std::fs::write(dir.join(file), v["secret"].as_str().expect("secret")).expect("key");
+    }
+    let (_reg, rurl) = registry_at(&db, "127.0.0.1:0");
+    let cfg = serve_common::registry_config(
+        dir,
+        &rurl,
+        "chat",
+        "write_key_file = \"rollouts.key\"\ndrift_reference_requests = 50\ndrift_window_requests = 50",
+        "",
+    );
+    let mut text = std::fs::read_to_string(&cfg).expect("read");
+    text = text.replace("name = \"chat\"\n", "name = \"chat\"\nprotocol = \"oip\"\n");
+    text.push_str(&format!(
+        "[[models.deployments]]\nname = \"template\"\nurl = \"http://unused.invalid\"\nmodel = \"{name}\"\n[models.rollout]\nsteps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 40\nmax_intervals = 60\n"
+    ));
+    std::fs::write(&cfg, text).expect("write");
+    let (_, key) = create_key(&cfg, "alice", "user", None);
+    let gw = GatewayProcess::start(&keel(), &cfg);
+    let admin = gw.admin.expect("admin");
+    let post = |path: &str| {
+        http::request(
+            admin,
+            "POST",
+            path,
+            &[("Authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+            b"",
+        )
+        .expect("admin")
+    };
+    let r = post("/admin/rollouts/chat/start");
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Iris-like rows: every request's answer is a class per row, so each
+    // answer's output mean lies between 0 and 2.
+    let mut served = std::collections::BTreeMap::<String, u64>::new();
+    let mut status = Value::Null;
+    for i in 0..400usize {
+        let rows: Vec<[f64; 4]> = (0..3)
+            .map(|r| {
+                let k = ((i * 3 + r) % 30) as f64 / 10.0;
+                [4.5 + k, 3.0, 1.0 + k * 1.8, 0.1 + k * 0.8]
+            })
+            .collect();
+        let body = infer_body(&rows);
+        let r = http::post_json(gw.public, "/v2/models/chat/infer", &key, &body).expect("infer");
+        assert_eq!(r.status, 200, "{}", r.text());
+        let dep = r.header("x-keel-deployment").unwrap_or("-").to_owned();
+        *served.entry(dep).or_default() += 1;
+        if i % 20 == 19 {
+            status = http::get(admin, "/admin/rollouts/chat", ADMIN_TOKEN)
+                .expect("status")
+                .json();
+            if status["phase"] == "promoted" {
+                break;
+            }
+        }
+    }
+    assert_eq!(status["phase"], "promoted", "{status:#} {served:?}");
+    assert!(served.get("v2").is_some_and(|&n| n >= 40), "{served:?}");
+    let out = status["verdicts"]
+        .as_array()
+        .and_then(|v| v.last())
+        .and_then(|v| v["checks"].as_array())
+        .and_then(|c| c.iter().find(|c| c["check"] == "output_mean"))
+        .cloned()
+        .expect("output_mean");
+    assert_eq!(out["outcome"], "pass", "{out}");
+    assert!(out["canary_n"].as_u64().is_some_and(|n| n >= 30), "{out}");
+    // The inputs of the version that served them, column by column.
+    let d = http::get(admin, "/admin/drift/chat", ADMIN_TOKEN)
+        .expect("drift")
+        .text();
+    for c in 0..4 {
+        assert!(d.contains(&format!("input.x.{c}")), "{d}");
+    }
+}
