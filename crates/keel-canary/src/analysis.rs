@@ -580,6 +580,7 @@ enum Shift {
     Either(Stat),
 }
 
+#[allow(clippy::too_many_arguments)]
 fn shift_check(
     check: Check,
     stable: &[Sample],
@@ -836,9 +837,9 @@ mod tests {
         let t = Thresholds::default();
         let (stable, canary) = (fast(3506, 0.2362), fast(864, 0.2896));
         let c = outcome(&analyse(&stable, &canary, &t), Check::Latency);
-        assert!(c.p_value.unwrap() < 1e-6, "{c}");
+        assert!(c.p_value.expect("p") < 1e-6, "{c}");
         assert!(
-            c.canary_value.unwrap() / c.stable_value.unwrap() > 1.2,
+            c.canary_value.expect("canary") / c.stable_value.expect("stable") > 1.2,
             "{c}"
         );
         assert_eq!(c.outcome, Outcome::Pass, "{c}");
