@@ -47,6 +47,8 @@ pub struct FileRegistry {
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
     pub rollout_state_file: Option<PathBuf>,
+    pub rollout_store: Option<RolloutStore>,
+    pub rollout_lease_ms: Option<u64>,
     pub drift_reference_requests: Option<usize>,
     pub drift_window_requests: Option<usize>,
 }
@@ -59,6 +61,7 @@ pub struct FileRollout {
     pub interval_s: Option<u64>,
     pub min_canary_samples: Option<u64>,
     pub max_intervals: Option<u32>,
+    pub latency_min_increase_ms: Option<f64>,
 }
 
 /// A registry-following model's drift reference and action.
@@ -71,6 +74,18 @@ pub struct FileModelDrift {
     pub psi_threshold: Option<f64>,
     pub consecutive: Option<u32>,
     pub interval_s: Option<u64>,
+}
+
+/// Where a gateway keeps its rollouts (`registry.rollout_store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutStore {
+    /// `registry.rollout_state_file`: one gateway's own rollouts.
+    File,
+    /// The Redis of `limits.redis_url`, shared by every replica: one
+    /// rollout per model for the whole fleet, driven by the replica that
+    /// holds its lease.
+    Redis,
 }
 
 /// What the gateway does when a stable version's drift lasts.
@@ -481,6 +496,13 @@ pub struct RegistryConfig {
     pub write_key_file: Option<PathBuf>,
     /// Where the rollouts' state is kept across restarts.
     pub rollout_state_file: PathBuf,
+    /// `file` (the state file, one gateway) or `redis` (shared by the
+    /// replicas through `limits.redis_url`).
+    pub rollout_store: RolloutStore,
+    /// With `redis`: how long a replica's lease on driving a rollout lasts
+    /// unless renewed (it renews every third of it): the longest a rollout
+    /// waits for another replica after its driver died.
+    pub rollout_lease_ms: u64,
     /// Output drift of a registry version: the first this many answers
     /// it serves are the reference...
     pub drift_reference_requests: usize,
@@ -499,6 +521,9 @@ pub struct RolloutConfig {
     pub min_canary_samples: u64,
     /// Intervals a step may lack its samples before the rollout pauses.
     pub max_intervals: u32,
+    /// The least increase of the canary's median latency, in
+    /// milliseconds, that fails the latency check (with its ratio).
+    pub latency_min_increase_ms: f64,
 }
 
 impl Default for RolloutConfig {
@@ -508,6 +533,18 @@ impl Default for RolloutConfig {
             interval_s: 60,
             min_canary_samples: 100,
             max_intervals: 20,
+            latency_min_increase_ms: keel_canary::analysis::Thresholds::default()
+                .latency_min_increase_ms,
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// The analysis thresholds of this model's rollouts.
+    pub fn thresholds(&self) -> keel_canary::analysis::Thresholds {
+        keel_canary::analysis::Thresholds {
+            latency_min_increase_ms: self.latency_min_increase_ms,
+            ..Default::default()
         }
     }
 }
@@ -1241,6 +1278,15 @@ impl GatewayConfig {
             Some(r) => Some(registry_config(r, &rel)?),
             None => None,
         };
+        if registry
+            .as_ref()
+            .is_some_and(|r| r.rollout_store == RolloutStore::Redis)
+            && limits.redis_url.is_none()
+        {
+            return Err(GatewayError::Config(
+                "registry.rollout_store = \"redis\" keeps the rollouts in the Redis the replicas share: set limits.redis_url".into(),
+            ));
+        }
         Ok(Self {
             server,
             admin,
@@ -1370,6 +1416,12 @@ fn registry_config(
             "registry.poll_ms {poll_ms} must be within 100..60000"
         )));
     }
+    let rollout_lease_ms = r.rollout_lease_ms.unwrap_or(10_000);
+    if !(1000..=600_000).contains(&rollout_lease_ms) {
+        return Err(GatewayError::Config(format!(
+            "registry.rollout_lease_ms {rollout_lease_ms} must be within 1000..600000"
+        )));
+    }
     Ok(RegistryConfig {
         url,
         key_file: rel(r.key_file),
@@ -1380,6 +1432,8 @@ fn registry_config(
         rollout_state_file: rel(r
             .rollout_state_file
             .unwrap_or_else(|| PathBuf::from("rollouts.json"))),
+        rollout_store: r.rollout_store.unwrap_or(RolloutStore::File),
+        rollout_lease_ms,
         drift_reference_requests: drift_size(
             "drift_reference_requests",
             r.drift_reference_requests,
@@ -1466,6 +1520,9 @@ fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayE
         interval_s: r.interval_s.unwrap_or(d.interval_s),
         min_canary_samples: r.min_canary_samples.unwrap_or(d.min_canary_samples),
         max_intervals: r.max_intervals.unwrap_or(d.max_intervals),
+        latency_min_increase_ms: r
+            .latency_min_increase_ms
+            .unwrap_or(d.latency_min_increase_ms),
     };
     let bad = |m: String| {
         Err(GatewayError::Config(format!(
@@ -1496,6 +1553,12 @@ fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayE
     }
     if c.max_intervals == 0 {
         return bad("max_intervals must be at least 1".into());
+    }
+    if !(0.0..=3_600_000.0).contains(&c.latency_min_increase_ms) {
+        return bad(format!(
+            "latency_min_increase_ms {} must be within 0..3600000 (milliseconds)",
+            c.latency_min_increase_ms
+        ));
     }
     Ok(c)
 }
@@ -1797,6 +1860,14 @@ url = "http://127.0.0.1:8002/prefix"
             (
                 "min_canary_samples = 49",
                 "min_canary_samples 49 is below 50",
+            ),
+            (
+                "latency_min_increase_ms = -1.0",
+                "rollout.latency_min_increase_ms -1 must be within 0..3600000",
+            ),
+            (
+                "latency_min_increase_ms = nan",
+                "latency_min_increase_ms NaN",
             ),
             ("bogus = 1", "bogus"),
         ] {
