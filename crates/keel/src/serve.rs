@@ -1025,8 +1025,14 @@ fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {
     if let Some(k) = &sc.keys_file {
         return Ok(k.clone());
     }
-    let (cfg, path) = load_gateway_config(sc)
-        .map_err(|_| UsageError("no key file: give --keys-file FILE or --config FILE".into()))?;
+    if sc.config.is_none() {
+        return Err(
+            UsageError("no key file: give --keys-file FILE or --config FILE".into()).into(),
+        );
+    }
+    // A configuration that does not load is reported as it is, not as a
+    // missing key file.
+    let (cfg, path) = load_gateway_config(sc)?;
     cfg.auth
         .keys_file
         .ok_or_else(|| UsageError(format!("{} sets no auth.keys_file", path.display())).into())

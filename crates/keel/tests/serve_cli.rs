@@ -486,6 +486,22 @@ fn print_config_and_bad_config_exit_codes() {
         64
     );
     assert_eq!(run(&["serve", "--config", "/nonexistent/gw.toml"]).0, 74);
+    // `keys create` reports why the configuration did not load, not that
+    // no key file was given.
+    let (code, err) = run_stderr(&[
+        "serve",
+        "keys",
+        "create",
+        "--config",
+        cfg.to_str().expect("utf8"),
+        "--name",
+        "alice",
+        "--role",
+        "user",
+    ]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("nope"), "{err}");
+    assert!(!err.contains("no key file"), "{err}");
 }
 
 /// Runs `keel ARGS` and returns (exit code, stderr).

@@ -445,7 +445,7 @@ fn a_rollout_over_mlserver_analyses_its_outputs_and_watches_its_inputs() {
     let mut text = std::fs::read_to_string(&cfg).expect("read");
     text = text.replace("name = \"chat\"\n", "name = \"chat\"\nprotocol = \"oip\"\n");
     text.push_str(&format!(
-        "[[models.deployments]]\nname = \"template\"\nurl = \"http://unused.invalid\"\nmodel = \"{name}\"\n[models.rollout]\nsteps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 40\nmax_intervals = 60\n"
+        "[[models.deployments]]\nname = \"template\"\nurl = \"http://unused.invalid\"\nmodel = \"{name}\"\n[models.rollout]\nsteps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 50\nmax_intervals = 60\n"
     ));
     std::fs::write(&cfg, text).expect("write");
     let (_, key) = create_key(&cfg, "alice", "user", None);
@@ -489,7 +489,7 @@ fn a_rollout_over_mlserver_analyses_its_outputs_and_watches_its_inputs() {
         }
     }
     assert_eq!(status["phase"], "promoted", "{status:#} {served:?}");
-    assert!(served.get("v2").is_some_and(|&n| n >= 40), "{served:?}");
+    assert!(served.get("v2").is_some_and(|&n| n >= 50), "{served:?}");
     let out = status["verdicts"]
         .as_array()
         .and_then(|v| v.last())

@@ -260,14 +260,13 @@ fn same_view(s: &Value) -> Value {
 #[test]
 #[ignore = "needs Redis: scripts/test starts one"]
 fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
-    // Each replica serves exactly 20 canary requests (pinned, which the
-    // split allows at 50%) and 20 stable ones: under the 30 answers the
-    // completion_tokens check needs, and the 50 of empty_answer; 40 of
-    // each together.
+    // Each replica serves exactly 26 canary requests (pinned, which the
+    // split allows at 50%) and 26 stable ones: under the 50 answers of
+    // empty_answer and the least min_canary_samples; 52 of each together.
     let f = fleet(
         11,
         &["--empty-percent", "100"],
-        "steps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 35\nmax_intervals = 60",
+        "steps = [50, 100]\ninterval_s = 1\nmin_canary_samples = 50\nmax_intervals = 60",
     );
     let (code, _, err) = f.cli(0, &["start", "chat"]);
     assert_eq!(code, 0, "{err}");
@@ -275,7 +274,7 @@ fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
         s["weight"] == 50
     });
     f.settle();
-    for _ in 0..20 {
+    for _ in 0..26 {
         for i in 0..2 {
             for dep in ["v1", "v2"] {
                 let r = http::request(
@@ -310,7 +309,7 @@ fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
     for c in &failed {
         // More canary answers than either replica served: both pooled.
         let n = c["canary_n"].as_u64().expect("n");
-        assert!(n > 20, "{c}");
+        assert!(n > 26, "{c}");
     }
     // The canary alias is deleted once, and both replicas stop sending to v2.
     let deletes: Vec<_> = f
@@ -374,7 +373,7 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
     let mut f = fleet(
         13,
         &[],
-        "steps = [10, 30, 60, 100]\ninterval_s = 2\nmin_canary_samples = 30\nmax_intervals = 120",
+        "steps = [10, 30, 60, 100]\ninterval_s = 2\nmin_canary_samples = 50\nmax_intervals = 120",
     );
     let (code, _, err) = f.cli(0, &["start", "chat"]);
     assert_eq!(code, 0, "{err}");

@@ -129,9 +129,18 @@ pub fn create_key(cfg: &Path, name: &str, role: &str, team: Option<&str>) -> (St
     if let Some(t) = team {
         args.extend(["--team", t]);
     }
-    let (code, out) = run(&args);
-    assert_eq!(code, 0, "{out}");
-    let v: Value = serde_json::from_str(&out).expect("json");
+    let out = Command::new(keel())
+        .args(&args)
+        .env_remove("KEEL_CONFIG")
+        .output()
+        .expect("run keel");
+    assert!(
+        out.status.success(),
+        "keel serve keys create: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
     (
         v["id"].as_str().expect("id").to_owned(),
         v["secret"].as_str().expect("secret").to_owned(),
