@@ -26,6 +26,15 @@ use keel_testkit::imds::{scheduled_event, FakeImds};
 use keel_testkit::SlurmCluster;
 use serde_json::json;
 
+/// The keel under test: this build's, or KEEL_TEST_KEEL_BIN's (to run
+/// the scenarios against another build, e.g. the one before a fix).
+fn keel() -> PathBuf {
+    match std::env::var_os("KEEL_TEST_KEEL_BIN") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_keel")),
+    }
+}
+
 fn torchrun() -> PathBuf {
     match std::env::var_os("KEEL_TEST_TORCHRUN") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
@@ -87,7 +96,7 @@ impl<'a> Job<'a> {
                  --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:$port \
                  --rdzv-id=$SLURM_JOB_ID --local-addr=127.0.0.1 --max-restarts=0 {trainer}\n",
                 d = d.display(),
-                keel = env!("CARGO_BIN_EXE_keel"),
+                keel = keel().display(),
                 torchrun = torchrun().display(),
                 trainer = trainer().display(),
             ),
@@ -277,7 +286,8 @@ fn a_failed_node_is_excluded_and_training_resumes_from_dcp_with_the_same_result(
     let nodes = cluster.nodes().to_vec();
     let (n1, n2, n3) = (nodes[0].clone(), nodes[1].clone(), nodes[2].clone());
     let _r2 = cluster.restore_on_drop(&n2);
-    let keel = env!("CARGO_BIN_EXE_keel");
+    let keel = keel();
+    let keel = keel.display();
     let healthy = Node::ndv4();
     let faulty = Node::ndv4();
     faulty.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
