@@ -657,8 +657,9 @@ impl MlflowServer {
             child,
             url: format!("http://127.0.0.1:{port}"),
         };
-        // Starting imports much of MLflow: allow for a busy machine.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        // Starting imports much of MLflow: allow for a busy machine (over
+        // 180 s at a load average of 15 on 2 cores).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
         while !healthy(port) {
             let exited = server.child.try_wait().expect("wait").is_some();
             if exited || std::time::Instant::now() > deadline {
@@ -667,7 +668,7 @@ impl MlflowServer {
                     if exited {
                         "it exited"
                     } else {
-                        "no answer in 180 s"
+                        "no answer in 300 s"
                     },
                     std::fs::read_to_string(&log_path).unwrap_or_default()
                 );
