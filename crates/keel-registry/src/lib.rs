@@ -40,6 +40,7 @@ pub mod http;
 mod registry;
 mod serve;
 pub mod sign;
+mod storage;
 mod time;
 pub mod tracking;
 mod types;
@@ -47,6 +48,7 @@ mod types;
 pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;
+pub use storage::{is_postgres_url, Backend, DbError, PgOptions};
 pub use registry::{
     limits, version_manifest, Artifacts, ModelRow, NewVersion, Registry, VersionRow,
 };
