@@ -48,6 +48,10 @@ struct Version {
     median_tokens: f64,
     max_tokens: u32,
     latency_factor: f64,
+    /// Scales the whole latency model: 1 for an LLM's (about 1.2 s at the
+    /// median), 0.0002 for a backend that answers in a quarter of a
+    /// millisecond.
+    latency_scale: f64,
 }
 
 impl Version {
@@ -59,6 +63,7 @@ impl Version {
         median_tokens: 180.0,
         max_tokens: 512,
         latency_factor: 1.0,
+        latency_scale: 1.0,
     };
 
     fn sample(&self, rng: &mut Rng) -> Sample {
@@ -81,8 +86,10 @@ impl Version {
             }
         };
         // Prefill plus decoding time, with noise.
-        let latency =
-            (80.0 + 6.0 * f64::from(tokens)) * self.latency_factor * (0.2 * rng.normal()).exp();
+        let latency = (80.0 + 6.0 * f64::from(tokens))
+            * self.latency_factor
+            * self.latency_scale
+            * (0.2 * rng.normal()).exp();
         Sample {
             error: false,
             latency_ms: Some(latency),
@@ -117,7 +124,7 @@ enum End {
     Paused,
 }
 
-fn rollout(steps: &[f64], canary: &Version, setup: &Setup, rng: &mut Rng) -> End {
+fn rollout(steps: &[f64], stable: &Version, canary: &Version, setup: &Setup, rng: &mut Rng) -> End {
     let per_interval = (setup.rate * setup.interval_s).round() as u64;
     let (mut requests, mut canary_requests, mut intervals_total) = (0u64, 0u64, 0u64);
     let mut earlier = Vec::new();
@@ -133,7 +140,7 @@ fn rollout(steps: &[f64], canary: &Version, setup: &Setup, rng: &mut Rng) -> End
                     canary_requests += 1;
                     canary_w.push(canary.sample(rng));
                 } else {
-                    stable_w.push(Version::BASE.sample(rng));
+                    stable_w.push(stable.sample(rng));
                 }
             }
             let (a, decision) = evaluate_step(
@@ -211,6 +218,7 @@ fn main() {
     let mut interval_s = 30.0;
     let mut steps = vec![1.0, 5.0, 25.0, 50.0];
     let mut seed = 1u64;
+    let mut thresholds = Thresholds::default();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let v = args.next().unwrap_or_default();
@@ -226,6 +234,11 @@ fn main() {
             "--rate" => rate = v.parse().unwrap_or_else(|_| bad("--rate")),
             "--interval" => interval_s = v.parse().unwrap_or_else(|_| bad("--interval")),
             "--seed" => seed = v.parse().unwrap_or_else(|_| bad("--seed")),
+            "--latency-min-increase-ms" => {
+                thresholds.latency_min_increase_ms = v
+                    .parse()
+                    .unwrap_or_else(|_| bad("--latency-min-increase-ms"))
+            }
             "--steps" => {
                 steps = v
                     .split(',')
@@ -241,14 +254,30 @@ fn main() {
     let setup = Setup {
         rate,
         interval_s,
-        thresholds: Thresholds::default(),
+        thresholds,
         policy: StepPolicy::default(),
     };
     let b = Version::BASE;
-    let cases: Vec<(&str, Version)> = vec![
-        ("identical", b),
+    // A backend answering in about 0.24 ms at the median (a cache, a
+    // small model on a fast machine), as in the false abort of issue 45.
+    let fast = Version {
+        latency_scale: 0.24 / 1160.0,
+        ..b
+    };
+    let cases: Vec<(&str, Version, Version)> = vec![
+        ("fast backend, identical (0.24 ms)", fast, fast),
+        (
+            "fast backend, canary x1.22 (+0.05 ms)",
+            fast,
+            Version {
+                latency_factor: 1.22,
+                ..fast
+            },
+        ),
+        ("identical", b, b),
         (
             "empty answers 20%",
+            b,
             Version {
                 empty_rate: 0.20,
                 ..b
@@ -256,6 +285,7 @@ fn main() {
         ),
         (
             "empty answers 5%",
+            b,
             Version {
                 empty_rate: 0.05,
                 ..b
@@ -263,6 +293,7 @@ fn main() {
         ),
         (
             "5xx 5% (stable 0.5%)",
+            b,
             Version {
                 error_rate: 0.05,
                 ..b
@@ -270,6 +301,7 @@ fn main() {
         ),
         (
             "slower x1.5",
+            b,
             Version {
                 latency_factor: 1.5,
                 ..b
@@ -277,6 +309,7 @@ fn main() {
         ),
         (
             "slower x1.1 (under the 1.2 threshold)",
+            b,
             Version {
                 latency_factor: 1.1,
                 ..b
@@ -284,6 +317,7 @@ fn main() {
         ),
         (
             "completions x1.5 longer",
+            b,
             Version {
                 median_tokens: 270.0,
                 ..b
@@ -291,6 +325,7 @@ fn main() {
         ),
         (
             "completions x0.6 shorter",
+            b,
             Version {
                 median_tokens: 108.0,
                 ..b
@@ -298,6 +333,7 @@ fn main() {
         ),
         (
             "more `length` finishes (max_tokens 300)",
+            b,
             Version {
                 max_tokens: 300,
                 ..b
@@ -305,6 +341,7 @@ fn main() {
         ),
         (
             "stream aborts 5%",
+            b,
             Version {
                 stream_abort_rate: 0.05,
                 ..b
@@ -314,14 +351,14 @@ fn main() {
     println!(
         "Setup: {rate} requests/s, interval {interval_s} s, steps {steps:?} % then promotion at 100 %, \
          seed {seed}; thresholds and step policy: the defaults of keel_canary::analysis \
-         (alpha {}, interim alpha {} before a step has its samples, a step advances with >= {} canary requests and no failed check, pauses after {} intervals).\n",
-        setup.thresholds.alpha, setup.thresholds.interim_alpha, setup.policy.min_canary_samples, setup.policy.max_intervals
+         (alpha {}, interim alpha {} before a step has its samples, latency fails only {} ms or more above stable's median, a step advances with >= {} canary requests and no failed check, pauses after {} intervals).\n",
+        setup.thresholds.alpha, setup.thresholds.interim_alpha, setup.thresholds.latency_min_increase_ms, setup.policy.min_canary_samples, setup.policy.max_intervals
     );
     println!("| canary | rollouts | aborted | 95% upper bound | paused | abort step (median) | delay, requests (median / p90) | delay, canary requests (median / p90) | delay, s (median / p90) | checks that fired |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut rng = Rng(seed);
-    for (name, v) in cases {
-        let n = if name == "identical" {
+    for (name, stable, v) in cases {
+        let n = if name == "identical" || name.starts_with("fast backend") {
             rollouts
         } else {
             degraded_rollouts
@@ -330,7 +367,7 @@ fn main() {
         let (mut req, mut creq, mut secs, mut stepv) = (vec![], vec![], vec![], vec![]);
         let mut fired: std::collections::BTreeMap<&str, u64> = Default::default();
         for _ in 0..n {
-            match rollout(&steps, &v, &setup, &mut rng) {
+            match rollout(&steps, &stable, &v, &setup, &mut rng) {
                 End::Promoted => {}
                 End::Paused => paused += 1,
                 End::Aborted {

@@ -39,12 +39,20 @@
 //! | check | samples | test | fails when (defaults) |
 //! |---|---|---|---|
 //! | `error_rate` | every request; event: 5xx or no answer | Fisher exact (stratified by step after the first), canary higher | increase >= 0.02, n >= 50 |
-//! | `latency` | answered requests, ms | Mann-Whitney, canary slower | median ratio >= 1.2, n >= 30 |
+//! | `latency` | answered requests, ms | Mann-Whitney, canary slower | median ratio >= 1.2 and median increase >= 5 ms, n >= 30 |
 //! | `completion_tokens` | answers with a usage count | Mann-Whitney, either way | mean ratio >= 1.25 or <= 1/1.25, n >= 30 |
 //! | `length_finish` | answers with a finish reason; event: `length` | Fisher exact, canary higher | increase >= 0.05, n >= 50 |
 //! | `empty_answer` | answers with text; event: fewer than 3 non-space characters | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
 //! | `stream_abort` | streamed requests; event: the stream ended without its end marker | Fisher exact, canary higher | increase >= 0.02, n >= 50 |
 //! | `output_mean` | OIP v2 answers: the mean of the first output tensor's numeric values | Mann-Whitney, either way | A >= 0.64 or <= 0.36, n >= 30 |
+//!
+//! `latency` pairs its relative threshold with an absolute one, as
+//! Kayenta's judge pairs `allowedIncrease` with a tolerance: with a fast
+//! backend a large window makes a difference of a few microseconds
+//! significant and its ratio large (0.29 ms against 0.24 ms is 1.23
+//! times), yet nobody is served worse. The canary's median must also
+//! exceed the stable one by [`Thresholds::latency_min_increase_ms`]
+//! (5 ms by default) to fail.
 //!
 //! `output_mean` is for models whose outputs are numbers, where a ratio
 //! means nothing (values near 0, of either sign): its effect size is the
@@ -164,6 +172,10 @@ pub struct Thresholds {
     pub error_rate: RateThreshold,
     /// Median latency ratio.
     pub latency: RatioThreshold,
+    /// The least increase of the median latency, in milliseconds, that
+    /// fails the latency check whatever its ratio: an absolute floor under
+    /// the relative threshold.
+    pub latency_min_increase_ms: f64,
     /// Mean completion tokens ratio, either way.
     pub completion_tokens: RatioThreshold,
     pub length_finish: RateThreshold,
@@ -189,6 +201,7 @@ impl Default for Thresholds {
                 min_samples: 30,
                 max_ratio: 1.2,
             },
+            latency_min_increase_ms: 5.0,
             completion_tokens: RatioThreshold {
                 min_samples: 30,
                 max_ratio: 1.25,
@@ -304,6 +317,11 @@ pub struct CheckResult {
     /// The effect threshold the difference was held against: the minimum
     /// increase of a rate or the ratio.
     pub threshold: f64,
+    /// An absolute floor held against the difference of the statistics as
+    /// well (`latency`: the least increase in milliseconds); `None` for
+    /// the checks that have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_increase: Option<f64>,
     pub alpha: f64,
 }
 
@@ -328,7 +346,11 @@ impl std::fmt::Display for CheckResult {
         if let Some(p) = self.p_value {
             write!(f, ", p={p:.2e} (alpha {})", self.alpha)?;
         }
-        write!(f, ", threshold {}", self.threshold)
+        write!(f, ", threshold {}", self.threshold)?;
+        if let Some(m) = self.min_increase {
+            write!(f, " and +{m}")?;
+        }
+        Ok(())
     }
 }
 
@@ -435,6 +457,7 @@ pub fn analyse_after(
             |s| (!s.error).then_some(s.latency_ms).flatten(),
             Shift::Greater(Stat::Median),
             t.latency,
+            Some(t.latency_min_increase_ms),
             t.alpha,
         ),
         shift_check(
@@ -444,6 +467,7 @@ pub fn analyse_after(
             |s| s.completion_tokens.map(f64::from),
             Shift::Either(Stat::Mean),
             t.completion_tokens,
+            None,
             t.alpha,
         ),
         rate_check(
@@ -523,6 +547,7 @@ fn rate_check(
         canary_value: c.rate(),
         p_value: None,
         threshold: th.min_increase,
+        min_increase: None,
         alpha,
     };
     if s.trials < th.min_samples.max(1) || c.trials < th.min_samples.max(1) {
@@ -584,6 +609,7 @@ enum Shift {
     Either(Stat),
 }
 
+#[allow(clippy::too_many_arguments)]
 fn shift_check(
     check: Check,
     stable: &[Sample],
@@ -591,6 +617,7 @@ fn shift_check(
     value: impl Fn(&Sample) -> Option<f64>,
     shift: Shift,
     th: RatioThreshold,
+    min_increase: Option<f64>,
     alpha: f64,
 ) -> CheckResult {
     let s: Vec<f64> = stable
@@ -615,6 +642,7 @@ fn shift_check(
         canary_value: statistic(&c, stat),
         p_value: None,
         threshold: th.max_ratio,
+        min_increase,
         alpha,
     };
     let min = th.min_samples.max(1) as usize;
@@ -634,8 +662,11 @@ fn shift_check(
     } else {
         1.0
     };
+    // The absolute floor: a canary slower by less than this passes
+    // whatever the ratio and the p-value say.
+    let above_floor = min_increase.is_none_or(|m| cv - sv >= m);
     let (p, fails) = match shift {
-        Shift::Greater(_) => (mw.p_greater, ratio >= th.max_ratio),
+        Shift::Greater(_) => (mw.p_greater, ratio >= th.max_ratio && above_floor),
         Shift::Either(_) => {
             // Two one-sided tests at alpha / 2 each.
             let up = mw.p_greater < alpha / 2.0 && ratio >= th.max_ratio;
@@ -679,6 +710,7 @@ fn superiority_check(
         canary_value: statistic(&c, Stat::Median),
         p_value: None,
         threshold: th.max_superiority,
+        min_increase: None,
         alpha,
     };
     let min = th.min_samples.max(1) as usize;
@@ -820,6 +852,73 @@ mod tests {
 
     fn outcome(a: &Analysis, check: Check) -> CheckResult {
         *a.checks.iter().find(|c| c.check == check).unwrap()
+    }
+
+    /// Latencies spread around `median` ms (about +-10%), `n` of them.
+    fn fast(n: usize, median: f64) -> Vec<Sample> {
+        (0..n)
+            .map(|i| ok(median * (0.9 + 0.2 * (i as f64 + 0.5) / n as f64), 5, 20))
+            .collect()
+    }
+
+    #[test]
+    fn a_sub_millisecond_latency_difference_never_fails() {
+        // The windows of the aborted healthy canary of issue 45: canary
+        // 0.2896 ms (n=864) against stable 0.2362 ms (n=3506), a ratio of
+        // 1.23 that large windows make significant.
+        let t = Thresholds::default();
+        let (stable, canary) = (fast(3506, 0.2362), fast(864, 0.2896));
+        let c = outcome(&analyse(&stable, &canary, &t), Check::Latency);
+        assert!(c.p_value.expect("p") < 1e-6, "{c}");
+        assert!(
+            c.canary_value.expect("canary") / c.stable_value.expect("stable") > 1.2,
+            "{c}"
+        );
+        assert_eq!(c.outcome, Outcome::Pass, "{c}");
+        assert!(c.to_string().ends_with("threshold 1.2 and +5"), "{c}");
+        // A floor of 0 is the relative threshold alone: the same windows fail.
+        let rel = Thresholds {
+            latency_min_increase_ms: 0.0,
+            ..t
+        };
+        let c = outcome(&analyse(&stable, &canary, &rel), Check::Latency);
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        // A slowdown above the floor still fails: 100 ms to 150 ms.
+        let c = outcome(
+            &analyse(&fast(500, 100.0), &fast(200, 150.0), &t),
+            Check::Latency,
+        );
+        assert_eq!(c.outcome, Outcome::Fail, "{c}");
+        // And one above the ratio but under the floor does not: 4 ms to 8 ms.
+        let c = outcome(
+            &analyse(&fast(500, 4.0), &fast(200, 8.0), &t),
+            Check::Latency,
+        );
+        assert_eq!(c.outcome, Outcome::Pass, "{c}");
+    }
+
+    proptest::proptest! {
+        /// Whatever the windows, a canary whose median latency is less than
+        /// a millisecond above the stable one's never fails the check.
+        #[test]
+        fn sub_millisecond_differences_never_fail(
+            base in 0.01f64..2000.0,
+            diff in 0.0f64..0.999,
+            spread in 0.0f64..0.5,
+            ns in 30usize..3000,
+            nc in 30usize..3000,
+        ) {
+            let win = |n: usize, m: f64| -> Vec<Sample> {
+                (0..n)
+                    .map(|i| ok(m * (1.0 - spread + 2.0 * spread * (i as f64 + 0.5) / n as f64), 5, 20))
+                    .collect()
+            };
+            let c = outcome(
+                &analyse(&win(ns, base), &win(nc, base + diff), &Thresholds::default()),
+                Check::Latency,
+            );
+            proptest::prop_assert_ne!(c.outcome, Outcome::Fail, "{}", c);
+        }
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! written, every key optional and unknown keys rejected; `GatewayConfig`
 //! has every default filled in and every cross-reference checked.
 
+mod control;
+use control::{drift_config, model_registry, registry_config, rollout_config};
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -47,6 +49,8 @@ pub struct FileRegistry {
     pub public_key_file: Option<PathBuf>,
     pub write_key_file: Option<PathBuf>,
     pub rollout_state_file: Option<PathBuf>,
+    pub rollout_store: Option<RolloutStore>,
+    pub rollout_lease_ms: Option<u64>,
     pub drift_reference_requests: Option<usize>,
     pub drift_window_requests: Option<usize>,
 }
@@ -59,6 +63,7 @@ pub struct FileRollout {
     pub interval_s: Option<u64>,
     pub min_canary_samples: Option<u64>,
     pub max_intervals: Option<u32>,
+    pub latency_min_increase_ms: Option<f64>,
 }
 
 /// A registry-following model's drift reference and action.
@@ -71,6 +76,18 @@ pub struct FileModelDrift {
     pub psi_threshold: Option<f64>,
     pub consecutive: Option<u32>,
     pub interval_s: Option<u64>,
+}
+
+/// Where a gateway keeps its rollouts (`registry.rollout_store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutStore {
+    /// `registry.rollout_state_file`: one gateway's own rollouts.
+    File,
+    /// The Redis of `limits.redis_url`, shared by every replica: one
+    /// rollout per model for the whole fleet, driven by the replica that
+    /// holds its lease.
+    Redis,
 }
 
 /// What the gateway does when a stable version's drift lasts.
@@ -481,6 +498,13 @@ pub struct RegistryConfig {
     pub write_key_file: Option<PathBuf>,
     /// Where the rollouts' state is kept across restarts.
     pub rollout_state_file: PathBuf,
+    /// `file` (the state file, one gateway) or `redis` (shared by the
+    /// replicas through `limits.redis_url`).
+    pub rollout_store: RolloutStore,
+    /// With `redis`: how long a replica's lease on driving a rollout lasts
+    /// unless renewed (it renews every third of it): the longest a rollout
+    /// waits for another replica after its driver died.
+    pub rollout_lease_ms: u64,
     /// Output drift of a registry version: the first this many answers
     /// it serves are the reference...
     pub drift_reference_requests: usize,
@@ -499,6 +523,9 @@ pub struct RolloutConfig {
     pub min_canary_samples: u64,
     /// Intervals a step may lack its samples before the rollout pauses.
     pub max_intervals: u32,
+    /// The least increase of the canary's median latency, in
+    /// milliseconds, that fails the latency check (with its ratio).
+    pub latency_min_increase_ms: f64,
 }
 
 impl Default for RolloutConfig {
@@ -508,6 +535,18 @@ impl Default for RolloutConfig {
             interval_s: 60,
             min_canary_samples: 100,
             max_intervals: 20,
+            latency_min_increase_ms: keel_canary::analysis::Thresholds::default()
+                .latency_min_increase_ms,
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// The analysis thresholds of this model's rollouts.
+    pub fn thresholds(&self) -> keel_canary::analysis::Thresholds {
+        keel_canary::analysis::Thresholds {
+            latency_min_increase_ms: self.latency_min_increase_ms,
+            ..Default::default()
         }
     }
 }
@@ -1241,6 +1280,15 @@ impl GatewayConfig {
             Some(r) => Some(registry_config(r, &rel)?),
             None => None,
         };
+        if registry
+            .as_ref()
+            .is_some_and(|r| r.rollout_store == RolloutStore::Redis)
+            && limits.redis_url.is_none()
+        {
+            return Err(GatewayError::Config(
+                "registry.rollout_store = \"redis\" keeps the rollouts in the Redis the replicas share: set limits.redis_url".into(),
+            ));
+        }
         Ok(Self {
             server,
             admin,
@@ -1270,234 +1318,6 @@ impl GatewayConfig {
             .flat_map(|m| &m.deployments)
             .any(|d| d.url.starts_with("https://"))
     }
-}
-
-/// A model's `registry` key: the aliases it follows, and the template of
-/// its versions' deployments (the first deployment of the file, else one
-/// named `registry` with the defaults; its URL is replaced by each
-/// version's `keel.backend` tag before anything is routed).
-fn model_registry(
-    model: &str,
-    r: FileModelRegistry,
-    have_registry: bool,
-    mirror: bool,
-    deployments: &mut Vec<DeploymentConfig>,
-    protocol: Protocol,
-) -> Result<ModelRegistryConfig, GatewayError> {
-    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: {m}")));
-    if !have_registry {
-        return bad("it follows a registry model but there is no [registry] section".into());
-    }
-    if mirror {
-        return bad("a model that follows the registry cannot mirror a deployment".into());
-    }
-    if r.model.trim().is_empty() {
-        return bad("registry.model is empty".into());
-    }
-    let stable = r.stable.unwrap_or_else(|| "production".into());
-    if r.canary.as_deref() == Some(stable.as_str()) {
-        return bad(format!(
-            "registry.canary and registry.stable are both {stable:?}"
-        ));
-    }
-    deployments.truncate(1);
-    if deployments.is_empty() {
-        deployments.push(DeploymentConfig {
-            name: "registry".into(),
-            url: "http://registry.invalid".into(),
-            weight: 1,
-            model: model.into(),
-            health_path: match protocol {
-                Protocol::Openai => "/health",
-                Protocol::Oip => "/v2/health/ready",
-            }
-            .into(),
-        });
-    }
-    let require_signature = r.require_signature.unwrap_or(false);
-    let allowed_backends: Vec<String> = r
-        .allowed_backends
-        .unwrap_or_default()
-        .into_iter()
-        .map(|b| b.trim().trim_end_matches('/').to_owned())
-        .collect();
-    for b in &allowed_backends {
-        let ok = (b.starts_with("http://") || b.starts_with("https://"))
-            && b.parse::<http::Uri>().is_ok_and(|u| u.host().is_some());
-        if !ok {
-            return Err(GatewayError::Config(format!(
-                "model {model:?}: registry.allowed_backends entry {:?} is not an http:// or https:// URL",
-                b.chars().take(200).collect::<String>()
-            )));
-        }
-    }
-    if require_signature && allowed_backends.is_empty() {
-        return Err(GatewayError::Config(format!(
-            "model {model:?}: registry.require_signature needs registry.allowed_backends, the backends its versions may be served from: the signature covers the files, the backend tag is the registry's to change"
-        )));
-    }
-    Ok(ModelRegistryConfig {
-        model: r.model,
-        stable,
-        canary: r.canary,
-        require_signature,
-        allowed_backends,
-    })
-}
-
-fn registry_config(
-    r: FileRegistry,
-    rel: &impl Fn(PathBuf) -> PathBuf,
-) -> Result<RegistryConfig, GatewayError> {
-    let url = r.url.trim_end_matches('/').to_owned();
-    let host = url
-        .strip_prefix("http://")
-        .or_else(|| url.strip_prefix("https://"));
-    if host.is_none_or(str::is_empty) {
-        return Err(GatewayError::Config(format!(
-            "registry.url {:?} must be http://host:port or https://host:port",
-            r.url.chars().take(200).collect::<String>()
-        )));
-    }
-    if r.ca_file.is_some() && !url.starts_with("https://") {
-        return Err(GatewayError::Config(
-            "registry.ca_file is for an https:// registry.url".into(),
-        ));
-    }
-    let poll_ms = r.poll_ms.unwrap_or(1000);
-    if !(100..=60_000).contains(&poll_ms) {
-        return Err(GatewayError::Config(format!(
-            "registry.poll_ms {poll_ms} must be within 100..60000"
-        )));
-    }
-    Ok(RegistryConfig {
-        url,
-        key_file: rel(r.key_file),
-        ca_file: r.ca_file.map(rel),
-        poll_ms,
-        public_key_file: r.public_key_file.map(rel),
-        write_key_file: r.write_key_file.map(rel),
-        rollout_state_file: rel(r
-            .rollout_state_file
-            .unwrap_or_else(|| PathBuf::from("rollouts.json"))),
-        drift_reference_requests: drift_size(
-            "drift_reference_requests",
-            r.drift_reference_requests,
-        )?,
-        drift_window_requests: drift_size("drift_window_requests", r.drift_window_requests)?,
-    })
-}
-
-fn drift_size(key: &str, v: Option<usize>) -> Result<usize, GatewayError> {
-    let v = v.unwrap_or(1000);
-    if !(10..=1_000_000).contains(&v) {
-        return Err(GatewayError::Config(format!(
-            "registry.{key} {v} must be within 10..1000000"
-        )));
-    }
-    Ok(v)
-}
-
-fn drift_config(
-    model: &str,
-    d: FileModelDrift,
-    rel: &impl Fn(PathBuf) -> PathBuf,
-    have_write_key: bool,
-) -> Result<DriftConfig, GatewayError> {
-    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: drift.{m}")));
-    let def = DriftConfig::default();
-    let action = d.action.unwrap_or(def.action);
-    match (action, d.fallback_version) {
-        (DriftAction::Fallback, None) => {
-            return bad("action = \"fallback\" needs fallback_version, the registry version the stable alias moves to".into())
-        }
-        (DriftAction::Notify, Some(_)) => {
-            return bad("fallback_version is used only with action = \"fallback\"".into())
-        }
-        (DriftAction::Fallback, Some(_)) if !have_write_key => {
-            return bad("action = \"fallback\" moves the stable alias and needs registry.write_key_file (a registry key with write rights)".into())
-        }
-        _ => {}
-    }
-    let psi_threshold = d.psi_threshold.unwrap_or(def.psi_threshold);
-    if !(psi_threshold > 0.0 && psi_threshold <= 100.0) {
-        return bad(format!(
-            "psi_threshold {psi_threshold} must be above 0 and at most 100"
-        ));
-    }
-    let consecutive = d.consecutive.unwrap_or(def.consecutive);
-    if !(1..=1000).contains(&consecutive) {
-        return bad(format!("consecutive {consecutive} must be within 1..1000"));
-    }
-    let interval_s = d.interval_s.unwrap_or(def.interval_s);
-    if !(1..=86_400).contains(&interval_s) {
-        return bad(format!("interval_s {interval_s} must be within 1..86400"));
-    }
-    let baseline_file = d.baseline_file.map(rel);
-    let baseline = match &baseline_file {
-        Some(p) => Some(std::sync::Arc::new(
-            crate::drift_baseline::Baseline::read(p, model).map_err(|e| {
-                let mut msg = format!("model {model:?}: drift.baseline_file: {e}");
-                let mut src = std::error::Error::source(&e);
-                while let Some(s) = src {
-                    msg.push_str(&format!(": {s}"));
-                    src = s.source();
-                }
-                GatewayError::Config(msg)
-            })?,
-        )),
-        None => None,
-    };
-    Ok(DriftConfig {
-        baseline_file,
-        action,
-        fallback_version: d.fallback_version,
-        psi_threshold,
-        consecutive,
-        interval_s,
-        baseline,
-    })
-}
-
-fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayError> {
-    let d = RolloutConfig::default();
-    let c = RolloutConfig {
-        steps: r.steps.unwrap_or(d.steps),
-        interval_s: r.interval_s.unwrap_or(d.interval_s),
-        min_canary_samples: r.min_canary_samples.unwrap_or(d.min_canary_samples),
-        max_intervals: r.max_intervals.unwrap_or(d.max_intervals),
-    };
-    let bad = |m: String| {
-        Err(GatewayError::Config(format!(
-            "model {model:?}: rollout.{m}"
-        )))
-    };
-    let rising = c.steps.windows(2).all(|w| w[0] < w[1]);
-    if c.steps.is_empty() || !rising || c.steps[0] == 0 || c.steps.iter().any(|&s| s > 100) {
-        return bad(format!(
-            "steps {:?} must be weights in percent rising strictly within 1..=100, e.g. [1, 5, 25, 50, 100]",
-            c.steps.iter().take(20).collect::<Vec<_>>()
-        ));
-    }
-    if !(1..=86_400).contains(&c.interval_s) {
-        return bad(format!(
-            "interval_s {} must be within 1..86400",
-            c.interval_s
-        ));
-    }
-    // Below the checks' own minimum a step could advance with checks that
-    // cannot judge its requests (issue: 0 passed, 7 inconclusive, promoted).
-    let least = keel_canary::analysis::Thresholds::default().largest_min_samples();
-    if c.min_canary_samples < least {
-        return bad(format!(
-            "min_canary_samples {} is below {least}, the sample size the canary checks need to decide (error rate, finish reason, empty answers, stream aborts): use at least {least}",
-            c.min_canary_samples
-        ));
-    }
-    if c.max_intervals == 0 {
-        return bad("max_intervals must be at least 1".into());
-    }
-    Ok(c)
 }
 
 #[cfg(test)]
@@ -1797,6 +1617,14 @@ url = "http://127.0.0.1:8002/prefix"
             (
                 "min_canary_samples = 49",
                 "min_canary_samples 49 is below 50",
+            ),
+            (
+                "latency_min_increase_ms = -1.0",
+                "rollout.latency_min_increase_ms -1 must be within 0..3600000",
+            ),
+            (
+                "latency_min_increase_ms = nan",
+                "latency_min_increase_ms NaN",
             ),
             ("bogus = 1", "bogus"),
         ] {

@@ -56,6 +56,16 @@ pub const FEATURES: [&str; 5] = [
     "prompt_tokens",
 ];
 
+/// The output features that clients and load control rather than the
+/// model: the prompt's length (the client's choice) and the latency (the
+/// load's). Their drift is reported with the OIP input features and never
+/// moves an alias: a client sending longer prompts, or a busy hour, would
+/// otherwise roll a healthy version back. Canary guidance prefers a
+/// concurrent baseline to such before/after comparisons (Kayenta,
+/// Spinnaker's best practices); the rollout's canary analysis compares
+/// latency against the stable version over the same period instead.
+pub const REPORTED_ONLY: [&str; 2] = ["latency_ms", "prompt_tokens"];
+
 /// Input features a model's version keeps at most (the first ones
 /// admitted, or a baseline's).
 pub const MAX_INPUT_FEATURES: usize = 32;
@@ -621,19 +631,21 @@ impl DriftBook {
         out
     }
 
-    /// One evaluation of the output features of `model`'s `version` (the
-    /// drift action's): the largest PSI of its output features with both
-    /// windows full, and which feature it is. Inconclusive when no such
-    /// feature is full, or when nothing was added to their current windows
-    /// since the previous evaluation (the same window is not counted
-    /// twice). Input features, which clients choose, are left out:
+    /// One evaluation of the output features of `model`'s `version` that
+    /// the model alone decides (the drift action's): the largest PSI of
+    /// those with both windows full, and which feature it is.
+    /// Inconclusive when no such feature is full, or when nothing was
+    /// added to their current windows since the previous evaluation (the
+    /// same window is not counted twice). The features that clients or
+    /// load move ([`REPORTED_ONLY`] and the OIP inputs) are left out:
     /// [`DriftBook::evaluate_inputs`].
     pub fn evaluate(&self, model: &str, version: &str) -> (Evaluation, Option<(String, f64)>) {
         self.evaluate_part(model, version, false)
     }
 
-    /// [`DriftBook::evaluate`] of the input features (reported, never
-    /// acted on).
+    /// [`DriftBook::evaluate`] of the features that clients or load move:
+    /// the OIP input features and [`REPORTED_ONLY`] (reported, never acted
+    /// on).
     pub fn evaluate_inputs(
         &self,
         model: &str,
@@ -652,10 +664,20 @@ impl DriftBook {
         let Some(w) = v.get_mut(model).and_then(|m| m.get_mut(version)) else {
             return (Evaluation::Inconclusive, None);
         };
+        let reported = |f: &Feature| REPORTED_ONLY.contains(&f.name.as_str());
         let part: Vec<&mut Feature> = if inputs {
-            w.inputs.iter_mut().collect()
+            w.outputs
+                .iter_mut()
+                .flatten()
+                .filter(|f| reported(f))
+                .chain(w.inputs.iter_mut())
+                .collect()
         } else {
-            w.outputs.iter_mut().flatten().collect()
+            w.outputs
+                .iter_mut()
+                .flatten()
+                .filter(|f| !reported(f))
+                .collect()
         };
         let fresh: u64 = part.iter().map(|f| f.fresh).sum();
         let worst = part
@@ -944,6 +966,45 @@ mod tests {
             stream_aborted: false,
             output_mean: None,
         }
+    }
+
+    #[test]
+    fn prompt_length_and_latency_shifts_are_reported_and_never_acted_on() {
+        let b = DriftBook::new(100, 50);
+        b.watch("chat", None);
+        let at = |latency: f64| Sample {
+            latency_ms: Some(latency),
+            ..s(20, 80, FinishReason::Stop)
+        };
+        for i in 0..100 {
+            b.record("chat", "v1", &at(10.0 + (i % 20) as f64), Some(30 + i % 10));
+        }
+        // Clients send prompts thirty times longer, under a load that makes
+        // every answer ten times slower; the answers themselves are the same.
+        for i in 0..50 {
+            b.record(
+                "chat",
+                "v1",
+                &at(100.0 + (i % 20) as f64 * 10.0),
+                Some(1000 + i % 10),
+            );
+        }
+        let shifted: Vec<_> = b
+            .measures()
+            .into_iter()
+            .filter(|m| m.3 > 1.0)
+            .map(|m| m.2)
+            .collect();
+        assert_eq!(shifted, vec!["latency_ms", "prompt_tokens"]);
+        // The acted-on evaluation sees no drift...
+        let (e, worst) = b.evaluate("chat", "v1");
+        assert!(matches!(e, Evaluation::Measured(p) if p < 0.1), "{e:?}");
+        let worst = worst.expect("measured").0;
+        assert!(!REPORTED_ONLY.contains(&worst.as_str()), "{worst}");
+        // ...the reported one does.
+        let (e, worst) = b.evaluate_inputs("chat", "v1");
+        assert!(matches!(e, Evaluation::Measured(p) if p > 1.0), "{e:?}");
+        assert!(REPORTED_ONLY.contains(&worst.expect("measured").0.as_str()));
     }
 
     #[test]
@@ -1255,10 +1316,21 @@ mod tests {
         assert!(name.starts_with("input.features."), "{name}");
         assert!(psi > 1.0, "{psi}");
         assert_eq!(e, Evaluation::Measured(psi));
-        // Each part's fresh observations are its own.
+        // Each part's fresh observations are its own: an answer's latency
+        // and prompt length belong to the reported part, inputs only to it.
         assert_eq!(b.evaluate("tab", "v1").0, Evaluation::Inconclusive);
+        b.record_inputs("tab", "v1", &tensor("features", 4, 2, 1000.0, 0));
+        assert_eq!(b.evaluate("tab", "v1").0, Evaluation::Inconclusive);
+        assert!(matches!(
+            b.evaluate_inputs("tab", "v1").0,
+            Evaluation::Measured(_)
+        ));
         b.record("tab", "v1", &steady, Some(30));
         assert!(matches!(b.evaluate("tab", "v1").0, Evaluation::Measured(_)));
+        assert!(matches!(
+            b.evaluate_inputs("tab", "v1").0,
+            Evaluation::Measured(_)
+        ));
         assert_eq!(b.evaluate_inputs("tab", "v1").0, Evaluation::Inconclusive);
     }
 }

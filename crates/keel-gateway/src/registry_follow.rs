@@ -23,7 +23,7 @@
 // size does not matter.
 #![allow(clippy::result_large_err)]
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +40,11 @@ pub struct Follow {
     /// The canary's share of traffic in percent (0 to 100), read at every
     /// poll: a rollout moves it.
     pub canary_percent: Arc<AtomicU32>,
+    /// The stable version of the routing this gateway serves now (0 until
+    /// the follower applied one): replicas sharing a rollout return the
+    /// canary's share to 0 after a promotion only once they route the
+    /// stable alias to the promoted version.
+    pub applied_stable: Arc<AtomicU64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +89,7 @@ pub fn follows(cfg: &GatewayConfig) -> Vec<Follow> {
                     allowed_backends: r.allowed_backends.clone(),
                 },
                 canary_percent: Arc::new(AtomicU32::new(0)),
+                applied_stable: Arc::new(AtomicU64::new(0)),
             })
         })
         .collect()
@@ -196,6 +202,7 @@ impl Reroute {
                 model: m.clone(),
                 source: s.clone(),
                 canary_percent: Arc::new(AtomicU32::new(0)),
+                applied_stable: Arc::new(AtomicU64::new(0)),
             })
             .collect();
         let routed = routed(&cfg, &fs, &g.1)?;
@@ -222,6 +229,7 @@ impl Follower {
                     registry_model: f.source.model.clone(),
                     source,
                 })?;
+            f.applied_stable.store(r.stable.version, Ordering::SeqCst);
             last.push((r, f.canary_percent.load(Ordering::Relaxed).min(100)));
         }
         let cfg = routed(&base, &follows, &last)?;
@@ -323,6 +331,7 @@ impl Follower {
             return Poll::Kept(e.to_string());
         }
         for (f, (r, p)) in self.follows.iter().zip(&next) {
+            f.applied_stable.store(r.stable.version, Ordering::SeqCst);
             tracing::info!(
                 model = %f.model,
                 stable = r.stable.version,

@@ -62,6 +62,8 @@
 // Errors are returned per admin call: their size does not matter.
 #![allow(clippy::result_large_err)]
 
+mod shared;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -127,6 +129,10 @@ pub enum RolloutError {
     AliasChangeOwed { model: String, id: String },
     #[error("model {model:?} has no rollout")]
     NoRollout { model: String },
+    #[error("the rollouts' Redis (registry.rollout_store = \"redis\") cannot be used: {reason}")]
+    Store { reason: String },
+    #[error("model {model:?}: the rollout changed on another replica meanwhile; nothing was changed here: look at its status and try again")]
+    Changed { model: String },
     #[error("rollout {id}")]
     State {
         id: String,
@@ -149,6 +155,7 @@ impl RolloutError {
             } => 502,
             RolloutError::WriteRefused { .. } => 403,
             RolloutError::StateRead(_) | RolloutError::NotRecorded { .. } => 500,
+            RolloutError::Store { .. } => 503,
             _ => 409,
         }
     }
@@ -184,6 +191,8 @@ struct Inner {
     /// The state file's lock, held while the gateway runs: one gateway
     /// keeps a state file.
     _state_lock: Option<keel_fs::Lock>,
+    /// `registry.rollout_store = "redis"`: the rollouts are the fleet's.
+    shared: Option<shared::Shared>,
 }
 
 /// One rollout and what it needs to act.
@@ -207,6 +216,11 @@ struct Run {
     /// An abort or promotion whose alias change the registry has not
     /// answered yet.
     registry_pending: bool,
+    /// When it ended (gateway clock, ms).
+    ended_ms: Option<u64>,
+    /// The revision of the shared record this run was read at (0 with a
+    /// state file).
+    rev: u64,
 }
 
 /// `registry.rollout_state_file`.
@@ -233,6 +247,10 @@ struct Record {
     steps: Vec<u32>,
     min_canary_samples: u64,
     max_intervals: u32,
+    /// The latency check's absolute floor (absent in files written before
+    /// it existed: the default).
+    #[serde(default = "default_latency_floor")]
+    latency_min_increase_ms: f64,
     phase: Phase,
     step: usize,
     /// The canary's weight when written (for a reader; derived from the
@@ -244,9 +262,15 @@ struct Record {
     registry: Option<Value>,
     end_reason: Option<String>,
     registry_pending: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ended_ms: Option<u64>,
 }
 
 const STATE_VERSION: u32 = 1;
+
+fn default_latency_floor() -> f64 {
+    Thresholds::default().latency_min_increase_ms
+}
 
 fn record(r: &Run) -> Record {
     Record {
@@ -262,6 +286,7 @@ fn record(r: &Run) -> Record {
         steps: r.rollout.plan.steps.clone(),
         min_canary_samples: r.rollout.plan.policy.min_canary_samples,
         max_intervals: r.rollout.plan.policy.max_intervals,
+        latency_min_increase_ms: r.rollout.plan.thresholds.latency_min_increase_ms,
         phase: r.rollout.phase,
         step: r.rollout.step,
         weight: r.rollout.weight(),
@@ -270,6 +295,7 @@ fn record(r: &Run) -> Record {
         registry: r.registry.clone(),
         end_reason: r.end_reason.clone(),
         registry_pending: r.registry_pending,
+        ended_ms: r.ended_ms,
     }
 }
 
@@ -291,50 +317,68 @@ fn load(path: &std::path::Path) -> Result<HashMap<String, Arc<Mutex<Run>>>, Roll
     }
     let mut runs = HashMap::new();
     for rec in doc.rollouts {
-        let plan = Plan {
-            steps: rec.steps,
-            thresholds: Thresholds::default(),
-            policy: StepPolicy {
-                min_canary_samples: rec.min_canary_samples,
-                max_intervals: rec.max_intervals,
-            },
-        };
-        if rec.interval_s == 0 {
-            return Err(corrupt(format!("rollout {}: interval_s is 0", rec.id)));
-        }
-        let rollout = Rollout::restore(
-            rec.id.clone(),
-            plan,
-            rec.phase,
-            rec.step,
-            rec.verdicts,
-            rec.earlier,
-        )
-        .map_err(|e| corrupt(format!("rollout {}: {e}", rec.id)))?;
-        let run = Run {
-            rollout,
-            model: rec.model.clone(),
-            registry_model: rec.registry_model,
-            stable_alias: rec.stable_alias,
-            canary_alias: rec.canary_alias,
-            stable_version: rec.stable_version,
-            canary_version: rec.canary_version,
-            interval_s: rec.interval_s,
-            stable: Vec::new(),
-            canary: Vec::new(),
-            registry: rec.registry,
-            started: rec.started,
-            end_reason: rec.end_reason,
-            registry_pending: rec.registry_pending,
-        };
+        let model = rec.model.clone();
+        let run = run_from_record(rec).map_err(corrupt)?;
         if runs
-            .insert(rec.model.clone(), Arc::new(Mutex::new(run)))
+            .insert(model.clone(), Arc::new(Mutex::new(run)))
             .is_some()
         {
-            return Err(corrupt(format!("model {:?} has two rollouts", rec.model)));
+            return Err(corrupt(format!("model {model:?} has two rollouts")));
         }
     }
     Ok(runs)
+}
+
+/// A run from its record (a state file's entry, or the shared record);
+/// an error says what is wrong with it.
+fn run_from_record(rec: Record) -> Result<Run, String> {
+    if rec.interval_s == 0 {
+        return Err(format!("rollout {}: interval_s is 0", rec.id));
+    }
+    if !(rec.latency_min_increase_ms >= 0.0 && rec.latency_min_increase_ms.is_finite()) {
+        return Err(format!(
+            "rollout {}: latency_min_increase_ms {} is not a duration",
+            rec.id, rec.latency_min_increase_ms
+        ));
+    }
+    let plan = Plan {
+        steps: rec.steps,
+        thresholds: Thresholds {
+            latency_min_increase_ms: rec.latency_min_increase_ms,
+            ..Thresholds::default()
+        },
+        policy: StepPolicy {
+            min_canary_samples: rec.min_canary_samples,
+            max_intervals: rec.max_intervals,
+        },
+    };
+    let rollout = Rollout::restore(
+        rec.id.clone(),
+        plan,
+        rec.phase,
+        rec.step,
+        rec.verdicts,
+        rec.earlier,
+    )
+    .map_err(|e| format!("rollout {}: {e}", rec.id))?;
+    Ok(Run {
+        rollout,
+        model: rec.model,
+        registry_model: rec.registry_model,
+        stable_alias: rec.stable_alias,
+        canary_alias: rec.canary_alias,
+        stable_version: rec.stable_version,
+        canary_version: rec.canary_version,
+        interval_s: rec.interval_s,
+        stable: Vec::new(),
+        canary: Vec::new(),
+        registry: rec.registry,
+        started: rec.started,
+        end_reason: rec.end_reason,
+        registry_pending: rec.registry_pending,
+        ended_ms: rec.ended_ms,
+        rev: 0,
+    })
 }
 
 /// Notes the end an action brings: its reason, and the alias change owed.
@@ -355,19 +399,35 @@ impl Rollouts {
     /// once. The rollouts recorded in `registry.rollout_state_file` are
     /// read back (see [`Rollouts::recover`]); a file that cannot be read
     /// or parsed is an error naming it.
+    ///
+    /// With `registry.rollout_store = "redis"` nothing is read at start:
+    /// the rollouts are the records the replicas share in the Redis of
+    /// `limits.redis_url`, and `replica` names this gateway in their
+    /// leases (see the `shared` module).
     pub fn new(
         cfg: &crate::GatewayConfig,
         follows: Vec<Follow>,
         reader: RegistryClient,
         writer: Option<RegistryClient>,
         wake: Arc<tokio::sync::Notify>,
+        replica: &str,
     ) -> Result<Self, RolloutError> {
         let configs = cfg
             .models
             .iter()
             .map(|m| (m.name.clone(), m.rollout.clone()))
             .collect();
-        let state_path = cfg.registry.as_ref().map(|r| r.rollout_state_file.clone());
+        let shared = match (&cfg.registry, &cfg.limits.redis_url) {
+            (Some(r), Some(url)) if r.rollout_store == crate::config::RolloutStore::Redis => {
+                Some(shared::Shared::new(url, replica, r.rollout_lease_ms)?)
+            }
+            _ => None,
+        };
+        let state_path = cfg
+            .registry
+            .as_ref()
+            .filter(|_| shared.is_none())
+            .map(|r| r.rollout_state_file.clone());
         // A lock that cannot be created (no such directory, no write
         // rights there) leaves a state file that cannot be written either:
         // `start` refuses rollouts then, so none is kept twice.
@@ -397,13 +457,22 @@ impl Rollouts {
             state_path,
             save_lock: Mutex::new(()),
             _state_lock: state_lock,
+            shared,
         })))
     }
 
     /// Takes up the rollouts read at start: those in progress or paused
     /// continue once the registry confirms their aliases (or stop if the
     /// aliases changed), and ended ones owing an alias change make it.
+    ///
+    /// With a shared store, starts the replica's loop instead: it applies
+    /// the fleet's rollouts' weights, pools this replica's samples and
+    /// takes over a rollout whose driver is gone.
     pub fn recover(&self, gw: &Gateway) {
+        if self.shared().is_some() {
+            tokio::spawn(self.clone().sync(gw.clone()));
+            return;
+        }
         let runs: Vec<_> = lock(&self.0.runs).values().cloned().collect();
         for run in runs {
             let due = {
@@ -419,17 +488,7 @@ impl Rollouts {
     }
 
     async fn recover_one(self, gw: Gateway, run: Arc<Mutex<Run>>) {
-        let (model, registry_model, stable_alias, canary_alias, stable_version, canary_version) = {
-            let r = lock(&run);
-            (
-                r.model.clone(),
-                r.registry_model.clone(),
-                r.stable_alias.clone(),
-                r.canary_alias.clone(),
-                r.stable_version,
-                r.canary_version,
-            )
-        };
+        let model = lock(&run).model.clone();
         let pending = {
             let r = lock(&run);
             match (r.registry_pending, r.rollout.phase, &r.end_reason) {
@@ -447,64 +506,7 @@ impl Rollouts {
             self.act(&gw, &run, action).await;
             return;
         }
-        let every = Duration::from_secs(lock(&run).interval_s.clamp(1, 5));
-        let mut warned = false;
-        let checked: Result<(), String> = loop {
-            let follow = match self.follow(&model) {
-                Ok(f) => f.clone(),
-                Err(_) => break Err(format!("model {model:?} no longer follows the registry")),
-            };
-            let src = &follow.source;
-            if src.model != registry_model
-                || src.stable_alias != stable_alias
-                || src.canary_alias.as_deref() != Some(canary_alias.as_str())
-            {
-                break Err(format!(
-                    "the configuration changed: model {model:?} now follows {:?} with aliases {:?} and {:?}, the rollout {registry_model:?} with {stable_alias:?} and {canary_alias:?}",
-                    src.model, src.stable_alias, src.canary_alias
-                ));
-            }
-            match self.0.reader.resolve(src).await {
-                Ok(routing) => {
-                    if routing.stable.version != stable_version {
-                        break Err(format!(
-                            "the registry's aliases changed while the gateway was down: {stable_alias:?} names version {}, not {stable_version}",
-                            routing.stable.version
-                        ));
-                    }
-                    match routing.canary.map(|c| c.version) {
-                        None => {
-                            break Err(format!(
-                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} was deleted"
-                            ))
-                        }
-                        Some(v) if v != canary_version => {
-                            break Err(format!(
-                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} names version {v}, not {canary_version}"
-                            ))
-                        }
-                        Some(_) => break Ok(()),
-                    }
-                }
-                Err(
-                    e @ (RegistrySourceError::Unreachable { .. }
-                    | RegistrySourceError::Timeout { .. }
-                    | RegistrySourceError::Status { .. }),
-                ) => {
-                    if !warned {
-                        tracing::warn!(model = %model, error = %chain(&e), "a rollout waits for the registry to confirm its aliases before it continues");
-                        warned = true;
-                    }
-                    tokio::time::sleep(every).await;
-                }
-                Err(e) => {
-                    break Err(format!(
-                        "the registry refuses the rollout's versions: {}",
-                        chain(&e)
-                    ))
-                }
-            }
-        };
+        let checked = self.check_aliases(&run).await;
         match checked {
             Ok(()) => {
                 let weight = {
@@ -550,6 +552,82 @@ impl Rollouts {
                 gw.samples().unwatch(&model);
                 self.save();
                 tracing::warn!(model = %model, %reason, "rollout stopped after a restart");
+            }
+        }
+    }
+
+    /// Whether the registry's aliases still name the rollout's versions
+    /// and the configuration still follows its registry model and aliases
+    /// (asked again while the registry cannot be reached); the reason to
+    /// stop it when not.
+    async fn check_aliases(&self, run: &Arc<Mutex<Run>>) -> Result<(), String> {
+        let (model, registry_model, stable_alias, canary_alias, stable_version, canary_version) = {
+            let r = lock(run);
+            (
+                r.model.clone(),
+                r.registry_model.clone(),
+                r.stable_alias.clone(),
+                r.canary_alias.clone(),
+                r.stable_version,
+                r.canary_version,
+            )
+        };
+        let every = Duration::from_secs(lock(run).interval_s.clamp(1, 5));
+        let mut warned = false;
+        loop {
+            let follow = match self.follow(&model) {
+                Ok(f) => f.clone(),
+                Err(_) => return Err(format!("model {model:?} no longer follows the registry")),
+            };
+            let src = &follow.source;
+            if src.model != registry_model
+                || src.stable_alias != stable_alias
+                || src.canary_alias.as_deref() != Some(canary_alias.as_str())
+            {
+                return Err(format!(
+                    "the configuration changed: model {model:?} now follows {:?} with aliases {:?} and {:?}, the rollout {registry_model:?} with {stable_alias:?} and {canary_alias:?}",
+                    src.model, src.stable_alias, src.canary_alias
+                ));
+            }
+            match self.0.reader.resolve(src).await {
+                Ok(routing) => {
+                    if routing.stable.version != stable_version {
+                        return Err(format!(
+                            "the registry's aliases changed while the gateway was down: {stable_alias:?} names version {}, not {stable_version}",
+                            routing.stable.version
+                        ));
+                    }
+                    match routing.canary.map(|c| c.version) {
+                        None => {
+                            return Err(format!(
+                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} was deleted"
+                            ))
+                        }
+                        Some(v) if v != canary_version => {
+                            return Err(format!(
+                                "the registry's aliases changed while the gateway was down: the canary alias {canary_alias:?} names version {v}, not {canary_version}"
+                            ))
+                        }
+                        Some(_) => return Ok(()),
+                    }
+                }
+                Err(
+                    e @ (RegistrySourceError::Unreachable { .. }
+                    | RegistrySourceError::Timeout { .. }
+                    | RegistrySourceError::Status { .. }),
+                ) => {
+                    if !warned {
+                        tracing::warn!(model = %model, error = %chain(&e), "a rollout waits for the registry to confirm its aliases before it continues");
+                        warned = true;
+                    }
+                    tokio::time::sleep(every).await;
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "the registry refuses the rollout's versions: {}",
+                        chain(&e)
+                    ))
+                }
             }
         }
     }
@@ -602,6 +680,7 @@ impl Rollouts {
     /// Starts a rollout of `model`'s canary, or resumes a paused one.
     pub async fn start(&self, gw: &Gateway, model: &str) -> Result<Value, RolloutError> {
         let follow = self.follow(model)?.clone();
+        self.pull(model).await?;
         if let Ok(run) = self.run(model) {
             let resumed = {
                 let mut r = lock(&run);
@@ -631,9 +710,15 @@ impl Rollouts {
                 }
             };
             if let Some(action) = resumed {
-                self.save();
+                if self.shared().is_some() {
+                    self.commit(&run).await?;
+                    self.try_drive(gw, model).await;
+                } else {
+                    self.save();
+                }
                 self.act(gw, &run, action).await;
-                let s = status(&lock(&run));
+                let mut s = status(&lock(&run));
+                self.shared_status(&run, &mut s).await;
                 return Ok(s);
             }
         }
@@ -691,13 +776,21 @@ impl Rollouts {
         let cfg = self.0.configs.get(model).cloned().unwrap_or_default();
         let plan = Plan {
             steps: cfg.steps.clone(),
-            thresholds: Thresholds::default(),
+            thresholds: cfg.thresholds(),
             policy: StepPolicy {
                 min_canary_samples: cfg.min_canary_samples,
                 max_intervals: cfg.max_intervals,
             },
         };
         let now = gw.now_ms();
+        // With a shared store the record's next revision numbers it: only
+        // one replica can write that revision.
+        let prev_rev = self.run(model).map(|r| lock(&r).rev).unwrap_or(0);
+        let n = if self.shared().is_some() {
+            prev_rev + 1
+        } else {
+            self.0.seq.fetch_add(1, Ordering::Relaxed) + 1
+        };
         let id = format!(
             "ro-{}-{}",
             crate::clock::rfc3339(now)
@@ -706,7 +799,7 @@ impl Rollouts {
                 .split('.')
                 .next()
                 .unwrap_or_default(),
-            self.0.seq.fetch_add(1, Ordering::Relaxed) + 1
+            n
         );
         let (rollout, action) =
             Rollout::start(id.clone(), plan).map_err(|source| RolloutError::State {
@@ -728,6 +821,8 @@ impl Rollouts {
             started: crate::clock::rfc3339(now),
             end_reason: None,
             registry_pending: false,
+            ended_ms: None,
+            rev: prev_rev,
         }));
         let before = {
             let mut runs = lock(&self.0.runs);
@@ -744,7 +839,16 @@ impl Rollouts {
         };
         // Recorded before any weight changes: a rollout whose state cannot
         // be kept does not start.
-        if let Err(source) = self.try_save() {
+        if self.shared().is_some() {
+            if let Err(e) = self.commit(&run).await {
+                let mut runs = lock(&self.0.runs);
+                match before {
+                    Some(b) => runs.insert(model.to_owned(), b),
+                    None => runs.remove(model),
+                };
+                return Err(e);
+            }
+        } else if let Err(source) = self.try_save() {
             let mut runs = lock(&self.0.runs);
             match before {
                 Some(b) => runs.insert(model.to_owned(), b),
@@ -763,34 +867,55 @@ impl Rollouts {
             m.insert("interval_s".into(), cfg.interval_s.into());
             audit(gw, "rollout_start", &r, m);
         }
+        if let Some(sh) = self.shared() {
+            let step = lock(&run).rollout.step;
+            lock(&sh.applied).insert(model.to_owned(), (id.clone(), step));
+        }
         self.act(gw, &run, action).await;
-        let me = self.clone();
-        let gw2 = gw.clone();
-        let run2 = run.clone();
-        tokio::spawn(async move { me.drive(gw2, run2).await });
-        let s = status(&lock(&run));
+        if self.shared().is_some() {
+            // The replica that started it drives it while it can.
+            self.try_drive(gw, model).await;
+        } else {
+            let me = self.clone();
+            let gw2 = gw.clone();
+            let run2 = run.clone();
+            tokio::spawn(async move { me.drive(gw2, run2).await });
+        }
+        let mut s = status(&lock(&run));
+        self.shared_status(&run, &mut s).await;
         Ok(s)
     }
 
     /// An operator's pause: the weight stays, the analysis stops.
-    pub fn pause(&self, gw: &Gateway, model: &str) -> Result<Value, RolloutError> {
+    pub async fn pause(&self, gw: &Gateway, model: &str) -> Result<Value, RolloutError> {
+        self.follow(model)?;
+        self.pull(model).await?;
         let run = self.run(model)?;
-        let mut r = lock(&run);
-        let id = r.rollout.id.clone();
-        r.rollout
-            .pause()
-            .map_err(|source| RolloutError::State { id, source })?;
+        {
+            let mut r = lock(&run);
+            let id = r.rollout.id.clone();
+            r.rollout
+                .pause()
+                .map_err(|source| RolloutError::State { id, source })?;
+        }
+        if self.shared().is_some() {
+            self.commit(&run).await?;
+        } else {
+            self.save();
+        }
+        let r = lock(&run);
         let mut m = Map::new();
         m.insert("reason".into(), "paused by an operator".into());
         audit(gw, "rollout_pause", &r, m);
         let s = status(&r);
         drop(r);
-        self.save();
         Ok(s)
     }
 
     /// An operator's abort: canary weight 0, canary alias deleted.
     pub async fn abort(&self, gw: &Gateway, model: &str) -> Result<Value, RolloutError> {
+        self.follow(model)?;
+        self.pull(model).await?;
         let run = self.run(model)?;
         let action = {
             let mut r = lock(&run);
@@ -800,19 +925,29 @@ impl Rollouts {
                 .abort("the canary alias is rolled back")
                 .map_err(|source| RolloutError::State { id, source })?;
             note_end(&mut r, &action);
+            r.ended_ms = Some(gw.now_ms());
             action
         };
-        self.save();
+        if self.shared().is_some() {
+            self.commit(&run).await?;
+        } else {
+            self.save();
+        }
         self.act(gw, &run, action).await;
-        let s = status(&lock(&run));
+        let mut s = status(&lock(&run));
+        self.shared_status(&run, &mut s).await;
         Ok(s)
     }
 
-    /// The model's last rollout: phase, weight and every verdict.
-    pub fn status(&self, model: &str) -> Result<Value, RolloutError> {
+    /// The model's last rollout: phase, weight and every verdict; with a
+    /// shared store also the replica driving it (`driver`) and the step's
+    /// samples pooled from every replica.
+    pub async fn status(&self, model: &str) -> Result<Value, RolloutError> {
         self.follow(model)?;
+        self.pull(model).await?;
         let run = self.run(model)?;
-        let s = status(&lock(&run));
+        let mut s = status(&lock(&run));
+        self.shared_status(&run, &mut s).await;
         Ok(s)
     }
 
@@ -894,7 +1029,11 @@ impl Rollouts {
                 let mut r = lock(run);
                 r.stable.clear();
                 r.canary.clear();
-                gw.samples().take(&r.model);
+                // With a shared store the replica's samples are pooled
+                // under the step they were served at.
+                if self.shared().is_none() {
+                    gw.samples().take(&r.model);
+                }
                 let mut m = Map::new();
                 m.insert("from".into(), from.into());
                 m.insert("weight".into(), weight.into());
@@ -944,7 +1083,8 @@ impl Rollouts {
     /// (the change stays owed in the state file, so a restarted gateway
     /// makes it too). A refusal (4xx) is final and recorded.
     async fn change_alias(&self, gw: &Gateway, run: &Arc<Mutex<Run>>, action: Action) {
-        if self.try_change_alias(gw, run, &action).await {
+        // With a shared store the replica holding the lease sends it again.
+        if self.try_change_alias(gw, run, &action).await || self.shared().is_some() {
             return;
         }
         let me = self.clone();
@@ -995,6 +1135,32 @@ impl Rollouts {
         };
         let ok = res.is_ok();
         let done = self.registry_result(gw, run, event, reason, res);
+        if self.shared().is_some() {
+            // Every replica returns the canary share to 0 once it routes
+            // the moved stable alias. The answer is recorded on the newest
+            // record, whoever changed it meanwhile.
+            let (registry, pending, model) = {
+                let r = lock(run);
+                (r.registry.clone(), r.registry_pending, r.model.clone())
+            };
+            for _ in 0..5 {
+                match self.push(run, false).await {
+                    Ok(true) => break,
+                    Ok(false) => {
+                        if let Ok(Some(fresh)) = self.pull(&model).await {
+                            let mut r = lock(&fresh);
+                            r.registry = registry.clone();
+                            r.registry_pending = pending;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %chain(&e), "the registry's answer could not be recorded in Redis");
+                        break;
+                    }
+                }
+            }
+            return done;
+        }
         if ok && matches!(action, Action::Promote { .. }) {
             // The follower reads the moved stable alias first; the canary
             // share then returns to 0 so that the next canary starts from
@@ -1086,6 +1252,7 @@ fn status(r: &Run) -> Value {
         "weight": r.rollout.weight(),
         "steps": r.rollout.plan.steps,
         "interval_s": r.interval_s,
+        "store": "file",
         "samples": {"stable": r.stable.len(), "canary": r.canary.len()},
         "registry": r.registry,
         "reason": r.end_reason,

@@ -523,9 +523,9 @@ async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwB
         .into_response();
     };
     let res = match (method, action) {
-        (Method::GET, None) => r.status(&model),
+        (Method::GET, None) => r.status(&model).await,
         (Method::POST, Some("start")) => r.start(gw, &model).await,
-        (Method::POST, Some("pause")) => r.pause(gw, &model),
+        (Method::POST, Some("pause")) => r.pause(gw, &model).await,
         (Method::POST, Some("abort")) => r.abort(gw, &model).await,
         _ => {
             return ApiError::not_found(

@@ -537,13 +537,14 @@ fn reservations_bound_what_the_backend_generates_and_metadata_calls_count() {
 fn every_length_field_a_backend_reads_is_bound_by_the_reservation() {
     let dir = tempfile::tempdir().expect("tempdir");
     // Unbounded, each would generate 5000 tokens: llama.cpp's server reads
-    // n_predict (-1: no limit), then max_tokens, and ignores
-    // max_completion_tokens; a TGI-style one reads max_new_tokens first.
+    // n_predict (-1: no limit), then max_completion_tokens, then
+    // max_tokens (its aliases, in the order the real server has them); a
+    // TGI-style one reads max_new_tokens first.
     let llama = TestBackend::start(&[
         "--tokens",
         "5000",
         "--length-fields",
-        "n_predict,max_tokens",
+        "n_predict,max_completion_tokens,max_tokens",
     ]);
     let tgi = TestBackend::start(&[
         "--tokens",
@@ -573,7 +574,8 @@ fn every_length_field_a_backend_reads_is_bound_by_the_reservation() {
     };
     // No limit for llama.cpp: keel sends the 16 it reserved instead.
     assert_eq!(completion(send("chat", json!({"n_predict": -1}))), Some(16));
-    // A limit llama.cpp does not read: max_tokens goes with it.
+    // max_completion_tokens alone: read by llama.cpp, and max_tokens goes
+    // with it for servers that do not.
     assert_eq!(
         completion(send("chat", json!({"max_completion_tokens": 20}))),
         Some(20)

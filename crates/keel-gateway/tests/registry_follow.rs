@@ -151,6 +151,7 @@ fn the_gateway_follows_alias_changes_and_survives_the_registry_going_down() {
             allowed_backends: Vec::new(),
         },
         canary_percent: Arc::new(AtomicU32::new(0)),
+        applied_stable: Default::default(),
     };
     let registry_url = format!("http://{}", registry.addr);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -271,6 +272,7 @@ fn bad_input_at_start_is_an_error_not_a_fallback() {
                 allowed_backends: Vec::new(),
             },
             canary_percent: Arc::new(AtomicU32::new(0)),
+            applied_stable: Default::default(),
         };
         registry
             .rt

@@ -27,8 +27,11 @@
 //! (or `best_of`) choices, `max_tokens` being the larger of `max_tokens`
 //! and `max_completion_tokens`. With `--length-fields` it reads those
 //! fields instead, the first one present deciding, as llama.cpp's server
-//! reads `n_predict` and then `max_tokens` (`n_predict,max_tokens`): a
-//! negative value, or none of them, is no limit (`--tokens` a choice).
+//! reads `n_predict`, then `max_completion_tokens`, then `max_tokens`
+//! (`n_predict,max_completion_tokens,max_tokens`, the order of the real
+//! server's aliases, docs/serve.md "Tested against real servers"): -1, or
+//! none of them, is no limit (`--tokens` a choice), and a value below -1
+//! is refused with 400, as the real server refuses it.
 //! Mode `unavailable` answers 503 with `Retry-After: 120`, `ratelimit` 429
 //! with `Retry-After: 2`, `error` 500.
 //!
@@ -328,10 +331,21 @@ impl State {
                 .filter_map(|k| v.get(*k).and_then(Value::as_u64))
                 .max()
         } else {
-            self.length_fields
+            let first = self
+                .length_fields
                 .iter()
-                .find_map(|k| v.get(k).filter(|x| !x.is_null()))
-                .and_then(Value::as_u64)
+                .find_map(|k| v.get(k).filter(|x| !x.is_null()).map(|x| (k, x)));
+            // llama.cpp's hard limit on n_predict and its aliases: -1 to
+            // i32::MAX.
+            if let Some((k, x)) = first {
+                if x.as_i64().is_some_and(|n| n < -1) {
+                    return reply(
+                        StatusCode::BAD_REQUEST,
+                        json!({"error": {"code": 400, "type": "invalid_request_error", "message": format!("Field '{k}': Value must be between -1 <= value <= 2147483647, but got {x}")}}),
+                    );
+                }
+            }
+            first.and_then(|(_, x)| x.as_u64())
         };
         let per_choice = max.map_or(self.tokens.load(Ordering::Relaxed), |m| {
             m.min(self.tokens.load(Ordering::Relaxed))

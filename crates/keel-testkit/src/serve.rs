@@ -38,6 +38,42 @@ pub fn python() -> PathBuf {
     }
 }
 
+/// The variable naming the running real llama.cpp server
+/// (`scripts/services/llama-server start`).
+pub const LLAMA_VAR: &str = "KEEL_TEST_LLAMA_SERVER_URL";
+/// The variable naming the running MLServer (`scripts/services/oip-server
+/// start`).
+pub const OIP_VAR: &str = "KEEL_TEST_OIP_URL";
+
+fn service_var(var: &str, script: &str) -> String {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => v,
+        _ => panic!(
+            "{var} is not set; run `eval \"$(scripts/services/{script} start)\"` first, \
+             or run everything with scripts/test"
+        ),
+    }
+}
+
+/// The real llama.cpp server's URL (`http://127.0.0.1:PORT`), or a panic
+/// saying how to start it.
+pub fn llama_server_url() -> String {
+    service_var(LLAMA_VAR, "llama-server")
+}
+
+/// The llama.cpp build the server reports (`KEEL_TEST_LLAMA_VERSION`).
+pub fn llama_server_version() -> String {
+    std::env::var("KEEL_TEST_LLAMA_VERSION").unwrap_or_default()
+}
+
+/// The real OIP v2 server's URL (MLServer) and the model it serves, or a
+/// panic saying how to start it.
+pub fn oip_server() -> (String, String) {
+    let url = service_var(OIP_VAR, "oip-server");
+    let model = std::env::var("KEEL_TEST_OIP_MODEL").unwrap_or_else(|_| "iris".into());
+    (url, model)
+}
+
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }

@@ -984,7 +984,7 @@ mod tests {
             .keys()
             .cloned()
             .collect();
-        assert_eq!(keys.len(), 15);
+        assert_eq!(keys.len(), 19);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

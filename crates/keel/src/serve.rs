@@ -640,6 +640,18 @@ fn rollout_text(d: &serde_json::Value) -> String {
         s("/steps"),
         s("/interval_s"),
     );
+    // Shared by replicas: which one drives it (none while a lease lapses
+    // after its driver died).
+    if d.get("store").and_then(|v| v.as_str()) == Some("redis") {
+        text.push_str(&format!(
+            "driver    {} (shared in Redis)
+",
+            match d.get("driver").and_then(|v| v.as_str()) {
+                Some(r) => r.to_owned(),
+                None => "none: the next replica to take the lease drives it".into(),
+            }
+        ));
+    }
     // A rollout that ended without an alias change (stopped after a
     // restart): why.
     if let (Some(reason), None) = (
@@ -850,12 +862,21 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         }).await?;
         if let Some((f, every, writer, cfg, drift)) = follower {
             drift.spawn(&gw);
+            // This replica's name in shared rollouts' leases: its public
+            // address and a random tag (two processes may share an address
+            // one after the other).
+            let replica = format!(
+                "{}#{:08x}",
+                public.local_addr()?,
+                u32::from_le_bytes(random::<4>()?)
+            );
             let rollouts = keel_gateway::rollout::Rollouts::new(
                 &cfg,
                 f.follows().to_vec(),
                 f.client().clone(),
                 writer,
                 f.waker(),
+                &replica,
             )?;
             gw.set_rollouts(rollouts.clone());
             tokio::spawn(f.run(gw.clone(), every, std::future::pending()));

@@ -344,7 +344,9 @@ fn a_preemption_notice_for_another_node_of_the_job_checkpoints_acks_and_requeues
     let imds = FakeImds::start("n1").expect("fake imds");
     let job = Job::submit(
         &cluster,
-        "DDP_STEPS=40 DDP_EVERY=1000 DDP_STEP_SECS=0.3",
+        // Enough steps that a loaded machine's checkpoint, acknowledgement
+        // and requeue (tens of seconds) come before the last step.
+        "DDP_STEPS=150 DDP_EVERY=1000 DDP_STEP_SECS=0.3",
         &["-N2", &format!("--exclude={n3}")],
         |_| format!("--check-command true --imds {} --imds-ack", imds.base_url()),
     );

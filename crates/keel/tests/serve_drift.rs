@@ -2,7 +2,9 @@
 //! serve` and test backends: a baseline recorded with `keel serve drift
 //! baseline save` is the reference of a restarted gateway; a shifted
 //! column of an OIP model's input tensor is measured per feature and
-//! reported, but moves no alias even under `action = "fallback"`; the
+//! reported, but moves no alias even under `action = "fallback"`, and so
+//! do prompts a hundred times longer with a backend ten times slower
+//! (prompt_tokens and latency_ms: the clients' and the load's); the
 //! `fallback` action moves the stable alias (and the traffic) to the
 //! fallback version, once, recorded under one drift id in the audit log
 //! and the alias history, while `notify` moves nothing; a missing or
@@ -754,4 +756,90 @@ fn the_fallback_action_moves_the_stable_alias_once_and_an_operator_moves_it_back
         "{refused}"
     );
     assert!((0..10).all(|_| chat(&gw, &key) == "v2"));
+}
+
+/// A chat request with a prompt of `bytes` characters: who served it.
+fn chat_sized(gw: &GatewayProcess, key: &str, bytes: usize) -> String {
+    let body = json!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(bytes)}], "max_tokens": 8});
+    let r = http::post_json(gw.public, "/v1/chat/completions", key, &body).expect("chat");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["system_fingerprint"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[test]
+fn longer_prompts_and_a_slower_backend_alone_move_no_alias_even_under_fallback() {
+    let t = tempfile::tempdir().expect("tmp");
+    let dir = t.path();
+    let b1 = TestBackend::start(&["--name", "v1"]);
+    let b2 = TestBackend::start(&["--name", "v2"]);
+    let (_reg, url) = registry(dir, "chat", &[b1.url(), b2.url()], 2);
+    let cfg = config(
+        dir,
+        &url,
+        "chat",
+        "openai",
+        "action = \"fallback\"\nfallback_version = 1\ninterval_s = 1\nconsecutive = 2\npsi_threshold = 1.0",
+    );
+    let (_, key) = create_key(&cfg, "alice", "user", None);
+    let gw = GatewayProcess::start(&keel(), &cfg);
+    // The reference: 50 answers to prompts of 8 to 40 bytes, at once.
+    for i in 0..50 {
+        assert_eq!(chat_sized(&gw, &key, 8 + i % 33), "v2");
+    }
+    // Clients now send prompts a hundred times longer and the backend is
+    // loaded (50 ms an answer); the answers are the same eight tokens.
+    b2.control(json!({"latency_ms": 50}));
+    let stop = AtomicBool::new(false);
+    // A failed assertion below stops the client too (the scope joins it).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|sc| {
+        let _stop = StopOnDrop(&stop);
+        let d = sc.spawn(|| {
+            let mut served = std::collections::BTreeSet::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                served.insert(chat_sized(&gw, &key, 2000 + i % 500));
+                i += 1;
+            }
+            served
+        });
+        // Reported: prompt_tokens and latency_ms drift far above the threshold.
+        let alarm = until(Duration::from_secs(30), "drift_input_alarm", || {
+            audit(dir, "drift_input_alarm").into_iter().next()
+        });
+        assert_eq!(alarm["version"], "v2");
+        let feature = alarm["feature"].as_str().unwrap_or_default();
+        assert!(
+            feature == "prompt_tokens" || feature == "latency_ms",
+            "{alarm}"
+        );
+        assert!(alarm["psi"].as_f64().is_some_and(|p| p > 1.0), "{alarm}");
+        // Never acted on: a few more evaluations later v2 still serves all.
+        std::thread::sleep(Duration::from_millis(3000));
+        stop.store(true, Ordering::Relaxed);
+        let served = d.join().expect("driver");
+        assert_eq!(
+            served.into_iter().collect::<Vec<_>>(),
+            vec!["v2".to_owned()]
+        );
+    });
+    for f in ["prompt_tokens", "latency_ms"] {
+        let psi = gauge(
+            &gw,
+            "keel_drift_psi",
+            &format!("model=\"chat\",version=\"v2\",feature=\"{f}\""),
+        )
+        .expect(f);
+        assert!(psi > 1.0, "{f}: {psi}");
+    }
+    assert!(audit(dir, "drift_alarm").is_empty());
+    assert!(audit(dir, "drift_fallback").is_empty());
 }
