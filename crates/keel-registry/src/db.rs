@@ -352,7 +352,11 @@ pub(crate) fn open_in_memory() -> Result<Db, RegistryError> {
     let conn = Connection::open_in_memory().map_err(RegistryError::db("opening memory"))?;
     setup(&conn).map_err(RegistryError::db("setting up"))?;
     let conn = migrate(conn, Path::new(":memory:"))?;
-    Ok(Db(Box::new(Sqlite::new(conn, Path::new(":memory:"), false))))
+    Ok(Db(Box::new(Sqlite::new(
+        conn,
+        Path::new(":memory:"),
+        false,
+    ))))
 }
 
 /// A read-only connection to a database file already created and
@@ -405,8 +409,10 @@ fn migrate_postgres(pg: &Postgres) -> Result<(), RegistryError> {
     pg.begin(crate::storage::TxMode::Schema)
         .map_err(RegistryError::db(ctx))?;
     let out = (|| {
-        pg.execute_batch(&format!("SELECT pg_advisory_xact_lock({PG_MIGRATION_LOCK})"))
-            .map_err(RegistryError::db(ctx))?;
+        pg.execute_batch(&format!(
+            "SELECT pg_advisory_xact_lock({PG_MIGRATION_LOCK})"
+        ))
+        .map_err(RegistryError::db(ctx))?;
         pg.execute_batch("CREATE TABLE IF NOT EXISTS keel_schema (version BIGINT NOT NULL)")
             .map_err(RegistryError::db(ctx))?;
         let found = pg_version(pg)?;
@@ -419,7 +425,8 @@ fn migrate_postgres(pg: &Postgres) -> Result<(), RegistryError> {
         }
         let mut at = found;
         if at == 0 {
-            pg.execute_batch(PG_BASELINE).map_err(RegistryError::db(ctx))?;
+            pg.execute_batch(PG_BASELINE)
+                .map_err(RegistryError::db(ctx))?;
             pg.execute("INSERT INTO keel_schema (version) VALUES (0)", &[])
                 .map_err(RegistryError::db(ctx))?;
             at = PG_BASELINE_VERSION;
@@ -430,8 +437,11 @@ fn migrate_postgres(pg: &Postgres) -> Result<(), RegistryError> {
             at = *to;
         }
         if at != found {
-            pg.execute("UPDATE keel_schema SET version = ?1", crate::storage::params![at])
-                .map_err(RegistryError::db(ctx))?;
+            pg.execute(
+                "UPDATE keel_schema SET version = ?1",
+                crate::storage::params![at],
+            )
+            .map_err(RegistryError::db(ctx))?;
         }
         Ok(())
     })();

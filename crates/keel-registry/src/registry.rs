@@ -16,11 +16,11 @@ use crate::chain::{
     self, AliasRecord, AuditRecord, Break, ChainName, ChainReport, ALIAS_DOMAIN, AUDIT_DOMAIN,
     GENESIS,
 };
+use crate::storage::{params, Backend, Db, Param, Tx, TxMode};
 use crate::types::{
     check_alias, check_model_name, AliasAction, AliasEvent, AliasTarget, ApiKey, AuditEvent,
     Lineage, Model, Role, SignatureRecord, Status, Tag, Version, VersionFile, VersionRef,
 };
-use crate::storage::{params, Backend, Db, Param, Tx, TxMode};
 use crate::{Clock, RegistryError};
 
 type Result<T> = std::result::Result<T, RegistryError>;
@@ -197,6 +197,67 @@ fn check_tag(t: &Tag) -> Result<()> {
     Ok(())
 }
 
+/// Opens more connections to one registry's database (a pool's):
+/// [`Registry::connector`].
+#[derive(Debug, Clone)]
+pub struct Connector {
+    kind: ConnectorKind,
+    clock: Arc<dyn Clock>,
+    path: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+enum ConnectorKind {
+    SqliteReader,
+    Postgres(Arc<crate::storage::PgTarget>),
+}
+
+/// A SQLite registry's pool: this many read connections at most.
+pub const SQLITE_POOL_SIZE: usize = 8;
+/// How long a SQLite request waits for a read connection of the pool.
+pub const SQLITE_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Connector {
+    /// A new connection, as a registry (on SQLite, read-only).
+    pub fn open(&self) -> Result<Registry> {
+        let conn = match &self.kind {
+            ConnectorKind::SqliteReader => Db(Box::new(crate::db::open_sqlite_reader(&self.path)?)),
+            ConnectorKind::Postgres(t) => Db(Box::new(
+                crate::storage::Postgres::connect(t.clone()).map_err(|source| {
+                    RegistryError::Connect {
+                        location: t.location().display().to_string(),
+                        source,
+                    }
+                })?,
+            )),
+        };
+        Ok(Registry {
+            conn,
+            clock: self.clock.clone(),
+            path: self.path.clone(),
+        })
+    }
+
+    /// The most connections a pool opens with this connector
+    /// (PostgreSQL: the configured `db_pool_size`).
+    pub fn pool_size(&self) -> usize {
+        match &self.kind {
+            ConnectorKind::SqliteReader => SQLITE_POOL_SIZE,
+            ConnectorKind::Postgres(t) => t.pool_size,
+        }
+    }
+
+    /// The longest a request waits for anything of the database: a
+    /// connection of the pool, the write lock, one statement
+    /// (PostgreSQL: the configured `db_timeout`).
+    pub fn wait(&self) -> std::time::Duration {
+        match &self.kind {
+            ConnectorKind::SqliteReader => SQLITE_POOL_WAIT,
+            ConnectorKind::Postgres(t) => t.timeout,
+        }
+    }
+}
+
 impl Registry {
     /// Opens (creating and migrating) the SQLite database at `path`.
     pub fn open(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
@@ -254,18 +315,20 @@ impl Registry {
         })
     }
 
-    /// Another connection to the same database, for a pool of them:
-    /// read-only on SQLite, a full one on PostgreSQL; `None` for an
-    /// in-memory registry, which only its own connection sees.
-    pub fn another(&self) -> Option<Result<Self>> {
-        let clock = self.clock.clone();
-        let path = self.path.clone();
-        self.conn.0.another().map(|s| {
-            s.map(|s| Self {
-                conn: Db(s),
-                clock,
-                path,
-            })
+    /// How to open more connections to this registry's database, for a
+    /// pool of them: read-only ones on SQLite (in WAL they neither wait
+    /// for the writer nor hold it up), full ones on PostgreSQL; `None`
+    /// for an in-memory registry, which only its own connection sees.
+    pub fn connector(&self) -> Option<Connector> {
+        let kind = match self.conn.0.pg_target() {
+            Some(t) => ConnectorKind::Postgres(t.clone()),
+            None if self.conn.0.another_possible() => ConnectorKind::SqliteReader,
+            None => return None,
+        };
+        Some(Connector {
+            kind,
+            clock: self.clock.clone(),
+            path: self.path.clone(),
         })
     }
 
@@ -357,7 +420,8 @@ impl Registry {
         let id = require_model(&tx, name)?;
         let n: i64 = tx
             .query_row(
-                "SELECT COUNT(*) FROM versions WHERE model_id = ?1", params![id],
+                "SELECT COUNT(*) FROM versions WHERE model_id = ?1",
+                params![id],
                 |r| r.get(0),
             )
             .map_err(RegistryError::db("counting versions"))?;
@@ -554,7 +618,8 @@ impl Registry {
         // take the same number between this read and the insert.
         let number: i64 = tx
             .query_row(
-                "SELECT COALESCE(MAX(number), 0) + 1 FROM versions WHERE model_id = ?1", params![id],
+                "SELECT COALESCE(MAX(number), 0) + 1 FROM versions WHERE model_id = ?1",
+                params![id],
                 |r| r.get(0),
             )
             .map_err(RegistryError::db("numbering a version"))?;
@@ -841,7 +906,15 @@ impl Registry {
                      WHERE CAST(?1 AS TEXT) IS NULL OR m.name = ?1
                      ORDER BY t.version_id, t.key",
                     params![model],
-                    |r| Ok((r.get::<i64>(0)?, Tag { key: r.get(1)?, value: r.get(2)? })),
+                    |r| {
+                        Ok((
+                            r.get::<i64>(0)?,
+                            Tag {
+                                key: r.get(1)?,
+                                value: r.get(2)?,
+                            },
+                        ))
+                    },
                 )
                 .map_err(RegistryError::db("reading tags"))?;
             attach_tags(&mut out, tags, |row| row.id, |row| &mut row.tags);
@@ -878,7 +951,15 @@ impl Registry {
                 .query_map(
                     "SELECT model_id, key, value FROM model_tags ORDER BY model_id, key",
                     params![],
-                    |r| Ok((r.get::<i64>(0)?, Tag { key: r.get(1)?, value: r.get(2)? })),
+                    |r| {
+                        Ok((
+                            r.get::<i64>(0)?,
+                            Tag {
+                                key: r.get(1)?,
+                                value: r.get(2)?,
+                            },
+                        ))
+                    },
                 )
                 .map_err(RegistryError::db("reading tags"))?;
             attach_tags(&mut out, tags, |row| row.id, |row| &mut row.tags);
@@ -918,7 +999,8 @@ impl Registry {
                 let n: Option<i64> = self
                     .conn
                     .query_row(
-                        "SELECT MAX(number) FROM versions WHERE model_id = ?1 AND status = 'READY'", params![id],
+                        "SELECT MAX(number) FROM versions WHERE model_id = ?1 AND status = 'READY'",
+                        params![id],
                         |r| r.get(0),
                     )
                     .map_err(RegistryError::db("finding the latest version"))?;
@@ -952,9 +1034,11 @@ impl Registry {
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, version)?;
         let status: String = tx
-            .query_row("SELECT status FROM versions WHERE id = ?1", params![vid], |r| {
-                r.get(0)
-            })
+            .query_row(
+                "SELECT status FROM versions WHERE id = ?1",
+                params![vid],
+                |r| r.get(0),
+            )
             .map_err(RegistryError::db("reading a version"))?;
         if status != "READY" {
             return Err(RegistryError::WrongStatus {
@@ -1359,7 +1443,8 @@ impl Registry {
         self.conn
             .query_opt(
                 "SELECT bundle, public_key_pem, key_hint, created_ms, created_by FROM signatures
-                 WHERE version_id = ?1 ORDER BY id DESC LIMIT 1", params![vid],
+                 WHERE version_id = ?1 ORDER BY id DESC LIMIT 1",
+                params![vid],
                 |r| {
                     Ok(SignatureRecord {
                         model: model.to_owned(),
@@ -1410,7 +1495,8 @@ impl Registry {
         let tx = self.begin()?;
         let exists: bool = tx
             .query_row(
-                "SELECT COUNT(*) FROM api_keys WHERE name = ?1", params![name],
+                "SELECT COUNT(*) FROM api_keys WHERE name = ?1",
+                params![name],
                 |r| r.get::<i64>(0),
             )
             .map_err(RegistryError::db("reading keys"))?
@@ -1533,7 +1619,7 @@ impl Registry {
                 src,
                 rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
             )
-                .map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| bad(e.to_string()))?;
             let ok: String = conn
                 .query_row("PRAGMA integrity_check", [], |r| r.get(0))
                 .map_err(|e| bad(e.to_string()))?;
@@ -1577,7 +1663,9 @@ impl Registry {
             });
         }
         let Some(conn) = self.conn.0.sqlite_mut() else {
-            return Err(RegistryError::db("restoring")(crate::storage::DbError::Lost));
+            return Err(RegistryError::db("restoring")(
+                crate::storage::DbError::Lost,
+            ));
         };
         conn.restore(
             rusqlite::MAIN_DB,
@@ -1647,9 +1735,11 @@ fn key_row(r: &crate::storage::Row) -> std::result::Result<ApiKey, crate::storag
 }
 
 fn model_id(c: &Db, name: &str) -> Result<Option<i64>> {
-    c.query_opt("SELECT id FROM models WHERE name = ?1", params![name], |r| {
-        r.get(0)
-    })
+    c.query_opt(
+        "SELECT id FROM models WHERE name = ?1",
+        params![name],
+        |r| r.get(0),
+    )
     .map_err(RegistryError::db("finding a model"))
 }
 
@@ -1675,9 +1765,11 @@ fn version_row_id(c: &Db, model_id: i64, model: &str, number: u64) -> Result<i64
 fn pending_version(c: &Db, model_id: i64, model: &str, number: u64) -> Result<i64> {
     let vid = version_row_id(c, model_id, model, number)?;
     let status: String = c
-        .query_row("SELECT status FROM versions WHERE id = ?1", params![vid], |r| {
-            r.get(0)
-        })
+        .query_row(
+            "SELECT status FROM versions WHERE id = ?1",
+            params![vid],
+            |r| r.get(0),
+        )
         .map_err(RegistryError::db("reading a version"))?;
     if status != "PENDING_REGISTRATION" {
         return Err(RegistryError::WrongStatus {
@@ -1913,8 +2005,10 @@ fn audit(
 }
 
 fn meta(c: &Db, key: &str) -> Result<Option<String>> {
-    c.query_opt("SELECT value FROM meta WHERE key = ?1", params![key], |r| r.get(0))
-        .map_err(RegistryError::db("reading registry metadata"))
+    c.query_opt("SELECT value FROM meta WHERE key = ?1", params![key], |r| {
+        r.get(0)
+    })
+    .map_err(RegistryError::db("reading registry metadata"))
 }
 
 fn set_meta(c: &Db, key: &str, value: &str) -> Result<()> {
@@ -2007,11 +2101,7 @@ impl ChainCheck {
     }
 }
 
-fn alias_events(
-    c: &Db,
-    model: Option<&str>,
-    alias: Option<&str>,
-) -> Result<Vec<AliasEvent>> {
+fn alias_events(c: &Db, model: Option<&str>, alias: Option<&str>) -> Result<Vec<AliasEvent>> {
     alias_events_after(c, model, alias, 0, None)
 }
 
@@ -2056,8 +2146,11 @@ fn audit_events(c: &Db) -> Result<Vec<AuditEvent>> {
 /// without one), oldest first.
 fn audit_events_after(c: &Db, after: i64, limit: Option<usize>) -> Result<Vec<AuditEvent>> {
     let limit = limit.map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
-    c.query_map("SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
-             FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2", params![after, limit], |r| {
+    c.query_map(
+        "SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
+             FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+        params![after, limit],
+        |r| {
             Ok(AuditEvent {
                 seq: r.get(0)?,
                 time_ms: r.get(1)?,
@@ -2068,7 +2161,9 @@ fn audit_events_after(c: &Db, after: i64, limit: Option<usize>) -> Result<Vec<Au
                 prev_hash: r.get(6)?,
                 hash: r.get(7)?,
             })
-        }).map_err(RegistryError::db("reading the audit log"))
+        },
+    )
+    .map_err(RegistryError::db("reading the audit log"))
 }
 
 fn load_model(c: &Db, id: i64) -> Result<Model> {
@@ -2084,16 +2179,22 @@ fn load_model(c: &Db, id: i64) -> Result<Model> {
         id,
     )?;
     let aliases = {
-        c.query_map("SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias", params![id], |r| {
+        c.query_map(
+            "SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias",
+            params![id],
+            |r| {
                 Ok(AliasTarget {
                     alias: r.get(0)?,
                     version: r.get::<i64>(1)? as u64,
                 })
-            }).map_err(RegistryError::db("reading aliases"))?
+            },
+        )
+        .map_err(RegistryError::db("reading aliases"))?
     };
     let (latest, count): (Option<i64>, i64) = c
         .query_row(
-            "SELECT MAX(number), COUNT(*) FROM versions WHERE model_id = ?1", params![id],
+            "SELECT MAX(number), COUNT(*) FROM versions WHERE model_id = ?1",
+            params![id],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .map_err(RegistryError::db("counting versions"))?;
@@ -2112,11 +2213,12 @@ fn load_model(c: &Db, id: i64) -> Result<Model> {
 
 fn read_tags(c: &Db, sql: &str, id: i64) -> Result<Vec<Tag>> {
     c.query_map(sql, params![id], |r| {
-            Ok(Tag {
-                key: r.get(0)?,
-                value: r.get(1)?,
-            })
-        }).map_err(RegistryError::db("reading tags"))
+        Ok(Tag {
+            key: r.get(0)?,
+            value: r.get(1)?,
+        })
+    })
+    .map_err(RegistryError::db("reading tags"))
 }
 
 fn load_version(c: &Db, vid: i64) -> Result<Version> {
@@ -2160,13 +2262,18 @@ fn load_version(c: &Db, vid: i64) -> Result<Version> {
         )
         .map_err(RegistryError::db("reading a version"))?;
     let files = {
-        c.query_map("SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name", params![vid], |r| {
+        c.query_map(
+            "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
+            params![vid],
+            |r| {
                 Ok(VersionFile {
                     name: r.get(0)?,
                     size: r.get::<i64>(1)? as u64,
                     sha256: r.get(2)?,
                 })
-            }).map_err(RegistryError::db("reading version files"))?
+            },
+        )
+        .map_err(RegistryError::db("reading version files"))?
     };
     let tags = read_tags(
         c,
@@ -2174,11 +2281,17 @@ fn load_version(c: &Db, vid: i64) -> Result<Version> {
         vid,
     )?;
     let aliases = {
-        c.query_map("SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias", params![row.model_id, row.number], |r| r.get(0)).map_err(RegistryError::db("reading aliases"))?
+        c.query_map(
+            "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
+            params![row.model_id, row.number],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("reading aliases"))?
     };
     let signed: i64 = c
         .query_row(
-            "SELECT COUNT(*) FROM signatures WHERE version_id = ?1", params![vid],
+            "SELECT COUNT(*) FROM signatures WHERE version_id = ?1",
+            params![vid],
             |r| r.get(0),
         )
         .map_err(RegistryError::db("reading signatures"))?;
@@ -2318,7 +2431,10 @@ mod tests {
         // Everything else of a READY version stays as it was.
         let e = reg
             .conn
-            .execute("UPDATE versions SET source = 'x' WHERE number = 1", params![])
+            .execute(
+                "UPDATE versions SET source = 'x' WHERE number = 1",
+                params![],
+            )
             .expect_err("source");
         assert!(
             e.to_string().contains("only its description may change"),

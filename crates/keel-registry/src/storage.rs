@@ -271,11 +271,13 @@ pub(crate) trait Storage: Send + fmt::Debug {
     /// Ends a transaction without keeping anything; never fails (a
     /// connection that cannot roll back is dropped, which does the same).
     fn rollback(&self);
-    /// Another connection to the same database, for a pool: read-only on
-    /// SQLite (reads never wait for the writer in WAL), a full one on
-    /// PostgreSQL. `None` for a database only this connection sees (an
-    /// in-memory SQLite).
-    fn another(&self) -> Option<Result<Box<dyn Storage>, RegistryError>>;
+    /// Whether other connections can reach this database (a file, a
+    /// server; not an in-memory SQLite).
+    fn another_possible(&self) -> bool;
+    /// The PostgreSQL server this connection is to.
+    fn pg_target(&self) -> Option<&Arc<PgTarget>> {
+        None
+    }
     /// After rows were copied with their ids: the next id of each table
     /// follows the largest copied one (PostgreSQL's identity sequences).
     fn ids_follow_rows(&self, tables: &[&str]) -> Result<(), DbError>;
@@ -470,10 +472,8 @@ impl Storage for Sqlite {
         }
     }
 
-    fn another(&self) -> Option<Result<Box<dyn Storage>, RegistryError>> {
-        self.shared.then(|| {
-            crate::db::open_sqlite_reader(&self.path).map(|c| Box::new(c) as Box<dyn Storage>)
-        })
+    fn another_possible(&self) -> bool {
+        self.shared
     }
 
     fn ids_follow_rows(&self, _tables: &[&str]) -> Result<(), DbError> {
@@ -579,7 +579,7 @@ impl PgTarget {
         }
         if config.get_user().is_none() {
             return Err(bad(
-                "name the user: postgres://USER@HOST:PORT/DATABASE".into(),
+                "name the user: postgres://USER@HOST:PORT/DATABASE".into()
             ));
         }
         if o.pool_size == 0 {
@@ -629,9 +629,11 @@ impl PgTarget {
     }
 
     fn connect(&self) -> Result<postgres::Client, DbError> {
-        Ok(match &self.tls {
-            Some(t) => self.config.connect(tls::MakeRustls(t.clone()))?,
-            None => self.config.connect(postgres::NoTls)?,
+        blocking(|| {
+            Ok(match &self.tls {
+                Some(t) => self.config.connect(tls::MakeRustls(t.clone()))?,
+                None => self.config.connect(postgres::NoTls)?,
+            })
         })
     }
 }
@@ -705,6 +707,20 @@ fn client_config(roots: rustls::RootCertStore) -> Result<rustls::ClientConfig, S
     .with_no_client_auth())
 }
 
+/// Runs blocking client work: as is on a plain thread (the server runs
+/// every registry call on tokio's blocking pool), through
+/// `block_in_place` on a worker of a multi-threaded runtime (a caller
+/// that calls the registry from async code), where the blocking client
+/// could not otherwise drive its own runtime.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// `?N` -> `$N`, outside string literals and quoted names.
 pub(crate) fn pg_placeholders(sql: &str) -> String {
     let mut out = String::with_capacity(sql.len());
@@ -745,6 +761,15 @@ pub(crate) struct Postgres {
     in_tx: Cell<bool>,
 }
 
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // The client owns a small runtime of its own, which may not be
+        // dropped on a runtime's worker either.
+        let conn = self.conn.get_mut().take();
+        blocking(|| drop(conn));
+    }
+}
+
 impl fmt::Debug for Postgres {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Postgres")
@@ -767,10 +792,6 @@ impl Postgres {
         Ok(p)
     }
 
-    pub(crate) fn target(&self) -> &Arc<PgTarget> {
-        &self.target
-    }
-
     /// Connects unless connected; never inside a transaction.
     fn ensure(&self) -> Result<(), DbError> {
         let mut c = self.conn.borrow_mut();
@@ -791,6 +812,14 @@ impl Postgres {
     /// Runs `f` with the connection and a prepared statement for `sql`;
     /// a connection that fails is dropped (the next use reconnects).
     fn with_statement<T>(
+        &self,
+        sql: &str,
+        f: impl FnOnce(&mut postgres::Client, &postgres::Statement) -> Result<T, postgres::Error>,
+    ) -> Result<T, DbError> {
+        blocking(|| self.with_statement_now(sql, f))
+    }
+
+    fn with_statement_now<T>(
         &self,
         sql: &str,
         f: impl FnOnce(&mut postgres::Client, &postgres::Statement) -> Result<T, postgres::Error>,
@@ -824,6 +853,10 @@ impl Postgres {
     }
 
     fn simple(&self, sql: &str) -> Result<(), DbError> {
+        blocking(|| self.simple_now(sql))
+    }
+
+    fn simple_now(&self, sql: &str) -> Result<(), DbError> {
         self.ensure()?;
         let mut guard = self.conn.borrow_mut();
         let Some(c) = guard.as_mut() else {
@@ -892,9 +925,15 @@ fn pg_row(r: &postgres::Row) -> Result<Row, DbError> {
     for (i, col) in r.columns().iter().enumerate() {
         let v = match *col.type_() {
             Type::INT8 => r.try_get::<_, Option<i64>>(i)?.map(Value::Int),
-            Type::INT4 => r.try_get::<_, Option<i32>>(i)?.map(|v| Value::Int(v.into())),
-            Type::INT2 => r.try_get::<_, Option<i16>>(i)?.map(|v| Value::Int(v.into())),
-            Type::BOOL => r.try_get::<_, Option<bool>>(i)?.map(|v| Value::Int(v.into())),
+            Type::INT4 => r
+                .try_get::<_, Option<i32>>(i)?
+                .map(|v| Value::Int(v.into())),
+            Type::INT2 => r
+                .try_get::<_, Option<i16>>(i)?
+                .map(|v| Value::Int(v.into())),
+            Type::BOOL => r
+                .try_get::<_, Option<bool>>(i)?
+                .map(|v| Value::Int(v.into())),
             Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME => {
                 r.try_get::<_, Option<String>>(i)?.map(Value::Text)
             }
@@ -975,16 +1014,12 @@ impl Storage for Postgres {
         self.in_tx.set(false);
     }
 
-    fn another(&self) -> Option<Result<Box<dyn Storage>, RegistryError>> {
-        let target = self.target.clone();
-        Some(
-            Postgres::connect(target.clone())
-                .map(|p| Box::new(p) as Box<dyn Storage>)
-                .map_err(|source| RegistryError::Connect {
-                    location: target.location().display().to_string(),
-                    source,
-                }),
-        )
+    fn another_possible(&self) -> bool {
+        true
+    }
+
+    fn pg_target(&self) -> Option<&Arc<PgTarget>> {
+        Some(&self.target)
     }
 
     fn ids_follow_rows(&self, tables: &[&str]) -> Result<(), DbError> {

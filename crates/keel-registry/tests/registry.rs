@@ -244,8 +244,7 @@ fn tampered(
     };
     tamper_base(&fresh);
     fresh.tamper(trigger, stmt).expect("tamper");
-    let report = open(&fresh).verify_chains().expect("verify");
-    report
+    open(&fresh).verify_chains().expect("verify")
 }
 
 fn audit_verify_names_the_first_broken_link(store: Store) {
@@ -355,8 +354,11 @@ fn api_keys_are_stored_hashed_and_revocable(store: Store) {
 #[test]
 fn backup_and_restore_keep_everything_and_refuse_broken_backups() {
     let dir = tempfile::tempdir().expect("tmp");
-    let open = |p: &std::path::Path| Registry::open(p, Arc::new(Stepping::default())).expect("open");
-    let sql = |p: &std::path::Path, s: &str| rusqlite::Connection::open(p).and_then(|c| c.execute_batch(s));
+    let open =
+        |p: &std::path::Path| Registry::open(p, Arc::new(Stepping::default())).expect("open");
+    let sql = |p: &std::path::Path, s: &str| {
+        rusqlite::Connection::open(p).and_then(|c| c.execute_batch(s))
+    };
     let mut r = open(&dir.path().join("reg.db"));
     let a = artifacts(&[("w", b"1")]);
     r.register_version("ci", &new("m"), Some(&a)).expect("v1");
@@ -514,8 +516,14 @@ fn sixteen_writers_number_gaplessly_and_keep_one_chain() {
                     mine.push(v.version);
                     // Every other writer also moves the shared alias.
                     if w % 2 == 0 {
-                        reg.set_alias(&format!("writer-{w}"), "m", "prod", v.version, &format!("{i}"))
-                            .expect("alias");
+                        reg.set_alias(
+                            &format!("writer-{w}"),
+                            "m",
+                            "prod",
+                            v.version,
+                            &format!("{i}"),
+                        )
+                        .expect("alias");
                     }
                 }
                 mine

@@ -36,6 +36,18 @@ fn connect(url: &str, password: &str) -> Result<postgres::Client, String> {
     c.connect(postgres::NoTls).map_err(|e| message(&e))
 }
 
+/// Blocking client work, legal also from a multi-threaded runtime's
+/// worker (an async test), where the blocking client could not drive its
+/// own runtime otherwise.
+pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// The server's message for an error (the client's own says only "db
 /// error").
 pub fn message(e: &postgres::Error) -> String {
@@ -66,9 +78,12 @@ impl PgDb {
                 .map(|d| d.subsec_nanos())
                 .unwrap_or(0)
         );
-        let mut c = connect(&admin, &password).unwrap_or_else(|e| panic!("{URL_VAR}={admin}: {e}"));
-        c.batch_execute(&format!("CREATE DATABASE {name}"))
-            .unwrap_or_else(|e| panic!("create database {name}: {}", message(&e)));
+        blocking(|| {
+            let mut c =
+                connect(&admin, &password).unwrap_or_else(|e| panic!("{URL_VAR}={admin}: {e}"));
+            c.batch_execute(&format!("CREATE DATABASE {name}"))
+                .unwrap_or_else(|e| panic!("create database {name}: {}", message(&e)));
+        });
         let base = admin
             .rsplit_once('/')
             .map(|(b, _)| b.to_owned())
@@ -85,15 +100,19 @@ impl PgDb {
     /// Runs statements on this database as the superuser (to tamper with
     /// it, or to look under the registry); the server's message on error.
     pub fn execute(&self, sql: &str) -> Result<(), String> {
-        let mut c = connect(&self.url, &self.password)?;
-        c.batch_execute(sql).map_err(|e| message(&e))
+        blocking(|| {
+            let mut c = connect(&self.url, &self.password)?;
+            c.batch_execute(sql).map_err(|e| message(&e))
+        })
     }
 
     /// One column of one row, as text (`SELECT x::text ...`).
     pub fn query_text(&self, sql: &str) -> Result<Option<String>, String> {
-        let mut c = connect(&self.url, &self.password)?;
-        let rows = c.query(sql, &[]).map_err(|e| message(&e))?;
-        Ok(rows.first().and_then(|r| r.get::<_, Option<String>>(0)))
+        blocking(|| {
+            let mut c = connect(&self.url, &self.password)?;
+            let rows = c.query(sql, &[]).map_err(|e| message(&e))?;
+            Ok(rows.first().and_then(|r| r.get::<_, Option<String>>(0)))
+        })
     }
 
     /// A connection as the superuser to this database.
@@ -109,8 +128,13 @@ impl PgDb {
 
 impl Drop for PgDb {
     fn drop(&mut self) {
-        if let Ok(mut c) = connect(&self.admin, &self.password) {
-            let _ = c.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
-        }
+        blocking(|| {
+            if let Ok(mut c) = connect(&self.admin, &self.password) {
+                let _ = c.batch_execute(&format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    self.name
+                ));
+            }
+        })
     }
 }

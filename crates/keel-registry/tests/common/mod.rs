@@ -59,7 +59,10 @@ impl Store {
         self.try_open(clock).expect("open the registry")
     }
 
-    pub fn try_open(&self, clock: Arc<dyn Clock>) -> Result<Registry, keel_registry::RegistryError> {
+    pub fn try_open(
+        &self,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Registry, keel_registry::RegistryError> {
         match self {
             Store::Sqlite { path, .. } => Registry::open(path, clock),
             Store::Memory => Registry::open_in_memory(clock),
