@@ -306,6 +306,10 @@ pub struct ServeConfig {
 #[serde(deny_unknown_fields)]
 pub struct FileModel {
     pub db: Option<PathBuf>,
+    pub db_password_file: Option<PathBuf>,
+    pub db_ca_file: Option<PathBuf>,
+    pub db_pool_size: Option<usize>,
+    pub db_timeout_ms: Option<u64>,
     pub artifact_store: Option<String>,
     pub actor: Option<String>,
     pub public_key: Option<PathBuf>,
@@ -319,8 +323,22 @@ pub struct FileModel {
 /// The effective `keel model` settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelConfig {
-    /// The registry database (SQLite).
+    /// The registry database: a SQLite file, or a PostgreSQL URL
+    /// (`postgres://USER@HOST:PORT/DATABASE`, no password in it).
     pub db: PathBuf,
+    /// PostgreSQL: a file (mode 0600) holding the password;
+    /// KEEL_MODEL_DB_PASSWORD overrides it.
+    pub db_password_file: Option<PathBuf>,
+    /// PostgreSQL: the CA (PEM) of the server's certificate; TLS is then
+    /// required and the server's name checked. KEEL_MODEL_DB_CA_FILE
+    /// overrides it.
+    pub db_ca_file: Option<PathBuf>,
+    /// PostgreSQL: the most read connections one process opens (plus one
+    /// for writes).
+    pub db_pool_size: usize,
+    /// PostgreSQL: the longest one wait lasts (a connection of the pool,
+    /// connecting, the write lock, one statement), in milliseconds.
+    pub db_timeout_ms: u64,
     /// Where `register --path` uploads files (a storage URL); default: the
     /// directory `<db stem>-artifacts` beside the database.
     pub artifact_store: String,
@@ -525,6 +543,12 @@ pub fn default_artifact_store(db: &Path) -> String {
     format!("file://{}", dir.display())
 }
 
+/// Whether the registry database setting names PostgreSQL rather than a
+/// SQLite file.
+pub fn is_postgres_db(db: &Path) -> bool {
+    db.to_str().is_some_and(keel_registry::is_postgres_url)
+}
+
 /// Loads the `[model]` settings: defaults < file < environment < the
 /// `--db` flag (`db_flag`, which also moves the default artifact store).
 /// Other flags are applied by the caller.
@@ -538,6 +562,10 @@ pub fn load_model(
     let mut artifact_store = f.artifact_store;
     let mut c = ModelConfig {
         db: f.db.unwrap_or_else(|| default_db(env)),
+        db_password_file: f.db_password_file,
+        db_ca_file: f.db_ca_file,
+        db_pool_size: f.db_pool_size.unwrap_or(8),
+        db_timeout_ms: f.db_timeout_ms.unwrap_or(5000),
         artifact_store: String::new(),
         actor: f
             .actor
@@ -552,6 +580,11 @@ pub fn load_model(
         serve_max_connections_per_client: f.serve_max_connections_per_client.unwrap_or(64),
     };
     for (key, v) in [
+        ("model.db_pool_size", c.db_pool_size),
+        (
+            "model.db_timeout_ms",
+            usize::try_from(c.db_timeout_ms).unwrap_or(usize::MAX),
+        ),
         ("model.serve_max_connections", c.serve_max_connections),
         (
             "model.serve_max_connections_per_client",
@@ -565,13 +598,23 @@ pub fn load_model(
     if let Some(v) = env("KEEL_MODEL_DB") {
         c.db = v.into();
     }
+    if let Some(v) = env("KEEL_MODEL_DB_CA_FILE") {
+        c.db_ca_file = Some(v.into());
+    }
     if let Some(v) = env("KEEL_ARTIFACT_STORE") {
         artifact_store = Some(v);
     }
     if let Some(db) = db_flag {
         c.db = db.to_owned();
     }
-    c.artifact_store = artifact_store.unwrap_or_else(|| default_artifact_store(&c.db));
+    // A PostgreSQL registry has no directory beside it: its artifact store
+    // is configured (every replica and client must upload to the same
+    // one), and `register --path` says so when it is not.
+    c.artifact_store = match artifact_store {
+        Some(a) => a,
+        None if is_postgres_db(&c.db) => String::new(),
+        None => default_artifact_store(&c.db),
+    };
     if let Some(v) = env("KEEL_ACTOR") {
         c.actor = v;
     }

@@ -26,9 +26,10 @@ use crate::table::Table;
 
 #[derive(Debug, Args)]
 pub struct ModelArgs {
-    /// The registry database (default: model.db, KEEL_MODEL_DB, else
+    /// The registry database: a SQLite file or postgres://USER@HOST:PORT/DB
+    /// (default: model.db, KEEL_MODEL_DB, else
     /// $XDG_DATA_HOME/keel/registry.db or ~/.local/share/keel/registry.db).
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(long, global = true, value_name = "PATH|URL")]
     db: Option<PathBuf>,
     /// Who the audit log names (default: model.actor, KEEL_ACTOR, $USER).
     #[arg(long, global = true, value_name = "NAME")]
@@ -278,6 +279,60 @@ fn open_store(url: &str, create_root: bool) -> anyhow::Result<Store> {
     Ok(Store::open(&u, &store_options(create_root))?)
 }
 
+/// Opens the configured registry: a SQLite file, or a PostgreSQL database
+/// (its password from `model.db_password_file` or KEEL_MODEL_DB_PASSWORD,
+/// never the command line).
+pub fn open_registry(cfg: &ModelConfig, clock: Arc<dyn Clock>) -> anyhow::Result<Registry> {
+    match cfg
+        .db
+        .to_str()
+        .filter(|s| keel_registry::is_postgres_url(s))
+    {
+        Some(url) => Ok(Registry::open_postgres(&pg_options(cfg, url)?, clock)?),
+        None => Ok(Registry::open(&cfg.db, clock)?),
+    }
+}
+
+/// The PostgreSQL settings of `cfg`, for the database at `url`.
+pub fn pg_options(cfg: &ModelConfig, url: &str) -> anyhow::Result<keel_registry::PgOptions> {
+    let mut o = keel_registry::PgOptions::new(url);
+    o.password = match (
+        std::env::var("KEEL_MODEL_DB_PASSWORD")
+            .ok()
+            .filter(|p| !p.is_empty()),
+        &cfg.db_password_file,
+    ) {
+        (Some(p), _) => Some(p),
+        (None, Some(f)) => Some(read_password_file(f)?),
+        (None, None) => None,
+    };
+    o.ca_file = cfg.db_ca_file.clone();
+    o.pool_size = cfg.db_pool_size;
+    o.timeout = std::time::Duration::from_millis(cfg.db_timeout_ms);
+    Ok(o)
+}
+
+/// A password file: its owner's alone (mode 0600), one line.
+fn read_password_file(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |m: String| UsageError(format!("model.db_password_file {}: {m}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(bad(
+            "must be readable by its owner only (chmod 600): it holds a password".into(),
+        )
+        .into());
+    }
+    let bytes =
+        keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|e| bad(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| bad("not UTF-8 text".into()))?;
+    let pw = text.trim_end_matches(['\n', '\r']);
+    if pw.is_empty() || pw.contains('\n') {
+        return Err(bad("must hold the password alone, on one line".into()).into());
+    }
+    Ok(pw.to_owned())
+}
+
 fn parse_ref(s: &str) -> anyhow::Result<VersionRef> {
     Ok(s.parse::<VersionRef>()?)
 }
@@ -327,7 +382,7 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
         ModelCommand::Verify(v) if v.path.is_some() => return verify_path(v, out),
         _ => {}
     }
-    let mut reg = Registry::open(&cfg.db, clock)?;
+    let mut reg = open_registry(&cfg, clock)?;
     let actor = cfg.actor.clone();
     match command {
         ModelCommand::Register(r) => register(&mut reg, &cfg, r, out),
@@ -445,6 +500,12 @@ fn register(
             .artifact_store
             .clone()
             .unwrap_or_else(|| cfg.artifact_store.clone());
+        if store_url.is_empty() {
+            return Err(UsageError(
+                "a registry on PostgreSQL has no artifact store beside it: set model.artifact_store (or KEEL_ARTIFACT_STORE, --artifact-store) to the store every replica and client uploads to".into(),
+            )
+            .into());
+        }
         if !dir.is_dir() {
             return Err(UsageError(format!("{} is not a directory", dir.display())).into());
         }
