@@ -161,6 +161,12 @@ WHEN OLD.status <> 'PENDING_REGISTRATION' AND (
     OR NEW.created_by IS NOT OLD.created_by)
 BEGIN SELECT RAISE(ABORT, 'model version is immutable once registered: only its description may change'); END;
 "#,
+    // 3: a stored signature can no longer be deleted either (it could be
+    // only edited before), as on PostgreSQL.
+    r#"
+CREATE TRIGGER signatures_no_delete BEFORE DELETE ON signatures
+BEGIN SELECT RAISE(ABORT, 'signatures are append-only'); END;
+"#,
 ];
 
 /// The schema version this build writes.
@@ -322,7 +328,15 @@ EXECUTE FUNCTION keel_refuse('audit log is append-only');
 /// PostgreSQL's migrations after the baseline: `(to, sql)` moves the
 /// schema from `to - 1` to `to`. Each new SQLite migration gets its
 /// PostgreSQL twin here, so both stores are at the same version.
-const PG_MIGRATIONS: &[(i64, &str)] = &[];
+const PG_MIGRATIONS: &[(i64, &str)] = &[(
+    3,
+    r#"
+CREATE TRIGGER signatures_no_delete BEFORE DELETE ON signatures FOR EACH ROW
+EXECUTE FUNCTION keel_refuse('signatures are append-only');
+CREATE TRIGGER signatures_no_truncate BEFORE TRUNCATE ON signatures
+EXECUTE FUNCTION keel_refuse('signatures are append-only');
+"#,
+)];
 
 /// The advisory lock a PostgreSQL migration holds (transaction-scoped):
 /// "keel-reg" in ASCII.
@@ -487,4 +501,22 @@ fn migrate(mut conn: Connection, path: &Path) -> Result<Connection, RegistryErro
     tx.commit()
         .map_err(RegistryError::db("migrating the schema"))?;
     Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every SQLite migration after the PostgreSQL baseline has its
+    /// PostgreSQL twin, numbered in order: both stores end at the same
+    /// schema version.
+    #[test]
+    fn postgres_migrations_reach_the_same_schema_version() {
+        let mut at = PG_BASELINE_VERSION;
+        for (to, _) in PG_MIGRATIONS {
+            assert_eq!(*to, at + 1, "PostgreSQL migrations are numbered in order");
+            at = *to;
+        }
+        assert_eq!(at, SCHEMA_VERSION);
+    }
 }

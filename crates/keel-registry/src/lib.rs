@@ -37,6 +37,7 @@ mod chain;
 mod db;
 mod error;
 pub mod http;
+pub mod migrate;
 mod registry;
 mod serve;
 pub mod sign;

@@ -299,6 +299,11 @@ impl Registry {
         })
     }
 
+    /// The connection, for the registry's other modules.
+    pub(crate) fn db(&self) -> &Db {
+        &self.conn
+    }
+
     /// Which database this registry is on.
     pub fn backend(&self) -> Backend {
         self.conn.backend()
