@@ -789,3 +789,65 @@ fn registering_from_storage_reads_every_byte_unless_told_sizes_only() {
         v["model_version"]["manifest_digest"]
     );
 }
+
+/// `keel model migrate` copies a SQLite registry into an empty PostgreSQL
+/// database (versions, aliases, the signature, both chains), refuses to
+/// copy into it again once it holds the registry, and refuses a source
+/// that does not exist.
+#[test]
+#[ignore = "needs PostgreSQL: scripts/services/postgres (scripts/test starts it)"]
+fn migrate_copies_a_sqlite_registry_into_postgres_once() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    e.ok(&["alias", "set", "m", "prod", "1", "--reason", "first"]);
+    e.ok(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("k.pem")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    e.ok(&["sign", "m:1", "--key", s(&e.path("k.pem"))]);
+    let pg = Env::postgres();
+    let Some(db) = &pg.pg else { unreachable!() };
+    let from = format!("sqlite:{}", e.path("reg.db").display());
+    let report = pg.json(&["migrate", "--from", &from, "--to", &db.url]);
+    assert_eq!(report["report"]["signatures"]["checked"], 1, "{report}");
+    assert_eq!(report["report"]["chains"]["alias_events"], 1, "{report}");
+
+    // The PostgreSQL registry (with the SQLite one's artifact store).
+    let o = pg
+        .command()
+        .args([
+            "--json",
+            "verify",
+            "m@prod",
+            "--public-key",
+            s(&e.path("k.pub")),
+        ])
+        .env(
+            "KEEL_ARTIFACT_STORE",
+            format!("file://{}", e.path("store").display()),
+        )
+        .output()
+        .expect("keel");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(pg.ok(&["audit", "verify"]).ends_with("ok\n"));
+    let shown = pg.json(&["show", "m"]);
+    assert_eq!(shown["versions"].as_array().map(Vec::len), Some(2));
+
+    let (code, err) = pg.fails(&["migrate", "--from", &from, "--to", &db.url]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("already holds data"), "{err}");
+    let (code, err) = pg.fails(&[
+        "migrate",
+        "--from",
+        &format!("sqlite:{}", e.path("nothing.db").display()),
+        "--to",
+        &db.url,
+    ]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("no registry database there"), "{err}");
+    assert!(!e.path("nothing.db").exists());
+}
