@@ -105,6 +105,8 @@ struct Readers {
     connector: Option<crate::Connector>,
     idle: Mutex<Vec<Registry>>,
     places: Arc<tokio::sync::Semaphore>,
+    /// How many places there are.
+    size: usize,
     wait: std::time::Duration,
 }
 
@@ -119,6 +121,7 @@ impl Readers {
             connector,
             idle: Mutex::new(Vec::new()),
             places: Arc::new(tokio::sync::Semaphore::new(size)),
+            size,
             wait,
         }
     }
@@ -403,7 +406,7 @@ async fn read_raw<T: Send + 'static>(
             _ => {
                 return Err(unavailable(format!(
                     "all {} database connections stayed busy for {} ms: retry in a few seconds",
-                    connector.pool_size(),
+                    readers.size,
                     readers.wait.as_millis()
                 )))
             }
@@ -2325,6 +2328,61 @@ mod tests {
         assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
         held.pop();
         let _place = heavy_place(&st).await.expect("a place given back");
+    }
+
+    /// Every connection of the pool in use: the next read waits its bound
+    /// and gets 503 TEMPORARILY_UNAVAILABLE; the writer's lock, the same.
+    /// A connection given back serves the next read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_waits_a_bounded_time_for_a_connection_then_gets_503() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let reg =
+            Registry::open(&dir.path().join("r.db"), Arc::new(crate::FixedClock(0))).expect("open");
+        let mut readers = Readers::new(reg.connector());
+        readers.places = Arc::new(tokio::sync::Semaphore::new(1));
+        readers.size = 1;
+        readers.wait = std::time::Duration::from_millis(50);
+        let st = AppState {
+            reg: Arc::new(tokio::sync::Mutex::new(reg)),
+            readers: Arc::new(readers),
+            heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+            heavy_wait: std::time::Duration::from_millis(50),
+            max_response: MAX_RESPONSE_BYTES,
+            token_sha256: None,
+            azure_account: None,
+            tracking: None,
+        };
+        let held = st
+            .readers
+            .places
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("held");
+        let e = read(&st, |r| r.models())
+            .await
+            .expect_err("no connection free");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
+        assert!(
+            e.message.contains("1 database connections"),
+            "{}",
+            e.message
+        );
+        drop(held);
+        assert!(read(&st, |r| r.models())
+            .await
+            .expect("a connection")
+            .is_empty());
+
+        let writer = st.reg.clone().lock_owned().await;
+        let e = db(&st, |r| r.models()).await.expect_err("writer busy");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        drop(writer);
+        assert!(db(&st, |r| r.models())
+            .await
+            .expect("the writer")
+            .is_empty());
     }
 
     #[test]
