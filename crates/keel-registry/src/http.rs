@@ -28,8 +28,9 @@
 //!   run that the configured tracking server records for that logged
 //!   model ([`crate::tracking`]), or none, with a warning.
 //!
-//! Reads run on read-only connections of their own (a snapshot each), so
-//! a long search holds up no other request; writes share one connection.
+//! Reads run on connections of a bounded pool (read-only ones on SQLite;
+//! a snapshot each), so a long search holds up no other request; writes
+//! share one connection.
 //!
 //! What a read makes the server hold is bounded: every list is a page
 //! (`max_results`, `page_token`, `next_page_token`: keel's lists 100 by
@@ -39,9 +40,11 @@
 //! [`HEAVY_READS`] lists, searches or chain checks run at once (the next
 //! waits, then gets 503).
 //!
-//! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
-//! database failures are logged by nobody here and shown as a plain
-//! "internal error", never with internals.
+//! Errors are `{"error_code": ..., "message": ...}` with the HTTP status.
+//! A database that is down, restarting or past its timeouts, and a request
+//! that waited its bound for a pooled connection or for the writer, get
+//! 503 `TEMPORARILY_UNAVAILABLE` (the cause is logged here); other
+//! database failures are a plain "internal error", never with internals.
 
 use std::sync::{Arc, Mutex};
 

@@ -446,6 +446,11 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_SERVE_LISTEN", "serve.listen"),
     ("KEEL_SERVE_KEYS_FILE", "serve.keys_file"),
     ("KEEL_MODEL_DB", "model.db"),
+    (
+        "KEEL_MODEL_DB_PASSWORD",
+        "the PostgreSQL registry's password (else model.db_password_file)",
+    ),
+    ("KEEL_MODEL_DB_CA_FILE", "model.db_ca_file"),
     ("KEEL_ARTIFACT_STORE", "model.artifact_store"),
     ("KEEL_ACTOR", "model.actor"),
     ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
@@ -976,6 +981,37 @@ mod tests {
     }
 
     #[test]
+    fn model_postgres_settings_default_read_and_refuse_zero() {
+        let (c, _) = load_model(None, &|_| None, None).expect("config");
+        assert_eq!((c.db_pool_size, c.db_timeout_ms), (8, 5000));
+        assert_eq!((c.db_password_file, c.db_ca_file), (None, None));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(
+            &f,
+            "[model]
+db = \"postgres://keel@db:5432/reg\"\ndb_password_file = \"/etc/keel/pw\"\ndb_ca_file = \"/etc/keel/ca.pem\"\ndb_pool_size = 3\ndb_timeout_ms = 250\n",
+        )
+        .expect("write");
+        let (c, _) = load_model(Some(&f), &|_| None, None).expect("config");
+        assert_eq!(c.db, PathBuf::from("postgres://keel@db:5432/reg"));
+        assert!(is_postgres_db(&c.db));
+        assert_eq!(c.db_password_file, Some(PathBuf::from("/etc/keel/pw")));
+        assert_eq!((c.db_pool_size, c.db_timeout_ms), (3, 250));
+        // No artifact directory is guessed beside a PostgreSQL database.
+        assert_eq!(c.artifact_store, "");
+        let env = |k: &str| (k == "KEEL_MODEL_DB_CA_FILE").then(|| "/run/ca.pem".to_owned());
+        let (c, _) = load_model(Some(&f), &env, None).expect("config");
+        assert_eq!(c.db_ca_file, Some(PathBuf::from("/run/ca.pem")));
+        std::fs::write(&f, "[model]\ndb_pool_size = 0\n").expect("write");
+        let err = load_model(Some(&f), &|_| None, None).expect_err("zero");
+        assert!(
+            format!("{err:#}").contains("model.db_pool_size must be at least 1"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
     fn every_key_is_documented() {
         let doc = include_str!("../../../docs/config.md");
         // Every field of the effective config, read from the struct itself.
@@ -1013,7 +1049,7 @@ mod tests {
         )
         .expect("serialises");
         let keys: Vec<String> = model.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 9);
+        assert_eq!(keys.len(), 13);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),
