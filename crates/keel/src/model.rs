@@ -1720,6 +1720,24 @@ mod tests {
     use super::*;
     use keel_registry::Status;
 
+    /// A password file is its owner's alone and holds one line; its
+    /// trailing newline is not part of the password.
+    #[test]
+    fn password_files_are_private_and_one_line() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "s3cret\n").expect("write");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let e = read_password_file(&f).expect_err("readable by others");
+        assert!(format!("{e:#}").contains("chmod 600"), "{e:#}");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert_eq!(read_password_file(&f).expect("read"), "s3cret");
+        std::fs::write(&f, "a\nb\n").expect("write");
+        let e = read_password_file(&f).expect_err("two lines");
+        assert!(format!("{e:#}").contains("one line"), "{e:#}");
+    }
+
     #[test]
     fn digests_and_key_hints_shorten_by_character() {
         assert_eq!(head("0123456789abcdef0123", 12), "0123456789ab");
