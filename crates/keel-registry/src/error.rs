@@ -2,13 +2,21 @@
 
 use std::path::PathBuf;
 
+use crate::storage::DbError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     #[error("cannot open the registry database {path}")]
     Open {
         path: PathBuf,
         #[source]
-        source: rusqlite::Error,
+        source: DbError,
+    },
+    #[error("cannot connect to the registry database {location}")]
+    Connect {
+        location: String,
+        #[source]
+        source: DbError,
     },
     #[error(
         "registry database {path} has schema version {found}, newer than this keel knows ({known})"
@@ -22,7 +30,7 @@ pub enum RegistryError {
     Db {
         context: &'static str,
         #[source]
-        source: rusqlite::Error,
+        source: DbError,
     },
     #[error("invalid {what} {value:?}: {reason}")]
     Invalid {
@@ -68,11 +76,31 @@ pub enum RegistryError {
     BadBackup { path: PathBuf, reason: String },
     #[error("the registry database {path} already holds data (use force to replace it)")]
     NotEmpty { path: PathBuf },
+    #[error("{what} is not available on {backend}: {hint}")]
+    Unsupported {
+        what: &'static str,
+        backend: &'static str,
+        hint: &'static str,
+    },
+    #[error("cannot migrate the registry: {reason}")]
+    Migrate { reason: String },
 }
 
 impl RegistryError {
-    pub(crate) fn db(context: &'static str) -> impl FnOnce(rusqlite::Error) -> Self {
-        move |source| Self::Db { context, source }
+    pub(crate) fn db<E: Into<DbError>>(context: &'static str) -> impl FnOnce(E) -> Self {
+        move |source| Self::Db {
+            context,
+            source: source.into(),
+        }
+    }
+
+    /// Whether the database could not be reached or was busy past its
+    /// bounds (HTTP 503, worth a retry), rather than the request failing.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Self::Db { source, .. } | Self::Connect { source, .. } => source.is_unavailable(),
+            _ => false,
+        }
     }
 
     /// Whether the error is about something that does not exist (HTTP 404,

@@ -28,8 +28,9 @@
 //!   run that the configured tracking server records for that logged
 //!   model ([`crate::tracking`]), or none, with a warning.
 //!
-//! Reads run on read-only connections of their own (a snapshot each), so
-//! a long search holds up no other request; writes share one connection.
+//! Reads run on connections of a bounded pool (read-only ones on SQLite;
+//! a snapshot each), so a long search holds up no other request; writes
+//! share one connection.
 //!
 //! What a read makes the server hold is bounded: every list is a page
 //! (`max_results`, `page_token`, `next_page_token`: keel's lists 100 by
@@ -39,9 +40,11 @@
 //! [`HEAVY_READS`] lists, searches or chain checks run at once (the next
 //! waits, then gets 503).
 //!
-//! Errors are `{"error_code": ..., "message": ...}` with the HTTP status;
-//! database failures are logged by nobody here and shown as a plain
-//! "internal error", never with internals.
+//! Errors are `{"error_code": ..., "message": ...}` with the HTTP status.
+//! A database that is down, restarting or past its timeouts, and a request
+//! that waited its bound for a pooled connection or for the writer, get
+//! 503 `TEMPORARILY_UNAVAILABLE` (the cause is logged here); other
+//! database failures are a plain "internal error", never with internals.
 
 use std::sync::{Arc, Mutex};
 
@@ -80,8 +83,9 @@ pub struct ServeOptions {
 
 #[derive(Clone)]
 struct AppState {
-    /// The writer: every change goes through it, one at a time.
-    reg: Arc<Mutex<Registry>>,
+    /// The writer: every change goes through it, one at a time (a
+    /// request waits for it at most `readers.wait`).
+    reg: Arc<tokio::sync::Mutex<Registry>>,
     readers: Arc<Readers>,
     /// Places for heavy reads (lists, searches, the chain check).
     heavy: Arc<tokio::sync::Semaphore>,
@@ -94,16 +98,60 @@ struct AppState {
     tracking: Option<crate::tracking::TrackingServer>,
 }
 
-/// Read-only connections to the database file, so that no read (a long
-/// search) holds up another request or waits for a write. An in-memory
-/// registry has only its writer's connection: reads take its lock.
+/// The pool of read connections (read-only ones to a SQLite file, full
+/// ones to PostgreSQL), so that no read (a long search) holds up another
+/// request or waits for a write. At most `places` of them are open at
+/// once (the connector's pool size); a request waits at most `wait` for
+/// one, then gets 503. An in-memory registry has only its writer's
+/// connection: reads take its lock.
 struct Readers {
-    source: Option<(std::path::PathBuf, Arc<dyn crate::Clock>)>,
+    connector: Option<crate::Connector>,
     idle: Mutex<Vec<Registry>>,
+    places: Arc<tokio::sync::Semaphore>,
+    /// How many places there are.
+    size: usize,
+    wait: std::time::Duration,
 }
 
-/// Idle read connections kept for the next requests.
-const IDLE_READERS: usize = 8;
+impl Readers {
+    fn new(connector: Option<crate::Connector>) -> Self {
+        let (size, wait) = connector
+            .as_ref()
+            .map_or((1, crate::registry::SQLITE_POOL_WAIT), |c| {
+                (c.pool_size(), c.wait())
+            });
+        Self {
+            connector,
+            idle: Mutex::new(Vec::new()),
+            places: Arc::new(tokio::sync::Semaphore::new(size)),
+            size,
+            wait,
+        }
+    }
+}
+
+/// An error with its sources, `a: b: c` (what the log says).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+/// The answer to a request that found the database unreachable or every
+/// connection busy past its bound: MLflow's code for it, which its client
+/// retries.
+fn unavailable(message: impl Into<String>) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "TEMPORARILY_UNAVAILABLE",
+        message,
+    )
+}
 
 /// Heavy reads (a list, a search, the chain check) that run at once; more
 /// wait up to [`HEAVY_WAIT`] for a place, then get 503 with
@@ -300,7 +348,12 @@ impl IntoResponse for ApiError {
 
 impl From<RegistryError> for ApiError {
     fn from(e: RegistryError) -> Self {
-        if e.is_not_found() {
+        if e.is_unavailable() {
+            // The database is down, restarting or busy past the bounds:
+            // worth a retry. What failed goes to the log, not the client.
+            tracing::warn!(error = %error_chain(&e), "registry database unavailable");
+            unavailable("the registry database is unavailable or busy: retry in a few seconds")
+        } else if e.is_not_found() {
             Self::new(
                 StatusCode::NOT_FOUND,
                 "RESOURCE_DOES_NOT_EXIST",
@@ -346,23 +399,37 @@ async fn read_raw<T: Send + 'static>(
     st: &AppState,
     f: impl FnOnce(&Registry) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<Result<T, RegistryError>, ApiError> {
-    let Some((path, clock)) = st.readers.source.clone() else {
+    let Some(connector) = st.readers.connector.clone() else {
         return db_raw(st, move |r| r.snapshot(f)).await;
     };
     let readers = st.readers.clone();
+    let place =
+        match tokio::time::timeout(readers.wait, readers.places.clone().acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                return Err(unavailable(format!(
+                    "all {} database connections stayed busy for {} ms: retry in a few seconds",
+                    readers.size,
+                    readers.wait.as_millis()
+                )))
+            }
+        };
     tokio::task::spawn_blocking(move || {
+        let _place = place;
         let idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let r = match idle {
             Some(r) => r,
-            None => match Registry::open_reader(&path, clock) {
-                Ok(r) => r,
-                Err(e) => return Err(e),
-            },
+            None => connector.open()?,
         };
         let out = r.snapshot(f);
-        let mut idle = readers.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if idle.len() < IDLE_READERS {
-            idle.push(r);
+        // A connection that failed is closed rather than pooled; the next
+        // request opens a new one.
+        if !out.as_ref().is_err_and(RegistryError::is_unavailable) {
+            readers
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(r);
         }
         out
     })
@@ -389,28 +456,27 @@ async fn db_raw<T: Send + 'static>(
     st: &AppState,
     f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<Result<T, RegistryError>, ApiError> {
-    let reg = st.reg.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut r = reg.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut r)
-    })
-    .await
-    .map_err(|_| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "INTERNAL_ERROR",
-            "internal error",
-        )
-    })
+    let wait = st.readers.wait;
+    let Ok(mut r) = tokio::time::timeout(wait, st.reg.clone().lock_owned()).await else {
+        return Err(unavailable(format!(
+            "the registry's writer stayed busy for {} ms: retry in a few seconds",
+            wait.as_millis()
+        )));
+    };
+    tokio::task::spawn_blocking(move || f(&mut r))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "INTERNAL_ERROR",
+                "internal error",
+            )
+        })
 }
 
 /// The application: every route, behind authentication.
 pub fn router(reg: Registry, opts: ServeOptions) -> Router {
-    let memory = reg.path() == std::path::Path::new(":memory:");
-    let readers = Readers {
-        source: (!memory).then(|| (reg.path().to_owned(), reg.clock())),
-        idle: Mutex::new(Vec::new()),
-    };
+    let readers = Readers::new(reg.connector());
     let st = AppState {
         readers: Arc::new(readers),
         heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
@@ -420,7 +486,7 @@ pub fn router(reg: Registry, opts: ServeOptions) -> Router {
         } else {
             opts.max_response_bytes
         },
-        reg: Arc::new(Mutex::new(reg)),
+        reg: Arc::new(tokio::sync::Mutex::new(reg)),
         token_sha256: opts.token_sha256.map(|s| s.to_ascii_lowercase()),
         azure_account: opts.azure_account.map(Arc::from),
         tracking: opts.tracking,
@@ -2247,11 +2313,8 @@ mod tests {
     async fn heavy_reads_take_one_of_a_few_places() {
         let reg = Registry::open_in_memory(Arc::new(crate::FixedClock(0))).expect("registry");
         let st = AppState {
-            reg: Arc::new(Mutex::new(reg)),
-            readers: Arc::new(Readers {
-                source: None,
-                idle: Mutex::new(Vec::new()),
-            }),
+            reg: Arc::new(tokio::sync::Mutex::new(reg)),
+            readers: Arc::new(Readers::new(None)),
             heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
             heavy_wait: std::time::Duration::from_millis(50),
             max_response: MAX_RESPONSE_BYTES,
@@ -2268,6 +2331,61 @@ mod tests {
         assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
         held.pop();
         let _place = heavy_place(&st).await.expect("a place given back");
+    }
+
+    /// Every connection of the pool in use: the next read waits its bound
+    /// and gets 503 TEMPORARILY_UNAVAILABLE; the writer's lock, the same.
+    /// A connection given back serves the next read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_waits_a_bounded_time_for_a_connection_then_gets_503() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let reg =
+            Registry::open(&dir.path().join("r.db"), Arc::new(crate::FixedClock(0))).expect("open");
+        let mut readers = Readers::new(reg.connector());
+        readers.places = Arc::new(tokio::sync::Semaphore::new(1));
+        readers.size = 1;
+        readers.wait = std::time::Duration::from_millis(50);
+        let st = AppState {
+            reg: Arc::new(tokio::sync::Mutex::new(reg)),
+            readers: Arc::new(readers),
+            heavy: Arc::new(tokio::sync::Semaphore::new(HEAVY_READS)),
+            heavy_wait: std::time::Duration::from_millis(50),
+            max_response: MAX_RESPONSE_BYTES,
+            token_sha256: None,
+            azure_account: None,
+            tracking: None,
+        };
+        let held = st
+            .readers
+            .places
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("held");
+        let e = read(&st, |r| r.models())
+            .await
+            .expect_err("no connection free");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, "TEMPORARILY_UNAVAILABLE");
+        assert!(
+            e.message.contains("1 database connections"),
+            "{}",
+            e.message
+        );
+        drop(held);
+        assert!(read(&st, |r| r.models())
+            .await
+            .expect("a connection")
+            .is_empty());
+
+        let writer = st.reg.clone().lock_owned().await;
+        let e = db(&st, |r| r.models()).await.expect_err("writer busy");
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        drop(writer);
+        assert!(db(&st, |r| r.models())
+            .await
+            .expect("the writer")
+            .is_empty());
     }
 
     #[test]

@@ -37,9 +37,11 @@ mod chain;
 mod db;
 mod error;
 pub mod http;
+pub mod migrate;
 mod registry;
 mod serve;
 pub mod sign;
+mod storage;
 mod time;
 pub mod tracking;
 mod types;
@@ -48,8 +50,9 @@ pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;
 pub use registry::{
-    limits, version_manifest, Artifacts, ModelRow, NewVersion, Registry, VersionRow,
+    limits, version_manifest, Artifacts, Connector, ModelRow, NewVersion, Registry, VersionRow,
 };
+pub use storage::{is_postgres_url, Backend, DbError, PgOptions};
 pub use time::{rfc3339, Clock, FixedClock};
 pub use types::{
     check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,

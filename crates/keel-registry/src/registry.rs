@@ -1,12 +1,13 @@
-//! [`Registry`]: every operation on the database. Each mutating operation
-//! is one `BEGIN IMMEDIATE` transaction that also appends its audit event
-//! (and alias event), so either all of it is stored or none.
+//! [`Registry`]: every operation on the database, written once over the
+//! [`crate::storage`] trait for SQLite and PostgreSQL alike. Each mutating
+//! operation is one write transaction (serialised with every other
+//! writer, on every replica) that also appends its audit event (and alias
+//! event), so either all of it is stored or none.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use serde_json::json;
 
 use keel_store::{Digest, FileEntry, Manifest};
@@ -15,6 +16,7 @@ use crate::chain::{
     self, AliasRecord, AuditRecord, Break, ChainName, ChainReport, ALIAS_DOMAIN, AUDIT_DOMAIN,
     GENESIS,
 };
+use crate::storage::{params, Backend, Db, Param, Tx, TxMode};
 use crate::types::{
     check_alias, check_model_name, AliasAction, AliasEvent, AliasTarget, ApiKey, AuditEvent,
     Lineage, Model, Role, SignatureRecord, Status, Tag, Version, VersionFile, VersionRef,
@@ -72,10 +74,10 @@ pub struct ModelRow {
     pub tags: Vec<Tag>,
 }
 
-/// The model registry on one SQLite database.
+/// The model registry on one SQLite or PostgreSQL database.
 #[derive(Debug)]
 pub struct Registry {
-    conn: Connection,
+    conn: Db,
     clock: Arc<dyn Clock>,
     path: PathBuf,
 }
@@ -195,8 +197,69 @@ fn check_tag(t: &Tag) -> Result<()> {
     Ok(())
 }
 
+/// Opens more connections to one registry's database (a pool's):
+/// [`Registry::connector`].
+#[derive(Debug, Clone)]
+pub struct Connector {
+    kind: ConnectorKind,
+    clock: Arc<dyn Clock>,
+    path: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+enum ConnectorKind {
+    SqliteReader,
+    Postgres(Arc<crate::storage::PgTarget>),
+}
+
+/// A SQLite registry's pool: this many read connections at most.
+pub const SQLITE_POOL_SIZE: usize = 8;
+/// How long a SQLite request waits for a read connection of the pool.
+pub const SQLITE_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Connector {
+    /// A new connection, as a registry (on SQLite, read-only).
+    pub fn open(&self) -> Result<Registry> {
+        let conn = match &self.kind {
+            ConnectorKind::SqliteReader => Db(Box::new(crate::db::open_sqlite_reader(&self.path)?)),
+            ConnectorKind::Postgres(t) => Db(Box::new(
+                crate::storage::Postgres::connect(t.clone()).map_err(|source| {
+                    RegistryError::Connect {
+                        location: t.location().display().to_string(),
+                        source,
+                    }
+                })?,
+            )),
+        };
+        Ok(Registry {
+            conn,
+            clock: self.clock.clone(),
+            path: self.path.clone(),
+        })
+    }
+
+    /// The most connections a pool opens with this connector
+    /// (PostgreSQL: the configured `db_pool_size`).
+    pub fn pool_size(&self) -> usize {
+        match &self.kind {
+            ConnectorKind::SqliteReader => SQLITE_POOL_SIZE,
+            ConnectorKind::Postgres(t) => t.pool_size,
+        }
+    }
+
+    /// The longest a request waits for anything of the database: a
+    /// connection of the pool, the write lock, one statement
+    /// (PostgreSQL: the configured `db_timeout`).
+    pub fn wait(&self) -> std::time::Duration {
+        match &self.kind {
+            ConnectorKind::SqliteReader => SQLITE_POOL_WAIT,
+            ConnectorKind::Postgres(t) => t.timeout,
+        }
+    }
+}
+
 impl Registry {
-    /// Opens (creating and migrating) the database at `path`.
+    /// Opens (creating and migrating) the SQLite database at `path`.
     pub fn open(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
         Ok(Self {
             conn: crate::db::open(path)?,
@@ -223,50 +286,76 @@ impl Registry {
         self.clock.clone()
     }
 
+    /// Connects to a PostgreSQL registry (creating and migrating its
+    /// schema): the same registry as [`Registry::open`]'s, on a database
+    /// several `keel model serve` replicas share.
+    pub fn open_postgres(opts: &crate::PgOptions, clock: Arc<dyn Clock>) -> Result<Self> {
+        let target = Arc::new(crate::storage::PgTarget::new(opts)?);
+        let path = target.location().to_owned();
+        Ok(Self {
+            conn: crate::db::open_postgres(target)?,
+            clock,
+            path,
+        })
+    }
+
+    /// The connection, for the registry's other modules.
+    pub(crate) fn db(&self) -> &Db {
+        &self.conn
+    }
+
+    /// Which database this registry is on.
+    pub fn backend(&self) -> Backend {
+        self.conn.backend()
+    }
+
     /// A read-only registry on its own connection to the database file at
     /// `path` (already created and migrated by [`Registry::open`]): reads
     /// on it neither wait for writers nor hold them up (WAL).
     pub fn open_reader(path: &Path, clock: Arc<dyn Clock>) -> Result<Self> {
-        let open_err = |source| RegistryError::Open {
-            path: path.to_owned(),
-            source,
-        };
-        let conn = Connection::open_with_flags(
-            path,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE
-                | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX
-                | rusqlite::OpenFlags::SQLITE_OPEN_URI,
-        )
-        .map_err(open_err)?;
-        conn.busy_timeout(std::time::Duration::from_secs(30))
-            .map_err(open_err)?;
-        conn.pragma_update(None, "query_only", true)
-            .map_err(open_err)?;
         Ok(Self {
-            conn,
+            conn: Db(Box::new(crate::db::open_sqlite_reader(path)?)),
             clock,
             path: path.to_owned(),
+        })
+    }
+
+    /// How to open more connections to this registry's database, for a
+    /// pool of them: read-only ones on SQLite (in WAL they neither wait
+    /// for the writer nor hold it up), full ones on PostgreSQL; `None`
+    /// for an in-memory registry, which only its own connection sees.
+    pub fn connector(&self) -> Option<Connector> {
+        let kind = match self.conn.0.pg_target() {
+            Some(t) => ConnectorKind::Postgres(t.clone()),
+            None if self.conn.0.another_possible() => ConnectorKind::SqliteReader,
+            None => return None,
+        };
+        Some(Connector {
+            kind,
+            clock: self.clock.clone(),
+            path: self.path.clone(),
         })
     }
 
     /// Runs `f` in one read transaction: every query it makes sees the
     /// same committed state.
     pub fn snapshot<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
-        self.conn
-            .execute_batch("BEGIN DEFERRED")
+        let tx = self
+            .conn
+            .begin(TxMode::Read)
             .map_err(RegistryError::db("starting a read"))?;
         let out = f(self);
         // A read has nothing to keep: ending it only releases its snapshot
         // (and a connection must never be left inside a transaction).
-        if self.conn.execute_batch("COMMIT").is_err() {
-            let _ = self.conn.execute_batch("ROLLBACK");
+        if out.is_ok() {
+            tx.commit().map_err(RegistryError::db("ending a read"))?;
         }
         out
     }
 
-    fn begin(&mut self) -> Result<Transaction<'_>> {
+    fn begin(&mut self) -> Result<Tx<'_>> {
         self.conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .begin(TxMode::Write)
             .map_err(RegistryError::db("starting a write transaction"))
     }
 
@@ -305,17 +394,12 @@ impl Registry {
 
     /// Every model, by name.
     pub fn models(&self) -> Result<Vec<Model>> {
-        let ids: Vec<i64> = {
-            let mut st = self
-                .conn
-                .prepare("SELECT id FROM models ORDER BY name")
-                .map_err(RegistryError::db("listing models"))?;
-            let rows = st
-                .query_map([], |r| r.get(0))
-                .map_err(RegistryError::db("listing models"))?;
-            rows.collect::<rusqlite::Result<_>>()
-                .map_err(RegistryError::db("listing models"))?
-        };
+        let ids: Vec<i64> = self
+            .conn
+            .query_map("SELECT id FROM models ORDER BY name", params![], |r| {
+                r.get(0)
+            })
+            .map_err(RegistryError::db("listing models"))?;
         ids.into_iter()
             .map(|id| load_model(&self.conn, id))
             .collect()
@@ -326,17 +410,7 @@ impl Registry {
     pub fn models_after(&self, after: Option<&str>, limit: usize) -> Result<Vec<Model>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let ids: Vec<i64> = {
-            let mut st = self
-                .conn
-                .prepare(
-                    "SELECT id FROM models WHERE ?1 IS NULL OR name > ?1 ORDER BY name LIMIT ?2",
-                )
-                .map_err(RegistryError::db("listing models"))?;
-            let rows = st
-                .query_map(params![after, limit], |r| r.get(0))
-                .map_err(RegistryError::db("listing models"))?;
-            rows.collect::<rusqlite::Result<_>>()
-                .map_err(RegistryError::db("listing models"))?
+            self.conn.query_map("SELECT id FROM models WHERE CAST(?1 AS TEXT) IS NULL OR name > ?1 ORDER BY name LIMIT ?2", params![after, limit], |r| r.get(0)).map_err(RegistryError::db("listing models"))?
         };
         ids.into_iter()
             .map(|id| load_model(&self.conn, id))
@@ -352,7 +426,7 @@ impl Registry {
         let n: i64 = tx
             .query_row(
                 "SELECT COUNT(*) FROM versions WHERE model_id = ?1",
-                [id],
+                params![id],
                 |r| r.get(0),
             )
             .map_err(RegistryError::db("counting versions"))?;
@@ -367,7 +441,7 @@ impl Registry {
             "DELETE FROM aliases WHERE model_id = ?1",
             "DELETE FROM models WHERE id = ?1",
         ] {
-            tx.execute(sql, [id])
+            tx.execute(sql, params![id])
                 .map_err(RegistryError::db("deleting a model"))?;
         }
         audit(&tx, now, actor, "model.delete", name, json!({}))?;
@@ -381,7 +455,7 @@ impl Registry {
         let tx = self.begin()?;
         let id = require_model(&tx, name)?;
         tx.execute(
-            "UPDATE models SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            "UPDATE models SET description = ?2, updated_ms = CASE WHEN updated_ms > ?3 THEN updated_ms ELSE ?3 END WHERE id = ?1",
             params![id, description, now],
         )
         .map_err(RegistryError::db("updating a model"))?;
@@ -427,7 +501,7 @@ impl Registry {
             });
         }
         tx.execute(
-            "UPDATE models SET name = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            "UPDATE models SET name = ?2, updated_ms = CASE WHEN updated_ms > ?3 THEN updated_ms ELSE ?3 END WHERE id = ?1",
             params![id, new_name, now],
         )
         .map_err(RegistryError::db("renaming a model"))?;
@@ -550,14 +624,14 @@ impl Registry {
         let number: i64 = tx
             .query_row(
                 "SELECT COALESCE(MAX(number), 0) + 1 FROM versions WHERE model_id = ?1",
-                [id],
+                params![id],
                 |r| r.get(0),
             )
             .map_err(RegistryError::db("numbering a version"))?;
-        tx.execute(
+        let vid: i64 = tx.query_row(
             "INSERT INTO versions (model_id, number, status, source, description, run_id, lineage,
                                    created_ms, created_by, updated_ms)
-             VALUES (?1, ?2, 'PENDING_REGISTRATION', ?3, ?4, ?5, ?6, ?7, ?8, ?7)",
+             VALUES (?1, ?2, 'PENDING_REGISTRATION', ?3, ?4, ?5, ?6, ?7, ?8, ?7) RETURNING id",
             params![
                 id,
                 number,
@@ -568,9 +642,9 @@ impl Registry {
                 now,
                 actor
             ],
+            |r| r.get(0),
         )
         .map_err(RegistryError::db("inserting a version"))?;
-        let vid = tx.last_insert_rowid();
         for t in &new.tags {
             tx.execute(
                 "INSERT INTO version_tags (version_id, key, value) VALUES (?1, ?2, ?3)
@@ -721,7 +795,7 @@ impl Registry {
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, number)?;
         tx.execute(
-            "UPDATE versions SET description = ?2, updated_ms = MAX(updated_ms, ?3) WHERE id = ?1",
+            "UPDATE versions SET description = ?2, updated_ms = CASE WHEN updated_ms > ?3 THEN updated_ms ELSE ?3 END WHERE id = ?1",
             params![vid, description, now],
         )
         .map_err(RegistryError::db("updating a version"))?;
@@ -761,7 +835,7 @@ impl Registry {
         let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
             name: model.to_owned(),
         })?;
-        self.version_ids("WHERE v.model_id = ?1", &[&id])?
+        self.version_ids("WHERE v.model_id = ?1", params![id])?
             .into_iter()
             .map(|vid| load_version(&self.conn, vid))
             .collect()
@@ -775,11 +849,14 @@ impl Registry {
         })?;
         let after = i64::try_from(after).unwrap_or(i64::MAX);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.version_ids("WHERE v.model_id = ?1 AND v.number > ?2", &[&id, &after])?
-            .into_iter()
-            .take(usize::try_from(limit).unwrap_or(usize::MAX))
-            .map(|vid| load_version(&self.conn, vid))
-            .collect()
+        self.version_ids(
+            "WHERE v.model_id = ?1 AND v.number > ?2",
+            params![id, after],
+        )?
+        .into_iter()
+        .take(usize::try_from(limit).unwrap_or(usize::MAX))
+        .map(|vid| load_version(&self.conn, vid))
+        .collect()
     }
 
     /// Versions across models, optionally of one model and one run.
@@ -788,65 +865,64 @@ impl Registry {
         model: Option<&str>,
         run_id: Option<&str>,
     ) -> Result<Vec<Version>> {
-        let mut clauses = Vec::new();
-        let mut args: Vec<&dyn rusqlite::ToSql> = Vec::new();
-        if let Some(m) = &model {
-            args.push(m);
-            clauses.push(format!("m.name = ?{}", args.len()));
-        }
-        if let Some(r) = &run_id {
-            args.push(r);
-            clauses.push(format!("v.run_id = ?{}", args.len()));
-        }
-        let filter = if clauses.is_empty() {
-            String::new()
-        } else {
-            format!("WHERE {}", clauses.join(" AND "))
-        };
-        self.version_ids(&filter, &args)?
-            .into_iter()
-            .map(|vid| load_version(&self.conn, vid))
-            .collect()
+        self.version_ids(
+            "WHERE (CAST(?1 AS TEXT) IS NULL OR m.name = ?1)
+               AND (CAST(?2 AS TEXT) IS NULL OR v.run_id = ?2)",
+            params![model, run_id],
+        )?
+        .into_iter()
+        .map(|vid| load_version(&self.conn, vid))
+        .collect()
     }
 
     /// Every version's searchable fields (one query, no files, tags only
-    /// when asked for), optionally of one model: what a search filters and
-    /// sorts before it loads the versions of one page.
+    /// when asked for, in one more), optionally of one model: what a
+    /// search filters and sorts before it loads the versions of one page.
     pub fn version_rows(&self, model: Option<&str>, with_tags: bool) -> Result<Vec<VersionRow>> {
-        let mut st = self
+        let mut out = self
             .conn
-            .prepare(
+            .query_map(
                 "SELECT v.id, m.name, v.number, v.run_id, v.source, v.artifact_url, v.created_ms, v.updated_ms
                  FROM versions v JOIN models m ON m.id = v.model_id
-                 WHERE ?1 IS NULL OR m.name = ?1",
+                 WHERE CAST(?1 AS TEXT) IS NULL OR m.name = ?1
+                 ORDER BY v.id",
+                params![model],
+                |r| {
+                    Ok(VersionRow {
+                        id: r.get(0)?,
+                        model: r.get(1)?,
+                        version: r.get::<i64>(2)? as u64,
+                        run_id: r.get(3)?,
+                        source: r.get(4)?,
+                        artifact_url: r.get(5)?,
+                        created_ms: r.get(6)?,
+                        updated_ms: r.get(7)?,
+                        tags: Vec::new(),
+                    })
+                },
             )
             .map_err(RegistryError::db("listing versions"))?;
-        let rows = st
-            .query_map([model], |r| {
-                Ok(VersionRow {
-                    id: r.get(0)?,
-                    model: r.get(1)?,
-                    version: r.get::<_, i64>(2)? as u64,
-                    run_id: r.get(3)?,
-                    source: r.get(4)?,
-                    artifact_url: r.get(5)?,
-                    created_ms: r.get(6)?,
-                    updated_ms: r.get(7)?,
-                    tags: Vec::new(),
-                })
-            })
-            .map_err(RegistryError::db("listing versions"))?;
-        let mut out = rows
-            .collect::<rusqlite::Result<Vec<_>>>()
-            .map_err(RegistryError::db("listing versions"))?;
         if with_tags {
-            for row in &mut out {
-                row.tags = read_tags(
-                    &self.conn,
-                    "SELECT key, value FROM version_tags WHERE version_id = ?1 ORDER BY key",
-                    row.id,
-                )?;
-            }
+            let tags = self
+                .conn
+                .query_map(
+                    "SELECT t.version_id, t.key, t.value FROM version_tags t
+                     JOIN versions v ON v.id = t.version_id JOIN models m ON m.id = v.model_id
+                     WHERE CAST(?1 AS TEXT) IS NULL OR m.name = ?1
+                     ORDER BY t.version_id, t.key",
+                    params![model],
+                    |r| {
+                        Ok((
+                            r.get::<i64>(0)?,
+                            Tag {
+                                key: r.get(1)?,
+                                value: r.get(2)?,
+                            },
+                        ))
+                    },
+                )
+                .map_err(RegistryError::db("reading tags"))?;
+            attach_tags(&mut out, tags, |row| row.id, |row| &mut row.tags);
         }
         Ok(out)
     }
@@ -858,49 +934,51 @@ impl Registry {
 
     /// Every model's searchable fields (tags only when asked for).
     pub fn model_rows(&self, with_tags: bool) -> Result<Vec<ModelRow>> {
-        let mut st = self
+        let mut out = self
             .conn
-            .prepare("SELECT id, name, created_ms, updated_ms FROM models")
-            .map_err(RegistryError::db("listing models"))?;
-        let rows = st
-            .query_map([], |r| {
-                Ok(ModelRow {
-                    id: r.get(0)?,
-                    name: r.get(1)?,
-                    created_ms: r.get(2)?,
-                    updated_ms: r.get(3)?,
-                    tags: Vec::new(),
-                })
-            })
-            .map_err(RegistryError::db("listing models"))?;
-        let mut out = rows
-            .collect::<rusqlite::Result<Vec<_>>>()
+            .query_map(
+                "SELECT id, name, created_ms, updated_ms FROM models ORDER BY id",
+                params![],
+                |r| {
+                    Ok(ModelRow {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        created_ms: r.get(2)?,
+                        updated_ms: r.get(3)?,
+                        tags: Vec::new(),
+                    })
+                },
+            )
             .map_err(RegistryError::db("listing models"))?;
         if with_tags {
-            for row in &mut out {
-                row.tags = read_tags(
-                    &self.conn,
-                    "SELECT key, value FROM model_tags WHERE model_id = ?1 ORDER BY key",
-                    row.id,
-                )?;
-            }
+            let tags = self
+                .conn
+                .query_map(
+                    "SELECT model_id, key, value FROM model_tags ORDER BY model_id, key",
+                    params![],
+                    |r| {
+                        Ok((
+                            r.get::<i64>(0)?,
+                            Tag {
+                                key: r.get(1)?,
+                                value: r.get(2)?,
+                            },
+                        ))
+                    },
+                )
+                .map_err(RegistryError::db("reading tags"))?;
+            attach_tags(&mut out, tags, |row| row.id, |row| &mut row.tags);
         }
         Ok(out)
     }
 
-    fn version_ids(&self, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<i64>> {
+    fn version_ids(&self, filter: &str, args: &[Param<'_>]) -> Result<Vec<i64>> {
         let sql = format!(
             "SELECT v.id FROM versions v JOIN models m ON m.id = v.model_id {filter}
              ORDER BY m.name, v.number"
         );
-        let mut st = self
-            .conn
-            .prepare(&sql)
-            .map_err(RegistryError::db("listing versions"))?;
-        let rows = st
-            .query_map(args, |r| r.get(0))
-            .map_err(RegistryError::db("listing versions"))?;
-        rows.collect::<rusqlite::Result<_>>()
+        self.conn
+            .query_map(&sql, args, |r| r.get(0))
             .map_err(RegistryError::db("listing versions"))
     }
 
@@ -927,7 +1005,7 @@ impl Registry {
                     .conn
                     .query_row(
                         "SELECT MAX(number) FROM versions WHERE model_id = ?1 AND status = 'READY'",
-                        [id],
+                        params![id],
                         |r| r.get(0),
                     )
                     .map_err(RegistryError::db("finding the latest version"))?;
@@ -961,9 +1039,11 @@ impl Registry {
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, version)?;
         let status: String = tx
-            .query_row("SELECT status FROM versions WHERE id = ?1", [vid], |r| {
-                r.get(0)
-            })
+            .query_row(
+                "SELECT status FROM versions WHERE id = ?1",
+                params![vid],
+                |r| r.get(0),
+            )
             .map_err(RegistryError::db("reading a version"))?;
         if status != "READY" {
             return Err(RegistryError::WrongStatus {
@@ -1224,22 +1304,16 @@ impl Registry {
         let audit_head = audit_check.finish(meta(&self.conn, "audit_head")?, &mut breaks);
 
         // Aliases now versus their replayed history.
-        let mut current: BTreeMap<(String, String), u64> = BTreeMap::new();
-        {
-            let mut st = self
-                .conn
-                .prepare("SELECT m.name, a.alias, a.version FROM aliases a JOIN models m ON m.id = a.model_id")
-                .map_err(RegistryError::db("reading aliases"))?;
-            let rows = st
-                .query_map([], |r| {
-                    Ok(((r.get(0)?, r.get(1)?), r.get::<_, i64>(2)? as u64))
-                })
-                .map_err(RegistryError::db("reading aliases"))?;
-            for row in rows {
-                let (k, v) = row.map_err(RegistryError::db("reading aliases"))?;
-                current.insert(k, v);
-            }
-        }
+        let current: BTreeMap<(String, String), u64> = self
+            .conn
+            .query_map(
+                "SELECT m.name, a.alias, a.version FROM aliases a JOIN models m ON m.id = a.model_id",
+                params![],
+                |r| Ok(((r.get(0)?, r.get(1)?), r.get::<i64>(2)? as u64)),
+            )
+            .map_err(RegistryError::db("reading aliases"))?
+            .into_iter()
+            .collect();
         let keys: std::collections::BTreeSet<_> =
             replayed.keys().chain(current.keys()).cloned().collect();
         for k in keys {
@@ -1372,10 +1446,10 @@ impl Registry {
         })?;
         let vid = version_row_id(&self.conn, id, model, number)?;
         self.conn
-            .query_row(
+            .query_opt(
                 "SELECT bundle, public_key_pem, key_hint, created_ms, created_by FROM signatures
                  WHERE version_id = ?1 ORDER BY id DESC LIMIT 1",
-                [vid],
+                params![vid],
                 |r| {
                     Ok(SignatureRecord {
                         model: model.to_owned(),
@@ -1388,7 +1462,6 @@ impl Registry {
                     })
                 },
             )
-            .optional()
             .map_err(RegistryError::db("reading a signature"))
     }
 
@@ -1428,8 +1501,8 @@ impl Registry {
         let exists: bool = tx
             .query_row(
                 "SELECT COUNT(*) FROM api_keys WHERE name = ?1",
-                [name],
-                |r| r.get::<_, i64>(0),
+                params![name],
+                |r| r.get::<i64>(0),
             )
             .map_err(RegistryError::db("reading keys"))?
             > 0;
@@ -1461,14 +1534,12 @@ impl Registry {
     }
 
     pub fn api_keys(&self) -> Result<Vec<ApiKey>> {
-        let mut st = self
-            .conn
-            .prepare("SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys ORDER BY name")
-            .map_err(RegistryError::db("reading keys"))?;
-        let rows = st
-            .query_map([], key_row)
-            .map_err(RegistryError::db("reading keys"))?;
-        rows.collect::<rusqlite::Result<_>>()
+        self.conn
+            .query_map(
+                "SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys ORDER BY name",
+                params![],
+                key_row,
+            )
             .map_err(RegistryError::db("reading keys"))
     }
 
@@ -1510,13 +1581,12 @@ impl Registry {
             return Ok(None);
         }
         self.conn
-            .query_row(
+            .query_opt(
                 "SELECT name, role, sha256, created_ms, created_by, revoked_ms FROM api_keys
                  WHERE sha256 = ?1 AND revoked_ms IS NULL",
-                [crate::auth::secret_hash(secret)],
+                params![crate::auth::secret_hash(secret)],
                 key_row,
             )
-            .optional()
             .map_err(RegistryError::db("checking a key"))
     }
 
@@ -1525,9 +1595,18 @@ impl Registry {
     /// Copies the live database to `dest` with SQLite's online backup (a
     /// consistent snapshot while others keep writing).
     pub fn backup_to(&self, dest: &Path) -> Result<()> {
-        self.conn
+        self.sqlite("backup")?
             .backup(rusqlite::MAIN_DB, dest, None)
             .map_err(RegistryError::db("backing up"))
+    }
+
+    /// The SQLite connection, for SQLite's own backup and restore.
+    fn sqlite(&self, what: &'static str) -> Result<&rusqlite::Connection> {
+        self.conn.0.sqlite().ok_or(RegistryError::Unsupported {
+            what,
+            backend: "PostgreSQL",
+            hint: "back up with PostgreSQL's own tools (pg_dump, or the service's snapshots), and check a restored database with `keel model audit verify`",
+        })
     }
 
     /// Replaces this database's content with a backup file's, after
@@ -1538,10 +1617,14 @@ impl Registry {
             path: src.to_owned(),
             reason,
         };
+        self.sqlite("restore")?;
         // Check the backup first, on its own connection.
         {
-            let conn = Connection::open_with_flags(src, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-                .map_err(|e| bad(e.to_string()))?;
+            let conn = rusqlite::Connection::open_with_flags(
+                src,
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+            )
+            .map_err(|e| bad(e.to_string()))?;
             let ok: String = conn
                 .query_row("PRAGMA integrity_check", [], |r| r.get(0))
                 .map_err(|e| bad(e.to_string()))?;
@@ -1559,7 +1642,11 @@ impl Registry {
             }
         }
         let check = Registry {
-            conn: Connection::open(src).map_err(|e| bad(e.to_string()))?,
+            conn: Db(Box::new(crate::storage::Sqlite::new(
+                rusqlite::Connection::open(src).map_err(|e| bad(e.to_string()))?,
+                src,
+                false,
+            ))),
             clock: self.clock.clone(),
             path: src.to_owned(),
         };
@@ -1573,26 +1660,26 @@ impl Registry {
         drop(check);
         let events: i64 = self
             .conn
-            .query_row("SELECT COUNT(*) FROM audit_events", [], |r| r.get(0))
+            .query_row("SELECT COUNT(*) FROM audit_events", params![], |r| r.get(0))
             .map_err(RegistryError::db("reading the audit log"))?;
         if events > 0 && !force {
             return Err(RegistryError::NotEmpty {
                 path: self.path.clone(),
             });
         }
-        self.conn
-            .restore(
-                rusqlite::MAIN_DB,
-                src,
-                None::<fn(rusqlite::backup::Progress)>,
-            )
-            .map_err(RegistryError::db("restoring"))?;
+        let Some(conn) = self.conn.0.sqlite_mut() else {
+            return Err(RegistryError::db("restoring")(
+                crate::storage::DbError::Lost,
+            ));
+        };
+        conn.restore(
+            rusqlite::MAIN_DB,
+            src,
+            None::<fn(rusqlite::backup::Progress)>,
+        )
+        .map_err(RegistryError::db("restoring"))?;
         // Migrate a backup from an older schema.
-        let conn = std::mem::replace(
-            &mut self.conn,
-            Connection::open_in_memory().map_err(RegistryError::db("restoring"))?,
-        );
-        drop(conn);
+        self.conn = crate::db::open_in_memory()?;
         self.conn = if self.path == Path::new(":memory:") {
             crate::db::open_in_memory()?
         } else {
@@ -1615,7 +1702,27 @@ impl Registry {
 
 // ----- helpers on a connection or transaction ----------------------------
 
-fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
+/// Gives each row its tags from `(owner id, tag)` pairs; rows and pairs
+/// both in ascending id order.
+fn attach_tags<R>(
+    rows: &mut [R],
+    tags: Vec<(i64, Tag)>,
+    id: impl Fn(&R) -> i64,
+    slot: impl Fn(&mut R) -> &mut Vec<Tag>,
+) {
+    let mut tags = tags.into_iter().peekable();
+    for row in rows {
+        let rid = id(row);
+        while tags.peek().is_some_and(|(t, _)| *t < rid) {
+            tags.next();
+        }
+        while let Some((_, tag)) = tags.next_if(|(t, _)| *t == rid) {
+            slot(row).push(tag);
+        }
+    }
+}
+
+fn key_row(r: &crate::storage::Row) -> std::result::Result<ApiKey, crate::storage::DbError> {
     let role: String = r.get(1)?;
     let hash: String = r.get(2)?;
     Ok(ApiKey {
@@ -1632,27 +1739,27 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
     })
 }
 
-fn model_id(c: &Connection, name: &str) -> Result<Option<i64>> {
-    c.query_row("SELECT id FROM models WHERE name = ?1", [name], |r| {
-        r.get(0)
-    })
-    .optional()
+fn model_id(c: &Db, name: &str) -> Result<Option<i64>> {
+    c.query_opt(
+        "SELECT id FROM models WHERE name = ?1",
+        params![name],
+        |r| r.get(0),
+    )
     .map_err(RegistryError::db("finding a model"))
 }
 
-fn require_model(c: &Connection, name: &str) -> Result<i64> {
+fn require_model(c: &Db, name: &str) -> Result<i64> {
     model_id(c, name)?.ok_or_else(|| RegistryError::UnknownModel {
         name: name.to_owned(),
     })
 }
 
-fn version_row_id(c: &Connection, model_id: i64, model: &str, number: u64) -> Result<i64> {
-    c.query_row(
+fn version_row_id(c: &Db, model_id: i64, model: &str, number: u64) -> Result<i64> {
+    c.query_opt(
         "SELECT id FROM versions WHERE model_id = ?1 AND number = ?2",
         params![model_id, number as i64],
         |r| r.get(0),
     )
-    .optional()
     .map_err(RegistryError::db("finding a version"))?
     .ok_or_else(|| RegistryError::UnknownVersion {
         name: model.to_owned(),
@@ -1660,12 +1767,14 @@ fn version_row_id(c: &Connection, model_id: i64, model: &str, number: u64) -> Re
     })
 }
 
-fn pending_version(c: &Connection, model_id: i64, model: &str, number: u64) -> Result<i64> {
+fn pending_version(c: &Db, model_id: i64, model: &str, number: u64) -> Result<i64> {
     let vid = version_row_id(c, model_id, model, number)?;
     let status: String = c
-        .query_row("SELECT status FROM versions WHERE id = ?1", [vid], |r| {
-            r.get(0)
-        })
+        .query_row(
+            "SELECT status FROM versions WHERE id = ?1",
+            params![vid],
+            |r| r.get(0),
+        )
         .map_err(RegistryError::db("reading a version"))?;
     if status != "PENDING_REGISTRATION" {
         return Err(RegistryError::WrongStatus {
@@ -1679,19 +1788,20 @@ fn pending_version(c: &Connection, model_id: i64, model: &str, number: u64) -> R
 }
 
 fn insert_model(
-    tx: &Transaction<'_>,
+    tx: &Db,
     now: i64,
     actor: &str,
     name: &str,
     description: &str,
     tags: &[Tag],
 ) -> Result<i64> {
-    tx.execute(
-        "INSERT INTO models (name, description, created_ms, created_by, updated_ms) VALUES (?1, ?2, ?3, ?4, ?3)",
-        params![name, description, now, actor],
-    )
-    .map_err(RegistryError::db("creating a model"))?;
-    let id = tx.last_insert_rowid();
+    let id: i64 = tx
+        .query_row(
+            "INSERT INTO models (name, description, created_ms, created_by, updated_ms) VALUES (?1, ?2, ?3, ?4, ?3) RETURNING id",
+            params![name, description, now, actor],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("creating a model"))?;
     for t in tags {
         tx.execute(
             "INSERT INTO model_tags (model_id, key, value) VALUES (?1, ?2, ?3)
@@ -1713,18 +1823,18 @@ fn insert_model(
 
 /// The next sequence number of an event table (`alias_events`,
 /// `audit_events`), inside the writing transaction.
-fn next_seq(tx: &Connection, table: &'static str, what: &'static str) -> Result<i64> {
+fn next_seq(tx: &Db, table: &'static str, what: &'static str) -> Result<i64> {
     tx.query_row(
         &format!("SELECT COALESCE(MAX(seq), 0) + 1 FROM {table}"),
-        [],
+        params![],
         |r| r.get(0),
     )
     .map_err(RegistryError::db(what))
 }
 
-fn touch_model(c: &Connection, id: i64, now: i64) -> Result<()> {
+fn touch_model(c: &Db, id: i64, now: i64) -> Result<()> {
     c.execute(
-        "UPDATE models SET updated_ms = MAX(updated_ms, ?2) WHERE id = ?1",
+        "UPDATE models SET updated_ms = CASE WHEN updated_ms > ?2 THEN updated_ms ELSE ?2 END WHERE id = ?1",
         params![id, now],
     )
     .map(|_| ())
@@ -1733,7 +1843,7 @@ fn touch_model(c: &Connection, id: i64, now: i64) -> Result<()> {
 
 /// Stores a pending version's files and makes it READY.
 fn finish(
-    tx: &Transaction<'_>,
+    tx: &Db,
     now: i64,
     actor: &str,
     vid: i64,
@@ -1774,13 +1884,12 @@ fn finish(
     )
 }
 
-fn alias_target(c: &Connection, model_id: i64, alias: &str) -> Result<Option<u64>> {
-    c.query_row(
+fn alias_target(c: &Db, model_id: i64, alias: &str) -> Result<Option<u64>> {
+    c.query_opt(
         "SELECT version FROM aliases WHERE model_id = ?1 AND alias = ?2",
         params![model_id, alias],
-        |r| r.get::<_, i64>(0),
+        |r| r.get::<i64>(0),
     )
-    .optional()
     .map(|v| v.map(|v| v as u64))
     .map_err(RegistryError::db("reading an alias"))
 }
@@ -1802,7 +1911,7 @@ fn replay_stack(events: &[AliasEvent]) -> Vec<Option<u64>> {
 
 #[allow(clippy::too_many_arguments)]
 fn move_alias(
-    tx: &Transaction<'_>,
+    tx: &Db,
     now: i64,
     actor: &str,
     model_id: i64,
@@ -1872,7 +1981,7 @@ fn move_alias(
 }
 
 fn audit(
-    tx: &Connection,
+    tx: &Db,
     now: i64,
     actor: &str,
     action: &str,
@@ -1900,13 +2009,14 @@ fn audit(
     set_meta(tx, "audit_head", &hash)
 }
 
-fn meta(c: &Connection, key: &str) -> Result<Option<String>> {
-    c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
-        .optional()
-        .map_err(RegistryError::db("reading registry metadata"))
+fn meta(c: &Db, key: &str) -> Result<Option<String>> {
+    c.query_opt("SELECT value FROM meta WHERE key = ?1", params![key], |r| {
+        r.get(0)
+    })
+    .map_err(RegistryError::db("reading registry metadata"))
 }
 
-fn set_meta(c: &Connection, key: &str, value: &str) -> Result<()> {
+fn set_meta(c: &Db, key: &str, value: &str) -> Result<()> {
     c.execute(
         "INSERT INTO meta (key, value) VALUES (?1, ?2)
          ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -1996,34 +2106,24 @@ impl ChainCheck {
     }
 }
 
-fn alias_events(
-    c: &Connection,
-    model: Option<&str>,
-    alias: Option<&str>,
-) -> Result<Vec<AliasEvent>> {
+fn alias_events(c: &Db, model: Option<&str>, alias: Option<&str>) -> Result<Vec<AliasEvent>> {
     alias_events_after(c, model, alias, 0, None)
 }
 
 /// Alias events after sequence number `after`, at most `limit` (all
 /// without one), oldest first.
 fn alias_events_after(
-    c: &Connection,
+    c: &Db,
     model: Option<&str>,
     alias: Option<&str>,
     after: i64,
     limit: Option<usize>,
 ) -> Result<Vec<AliasEvent>> {
-    let limit = limit.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
-    let mut st = c
-        .prepare(
-            "SELECT seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash
+    let limit = limit.map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
+    c.query_map("SELECT seq, time_ms, actor, model, alias, action, old_version, new_version, reason, prev_hash, hash
              FROM alias_events
-             WHERE (?1 IS NULL OR model = ?1) AND (?2 IS NULL OR alias = ?2) AND seq > ?3
-             ORDER BY seq LIMIT ?4",
-        )
-        .map_err(RegistryError::db("reading alias history"))?;
-    let rows = st
-        .query_map(params![model, alias, after, limit], |r| {
+             WHERE (CAST(?1 AS TEXT) IS NULL OR model = ?1) AND (CAST(?2 AS TEXT) IS NULL OR alias = ?2) AND seq > ?3
+             ORDER BY seq LIMIT ?4", params![model, alias, after, limit], |r| {
             let action: String = r.get(5)?;
             Ok(AliasEvent {
                 seq: r.get(0)?,
@@ -2034,34 +2134,28 @@ fn alias_events_after(
                 // An unknown action (an edited row) reads as `set`; the
                 // chain check reports the edit.
                 action: AliasAction::parse(&action).unwrap_or(AliasAction::Set),
-                old_version: r.get::<_, Option<i64>>(6)?.map(|v| v as u64),
-                new_version: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
+                old_version: r.get::<Option<i64>>(6)?.map(|v| v as u64),
+                new_version: r.get::<Option<i64>>(7)?.map(|v| v as u64),
                 reason: r.get(8)?,
                 prev_hash: r.get(9)?,
                 hash: r.get(10)?,
             })
-        })
-        .map_err(RegistryError::db("reading alias history"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(RegistryError::db("reading alias history"))
+        }).map_err(RegistryError::db("reading alias history"))
 }
 
-fn audit_events(c: &Connection) -> Result<Vec<AuditEvent>> {
+fn audit_events(c: &Db) -> Result<Vec<AuditEvent>> {
     audit_events_after(c, 0, None)
 }
 
 /// Audit events after sequence number `after`, at most `limit` (all
 /// without one), oldest first.
-fn audit_events_after(c: &Connection, after: i64, limit: Option<usize>) -> Result<Vec<AuditEvent>> {
-    let limit = limit.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
-    let mut st = c
-        .prepare(
-            "SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
+fn audit_events_after(c: &Db, after: i64, limit: Option<usize>) -> Result<Vec<AuditEvent>> {
+    let limit = limit.map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
+    c.query_map(
+        "SELECT seq, time_ms, actor, action, target, detail, prev_hash, hash
              FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2",
-        )
-        .map_err(RegistryError::db("reading the audit log"))?;
-    let rows = st
-        .query_map(params![after, limit], |r| {
+        params![after, limit],
+        |r| {
             Ok(AuditEvent {
                 seq: r.get(0)?,
                 time_ms: r.get(1)?,
@@ -2072,17 +2166,15 @@ fn audit_events_after(c: &Connection, after: i64, limit: Option<usize>) -> Resul
                 prev_hash: r.get(6)?,
                 hash: r.get(7)?,
             })
-        })
-        .map_err(RegistryError::db("reading the audit log"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(RegistryError::db("reading the audit log"))
+        },
+    )
+    .map_err(RegistryError::db("reading the audit log"))
 }
 
-fn load_model(c: &Connection, id: i64) -> Result<Model> {
+fn load_model(c: &Db, id: i64) -> Result<Model> {
     let (name, description, created_ms, created_by, updated_ms): (String, String, i64, String, i64) = c
         .query_row(
-            "SELECT name, description, created_ms, created_by, updated_ms FROM models WHERE id = ?1",
-            [id],
+            "SELECT name, description, created_ms, created_by, updated_ms FROM models WHERE id = ?1", params![id],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
         )
         .map_err(RegistryError::db("reading a model"))?;
@@ -2092,24 +2184,22 @@ fn load_model(c: &Connection, id: i64) -> Result<Model> {
         id,
     )?;
     let aliases = {
-        let mut st = c
-            .prepare("SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias")
-            .map_err(RegistryError::db("reading aliases"))?;
-        let rows = st
-            .query_map([id], |r| {
+        c.query_map(
+            "SELECT alias, version FROM aliases WHERE model_id = ?1 ORDER BY alias",
+            params![id],
+            |r| {
                 Ok(AliasTarget {
                     alias: r.get(0)?,
-                    version: r.get::<_, i64>(1)? as u64,
+                    version: r.get::<i64>(1)? as u64,
                 })
-            })
-            .map_err(RegistryError::db("reading aliases"))?;
-        rows.collect::<rusqlite::Result<Vec<_>>>()
-            .map_err(RegistryError::db("reading aliases"))?
+            },
+        )
+        .map_err(RegistryError::db("reading aliases"))?
     };
     let (latest, count): (Option<i64>, i64) = c
         .query_row(
             "SELECT MAX(number), COUNT(*) FROM versions WHERE model_id = ?1",
-            [id],
+            params![id],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .map_err(RegistryError::db("counting versions"))?;
@@ -2126,21 +2216,17 @@ fn load_model(c: &Connection, id: i64) -> Result<Model> {
     })
 }
 
-fn read_tags(c: &Connection, sql: &str, id: i64) -> Result<Vec<Tag>> {
-    let mut st = c.prepare(sql).map_err(RegistryError::db("reading tags"))?;
-    let rows = st
-        .query_map([id], |r| {
-            Ok(Tag {
-                key: r.get(0)?,
-                value: r.get(1)?,
-            })
+fn read_tags(c: &Db, sql: &str, id: i64) -> Result<Vec<Tag>> {
+    c.query_map(sql, params![id], |r| {
+        Ok(Tag {
+            key: r.get(0)?,
+            value: r.get(1)?,
         })
-        .map_err(RegistryError::db("reading tags"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(RegistryError::db("reading tags"))
+    })
+    .map_err(RegistryError::db("reading tags"))
 }
 
-fn load_version(c: &Connection, vid: i64) -> Result<Version> {
+fn load_version(c: &Db, vid: i64) -> Result<Version> {
     struct Row {
         model_id: i64,
         model: String,
@@ -2160,8 +2246,7 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
         .query_row(
             "SELECT v.model_id, m.name, v.number, v.status, v.status_message, v.source, v.artifact_url,
                     v.manifest_digest, v.description, v.lineage, v.created_ms, v.created_by, v.updated_ms
-             FROM versions v JOIN models m ON m.id = v.model_id WHERE v.id = ?1",
-            [vid],
+             FROM versions v JOIN models m ON m.id = v.model_id WHERE v.id = ?1", params![vid],
             |r| {
                 Ok(Row {
                     model_id: r.get(0)?,
@@ -2182,22 +2267,18 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
         )
         .map_err(RegistryError::db("reading a version"))?;
     let files = {
-        let mut st = c
-            .prepare(
-                "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
-            )
-            .map_err(RegistryError::db("reading version files"))?;
-        let rows = st
-            .query_map([vid], |r| {
+        c.query_map(
+            "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
+            params![vid],
+            |r| {
                 Ok(VersionFile {
                     name: r.get(0)?,
-                    size: r.get::<_, i64>(1)? as u64,
+                    size: r.get::<i64>(1)? as u64,
                     sha256: r.get(2)?,
                 })
-            })
-            .map_err(RegistryError::db("reading version files"))?;
-        rows.collect::<rusqlite::Result<Vec<_>>>()
-            .map_err(RegistryError::db("reading version files"))?
+            },
+        )
+        .map_err(RegistryError::db("reading version files"))?
     };
     let tags = read_tags(
         c,
@@ -2205,21 +2286,17 @@ fn load_version(c: &Connection, vid: i64) -> Result<Version> {
         vid,
     )?;
     let aliases = {
-        let mut st = c
-            .prepare(
-                "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
-            )
-            .map_err(RegistryError::db("reading aliases"))?;
-        let rows = st
-            .query_map(params![row.model_id, row.number], |r| r.get(0))
-            .map_err(RegistryError::db("reading aliases"))?;
-        rows.collect::<rusqlite::Result<Vec<String>>>()
-            .map_err(RegistryError::db("reading aliases"))?
+        c.query_map(
+            "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
+            params![row.model_id, row.number],
+            |r| r.get(0),
+        )
+        .map_err(RegistryError::db("reading aliases"))?
     };
     let signed: i64 = c
         .query_row(
             "SELECT COUNT(*) FROM signatures WHERE version_id = ?1",
-            [vid],
+            params![vid],
             |r| r.get(0),
         )
         .map_err(RegistryError::db("reading signatures"))?;
@@ -2359,7 +2436,10 @@ mod tests {
         // Everything else of a READY version stays as it was.
         let e = reg
             .conn
-            .execute("UPDATE versions SET source = 'x' WHERE number = 1", [])
+            .execute(
+                "UPDATE versions SET source = 'x' WHERE number = 1",
+                params![],
+            )
             .expect_err("source");
         assert!(
             e.to_string().contains("only its description may change"),

@@ -1,12 +1,25 @@
 //! The HTTP API over a real socket: every route rejects a missing, wrong
 //! or revoked credential; read keys cannot write; the bearer token from
-//! the configuration works; keel's read API returns versioned JSON.
+//! the configuration works; keel's read API returns versioned JSON. The
+//! tests of what the API answers run on both stores (`NAME::sqlite`,
+//! `NAME::postgres`).
+
+mod common;
 
 use std::sync::Arc;
+
+use common::Store;
 
 use keel_registry::http::{router, serve, serve_with, ConnectionLimits, ServeOptions};
 use keel_registry::{FixedClock, NewVersion, Registry, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+on_both_stores_async!(
+    every_route_is_authenticated_and_roles_hold,
+    searches_order_and_page_as_mlflow,
+    every_error_has_mlflows_shape_and_code,
+    every_list_is_paged_and_every_answer_is_capped,
+);
 
 /// Every route with a method and a body that would succeed when allowed.
 const ROUTES: &[(&str, &str, &str)] = &[
@@ -137,9 +150,8 @@ async fn call(
     (status, body)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_route_is_authenticated_and_roles_hold() {
-    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+async fn every_route_is_authenticated_and_roles_hold(store: Store) {
+    let mut reg = store.open(Arc::new(FixedClock(1_700_000_000_000)));
     let writer = keel_registry::auth::new_secret();
     let reader = keel_registry::auth::new_secret();
     let revoked = keel_registry::auth::new_secret();
@@ -316,9 +328,8 @@ fn versions_of(v: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn searches_order_and_page_as_mlflow() {
-    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+async fn searches_order_and_page_as_mlflow(store: Store) {
+    let mut reg = store.open(Arc::new(FixedClock(1_700_000_000_000)));
     let key = keel_registry::auth::new_secret();
     reg.create_api_key("admin", "k", Role::Read, &key)
         .expect("k");
@@ -403,9 +414,8 @@ async fn searches_order_and_page_as_mlflow() {
 
 /// Every error the MLflow client can see is `{"error_code", "message"}`
 /// with MLflow's code and status, the extractors' own rejections included.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_error_has_mlflows_shape_and_code() {
-    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+async fn every_error_has_mlflows_shape_and_code(store: Store) {
+    let mut reg = store.open(Arc::new(FixedClock(1_700_000_000_000)));
     let key = keel_registry::auth::new_secret();
     reg.create_api_key("admin", "k", Role::Write, &key)
         .expect("k");
@@ -1166,9 +1176,8 @@ async fn slow_heads_without_a_key_give_way_to_a_client_with_one() {
 /// `next_page_token` while more follow; MLflow's searches keep MLflow's
 /// page sizes, and every answer is cut short at the response size cap
 /// with a token for the rest, which MLflow's clients follow.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_list_is_paged_and_every_answer_is_capped() {
-    let mut reg = Registry::open_in_memory(Arc::new(FixedClock(1_700_000_000_000))).expect("reg");
+async fn every_list_is_paged_and_every_answer_is_capped(store: Store) {
+    let mut reg = store.open(Arc::new(FixedClock(1_700_000_000_000)));
     let key = keel_registry::auth::new_secret();
     reg.create_api_key("admin", "k", Role::Read, &key)
         .expect("k");

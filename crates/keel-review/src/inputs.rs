@@ -826,6 +826,10 @@ const KEEL_KEYS: &[(&str, &[&str])] = &[
         "model",
         &[
             "db",
+            "db_password_file",
+            "db_ca_file",
+            "db_pool_size",
+            "db_timeout_ms",
             "artifact_store",
             "actor",
             "public_key",

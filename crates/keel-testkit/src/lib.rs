@@ -19,6 +19,9 @@
 //! (`keel-testbackend`, started as a process, over HTTP or HTTPS), gateway
 //! processes, and a small blocking HTTP/1.1 client ([`http`]).
 //!
+//! [`pg`] finds the PostgreSQL of `scripts/services/postgres` and makes a
+//! throwaway database for each test.
+//!
 //! [`tls`] makes a throwaway PKI (CA, server and client certificates, with
 //! rcgen) and holds a blocking HTTPS client.
 //!
@@ -37,6 +40,7 @@ use keel_slurm::{Slurm, SlurmConfig};
 pub mod http;
 pub mod imds;
 pub mod objects;
+pub mod pg;
 pub mod serve;
 pub mod tls;
 

@@ -306,6 +306,10 @@ pub struct ServeConfig {
 #[serde(deny_unknown_fields)]
 pub struct FileModel {
     pub db: Option<PathBuf>,
+    pub db_password_file: Option<PathBuf>,
+    pub db_ca_file: Option<PathBuf>,
+    pub db_pool_size: Option<usize>,
+    pub db_timeout_ms: Option<u64>,
     pub artifact_store: Option<String>,
     pub actor: Option<String>,
     pub public_key: Option<PathBuf>,
@@ -319,8 +323,22 @@ pub struct FileModel {
 /// The effective `keel model` settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelConfig {
-    /// The registry database (SQLite).
+    /// The registry database: a SQLite file, or a PostgreSQL URL
+    /// (`postgres://USER@HOST:PORT/DATABASE`, no password in it).
     pub db: PathBuf,
+    /// PostgreSQL: a file (mode 0600) holding the password;
+    /// KEEL_MODEL_DB_PASSWORD overrides it.
+    pub db_password_file: Option<PathBuf>,
+    /// PostgreSQL: the CA (PEM) of the server's certificate; TLS is then
+    /// required and the server's name checked. KEEL_MODEL_DB_CA_FILE
+    /// overrides it.
+    pub db_ca_file: Option<PathBuf>,
+    /// PostgreSQL: the most read connections one process opens (plus one
+    /// for writes).
+    pub db_pool_size: usize,
+    /// PostgreSQL: the longest one wait lasts (a connection of the pool,
+    /// connecting, the write lock, one statement), in milliseconds.
+    pub db_timeout_ms: u64,
     /// Where `register --path` uploads files (a storage URL); default: the
     /// directory `<db stem>-artifacts` beside the database.
     pub artifact_store: String,
@@ -428,6 +446,11 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("KEEL_SERVE_LISTEN", "serve.listen"),
     ("KEEL_SERVE_KEYS_FILE", "serve.keys_file"),
     ("KEEL_MODEL_DB", "model.db"),
+    (
+        "KEEL_MODEL_DB_PASSWORD",
+        "the PostgreSQL registry's password (else model.db_password_file)",
+    ),
+    ("KEEL_MODEL_DB_CA_FILE", "model.db_ca_file"),
     ("KEEL_ARTIFACT_STORE", "model.artifact_store"),
     ("KEEL_ACTOR", "model.actor"),
     ("KEEL_MODEL_PUBLIC_KEY", "model.public_key"),
@@ -525,6 +548,12 @@ pub fn default_artifact_store(db: &Path) -> String {
     format!("file://{}", dir.display())
 }
 
+/// Whether the registry database setting names PostgreSQL rather than a
+/// SQLite file.
+pub fn is_postgres_db(db: &Path) -> bool {
+    db.to_str().is_some_and(keel_registry::is_postgres_url)
+}
+
 /// Loads the `[model]` settings: defaults < file < environment < the
 /// `--db` flag (`db_flag`, which also moves the default artifact store).
 /// Other flags are applied by the caller.
@@ -538,6 +567,10 @@ pub fn load_model(
     let mut artifact_store = f.artifact_store;
     let mut c = ModelConfig {
         db: f.db.unwrap_or_else(|| default_db(env)),
+        db_password_file: f.db_password_file,
+        db_ca_file: f.db_ca_file,
+        db_pool_size: f.db_pool_size.unwrap_or(8),
+        db_timeout_ms: f.db_timeout_ms.unwrap_or(5000),
         artifact_store: String::new(),
         actor: f
             .actor
@@ -552,6 +585,11 @@ pub fn load_model(
         serve_max_connections_per_client: f.serve_max_connections_per_client.unwrap_or(64),
     };
     for (key, v) in [
+        ("model.db_pool_size", c.db_pool_size),
+        (
+            "model.db_timeout_ms",
+            usize::try_from(c.db_timeout_ms).unwrap_or(usize::MAX),
+        ),
         ("model.serve_max_connections", c.serve_max_connections),
         (
             "model.serve_max_connections_per_client",
@@ -565,13 +603,23 @@ pub fn load_model(
     if let Some(v) = env("KEEL_MODEL_DB") {
         c.db = v.into();
     }
+    if let Some(v) = env("KEEL_MODEL_DB_CA_FILE") {
+        c.db_ca_file = Some(v.into());
+    }
     if let Some(v) = env("KEEL_ARTIFACT_STORE") {
         artifact_store = Some(v);
     }
     if let Some(db) = db_flag {
         c.db = db.to_owned();
     }
-    c.artifact_store = artifact_store.unwrap_or_else(|| default_artifact_store(&c.db));
+    // A PostgreSQL registry has no directory beside it: its artifact store
+    // is configured (every replica and client must upload to the same
+    // one), and `register --path` says so when it is not.
+    c.artifact_store = match artifact_store {
+        Some(a) => a,
+        None if is_postgres_db(&c.db) => String::new(),
+        None => default_artifact_store(&c.db),
+    };
     if let Some(v) = env("KEEL_ACTOR") {
         c.actor = v;
     }
@@ -933,6 +981,37 @@ mod tests {
     }
 
     #[test]
+    fn model_postgres_settings_default_read_and_refuse_zero() {
+        let (c, _) = load_model(None, &|_| None, None).expect("config");
+        assert_eq!((c.db_pool_size, c.db_timeout_ms), (8, 5000));
+        assert_eq!((c.db_password_file, c.db_ca_file), (None, None));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("keel.toml");
+        std::fs::write(
+            &f,
+            "[model]
+db = \"postgres://keel@db:5432/reg\"\ndb_password_file = \"/etc/keel/pw\"\ndb_ca_file = \"/etc/keel/ca.pem\"\ndb_pool_size = 3\ndb_timeout_ms = 250\n",
+        )
+        .expect("write");
+        let (c, _) = load_model(Some(&f), &|_| None, None).expect("config");
+        assert_eq!(c.db, PathBuf::from("postgres://keel@db:5432/reg"));
+        assert!(is_postgres_db(&c.db));
+        assert_eq!(c.db_password_file, Some(PathBuf::from("/etc/keel/pw")));
+        assert_eq!((c.db_pool_size, c.db_timeout_ms), (3, 250));
+        // No artifact directory is guessed beside a PostgreSQL database.
+        assert_eq!(c.artifact_store, "");
+        let env = |k: &str| (k == "KEEL_MODEL_DB_CA_FILE").then(|| "/run/ca.pem".to_owned());
+        let (c, _) = load_model(Some(&f), &env, None).expect("config");
+        assert_eq!(c.db_ca_file, Some(PathBuf::from("/run/ca.pem")));
+        std::fs::write(&f, "[model]\ndb_pool_size = 0\n").expect("write");
+        let err = load_model(Some(&f), &|_| None, None).expect_err("zero");
+        assert!(
+            format!("{err:#}").contains("model.db_pool_size must be at least 1"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
     fn every_key_is_documented() {
         let doc = include_str!("../../../docs/config.md");
         // Every field of the effective config, read from the struct itself.
@@ -970,7 +1049,7 @@ mod tests {
         )
         .expect("serialises");
         let keys: Vec<String> = model.as_object().expect("object").keys().cloned().collect();
-        assert_eq!(keys.len(), 9);
+        assert_eq!(keys.len(), 13);
         for k in keys {
             assert!(
                 doc.contains(&format!("`{k}`")),

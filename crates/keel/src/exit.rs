@@ -268,8 +268,10 @@ fn ckpt_code(c: &keel_ckpt::CkptError) -> Code {
 fn registry_code(r: &keel_registry::RegistryError) -> Code {
     use keel_registry::RegistryError as E;
     match r {
-        E::Open { .. } | E::Db { .. } | E::Io { .. } => Code::Io,
+        E::Open { .. } | E::Connect { .. } | E::Db { .. } | E::Io { .. } => Code::Io,
         E::SchemaTooNew { .. } | E::BadBackup { .. } => Code::Data,
+        E::Migrate { .. } => Code::Failed,
+        E::Unsupported { .. } => Code::Usage,
         E::Invalid { .. }
         | E::UnknownModel { .. }
         | E::ModelExists { .. }

@@ -26,9 +26,10 @@ use crate::table::Table;
 
 #[derive(Debug, Args)]
 pub struct ModelArgs {
-    /// The registry database (default: model.db, KEEL_MODEL_DB, else
+    /// The registry database: a SQLite file or postgres://USER@HOST:PORT/DB
+    /// (default: model.db, KEEL_MODEL_DB, else
     /// $XDG_DATA_HOME/keel/registry.db or ~/.local/share/keel/registry.db).
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(long, global = true, value_name = "PATH|URL")]
     db: Option<PathBuf>,
     /// Who the audit log names (default: model.actor, KEEL_ACTOR, $USER).
     #[arg(long, global = true, value_name = "NAME")]
@@ -127,6 +128,19 @@ enum ModelCommand {
         /// model.tracking_uri).
         #[arg(long, value_name = "URL")]
         tracking_uri: Option<String>,
+    },
+    /// Copy a whole registry into an empty database (SQLite to PostgreSQL,
+    /// or back): one transaction on the target, committed only after both
+    /// hash chains and every signature check out there. A copy that
+    /// stopped committed nothing: run it again.
+    Migrate {
+        /// The registry to copy: sqlite:PATH (or a path), or
+        /// postgres://USER@HOST:PORT/DB.
+        #[arg(long, value_name = "SOURCE")]
+        from: String,
+        /// The empty database to copy into: postgres://... or sqlite:PATH.
+        #[arg(long, value_name = "TARGET")]
+        to: String,
     },
 }
 
@@ -278,6 +292,122 @@ fn open_store(url: &str, create_root: bool) -> anyhow::Result<Store> {
     Ok(Store::open(&u, &store_options(create_root))?)
 }
 
+/// Opens the configured registry: a SQLite file, or a PostgreSQL database
+/// (its password from `model.db_password_file` or KEEL_MODEL_DB_PASSWORD,
+/// never the command line).
+pub fn open_registry(cfg: &ModelConfig, clock: Arc<dyn Clock>) -> anyhow::Result<Registry> {
+    match cfg
+        .db
+        .to_str()
+        .filter(|s| keel_registry::is_postgres_url(s))
+    {
+        Some(url) => Ok(Registry::open_postgres(&pg_options(cfg, url)?, clock)?),
+        None => Ok(Registry::open(&cfg.db, clock)?),
+    }
+}
+
+/// The PostgreSQL settings of `cfg`, for the database at `url`.
+pub fn pg_options(cfg: &ModelConfig, url: &str) -> anyhow::Result<keel_registry::PgOptions> {
+    let mut o = keel_registry::PgOptions::new(url);
+    o.password = match (
+        std::env::var("KEEL_MODEL_DB_PASSWORD")
+            .ok()
+            .filter(|p| !p.is_empty()),
+        &cfg.db_password_file,
+    ) {
+        (Some(p), _) => Some(p),
+        (None, Some(f)) => Some(read_password_file(f)?),
+        (None, None) => None,
+    };
+    o.ca_file = cfg.db_ca_file.clone();
+    o.pool_size = cfg.db_pool_size;
+    o.timeout = std::time::Duration::from_millis(cfg.db_timeout_ms);
+    Ok(o)
+}
+
+/// A password file: its owner's alone (mode 0600), one line.
+fn read_password_file(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |m: String| UsageError(format!("model.db_password_file {}: {m}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(bad(
+            "must be readable by its owner only (chmod 600): it holds a password".into(),
+        )
+        .into());
+    }
+    let bytes =
+        keel_fs::read_regular(path, keel_fs::MAX_CONFIG_BYTES).map_err(|e| bad(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| bad("not UTF-8 text".into()))?;
+    let pw = text.trim_end_matches(['\n', '\r']);
+    if pw.is_empty() || pw.contains('\n') {
+        return Err(bad("must hold the password alone, on one line".into()).into());
+    }
+    Ok(pw.to_owned())
+}
+
+/// A registry named on the command line: `sqlite:PATH` or a path (which
+/// must exist when `existing`), or a PostgreSQL URL (with the configured
+/// password and CA).
+fn open_named(
+    cfg: &ModelConfig,
+    name: &str,
+    existing: bool,
+    clock: Arc<dyn Clock>,
+) -> anyhow::Result<Registry> {
+    if keel_registry::is_postgres_url(name) {
+        return Ok(Registry::open_postgres(&pg_options(cfg, name)?, clock)?);
+    }
+    let path = Path::new(name.strip_prefix("sqlite:").unwrap_or(name));
+    if path.as_os_str().is_empty() {
+        return Err(UsageError(format!(
+            "{name:?}: name a SQLite file (sqlite:PATH) or a postgres:// URL"
+        ))
+        .into());
+    }
+    if existing && !path.is_file() {
+        return Err(UsageError(format!("{}: no registry database there", path.display())).into());
+    }
+    Ok(Registry::open(path, clock)?)
+}
+
+/// `keel model migrate --from SOURCE --to TARGET`.
+fn migrate(
+    cfg: &ModelConfig,
+    from: &str,
+    to: &str,
+    clock: Arc<dyn Clock>,
+    out: &mut Out,
+) -> anyhow::Result<Code> {
+    let source = open_named(cfg, from, true, clock.clone())?;
+    let target = open_named(cfg, to, false, clock)?;
+    let report = keel_registry::migrate::copy(&source, &target)?;
+    if out.json {
+        out.json(
+            "model migrate",
+            &json!({"from": source.path(), "to": target.path(), "report": report}),
+        )?;
+    } else {
+        let tables: Vec<String> = report
+            .tables
+            .iter()
+            .map(|(t, n)| format!("{t} {n}"))
+            .collect();
+        out.text(&format!(
+            "copied {} -> {}\nrows:          {}\nalias history: {} events, head {}\naudit log:     {} events, head {}\nsignatures:    {} checked, all hold\nok\n",
+            source.path().display(),
+            target.path().display(),
+            tables.join(", "),
+            report.chains.alias_events,
+            report.chains.alias_head,
+            report.chains.audit_events,
+            report.chains.audit_head,
+            report.signatures.checked,
+        ))?;
+    }
+    Ok(Code::Ok)
+}
+
 fn parse_ref(s: &str) -> anyhow::Result<VersionRef> {
     Ok(s.parse::<VersionRef>()?)
 }
@@ -325,9 +455,10 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
             public_key,
         } => return keygen(private_key, public_key, out),
         ModelCommand::Verify(v) if v.path.is_some() => return verify_path(v, out),
+        ModelCommand::Migrate { from, to } => return migrate(&cfg, from, to, clock, out),
         _ => {}
     }
-    let mut reg = Registry::open(&cfg.db, clock)?;
+    let mut reg = open_registry(&cfg, clock)?;
     let actor = cfg.actor.clone();
     match command {
         ModelCommand::Register(r) => register(&mut reg, &cfg, r, out),
@@ -372,7 +503,7 @@ pub fn run(args: &ModelArgs, out: &mut Out) -> anyhow::Result<Code> {
         ModelCommand::Sign { reference, key } => {
             sign_version(&mut reg, &actor, reference, key, out)
         }
-        ModelCommand::Keygen { .. } => Ok(Code::Ok),
+        ModelCommand::Keygen { .. } | ModelCommand::Migrate { .. } => Ok(Code::Ok),
         ModelCommand::Keys { command } => keys(&mut reg, &actor, command, out),
         ModelCommand::Backup { url } => backup(&reg, url, out),
         ModelCommand::Restore { url, force } => restore(&mut reg, &actor, url, *force, out),
@@ -445,6 +576,12 @@ fn register(
             .artifact_store
             .clone()
             .unwrap_or_else(|| cfg.artifact_store.clone());
+        if store_url.is_empty() {
+            return Err(UsageError(
+                "a registry on PostgreSQL has no artifact store beside it: set model.artifact_store (or KEEL_ARTIFACT_STORE, --artifact-store) to the store every replica and client uploads to".into(),
+            )
+            .into());
+        }
         if !dir.is_dir() {
             return Err(UsageError(format!("{} is not a directory", dir.display())).into());
         }
@@ -1582,6 +1719,24 @@ fn serve(reg: Registry, cfg: &ModelConfig, addr: &str) -> anyhow::Result<Code> {
 mod tests {
     use super::*;
     use keel_registry::Status;
+
+    /// A password file is its owner's alone and holds one line; its
+    /// trailing newline is not part of the password.
+    #[test]
+    fn password_files_are_private_and_one_line() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "s3cret\n").expect("write");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let e = read_password_file(&f).expect_err("readable by others");
+        assert!(format!("{e:#}").contains("chmod 600"), "{e:#}");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert_eq!(read_password_file(&f).expect("read"), "s3cret");
+        std::fs::write(&f, "a\nb\n").expect("write");
+        let e = read_password_file(&f).expect_err("two lines");
+        assert!(format!("{e:#}").contains("one line"), "{e:#}");
+    }
 
     #[test]
     fn digests_and_key_hints_shorten_by_character() {

@@ -10,9 +10,74 @@ use serde_json::Value;
 
 struct Env {
     dir: tempfile::TempDir,
+    /// A PostgreSQL database instead of the SQLite file `reg.db`.
+    pg: Option<keel_testkit::pg::PgDb>,
 }
 
+/// `name::sqlite` and `name::postgres`: the test `name(env)` on each
+/// store (the PostgreSQL one needs scripts/services/postgres, which
+/// scripts/test starts).
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name(super::Env::new())
+            }
+            #[test]
+            #[ignore = "needs PostgreSQL: scripts/services/postgres (scripts/test starts it)"]
+            fn postgres() {
+                super::$name(super::Env::postgres())
+            }
+        }
+    )*};
+}
+
+on_both_stores!(
+    register_alias_pull_verify_end_to_end,
+    an_edited_history_row_is_named_by_audit_verify,
+    concurrent_registrations_from_several_processes_get_gapless_numbers,
+);
+
 impl Env {
+    /// The registry on a throwaway PostgreSQL database, over TLS.
+    fn postgres() -> Env {
+        let mut e = Env::new();
+        e.pg = Some(keel_testkit::pg::PgDb::create());
+        e
+    }
+
+    /// The registry's database: the file's path or the URL.
+    fn db(&self) -> String {
+        match &self.pg {
+            Some(pg) => pg.url.clone(),
+            None => self.path("reg.db").display().to_string(),
+        }
+    }
+
+    /// `keel model --db DB`, with the database's password and CA.
+    fn command(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
+        c.args(["model", "--db", &self.db()]);
+        if let Some(pg) = &self.pg {
+            c.env("KEEL_MODEL_DB_PASSWORD", &pg.password)
+                .env("KEEL_MODEL_DB_CA_FILE", &pg.ca);
+        }
+        c
+    }
+
+    /// Statements beneath the registry, as someone with the database's
+    /// password could run them.
+    fn tamper(&self, sqlite: &str, postgres: &str) {
+        match &self.pg {
+            Some(pg) => pg.execute(postgres).expect("edit"),
+            None => rusqlite::Connection::open(self.path("reg.db"))
+                .expect("open")
+                .execute_batch(sqlite)
+                .expect("edit"),
+        }
+    }
+
     fn new() -> Env {
         let dir = tempfile::tempdir().expect("tmp");
         let m = dir.path().join("model");
@@ -20,7 +85,7 @@ impl Env {
         std::fs::write(m.join("weights.safetensors"), vec![7u8; 70_000]).expect("w");
         std::fs::write(m.join("config.json"), b"{\"layers\": 2}\n").expect("w");
         std::fs::write(m.join("tok/vocab.txt"), b"a\nb\n").expect("w");
-        Env { dir }
+        Env { dir, pg: None }
     }
 
     fn path(&self, rel: &str) -> PathBuf {
@@ -28,9 +93,7 @@ impl Env {
     }
 
     fn keel(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_keel"))
-            .args(["model", "--db"])
-            .arg(self.path("reg.db"))
+        self.command()
             .args(args)
             .env(
                 "KEEL_ARTIFACT_STORE",
@@ -137,9 +200,7 @@ fn register_and_pull_work_with_no_configuration() {
     );
 }
 
-#[test]
-fn register_alias_pull_verify_end_to_end() {
-    let e = Env::new();
+fn register_alias_pull_verify_end_to_end(e: Env) {
     let m = e.path("model");
     let v1 = e.json(&[
         "register",
@@ -277,6 +338,15 @@ fn register_alias_pull_verify_end_to_end() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("tok/vocab.txt was modified"), "{err}");
 
+    if e.pg.is_some() {
+        // PostgreSQL is backed up with its own tools.
+        let (code, err) = e.fails(&["backup", "file:///tmp/never/reg.db"]);
+        assert_eq!(code, 64, "{err}");
+        assert!(err.contains("pg_dump"), "{err}");
+        let a = e.ok(&["audit", "verify"]);
+        assert!(a.ends_with("ok\n"), "{a}");
+        return;
+    }
     // Backup and restore into another database.
     e.ok(&[
         "backup",
@@ -316,20 +386,16 @@ fn a_changed_stored_byte_is_named_and_pull_leaves_nothing() {
     assert!(!e.path("out").exists());
 }
 
-#[test]
-fn an_edited_history_row_is_named_by_audit_verify() {
-    let e = Env::new();
+fn an_edited_history_row_is_named_by_audit_verify(e: Env) {
     e.ok(&["register", "m", "--path", s(&e.path("model"))]);
     e.ok(&["register", "m", "--path", s(&e.path("model"))]);
     for (v, r) in [("1", "a"), ("2", "b"), ("1", "c")] {
         e.ok(&["alias", "set", "m", "prod", v, "--reason", r]);
     }
-    let c = rusqlite::Connection::open(e.path("reg.db")).expect("open");
-    c.execute_batch(
+    e.tamper(
         "DROP TRIGGER alias_events_no_update; UPDATE alias_events SET actor = 'mallory' WHERE seq = 2;",
-    )
-    .expect("edit");
-    drop(c);
+        "DROP TRIGGER alias_events_no_update ON alias_events; UPDATE alias_events SET actor = 'mallory' WHERE seq = 2;",
+    );
     let o = e.keel(&["audit", "verify"]);
     assert_eq!(o.status.code(), Some(2));
     let text = String::from_utf8_lossy(&o.stdout);
@@ -346,9 +412,7 @@ fn an_edited_history_row_is_named_by_audit_verify() {
     assert_eq!(j["report"]["breaks"][0]["seq"], 2);
 }
 
-#[test]
-fn concurrent_registrations_from_several_processes_get_gapless_numbers() {
-    let e = Env::new();
+fn concurrent_registrations_from_several_processes_get_gapless_numbers(e: Env) {
     let v = e.json(&["register", "m", "--path", s(&e.path("model"))]);
     let url = v["model_version"]["artifact_url"]
         .as_str()
@@ -357,10 +421,8 @@ fn concurrent_registrations_from_several_processes_get_gapless_numbers() {
     let procs = 8;
     let children: Vec<_> = (0..procs)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_keel"))
-                .args(["model", "--json", "--db"])
-                .arg(e.path("reg.db"))
-                .args(["register", "m", "--from", &url])
+            e.command()
+                .args(["--json", "register", "m", "--from", &url])
                 .env("KEEL_ACTOR", "racer")
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
@@ -726,4 +788,66 @@ fn registering_from_storage_reads_every_byte_unless_told_sizes_only() {
         v2["model_version"]["manifest_digest"],
         v["model_version"]["manifest_digest"]
     );
+}
+
+/// `keel model migrate` copies a SQLite registry into an empty PostgreSQL
+/// database (versions, aliases, the signature, both chains), refuses to
+/// copy into it again once it holds the registry, and refuses a source
+/// that does not exist.
+#[test]
+#[ignore = "needs PostgreSQL: scripts/services/postgres (scripts/test starts it)"]
+fn migrate_copies_a_sqlite_registry_into_postgres_once() {
+    let e = Env::new();
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    e.ok(&["register", "m", "--path", s(&e.path("model"))]);
+    e.ok(&["alias", "set", "m", "prod", "1", "--reason", "first"]);
+    e.ok(&[
+        "keygen",
+        "--private-key",
+        s(&e.path("k.pem")),
+        "--public-key",
+        s(&e.path("k.pub")),
+    ]);
+    e.ok(&["sign", "m:1", "--key", s(&e.path("k.pem"))]);
+    let pg = Env::postgres();
+    let Some(db) = &pg.pg else { unreachable!() };
+    let from = format!("sqlite:{}", e.path("reg.db").display());
+    let report = pg.json(&["migrate", "--from", &from, "--to", &db.url]);
+    assert_eq!(report["report"]["signatures"]["checked"], 1, "{report}");
+    assert_eq!(report["report"]["chains"]["alias_events"], 1, "{report}");
+
+    // The PostgreSQL registry (with the SQLite one's artifact store).
+    let o = pg
+        .command()
+        .args([
+            "--json",
+            "verify",
+            "m@prod",
+            "--public-key",
+            s(&e.path("k.pub")),
+        ])
+        .env(
+            "KEEL_ARTIFACT_STORE",
+            format!("file://{}", e.path("store").display()),
+        )
+        .output()
+        .expect("keel");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(pg.ok(&["audit", "verify"]).ends_with("ok\n"));
+    let shown = pg.json(&["show", "m"]);
+    assert_eq!(shown["versions"].as_array().map(Vec::len), Some(2));
+
+    let (code, err) = pg.fails(&["migrate", "--from", &from, "--to", &db.url]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("already holds data"), "{err}");
+    let (code, err) = pg.fails(&[
+        "migrate",
+        "--from",
+        &format!("sqlite:{}", e.path("nothing.db").display()),
+        "--to",
+        &db.url,
+    ]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("no registry database there"), "{err}");
+    assert!(!e.path("nothing.db").exists());
 }

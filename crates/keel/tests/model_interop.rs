@@ -15,10 +15,80 @@ fn python() -> PathBuf {
         .expect("KEEL_TEST_PYTHON_TOOLS is not set: run `eval \"$(scripts/services/python-tools)\"` (scripts/test does)")
 }
 
-fn keel(db: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["model", "--db"])
-        .arg(db)
+/// The registry database a test runs keel on: a SQLite file, or a
+/// throwaway PostgreSQL database (over TLS) when `pg` is set.
+struct Db {
+    path: PathBuf,
+    pg: Option<keel_testkit::pg::PgDb>,
+}
+
+impl Db {
+    fn file(path: PathBuf) -> Db {
+        Db { path, pg: None }
+    }
+
+    /// `keel model --db DB` with the database's password and CA.
+    fn command(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
+        c.arg("model").arg("--db");
+        match &self.pg {
+            Some(pg) => {
+                c.arg(&pg.url)
+                    .env("KEEL_MODEL_DB_PASSWORD", &pg.password)
+                    .env("KEEL_MODEL_DB_CA_FILE", &pg.ca);
+            }
+            None => {
+                c.arg(&self.path);
+            }
+        }
+        c
+    }
+}
+
+/// Which store a test's registry is on.
+#[derive(Clone, Copy)]
+enum Store {
+    Sqlite,
+    Postgres,
+}
+
+impl Store {
+    /// The registry database: `DIR/reg.db`, or a new PostgreSQL database.
+    fn db(self, dir: &Path) -> Db {
+        Db {
+            path: dir.join("reg.db"),
+            pg: matches!(self, Store::Postgres).then(keel_testkit::pg::PgDb::create),
+        }
+    }
+}
+
+/// `name::sqlite` and `name::postgres`: the test `name(store)` on each
+/// store (both need the Python tools; the PostgreSQL one also
+/// scripts/services/postgres: scripts/test sets up both).
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            #[ignore = "needs Python tools: scripts/test installs them"]
+            fn sqlite() {
+                super::$name(super::Store::Sqlite)
+            }
+            #[test]
+            #[ignore = "needs Python tools and PostgreSQL: scripts/test sets them up"]
+            fn postgres() {
+                super::$name(super::Store::Postgres)
+            }
+        }
+    )*};
+}
+
+on_both_stores!(
+    model_signing_verifies_keel_signatures,
+    mlflow_client_works_against_keel_serve,
+);
+
+fn keel(db: &Db, args: &[&str]) -> Output {
+    db.command()
         .args(args)
         .env("KEEL_ACTOR", "interop")
         .env_remove("KEEL_CONFIG")
@@ -96,11 +166,9 @@ fn openssl_key(dir: &Path) -> (PathBuf, PathBuf) {
     (key, public)
 }
 
-#[test]
-#[ignore = "needs Python tools: scripts/test installs them"]
-fn model_signing_verifies_keel_signatures() {
+fn model_signing_verifies_keel_signatures(on: Store) {
     let t = tempfile::tempdir().expect("tmp");
-    let db = t.path().join("reg.db");
+    let db = on.db(t.path());
     let m = model_dir(t.path());
     let store = format!("file://{}", t.path().join("store").display());
     ok(keel(
@@ -215,7 +283,7 @@ fn model_signing_verifies_keel_signatures() {
 #[ignore = "needs Python tools: scripts/test installs them"]
 fn keel_verifies_model_signing_signatures() {
     let t = tempfile::tempdir().expect("tmp");
-    let db = t.path().join("unused.db");
+    let db = Db::file(t.path().join("unused.db"));
     let m = model_dir(t.path());
     let (key, public) = openssl_key(t.path());
     let sig = m.join("model.sig");
@@ -345,20 +413,19 @@ impl Drop for Server {
 
 /// `keel model serve` on a free port: the server (killed when dropped)
 /// and its URL.
-fn serve(db: &Path) -> (Server, String) {
+fn serve(db: &Db) -> (Server, String) {
     serve_with(db, &[], None)
 }
 
 /// `keel model serve ARGS` on a free port, its stderr into `stderr` if
 /// given.
-fn serve_with(db: &Path, args: &[&str], stderr: Option<&Path>) -> (Server, String) {
+fn serve_with(db: &Db, args: &[&str], stderr: Option<&Path>) -> (Server, String) {
     let err = match stderr {
         Some(p) => Stdio::from(std::fs::File::create(p).expect("stderr file")),
         None => Stdio::inherit(),
     };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["model", "--db"])
-        .arg(db)
+    let mut child = db
+        .command()
         .args(["serve", "--listen", "127.0.0.1:0"])
         .args(args)
         .env_remove("KEEL_CONFIG")
@@ -377,7 +444,7 @@ fn serve_with(db: &Path, args: &[&str], stderr: Option<&Path>) -> (Server, Strin
 }
 
 /// A write key for the MLflow client.
-fn write_key(db: &Path) -> String {
+fn write_key(db: &Db) -> String {
     let created: serde_json::Value = serde_json::from_str(&ok(keel(
         db,
         &["--json", "keys", "create", "mlflow", "--role", "write"],
@@ -396,7 +463,7 @@ fn mlflow_client_loads_models_registered_in_keel() {
     let azurite = keel_testkit::objects::ObjectService::azurite();
     let s3 = keel_testkit::objects::ObjectService::s3();
     let t = tempfile::tempdir().expect("tmp");
-    let db = t.path().join("reg.db");
+    let db = Db::file(t.path().join("reg.db"));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_load.py");
     let model = t.path().join("pyfunc-model");
     ok(Command::new(python())
@@ -529,11 +596,9 @@ fn mlflow_client_loads_models_registered_in_keel() {
     }
 }
 
-#[test]
-#[ignore = "needs Python tools: scripts/test installs them"]
-fn mlflow_client_works_against_keel_serve() {
+fn mlflow_client_works_against_keel_serve(on: Store) {
     let t = tempfile::tempdir().expect("tmp");
-    let db = t.path().join("reg.db");
+    let db = on.db(t.path());
     let created: serde_json::Value = serde_json::from_str(&ok(keel(
         &db,
         &["--json", "keys", "create", "mlflow", "--role", "write"],
@@ -713,7 +778,7 @@ fn healthy(port: u16) -> bool {
 #[ignore = "needs Python tools (MLflow and its server): scripts/test installs them"]
 fn log_model_versions_carry_their_run_from_the_tracking_server() {
     let t = tempfile::tempdir().expect("tmp");
-    let db = t.path().join("reg.db");
+    let db = Db::file(t.path().join("reg.db"));
     let secret = write_key(&db);
     let mlflow = MlflowServer::start(t.path());
     let warnings = t.path().join("keel-serve.err");
