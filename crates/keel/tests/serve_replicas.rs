@@ -257,6 +257,15 @@ fn same_view(s: &Value) -> Value {
     })
 }
 
+/// Sets the flag when dropped: on a panic as well as at the end.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 #[test]
 #[ignore = "needs Redis: scripts/test starts one"]
 fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
@@ -382,6 +391,9 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
     let stop = AtomicBool::new(false);
     let only = AtomicUsize::new(usize::MAX);
     let dead = std::thread::scope(|sc| {
+        // A failed assertion below stops the traffic too, so the test
+        // fails at once instead of waiting on the load thread.
+        let _stop = StopOnDrop(&stop);
         let load = sc.spawn(|| {
             let mut n = 0usize;
             while !stop.load(Ordering::Relaxed) {
@@ -409,6 +421,7 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
             .unwrap_or_else(|| panic!("{driver} is neither replica"));
         let alive = 1 - d;
         only.store(alive, Ordering::Relaxed);
+        let drives_before = f.audit(alive, "rollout_drive").len();
         // Its requests in flight finish; kill -9 then.
         std::thread::sleep(Duration::from_millis(100));
         let killed = Command::new("kill")
@@ -435,8 +448,19 @@ fn killing_the_driving_replica_at_step_2_does_not_stop_the_rollout() {
         );
         // At the same step: 30% (a verdict may have moved it on since,
         // never back).
-        let drive = f.audit(alive, "rollout_drive");
-        let first = drive.last().expect("rollout_drive of the survivor");
+        // The audit line is written by the survivor's log writer: wait for
+        // it rather than read once.
+        let t1 = Instant::now();
+        let first = loop {
+            if let Some(e) = f.audit(alive, "rollout_drive").get(drives_before) {
+                break e.clone();
+            }
+            assert!(
+                t1.elapsed() < Duration::from_secs(30),
+                "no rollout_drive of the survivor"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
         assert_eq!(first["step"], 1, "{first}");
         assert_eq!(first["weight"], 30, "{first}");
         assert!(
