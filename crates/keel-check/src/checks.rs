@@ -859,23 +859,32 @@ fn gpu_clocks(p: &Profile, inputs: &Inputs, opts: RunOptions) -> Vec<CheckResult
             .evidence(ev);
         }
         // An idle GPU drops its graphics clock far below the application
-        // clock; one held at or above it with no process is locked.
-        let no_process = g.processes.as_ref().is_some_and(|p| p.is_empty());
-        if let (true, Some(cur)) = (no_process, c.graphics_mhz) {
-            if cur >= dg {
-                return CheckResult::new(
-                    ID,
-                    Status::Warn,
-                    format!(
-                        "graphics clock {cur} MHz with no process on the GPU: clocks left locked \
-                         (keel tune reset, nvidia-smi -rgc)"
-                    ),
-                )
-                .code("CLOCKS_LEFT_LOCKED")
-                .evidence(ev);
-            }
+        // clock within seconds of its last kernel; one held at or above it
+        // with no process (for as long as gather watched it) is locked.
+        if let (true, Some(cur)) = (crate::gather::clock_held_without_process(g), c.graphics_mhz) {
+            let held = inputs
+                .clock_watch
+                .map(|d| format!(" for {:.1} s", d.as_secs_f64()))
+                .unwrap_or_default();
+            return CheckResult::new(
+                ID,
+                Status::Warn,
+                format!(
+                    "graphics clock {cur} MHz with no process on the GPU{held}: clocks left \
+                     locked (keel tune reset, nvidia-smi -rgc)"
+                ),
+            )
+            .code("CLOCKS_LEFT_LOCKED")
+            .evidence(ev);
         }
-        CheckResult::new(ID, Status::Pass, "clocks at their defaults").evidence(ev)
+        let pass = CheckResult::new(ID, Status::Pass, "clocks at their defaults").evidence(ev);
+        match inputs.clock_watch {
+            Some(d) => pass.evidence(format!(
+                "a GPU with no process held its boost clock: read again for {:.1} s until it fell",
+                d.as_secs_f64()
+            )),
+            None => pass,
+        }
     })
 }
 

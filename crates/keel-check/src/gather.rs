@@ -3,11 +3,11 @@
 use std::collections::BTreeMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
+use keel_gpu::{GpuError, GpuProbe, GpuReading, GpuSnapshot};
 use keel_topo::{Machine, Root};
 
 use crate::kmsg::{self, Record};
@@ -23,6 +23,11 @@ pub struct Inputs {
     pub host: HostFacts,
     /// Counters from the previous run on this node, for growth checks.
     pub previous: Option<State>,
+    /// How long the GPUs' clocks were watched because one held its clock
+    /// at or above the default application clock with no process (a GPU
+    /// just left by a job keeps its boost clock for a while); `None` when
+    /// no GPU needed watching or the snapshot was recorded.
+    pub clock_watch: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,6 +104,52 @@ pub struct GatherOptions {
     pub mounts: Vec<String>,
     /// The state file from the previous run, if any.
     pub state_file: Option<PathBuf>,
+    /// How long to watch a GPU that holds its clock with no process before
+    /// it counts as locked (the snapshot is read again every
+    /// `clock_poll`); zero: judge the first snapshot.
+    pub clock_settle: Duration,
+    pub clock_poll: Duration,
+}
+
+/// Whether a GPU with no process holds its graphics clock at or above the
+/// default application clock: locked clocks, or the boost of a workload
+/// that has just ended (which falls within seconds).
+pub fn clock_held_without_process(g: &GpuReading) -> bool {
+    let no_process = g.processes.as_ref().is_some_and(|p| p.is_empty());
+    let held = g.clocks.is_some_and(|c| {
+        c.graphics_mhz
+            .zip(c.default_app_graphics_mhz)
+            .is_some_and(|(cur, default)| cur >= default)
+    });
+    no_process && held
+}
+
+/// The GPUs' snapshot, read again while a GPU holds its clock with no
+/// process, until it drops or `settle` has passed. A later read that
+/// fails keeps the last good one.
+fn settled_snapshot(
+    probe: &dyn GpuProbe,
+    opts: &GatherOptions,
+) -> (Result<GpuSnapshot, GpuUnavailable>, Option<Duration>) {
+    let mut snap = probe.snapshot().map_err(GpuUnavailable::from);
+    let started = Instant::now();
+    let mut watching = false;
+    while let Ok(s) = &snap {
+        if !s.gpus.iter().any(clock_held_without_process) {
+            break;
+        }
+        let elapsed = started.elapsed();
+        watching = true;
+        if elapsed >= opts.clock_settle {
+            break;
+        }
+        std::thread::sleep(opts.clock_poll.min(opts.clock_settle - elapsed));
+        match probe.snapshot() {
+            Ok(next) => snap = Ok(next),
+            Err(_) => break,
+        }
+    }
+    (snap, watching.then(|| started.elapsed()))
 }
 
 /// Reads everything the passive checks need from the node under `root`.
@@ -113,7 +164,7 @@ pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs
             opts.timeout
         )),
     };
-    let gpu = probe.snapshot().map_err(GpuUnavailable::from);
+    let (gpu, clock_watch) = settled_snapshot(probe, opts);
     let host = gather_host(root, opts);
     let previous = opts.state_file.clone().and_then(|f| {
         with_timeout(opts.timeout, move || {
@@ -127,6 +178,7 @@ pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs
         gpu,
         host,
         previous,
+        clock_watch,
     }
 }
 
@@ -296,4 +348,93 @@ fn read_kmsg(path: &Path) -> Result<String, String> {
 fn free_bytes(path: &Path) -> Result<u64, String> {
     let st = rustix::fs::statvfs(path).map_err(|e| format!("statvfs({}): {e}", path.display()))?;
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use keel_gpu::{ClockReading, GpuError, GpuReading, GpuSnapshot};
+
+    use super::*;
+
+    /// Answers with `clocks` in turn (the last one over and over).
+    struct Clocks(RefCell<Vec<u32>>);
+
+    impl GpuProbe for Clocks {
+        fn snapshot(&self) -> Result<GpuSnapshot, GpuError> {
+            let mut v = self.0.borrow_mut();
+            let mhz = if v.len() > 1 { v.remove(0) } else { v[0] };
+            Ok(GpuSnapshot {
+                version: 1,
+                gpus: vec![GpuReading {
+                    processes: Some(Vec::new()),
+                    clocks: Some(ClockReading {
+                        graphics_mhz: Some(mhz),
+                        default_app_graphics_mhz: Some(1980),
+                        ..ClockReading::default()
+                    }),
+                    ..GpuReading::default()
+                }],
+                ..GpuSnapshot::default()
+            })
+        }
+    }
+
+    fn opts(settle_ms: u64) -> GatherOptions {
+        GatherOptions {
+            timeout: Duration::from_secs(5),
+            mounts: Vec::new(),
+            state_file: None,
+            clock_settle: Duration::from_millis(settle_ms),
+            clock_poll: Duration::from_millis(10),
+        }
+    }
+
+    fn clock(snap: &Result<GpuSnapshot, GpuUnavailable>) -> Option<u32> {
+        snap.as_ref().ok()?.gpus[0].clocks?.graphics_mhz
+    }
+
+    #[test]
+    fn a_boost_clock_that_falls_is_read_again_until_it_has() {
+        // The first read below the default application clock ends it.
+        let probe = Clocks(RefCell::new(vec![1980, 1980, 1755, 345]));
+        let (snap, watched) = settled_snapshot(&probe, &opts(5_000));
+        assert_eq!(clock(&snap), Some(1755));
+        assert!(
+            watched.is_some_and(|d| d < Duration::from_secs(5)),
+            "{watched:?}"
+        );
+    }
+
+    #[test]
+    fn a_held_clock_is_watched_for_the_settle_time_then_judged() {
+        let probe = Clocks(RefCell::new(vec![1980]));
+        let (snap, watched) = settled_snapshot(&probe, &opts(100));
+        assert_eq!(clock(&snap), Some(1980));
+        assert!(
+            watched.is_some_and(|d| d >= Duration::from_millis(100)),
+            "{watched:?}"
+        );
+    }
+
+    #[test]
+    fn an_idle_clock_or_a_busy_gpu_is_not_watched() {
+        let probe = Clocks(RefCell::new(vec![345, 1980]));
+        let (snap, watched) = settled_snapshot(&probe, &opts(5_000));
+        assert_eq!((clock(&snap), watched), (Some(345), None));
+        let mut busy = probe.snapshot().expect("snapshot").gpus.remove(0);
+        busy.processes = Some(vec![keel_gpu::GpuProcess::default()]);
+        assert!(!clock_held_without_process(&busy));
+        busy.processes = None;
+        assert!(!clock_held_without_process(&busy), "unknown processes");
+    }
+
+    #[test]
+    fn zero_settle_judges_the_first_snapshot() {
+        let probe = Clocks(RefCell::new(vec![1980, 345]));
+        let (snap, watched) = settled_snapshot(&probe, &opts(0));
+        assert_eq!(clock(&snap), Some(1980));
+        assert!(watched.is_some());
+    }
 }

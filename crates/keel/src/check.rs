@@ -5,6 +5,12 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// How long `keel check` watches a GPU that holds its boost clock with no
+/// process before calling its clocks locked: an H200 measured by
+/// scripts/gpu-verify still ran at 1980 MHz right after a benchmark, and
+/// an epilog runs right after the job.
+const CLOCK_SETTLE: Duration = Duration::from_secs(10);
+
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
@@ -397,6 +403,13 @@ pub fn check_node(
         timeout,
         mounts: Vec::new(),
         state_file: state_file.clone(),
+        // A recording does not change: judge it as it is.
+        clock_settle: if cfg.gpu_snapshot.is_some() {
+            Duration::ZERO
+        } else {
+            CLOCK_SETTLE
+        },
+        clock_poll: Duration::from_millis(500),
     };
     let mut inputs = keel_check::gather(&cli.root, probe.as_ref(), &opts);
 
