@@ -823,6 +823,11 @@ fn recorded_machines_check_as_they_did_live() {
         &[],
     );
     assert_eq!(code, 0, "{err}");
+    // On a GPU machine the snapshot holds the processes that have a GPU
+    // open, their fd/ links absolute (as recorded on an H200).
+    let fd = snap.join("proc/4242/fd");
+    std::fs::create_dir_all(&fd).expect("mkdir");
+    std::os::unix::fs::symlink("/dev/nvidia0", fd.join("3")).expect("symlink");
     // A GPU machine's GPUs too; none here is fine (exit 3, no NVML).
     let (code, _, err) = keel(
         &s(&[
