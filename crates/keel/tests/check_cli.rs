@@ -898,5 +898,13 @@ fn recorded_machines_check_as_they_did_live() {
             "{root}: replayed (left) against live (right)"
         );
         assert_eq!(replayed["host"], live["host"], "{root}: host name");
+        for r in live["results"].as_array().expect("results") {
+            if let Some(serial) = r["device"]["serial"].as_str() {
+                assert!(
+                    serial.starts_with("redacted-"),
+                    "{root}: a GPU serial number kept: {serial}"
+                );
+            }
+        }
     }
 }
