@@ -151,12 +151,12 @@ impl Slurm {
         }
     }
 
-    /// The state of a job (`squeue -h -j ID -o %T`: `RUNNING`,
-    /// `CANCELLED`, ...); `None` when squeue no longer lists it.
-    pub fn job_state(&self, job: &str) -> Result<Option<String>, SlurmError> {
+    /// The state of a job and its reason (`squeue -h -j ID -o %T|%r`);
+    /// `None` when squeue no longer lists it.
+    pub fn job_state(&self, job: &str) -> Result<Option<JobStatus>, SlurmError> {
         check_job(job)?;
         let deadline = self.deadline();
-        let args = strings(&["-h", "-j", job, "-o", "%T"]);
+        let args = strings(&["-h", "-j", job, "-o", "%T|%r"]);
         let out = self.run("squeue", &args, deadline)?;
         if !out.status.success() {
             if out.stderr.contains("Invalid job id") {
@@ -169,7 +169,7 @@ impl Slurm {
             .lines()
             .map(str::trim)
             .find(|l| !l.is_empty())
-            .map(str::to_owned))
+            .map(JobStatus::parse))
     }
 
     /// Requeues a job (the batch script starts again from the top with the
@@ -878,5 +878,58 @@ exit 2"#
         assert!(slurm
             .apply("n1", &Action::Nothing { why: "fine".into() })
             .is_ok());
+    }
+}
+
+/// A job's state and the reason squeue gives for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStatus {
+    /// `RUNNING`, `COMPLETING`, `CANCELLED`, ...
+    pub state: String,
+    /// `None`, `TimeLimit`, `BeginTime`, ...
+    pub reason: String,
+}
+
+impl JobStatus {
+    /// One line of `squeue -o %T|%r`.
+    pub fn parse(line: &str) -> JobStatus {
+        let (state, reason) = line.trim().split_once('|').unwrap_or((line.trim(), ""));
+        JobStatus {
+            state: state.to_owned(),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Whether Slurm is ending the job for good: cancelled (`scancel`,
+    /// which shows as `COMPLETING` with reason `None` while its steps are
+    /// killed). A job killed at its time limit is `COMPLETING` with reason
+    /// `TimeLimit`: not cancelled, it may be requeued to go on (Slurm
+    /// accepts the requeue of a completing job).
+    pub fn cancelled(&self) -> bool {
+        self.state.starts_with("CANCELLED")
+            || (self.state.starts_with("COMPLETING") && self.reason != "TimeLimit")
+    }
+}
+
+#[cfg(test)]
+mod job_status_tests {
+    use super::JobStatus;
+
+    #[test]
+    fn a_time_limit_is_not_a_cancellation() {
+        // As squeue printed them on the test cluster during the kill.
+        let cancelled = |l: &str| JobStatus::parse(l).cancelled();
+        assert!(cancelled("COMPLETING|None"), "scancel");
+        assert!(cancelled("CANCELLED|None"));
+        assert!(!cancelled("COMPLETING|TimeLimit"), "the time limit");
+        assert!(!cancelled("RUNNING|None"));
+        assert!(!cancelled("PENDING|BeginTime"));
+        assert_eq!(
+            JobStatus::parse("RUNNING"),
+            JobStatus {
+                state: "RUNNING".into(),
+                reason: String::new()
+            }
+        );
     }
 }

@@ -22,7 +22,7 @@ mod node;
 mod run;
 mod times;
 
-pub use client::{check_name as check_node_name, Slurm, SlurmConfig};
+pub use client::{check_name as check_node_name, JobStatus, Slurm, SlurmConfig};
 pub use comment::{has_marker, with_marker, RUN_MARKER};
 pub use decide::{decide, Action, Policy, Verdict};
 pub use error::SlurmError;

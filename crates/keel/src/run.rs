@@ -1645,14 +1645,15 @@ fn mark_job(plan: &Plan, m: &SlurmMode) {
 /// a preemption Slurm carries out itself. keel neither checkpoints nor
 /// requeues such a job; a preemption in `PreemptMode=REQUEUE` is requeued
 /// by Slurm. (Slurm's warning signal, `--signal=B:USR1@...`, and
-/// `scancel --batch --signal=TERM` leave the job running: those are
+/// `scancel --batch --signal=TERM` leave the job running, and the time
+/// limit's kill is `COMPLETING` with reason `TimeLimit`: those are
 /// checkpointed and requeued.)
 fn cancelled_by_user(plan: &Plan) -> bool {
     let Some(m) = &plan.slurm else {
         return false;
     };
     let job = std::env::var("SLURM_JOB_ID").unwrap_or_else(|_| plan.job.clone());
-    matches!(m.client.job_state(&job), Ok(Some(s)) if s.starts_with("CANCELLED") || s.starts_with("COMPLETING"))
+    matches!(m.client.job_state(&job), Ok(Some(s)) if s.cancelled())
 }
 
 /// The nodes a failure is recorded against: under Slurm those srun named

@@ -28,9 +28,14 @@ Environment:
   DDP_FAULT_FILE with crash-at/hang-at: only while this file exists
   DDP_RESUME_LATEST  1: without keel run, resume from the newest committed
                  step_<N> under KEEL_CKPT_DIR
+  DDP_CKPT_SECS  seconds a save takes before DCP writes (a slow checkpoint)
+  DDP_ON_SIGNAL  1: as many trainers do, SIGUSR1 asks for a checkpoint
+                 and SIGTERM for a checkpoint and a clean exit, taken at
+                 the next step (default: the signals' default actions)
 """
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -50,6 +55,16 @@ log_path = os.environ.get("DDP_LOG")
 ckpt_dir = os.environ["KEEL_CKPT_DIR"]
 request_file = os.environ.get("KEEL_CKPT_REQUEST")
 heartbeat_dir = os.environ.get("KEEL_HEARTBEAT_DIR")
+ckpt_secs = float(os.environ.get("DDP_CKPT_SECS", "0"))
+signalled = {"save": False, "exit": False}
+if os.environ.get("DDP_ON_SIGNAL") == "1":
+    def on_signal(signum, _frame):
+        signalled["save"] = True
+        if signum == signal.SIGTERM:
+            signalled["exit"] = True
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
 
 torch.set_num_threads(1)
@@ -138,6 +153,9 @@ else:
 
 
 def save(step):
+    if ckpt_secs:
+        log(f"saving {step}")
+        time.sleep(ckpt_secs)
     dcp.save(state(step), checkpoint_id=os.path.join(ckpt_dir, f"step_{step}"))
 
 
@@ -157,9 +175,12 @@ def requested():
         if req and req != last_request:
             last_request = req
             new = 1
+        if signalled["save"]:
+            signalled["save"] = False
+            new = 2 if signalled["exit"] else 1
     flag = torch.tensor([new])
     dist.broadcast(flag, src=0)
-    return bool(flag.item())
+    return int(flag.item())
 
 
 def beat():
@@ -191,8 +212,12 @@ while step < steps:
     log(f"trained {step}")
     if rank == 0:
         print(f"step {step} loss {loss.item():.6f}", flush=True)
-    if requested() or step % every == 0:
+    asked = requested()
+    if asked or step % every == 0:
         save(step)
+    if asked == 2:
+        log(f"stopping after {step} (SIGTERM)")
+        break
 
 if rank == 0 and os.environ.get("DDP_RESULT"):
     params = {k: [float(v).hex() for v in t.flatten().tolist()] for k, t in model.state_dict().items()}
