@@ -1849,17 +1849,24 @@ async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult 
         order
     };
     let clauses = parse_filter(q.filter.as_deref().unwrap_or(""))?;
-    let exact_name = clauses
-        .iter()
-        .find(|c| c.key == "name" && c.op == "=")
-        .map(|c| c.value.clone());
+    // Equalities on the name and the run narrow the rows in SQL; every
+    // clause is still applied below.
+    let exact = |key: &str| {
+        clauses
+            .iter()
+            .find(|c| c.key == key && c.op == "=")
+            .map(|c| c.value.clone())
+    };
+    let exact_name = exact("name");
+    // (A run id of "" matches versions without a run: left to the filter.)
+    let exact_run = exact("run_id").filter(|r| !r.is_empty());
     let start = page_start(&q)?;
     let acct = st.azure_account.clone();
     let cap = st.max_response;
     let _place = heavy_place(&st).await?;
     let (versions, next) = read(&st, move |r| {
         let with_tags = clauses.iter().any(|c| c.key.starts_with("tag."));
-        let mut rows = r.version_rows(exact_name.as_deref(), with_tags)?;
+        let mut rows = r.version_rows(exact_name.as_deref(), exact_run.as_deref(), with_tags)?;
         rows.retain(|v| {
             clauses.iter().all(|c| {
                 if c.key.starts_with("tag.") {
@@ -1890,8 +1897,8 @@ async fn mlf_search_versions(State(st): State<AppState>, uri: Uri) -> ApiResult 
         let (rows, next) = page_of(rows, start, &q, VERSION_PAGES.default);
         let mut versions = Vec::new();
         let mut bytes = 0usize;
-        for row in &rows {
-            let v = mlf_version(&r.version_of_row(row)?, acct.as_deref());
+        for v in r.versions_of_rows(&rows)? {
+            let v = mlf_version(&v, acct.as_deref());
             bytes += v.to_string().len() + 1;
             if !versions.is_empty() && bytes > cap {
                 break;

@@ -835,10 +835,8 @@ impl Registry {
         let id = model_id(&self.conn, model)?.ok_or_else(|| RegistryError::UnknownModel {
             name: model.to_owned(),
         })?;
-        self.version_ids("WHERE v.model_id = ?1", params![id])?
-            .into_iter()
-            .map(|vid| load_version(&self.conn, vid))
-            .collect()
+        let ids = self.version_ids("WHERE v.model_id = ?1", params![id])?;
+        load_versions(&self.conn, &ids)
     }
 
     /// A model's versions numbered above `after`, at most `limit`, oldest
@@ -849,14 +847,15 @@ impl Registry {
         })?;
         let after = i64::try_from(after).unwrap_or(i64::MAX);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.version_ids(
-            "WHERE v.model_id = ?1 AND v.number > ?2",
-            params![id, after],
-        )?
-        .into_iter()
-        .take(usize::try_from(limit).unwrap_or(usize::MAX))
-        .map(|vid| load_version(&self.conn, vid))
-        .collect()
+        let ids = self
+            .version_ids(
+                "WHERE v.model_id = ?1 AND v.number > ?2",
+                params![id, after],
+            )?
+            .into_iter()
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .collect::<Vec<_>>();
+        load_versions(&self.conn, &ids)
     }
 
     /// Versions across models, optionally of one model and one run.
@@ -865,28 +864,32 @@ impl Registry {
         model: Option<&str>,
         run_id: Option<&str>,
     ) -> Result<Vec<Version>> {
-        self.version_ids(
+        let ids = self.version_ids(
             "WHERE (CAST(?1 AS TEXT) IS NULL OR m.name = ?1)
                AND (CAST(?2 AS TEXT) IS NULL OR v.run_id = ?2)",
             params![model, run_id],
-        )?
-        .into_iter()
-        .map(|vid| load_version(&self.conn, vid))
-        .collect()
+        )?;
+        load_versions(&self.conn, &ids)
     }
 
     /// Every version's searchable fields (one query, no files, tags only
     /// when asked for, in one more), optionally of one model: what a
     /// search filters and sorts before it loads the versions of one page.
-    pub fn version_rows(&self, model: Option<&str>, with_tags: bool) -> Result<Vec<VersionRow>> {
+    pub fn version_rows(
+        &self,
+        model: Option<&str>,
+        run_id: Option<&str>,
+        with_tags: bool,
+    ) -> Result<Vec<VersionRow>> {
         let mut out = self
             .conn
             .query_map(
                 "SELECT v.id, m.name, v.number, v.run_id, v.source, v.artifact_url, v.created_ms, v.updated_ms
                  FROM versions v JOIN models m ON m.id = v.model_id
-                 WHERE CAST(?1 AS TEXT) IS NULL OR m.name = ?1
+                 WHERE (CAST(?1 AS TEXT) IS NULL OR m.name = ?1)
+                   AND (CAST(?2 AS TEXT) IS NULL OR v.run_id = ?2)
                  ORDER BY v.id",
-                params![model],
+                params![model, run_id],
                 |r| {
                     Ok(VersionRow {
                         id: r.get(0)?,
@@ -908,9 +911,10 @@ impl Registry {
                 .query_map(
                     "SELECT t.version_id, t.key, t.value FROM version_tags t
                      JOIN versions v ON v.id = t.version_id JOIN models m ON m.id = v.model_id
-                     WHERE CAST(?1 AS TEXT) IS NULL OR m.name = ?1
+                     WHERE (CAST(?1 AS TEXT) IS NULL OR m.name = ?1)
+                       AND (CAST(?2 AS TEXT) IS NULL OR v.run_id = ?2)
                      ORDER BY t.version_id, t.key",
-                    params![model],
+                    params![model, run_id],
                     |r| {
                         Ok((
                             r.get::<i64>(0)?,
@@ -930,6 +934,13 @@ impl Registry {
     /// The version a [`VersionRow`] describes.
     pub fn version_of_row(&self, row: &VersionRow) -> Result<Version> {
         load_version(&self.conn, row.id)
+    }
+
+    /// The versions these rows describe, in their order, with one query
+    /// per table.
+    pub fn versions_of_rows(&self, rows: &[VersionRow]) -> Result<Vec<Version>> {
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        load_versions(&self.conn, &ids)
     }
 
     /// Every model's searchable fields (tags only when asked for).
@@ -2227,8 +2238,25 @@ fn read_tags(c: &Db, sql: &str, id: i64) -> Result<Vec<Tag>> {
 }
 
 fn load_version(c: &Db, vid: i64) -> Result<Version> {
+    load_versions(c, &[vid])?
+        .pop()
+        .ok_or_else(|| RegistryError::db("reading a version")(crate::storage::DbError::NoRow))
+}
+
+/// The versions with these ids, in this order, read with one query per
+/// table (a few hundred ids at a time): what a page of search results
+/// loads. An id that names no version is left out.
+fn load_versions(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
+    let mut out = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(500) {
+        out.extend(load_version_chunk(c, chunk)?);
+    }
+    Ok(out)
+}
+
+fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
     struct Row {
-        model_id: i64,
+        id: i64,
         model: String,
         number: i64,
         status: String,
@@ -2242,14 +2270,22 @@ fn load_version(c: &Db, vid: i64) -> Result<Version> {
         created_by: String,
         updated_ms: i64,
     }
-    let row = c
-        .query_row(
-            "SELECT v.model_id, m.name, v.number, v.status, v.status_message, v.source, v.artifact_url,
-                    v.manifest_digest, v.description, v.lineage, v.created_ms, v.created_by, v.updated_ms
-             FROM versions v JOIN models m ON m.id = v.model_id WHERE v.id = ?1", params![vid],
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Ids are the database's own integers, never user input.
+    let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let rows = c
+        .query_map(
+            &format!(
+                "SELECT v.id, m.name, v.number, v.status, v.status_message, v.source, v.artifact_url,
+                        v.manifest_digest, v.description, v.lineage, v.created_ms, v.created_by, v.updated_ms
+                 FROM versions v JOIN models m ON m.id = v.model_id WHERE v.id IN ({list})"
+            ),
+            params![],
             |r| {
                 Ok(Row {
-                    model_id: r.get(0)?,
+                    id: r.get(0)?,
                     model: r.get(1)?,
                     number: r.get(2)?,
                     status: r.get(3)?,
@@ -2266,64 +2302,110 @@ fn load_version(c: &Db, vid: i64) -> Result<Version> {
             },
         )
         .map_err(RegistryError::db("reading a version"))?;
-    let files = {
-        c.query_map(
-            "SELECT name, size, sha256 FROM version_files WHERE version_id = ?1 ORDER BY name",
-            params![vid],
+    let mut files: BTreeMap<i64, Vec<VersionFile>> = BTreeMap::new();
+    for (vid, f) in c
+        .query_map(
+            &format!(
+                "SELECT version_id, name, size, sha256 FROM version_files
+                 WHERE version_id IN ({list}) ORDER BY version_id, name"
+            ),
+            params![],
             |r| {
-                Ok(VersionFile {
-                    name: r.get(0)?,
-                    size: r.get::<i64>(1)? as u64,
-                    sha256: r.get(2)?,
-                })
+                Ok((
+                    r.get::<i64>(0)?,
+                    VersionFile {
+                        name: r.get(1)?,
+                        size: r.get::<i64>(2)? as u64,
+                        sha256: r.get(3)?,
+                    },
+                ))
             },
         )
         .map_err(RegistryError::db("reading version files"))?
-    };
-    let tags = read_tags(
-        c,
-        "SELECT key, value FROM version_tags WHERE version_id = ?1 ORDER BY key",
-        vid,
-    )?;
-    let aliases = {
-        c.query_map(
-            "SELECT alias FROM aliases WHERE model_id = ?1 AND version = ?2 ORDER BY alias",
-            params![row.model_id, row.number],
-            |r| r.get(0),
+    {
+        files.entry(vid).or_default().push(f);
+    }
+    let mut tags: BTreeMap<i64, Vec<Tag>> = BTreeMap::new();
+    for (vid, t) in c
+        .query_map(
+            &format!(
+                "SELECT version_id, key, value FROM version_tags
+                 WHERE version_id IN ({list}) ORDER BY version_id, key"
+            ),
+            params![],
+            |r| {
+                Ok((
+                    r.get::<i64>(0)?,
+                    Tag {
+                        key: r.get(1)?,
+                        value: r.get(2)?,
+                    },
+                ))
+            },
+        )
+        .map_err(RegistryError::db("reading tags"))?
+    {
+        tags.entry(vid).or_default().push(t);
+    }
+    let mut aliases: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for (vid, a) in c
+        .query_map(
+            &format!(
+                "SELECT v.id, a.alias FROM aliases a
+                 JOIN versions v ON v.model_id = a.model_id AND v.number = a.version
+                 WHERE v.id IN ({list}) ORDER BY v.id, a.alias"
+            ),
+            params![],
+            |r| Ok((r.get::<i64>(0)?, r.get::<String>(1)?)),
         )
         .map_err(RegistryError::db("reading aliases"))?
-    };
-    let signed: i64 = c
-        .query_row(
-            "SELECT COUNT(*) FROM signatures WHERE version_id = ?1",
-            params![vid],
-            |r| r.get(0),
+    {
+        aliases.entry(vid).or_default().push(a);
+    }
+    let signed: BTreeMap<i64, i64> = c
+        .query_map(
+            &format!(
+                "SELECT version_id, COUNT(*) FROM signatures
+                 WHERE version_id IN ({list}) GROUP BY version_id"
+            ),
+            params![],
+            |r| Ok((r.get::<i64>(0)?, r.get::<i64>(1)?)),
         )
-        .map_err(RegistryError::db("reading signatures"))?;
-    let lineage: Lineage =
-        serde_json::from_str(&row.lineage).map_err(|e| RegistryError::Invalid {
-            what: "stored lineage",
-            value: format!("{}:{}", row.model, row.number),
-            reason: e.to_string(),
-        })?;
-    Ok(Version {
-        model: row.model,
-        version: row.number as u64,
-        status: Status::parse(&row.status),
-        status_message: row.status_message,
-        source: row.source,
-        artifact_url: row.artifact_url,
-        manifest_digest: row.manifest_digest,
-        description: row.description,
-        lineage,
-        created_ms: row.created_ms,
-        created_by: row.created_by,
-        updated_ms: row.updated_ms,
-        files,
-        tags,
-        aliases,
-        signed: signed > 0,
-    })
+        .map_err(RegistryError::db("reading signatures"))?
+        .into_iter()
+        .collect();
+    let mut by_id: BTreeMap<i64, Row> = rows.into_iter().map(|r| (r.id, r)).collect();
+    let mut out = Vec::with_capacity(ids.len());
+    for vid in ids {
+        let Some(row) = by_id.remove(vid) else {
+            continue;
+        };
+        let lineage: Lineage =
+            serde_json::from_str(&row.lineage).map_err(|e| RegistryError::Invalid {
+                what: "stored lineage",
+                value: format!("{}:{}", row.model, row.number),
+                reason: e.to_string(),
+            })?;
+        out.push(Version {
+            model: row.model,
+            version: row.number as u64,
+            status: Status::parse(&row.status),
+            status_message: row.status_message,
+            source: row.source,
+            artifact_url: row.artifact_url,
+            manifest_digest: row.manifest_digest,
+            description: row.description,
+            lineage,
+            created_ms: row.created_ms,
+            created_by: row.created_by,
+            updated_ms: row.updated_ms,
+            files: files.remove(vid).unwrap_or_default(),
+            tags: tags.remove(vid).unwrap_or_default(),
+            aliases: aliases.remove(vid).unwrap_or_default(),
+            signed: signed.get(vid).is_some_and(|n| *n > 0),
+        });
+    }
+    Ok(out)
 }
 
 /// Rebuilds a version's manifest (for signing and verifying): its files in

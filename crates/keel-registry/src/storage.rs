@@ -177,6 +177,13 @@ pub enum DbError {
     /// A statement returned no row where one was expected.
     #[error("no row found")]
     NoRow,
+    /// The database's host did not answer in time.
+    #[error("the database server at {addr} {what} within {timeout:?}")]
+    Unanswered {
+        addr: String,
+        what: String,
+        timeout: Duration,
+    },
 }
 
 /// PostgreSQL's own message where the server sent one (the client's
@@ -200,7 +207,7 @@ impl DbError {
     /// (HTTP 503).
     pub fn is_unavailable(&self) -> bool {
         match self {
-            DbError::Lost => true,
+            DbError::Lost | DbError::Unanswered { .. } => true,
             DbError::Sqlite(e) => matches!(
                 e.sqlite_error_code(),
                 Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
@@ -630,11 +637,77 @@ impl PgTarget {
 
     fn connect(&self) -> Result<postgres::Client, DbError> {
         blocking(|| {
+            self.probe()?;
             Ok(match &self.tls {
                 Some(t) => self.config.connect(tls::MakeRustls(t.clone()))?,
                 None => self.config.connect(postgres::NoTls)?,
             })
         })
+    }
+}
+
+impl PgTarget {
+    /// Asks the first TCP host whether it speaks PostgreSQL (an SSLRequest,
+    /// answered with one byte at once) within the timeout. The client's
+    /// own connect bounds only the TCP handshake: a host that accepts and
+    /// never answers (a black hole, a hung proxy) would hold the startup
+    /// forever. Unix sockets and hosts that cannot be resolved are left
+    /// to the client.
+    fn probe(&self) -> Result<(), DbError> {
+        use std::io::{Read, Write};
+        use std::net::ToSocketAddrs;
+        let ports = self.config.get_ports();
+        let Some((host, port)) = self
+            .config
+            .get_hosts()
+            .iter()
+            .zip(ports.iter().chain(std::iter::repeat(&5432)))
+            .find_map(|(h, p)| match h {
+                postgres::config::Host::Tcp(h) => Some((h.clone(), *p)),
+                _ => None,
+            })
+        else {
+            return Ok(());
+        };
+        let Some(addr) = (host.as_str(), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+        else {
+            return Ok(());
+        };
+        let unanswered = |what: &str| DbError::Unanswered {
+            addr: addr.to_string(),
+            what: what.to_owned(),
+            timeout: self.timeout,
+        };
+        let mut sock = match std::net::TcpStream::connect_timeout(&addr, self.timeout) {
+            Ok(s) => s,
+            // Refused or unreachable: the client says so in its own words.
+            Err(e) if e.kind() != std::io::ErrorKind::TimedOut => return Ok(()),
+            Err(_) => return Err(unanswered("did not accept a connection")),
+        };
+        let _ = sock.set_read_timeout(Some(self.timeout));
+        let _ = sock.set_write_timeout(Some(self.timeout));
+        // SSLRequest: length 8, code 80877103.
+        let request = [0u8, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+        let mut answer = [0u8; 1];
+        match sock
+            .write_all(&request)
+            .and_then(|()| sock.read(&mut answer))
+        {
+            Ok(1) => Ok(()),
+            Ok(_) => Ok(()), // closed at once: the client reports it
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(unanswered("accepted the connection but did not answer"))
+            }
+            Err(_) => Ok(()),
+        }
     }
 }
 

@@ -334,16 +334,28 @@ async fn searches_order_and_page_as_mlflow(store: Store) {
     reg.create_api_key("admin", "k", Role::Read, &key)
         .expect("k");
     for (model, n) in [("b", 12), ("a", 3)] {
-        for _ in 0..n {
+        for i in 0..n {
             let new = NewVersion {
                 model: model.into(),
                 source: "s3://b/m".into(),
                 create_model: true,
+                lineage: keel_registry::Lineage {
+                    run_id: Some(format!("run-{}", i % 3)),
+                    ..Default::default()
+                },
+                tags: vec![keel_registry::Tag {
+                    key: "i".into(),
+                    value: i.to_string(),
+                }],
                 ..Default::default()
             };
             reg.register_version("ci", &new, None).expect("v");
         }
     }
+    reg.set_alias("ci", "b", "champion", 5, "test")
+        .expect("alias");
+    reg.set_alias("ci", "b", "shadow", 5, "test")
+        .expect("alias");
     let (addr, stop) = start(reg).await;
     let auth = format!("api-key: {key}");
     let get = |path: String| {
@@ -358,6 +370,30 @@ async fn searches_order_and_page_as_mlflow(store: Store) {
     .await;
     assert_eq!(s, 200, "{t}");
     assert_eq!(versions_of(&json(&t)), ["b:12"]);
+    // Name and run together (narrowed in the database), and the run alone;
+    // each version of a page carries its own tags and aliases.
+    let (s, t) = get(format!(
+        "{m}/model-versions/search?filter=name%3D%27b%27+AND+run_id%3D%27run-1%27&order_by=version_number+ASC"
+    ))
+    .await;
+    assert_eq!(s, 200, "{t}");
+    let v = json(&t);
+    assert_eq!(versions_of(&v), ["b:2", "b:5", "b:8", "b:11"]);
+    let page = v["model_versions"].as_array().expect("versions");
+    assert_eq!(page[1]["run_id"], "run-1", "{t}");
+    assert_eq!(
+        page[1]["aliases"],
+        serde_json::json!(["champion", "shadow"]),
+        "{t}"
+    );
+    assert_eq!(page[1]["tags"][0]["value"], "4", "{t}");
+    assert_eq!(page[2]["aliases"], serde_json::json!([]), "{t}");
+    assert_eq!(page[2]["tags"][0]["value"], "7", "{t}");
+    let (_, t) = get(format!(
+        "{m}/model-versions/search?filter=run_id%3D%27run-2%27&order_by=name+ASC&order_by=version_number+ASC"
+    ))
+    .await;
+    assert_eq!(versions_of(&json(&t)), ["a:3", "b:3", "b:6", "b:9", "b:12"]);
     // MLflow's default (one clock tick here): name ascending, newest first.
     let (_, t) = get(format!("{m}/model-versions/search?max_results=4")).await;
     assert_eq!(versions_of(&json(&t)), ["a:3", "a:2", "a:1", "b:12"]);

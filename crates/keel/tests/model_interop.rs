@@ -20,16 +20,35 @@ fn python() -> PathBuf {
 struct Db {
     path: PathBuf,
     pg: Option<keel_testkit::pg::PgDb>,
+    /// KEEL_ARTIFACT_STORE for every command, where set.
+    artifacts: Option<String>,
 }
 
 impl Db {
     fn file(path: PathBuf) -> Db {
-        Db { path, pg: None }
+        Db {
+            path,
+            pg: None,
+            artifacts: None,
+        }
+    }
+
+    /// On PostgreSQL, which has no directory beside it, the store a
+    /// SQLite registry at `DIR/reg.db` has by default, configured.
+    fn with_default_store_of(mut self, dir: &Path) -> Db {
+        if self.pg.is_some() {
+            let dir = std::path::absolute(dir).expect("absolute");
+            self.artifacts = Some(format!("file://{}/reg-artifacts", dir.display()));
+        }
+        self
     }
 
     /// `keel model --db DB` with the database's password and CA.
     fn command(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
+        if let Some(a) = &self.artifacts {
+            c.env("KEEL_ARTIFACT_STORE", a);
+        }
         c.arg("model").arg("--db");
         match &self.pg {
             Some(pg) => {
@@ -58,6 +77,7 @@ impl Store {
         Db {
             path: dir.join("reg.db"),
             pg: matches!(self, Store::Postgres).then(keel_testkit::pg::PgDb::create),
+            artifacts: None,
         }
     }
 }
@@ -66,15 +86,19 @@ impl Store {
 /// store (both need the Python tools; the PostgreSQL one also
 /// scripts/services/postgres: scripts/test sets up both).
 macro_rules! on_both_stores {
-    ($($name:ident),* $(,)?) => {$(
+    ($($name:ident),* $(,)?) => {
+        on_both_stores!(@ "needs Python tools: scripts/test installs them";
+            "needs Python tools and PostgreSQL: scripts/test sets them up"; $($name),*);
+    };
+    (@ $sqlite:literal; $postgres:literal; $($name:ident),*) => {$(
         mod $name {
             #[test]
-            #[ignore = "needs Python tools: scripts/test installs them"]
+            #[ignore = $sqlite]
             fn sqlite() {
                 super::$name(super::Store::Sqlite)
             }
             #[test]
-            #[ignore = "needs Python tools and PostgreSQL: scripts/test sets them up"]
+            #[ignore = $postgres]
             fn postgres() {
                 super::$name(super::Store::Postgres)
             }
@@ -85,7 +109,11 @@ macro_rules! on_both_stores {
 on_both_stores!(
     model_signing_verifies_keel_signatures,
     mlflow_client_works_against_keel_serve,
+    log_model_versions_carry_their_run_from_the_tracking_server,
 );
+on_both_stores!(@ "needs Python tools, Azurite and the S3 server: scripts/test starts them";
+    "needs Python tools, Azurite, the S3 server and PostgreSQL: scripts/test starts them";
+    mlflow_client_loads_models_registered_in_keel);
 
 fn keel(db: &Db, args: &[&str]) -> Output {
     db.command()
@@ -457,13 +485,11 @@ fn write_key(db: &Db) -> String {
 /// `latest`, downloads them with `mlflow.artifacts`, from the default
 /// file:// store and from Azurite and S3 (reading them with its own
 /// credentials), whether keel's CLI or the client registered them.
-#[test]
-#[ignore = "needs Python tools, Azurite and the S3 server: scripts/test starts them"]
-fn mlflow_client_loads_models_registered_in_keel() {
+fn mlflow_client_loads_models_registered_in_keel(store: Store) {
     let azurite = keel_testkit::objects::ObjectService::azurite();
     let s3 = keel_testkit::objects::ObjectService::s3();
     let t = tempfile::tempdir().expect("tmp");
-    let db = Db::file(t.path().join("reg.db"));
+    let db = store.db(t.path()).with_default_store_of(t.path());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mlflow_load.py");
     let model = t.path().join("pyfunc-model");
     ok(Command::new(python())
@@ -774,11 +800,9 @@ fn healthy(port: u16) -> bool {
 /// run. When the tracking server is not configured, does not know the
 /// model or is down, the version is still created, without a run, and
 /// keel warns.
-#[test]
-#[ignore = "needs Python tools (MLflow and its server): scripts/test installs them"]
-fn log_model_versions_carry_their_run_from_the_tracking_server() {
+fn log_model_versions_carry_their_run_from_the_tracking_server(store: Store) {
     let t = tempfile::tempdir().expect("tmp");
-    let db = Db::file(t.path().join("reg.db"));
+    let db = store.db(t.path());
     let secret = write_key(&db);
     let mlflow = MlflowServer::start(t.path());
     let warnings = t.path().join("keel-serve.err");

@@ -310,6 +310,8 @@ fn a_replica_killed_mid_registration_leaves_nothing_half_done() {
 struct Relay {
     port: u16,
     up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Accept connections and never answer them (a black hole).
+    mute: std::sync::Arc<std::sync::atomic::AtomicBool>,
     conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -323,7 +325,8 @@ impl Relay {
         let up = Arc::new(AtomicBool::new(true));
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<std::net::TcpStream>>> = Arc::default();
-        let (u, s, c) = (up.clone(), stop.clone(), conns.clone());
+        let mute = Arc::new(AtomicBool::new(false));
+        let (u, s, c, m) = (up.clone(), stop.clone(), conns.clone(), mute.clone());
         std::thread::spawn(move || {
             let mut listener = Some(first);
             while !s.load(Ordering::SeqCst) {
@@ -343,6 +346,10 @@ impl Relay {
                 match l.accept() {
                     Ok((client, _)) => {
                         client.set_nonblocking(false).expect("blocking");
+                        if m.load(Ordering::SeqCst) {
+                            c.lock().expect("conns").push(client);
+                            continue;
+                        }
                         let Ok(server) = std::net::TcpStream::connect(upstream) else {
                             continue;
                         };
@@ -372,8 +379,19 @@ impl Relay {
         Relay {
             port,
             up,
+            mute,
             conns,
             stop,
+        }
+    }
+
+    /// Cuts every connection and answers no new one (accepting it).
+    fn mute(&self, on: bool) {
+        self.mute.store(on, std::sync::atomic::Ordering::SeqCst);
+        if on {
+            for c in self.conns.lock().expect("conns").drain(..) {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 
@@ -400,6 +418,56 @@ impl Drop for Relay {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         self.down();
+    }
+}
+
+/// The database's host accepts connections and never answers (a black
+/// hole: a hung proxy, a half-dead host): requests get 503 within the
+/// bound (db_timeout_ms 1000 here) instead of hanging in the client's
+/// start-up, and the server recovers by itself once the host answers.
+#[test]
+#[ignore = "needs PostgreSQL: scripts/services/postgres (scripts/test starts it)"]
+fn a_database_host_that_never_answers_gives_503_within_the_bound() {
+    let pg = PgDb::create();
+    let key = write_key(&pg);
+    let (host_port, _) = pg
+        .url
+        .trim_start_matches("postgres://keel@")
+        .split_once('/')
+        .expect("url");
+    let relay = Relay::start(host_port.parse().expect("host:port"));
+    let relayed = pg
+        .url
+        .replace(host_port, &format!("127.0.0.1:{}", relay.port));
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = dir.path().join("keel.toml");
+    std::fs::write(&config, "[model]\ndb_timeout_ms = 1000\ndb_pool_size = 2\n").expect("config");
+    let server = Replica::start_at(&pg, &relayed, Some(&config));
+    create_model(server.addr, &key, "m");
+    let read = |addr| {
+        keel_testkit::http::get(
+            addr,
+            &format!("{MLFLOW}/registered-models/get?name=m"),
+            &key,
+        )
+        .expect("get")
+    };
+    assert_eq!(read(server.addr).status, 200);
+    relay.mute(true);
+    // The first read finds its pooled connection cut; the next ones
+    // connect afresh to the silent host.
+    for _ in 0..3 {
+        let started = Instant::now();
+        let r = read(server.addr);
+        let took = started.elapsed();
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert!(took < Duration::from_secs(5), "took {took:?}: {}", r.text());
+    }
+    relay.mute(false);
+    let until = Instant::now() + Duration::from_secs(20);
+    while read(server.addr).status != 200 {
+        assert!(Instant::now() < until, "not recovered");
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
