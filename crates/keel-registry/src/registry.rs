@@ -2254,6 +2254,15 @@ fn load_versions(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
     Ok(out)
 }
 
+/// `(version id, item)` rows grouped by version, in their order.
+fn by_version<T>(rows: Vec<(i64, T)>) -> BTreeMap<i64, Vec<T>> {
+    let mut out: BTreeMap<i64, Vec<T>> = BTreeMap::new();
+    for (vid, item) in rows {
+        out.entry(vid).or_default().push(item);
+    }
+    out
+}
+
 fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
     struct Row {
         id: i64,
@@ -2302,9 +2311,8 @@ fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
             },
         )
         .map_err(RegistryError::db("reading a version"))?;
-    let mut files: BTreeMap<i64, Vec<VersionFile>> = BTreeMap::new();
-    for (vid, f) in c
-        .query_map(
+    let mut files = by_version(
+        c.query_map(
             &format!(
                 "SELECT version_id, name, size, sha256 FROM version_files
                  WHERE version_id IN ({list}) ORDER BY version_id, name"
@@ -2321,13 +2329,10 @@ fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
                 ))
             },
         )
-        .map_err(RegistryError::db("reading version files"))?
-    {
-        files.entry(vid).or_default().push(f);
-    }
-    let mut tags: BTreeMap<i64, Vec<Tag>> = BTreeMap::new();
-    for (vid, t) in c
-        .query_map(
+        .map_err(RegistryError::db("reading version files"))?,
+    );
+    let mut tags = by_version(
+        c.query_map(
             &format!(
                 "SELECT version_id, key, value FROM version_tags
                  WHERE version_id IN ({list}) ORDER BY version_id, key"
@@ -2343,13 +2348,10 @@ fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
                 ))
             },
         )
-        .map_err(RegistryError::db("reading tags"))?
-    {
-        tags.entry(vid).or_default().push(t);
-    }
-    let mut aliases: BTreeMap<i64, Vec<String>> = BTreeMap::new();
-    for (vid, a) in c
-        .query_map(
+        .map_err(RegistryError::db("reading tags"))?,
+    );
+    let mut aliases = by_version(
+        c.query_map(
             &format!(
                 "SELECT v.id, a.alias FROM aliases a
                  JOIN versions v ON v.model_id = a.model_id AND v.number = a.version
@@ -2358,10 +2360,8 @@ fn load_version_chunk(c: &Db, ids: &[i64]) -> Result<Vec<Version>> {
             params![],
             |r| Ok((r.get::<i64>(0)?, r.get::<String>(1)?)),
         )
-        .map_err(RegistryError::db("reading aliases"))?
-    {
-        aliases.entry(vid).or_default().push(a);
-    }
+        .map_err(RegistryError::db("reading aliases"))?,
+    );
     let signed: BTreeMap<i64, i64> = c
         .query_map(
             &format!(

@@ -421,6 +421,26 @@ impl Drop for Relay {
     }
 }
 
+/// A replica (db_timeout_ms 1000, a pool of 2) that reaches `pg` through
+/// a relay the test can cut or silence.
+fn serve_through_relay(pg: &PgDb) -> (Relay, Replica, tempfile::TempDir) {
+    let (host_port, _) = pg
+        .url
+        .trim_start_matches("postgres://keel@")
+        .split_once('/')
+        .expect("url");
+    let upstream: SocketAddr = host_port.parse().expect("host:port");
+    let relay = Relay::start(upstream);
+    let relayed = pg
+        .url
+        .replace(host_port, &format!("127.0.0.1:{}", relay.port));
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = dir.path().join("keel.toml");
+    std::fs::write(&config, "[model]\ndb_timeout_ms = 1000\ndb_pool_size = 2\n").expect("config");
+    let server = Replica::start_at(pg, &relayed, Some(&config));
+    (relay, server, dir)
+}
+
 /// The database's host accepts connections and never answers (a black
 /// hole: a hung proxy, a half-dead host): requests get 503 within the
 /// bound (db_timeout_ms 1000 here) instead of hanging in the client's
@@ -430,19 +450,7 @@ impl Drop for Relay {
 fn a_database_host_that_never_answers_gives_503_within_the_bound() {
     let pg = PgDb::create();
     let key = write_key(&pg);
-    let (host_port, _) = pg
-        .url
-        .trim_start_matches("postgres://keel@")
-        .split_once('/')
-        .expect("url");
-    let relay = Relay::start(host_port.parse().expect("host:port"));
-    let relayed = pg
-        .url
-        .replace(host_port, &format!("127.0.0.1:{}", relay.port));
-    let dir = tempfile::tempdir().expect("tmp");
-    let config = dir.path().join("keel.toml");
-    std::fs::write(&config, "[model]\ndb_timeout_ms = 1000\ndb_pool_size = 2\n").expect("config");
-    let server = Replica::start_at(&pg, &relayed, Some(&config));
+    let (relay, server, _dir) = serve_through_relay(&pg);
     create_model(server.addr, &key, "m");
     let read = |addr| {
         keel_testkit::http::get(
@@ -481,20 +489,7 @@ fn a_database_host_that_never_answers_gives_503_within_the_bound() {
 fn a_database_that_goes_away_gives_503_and_the_server_recovers_by_itself() {
     let pg = PgDb::create();
     let key = write_key(&pg);
-    let (host_port, _) = pg
-        .url
-        .trim_start_matches("postgres://keel@")
-        .split_once('/')
-        .expect("url");
-    let upstream: SocketAddr = host_port.parse().expect("host:port");
-    let relay = Relay::start(upstream);
-    let relayed = pg
-        .url
-        .replace(host_port, &format!("127.0.0.1:{}", relay.port));
-    let dir = tempfile::tempdir().expect("tmp");
-    let config = dir.path().join("keel.toml");
-    std::fs::write(&config, "[model]\ndb_timeout_ms = 1000\ndb_pool_size = 2\n").expect("config");
-    let server = Replica::start_at(&pg, &relayed, Some(&config));
+    let (relay, server, _dir) = serve_through_relay(&pg);
     create_model(server.addr, &key, "m");
     assert_eq!(register(server.addr, &key, "m"), 1);
     let read = |addr| {
