@@ -315,6 +315,7 @@ fn gpu_verify_runs_every_step_and_reports_without_a_gpu() {
             "check-cold",
             "topo",
             "topo-json",
+            "gpu-ids",
             "topo-snapshot",
             "check",
             "check-json",
@@ -327,6 +328,7 @@ fn gpu_verify_runs_every_step_and_reports_without_a_gpu() {
             "exporter-scrape",
             "compare",
             "check-bench",
+            "clock-decay",
         ],
         "{stderr}"
     );
