@@ -33,7 +33,7 @@ use serde::Serialize;
 use crate::data;
 use crate::peaks;
 use crate::stats::Summary;
-use crate::{BenchError, Clock};
+use crate::{BenchError, Monotonic};
 
 /// The small correctness problem (m, n, k): not square, multiples of 16
 /// (FP8's requirement), small enough for a quick CPU reference.
@@ -173,7 +173,11 @@ pub fn validate(req: &GemmRequest, device_count: usize) -> Result<(), BenchError
 }
 
 /// Runs the GEMM benchmark on every selected GPU at once.
-pub fn run(cuda: &Cuda, req: &GemmRequest, clock: &dyn Clock) -> Result<GemmReport, BenchError> {
+pub fn run(
+    cuda: &Cuda,
+    req: &GemmRequest,
+    clock: &dyn Monotonic,
+) -> Result<GemmReport, BenchError> {
     validate(req, cuda.device_count())?;
     let blas = keel_cuda::BlasLibrary::load(cuda)?;
     let results: Vec<Result<GpuGemm, BenchError>> = std::thread::scope(|s| {
@@ -205,7 +209,7 @@ fn one_gpu(
     blas: &keel_cuda::BlasLibrary,
     req: &GemmRequest,
     g: usize,
-    clock: &dyn Clock,
+    clock: &dyn Monotonic,
 ) -> Result<GpuGemm, BenchError> {
     let t = req.dtype;
     let dev = cuda.device(g)?;

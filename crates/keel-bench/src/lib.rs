@@ -20,7 +20,7 @@
 //! The GPU work goes through keel-cuda; everything else here is pure and
 //! tested without a GPU. This crate never prints, exits or reads the
 //! process environment (Slurm's variables are passed in), times with an
-//! injected monotonic [`Clock`], and does not judge node health or drain
+//! injected [`Monotonic`] clock, and does not judge node health or drain
 //! anything: it returns typed results.
 
 #![forbid(unsafe_code)]
@@ -38,8 +38,6 @@ pub mod size;
 pub mod stats;
 pub mod sweep;
 pub mod table;
-
-use std::time::Instant;
 
 pub use keel_cuda::CudaError;
 
@@ -69,16 +67,4 @@ pub enum BenchError {
 }
 
 /// Where time comes from (monotonic), so tests and callers choose.
-pub trait Clock: Sync {
-    fn now(&self) -> Instant;
-}
-
-/// The real monotonic clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MonotonicClock;
-
-impl Clock for MonotonicClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
+pub use keel_time::{Monotonic, SystemClock};

@@ -21,7 +21,7 @@ use crate::data::{self, Pattern, Periodic};
 use crate::launch::{self, Launch};
 use crate::rendezvous;
 use crate::sweep::Sweep;
-use crate::{BenchError, Clock};
+use crate::{BenchError, Monotonic};
 
 /// How per-rank times become the one reported (`-a`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -211,7 +211,7 @@ pub fn run(
     req: &NcclRequest,
     ranks: &Ranks,
     ident: &Identity,
-    clock: &dyn Clock,
+    clock: &dyn Monotonic,
 ) -> Result<NcclReport, BenchError> {
     let world = match ranks {
         Ranks::Local { gpus } => {

@@ -15,7 +15,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::Clock;
+use crate::Monotonic;
 
 pub const ID_LEN: usize = 128;
 const MAGIC: &[u8; 8] = b"KEELRDV1";
@@ -73,7 +73,7 @@ pub fn bind(endpoint: &str) -> Result<TcpListener, RendezvousError> {
     })
 }
 
-fn remaining(clock: &dyn Clock, deadline: Instant) -> Option<Duration> {
+fn remaining(clock: &dyn Monotonic, deadline: Instant) -> Option<Duration> {
     deadline
         .checked_duration_since(clock.now())
         .filter(|d| !d.is_zero())
@@ -85,7 +85,7 @@ pub fn serve(
     world: usize,
     id: &[u8; ID_LEN],
     timeout: Duration,
-    clock: &dyn Clock,
+    clock: &dyn Monotonic,
 ) -> Result<(), RendezvousError> {
     let addr = listener
         .local_addr()
@@ -167,7 +167,7 @@ pub fn join(
     rank: usize,
     world: usize,
     timeout: Duration,
-    clock: &dyn Clock,
+    clock: &dyn Monotonic,
 ) -> Result<[u8; ID_LEN], RendezvousError> {
     let deadline = clock.now() + timeout;
     let timed_out = |what: &str| RendezvousError::Timeout {
@@ -254,7 +254,7 @@ pub fn join(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::MonotonicClock;
+    use crate::SystemClock;
 
     fn id() -> [u8; ID_LEN] {
         let mut id = [0u8; ID_LEN];
@@ -275,7 +275,7 @@ mod tests {
             .map(|r| {
                 let e = endpoint.clone();
                 std::thread::spawn(move || {
-                    join(&e, r, world, Duration::from_secs(20), &MonotonicClock)
+                    join(&e, r, world, Duration::from_secs(20), &SystemClock)
                 })
             })
             .collect();
@@ -286,7 +286,7 @@ mod tests {
             world,
             &id(),
             Duration::from_secs(20),
-            &MonotonicClock,
+            &SystemClock,
         )
         .expect("serve");
         for j in joiners {
@@ -299,14 +299,13 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let endpoint = listener.local_addr().expect("addr").to_string();
         let e2 = endpoint.clone();
-        let one =
-            std::thread::spawn(move || join(&e2, 1, 4, Duration::from_secs(3), &MonotonicClock));
+        let one = std::thread::spawn(move || join(&e2, 1, 4, Duration::from_secs(3), &SystemClock));
         let err = serve(
             &listener,
             4,
             &id(),
             Duration::from_millis(800),
-            &MonotonicClock,
+            &SystemClock,
         )
         .expect_err("ranks 2 and 3 never come");
         let msg = err.to_string();
@@ -330,7 +329,7 @@ mod tests {
         let endpoint = probe.local_addr().expect("addr").to_string();
         drop(probe);
         let started = Instant::now();
-        let err = join(&endpoint, 1, 2, Duration::from_millis(500), &MonotonicClock)
+        let err = join(&endpoint, 1, 2, Duration::from_millis(500), &SystemClock)
             .expect_err("nobody listens");
         assert!(started.elapsed() < Duration::from_secs(5));
         let msg = err.to_string();
@@ -348,24 +347,16 @@ mod tests {
             let mut s = TcpStream::connect(&e2).expect("connect");
             s.write_all(b"GET / HTTP/1.0\r\n\r\n").expect("write");
             drop(s);
-            join(&e2, 1, 2, Duration::from_secs(10), &MonotonicClock)
+            join(&e2, 1, 2, Duration::from_secs(10), &SystemClock)
         });
-        serve(
-            &listener,
-            2,
-            &id(),
-            Duration::from_secs(10),
-            &MonotonicClock,
-        )
-        .expect("serve");
+        serve(&listener, 2, &id(), Duration::from_secs(10), &SystemClock).expect("serve");
         assert_eq!(others.join().expect("thread").expect("id"), id());
 
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let endpoint = listener.local_addr().expect("addr").to_string();
-        let other_job = std::thread::spawn(move || {
-            join(&endpoint, 1, 8, Duration::from_secs(5), &MonotonicClock)
-        });
-        let err = serve(&listener, 2, &id(), Duration::from_secs(5), &MonotonicClock)
+        let other_job =
+            std::thread::spawn(move || join(&endpoint, 1, 8, Duration::from_secs(5), &SystemClock));
+        let err = serve(&listener, 2, &id(), Duration::from_secs(5), &SystemClock)
             .expect_err("world sizes differ");
         assert!(
             err.to_string()

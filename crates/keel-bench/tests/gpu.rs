@@ -9,7 +9,7 @@ use keel_bench::copy::CopyRequest;
 use keel_bench::gemm::GemmRequest;
 use keel_bench::nccl::{Average, Identity, NcclRequest, Ranks};
 use keel_bench::sweep::Sweep;
-use keel_bench::MonotonicClock;
+use keel_bench::SystemClock;
 use keel_cuda::{Cuda, GemmType, NcclOp, NcclType, SearchEnv};
 
 fn cuda() -> Cuda {
@@ -77,7 +77,7 @@ fn gemm_is_correct_and_consistent_for_every_type() {
                 warmup: 2,
                 duration: None,
             },
-            &MonotonicClock,
+            &SystemClock,
         )
         .expect("gemm");
         let g = &r.gpus[0];
@@ -103,7 +103,7 @@ fn gemm_burn_runs_for_its_duration() {
             warmup: 2,
             duration: Some(Duration::from_secs(2)),
         },
-        &MonotonicClock,
+        &SystemClock,
     )
     .expect("burn");
     assert!(r.gpus[0].seconds >= 2.0 && r.gpus[0].passed);
@@ -147,7 +147,7 @@ fn every_collective_checks_clean_on_local_gpus() {
                     host: "test".into(),
                     pid: 1,
                 },
-                &MonotonicClock,
+                &SystemClock,
             )
             .expect("nccl");
             assert_eq!(r.out_of_bounds, 0, "{c:?} {dtype:?} {op:?}");

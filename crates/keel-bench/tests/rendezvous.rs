@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use keel_bench::rendezvous::{self, ID_LEN};
-use keel_bench::MonotonicClock;
+use keel_bench::SystemClock;
 
 const CHILD: &str = "KEEL_TEST_RENDEZVOUS_CHILD";
 
@@ -28,7 +28,7 @@ fn child_rank() {
         rank,
         world,
         Duration::from_millis(timeout_ms),
-        &MonotonicClock,
+        &SystemClock,
     ) {
         Ok(id) => println!(
             "ID {}",
@@ -73,14 +73,8 @@ fn processes_exchange_the_id() {
     for (i, b) in id.iter_mut().enumerate() {
         *b = (255 - i) as u8;
     }
-    rendezvous::serve(
-        &listener,
-        world,
-        &id,
-        Duration::from_secs(30),
-        &MonotonicClock,
-    )
-    .expect("every rank joins");
+    rendezvous::serve(&listener, world, &id, Duration::from_secs(30), &SystemClock)
+        .expect("every rank joins");
     let want = format!(
         "ID {}",
         id.iter().map(|b| format!("{b:02x}")).collect::<String>()
@@ -114,7 +108,7 @@ fn rank_0_times_out_when_a_process_is_missing() {
         3,
         &[7; ID_LEN],
         Duration::from_millis(1500),
-        &MonotonicClock,
+        &SystemClock,
     )
     .expect_err("rank 2 never starts");
     assert!(

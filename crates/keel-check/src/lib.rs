@@ -10,7 +10,7 @@
 //! This crate decides health. It does not drain nodes (keel-slurm applies a
 //! verdict), run GPU workloads, print, or read the environment or clock
 //! (time comes from the node's own `/proc/uptime` and an injected
-//! [`Clock`]).
+//! [`Monotonic`] clock, keel-time's).
 
 pub mod active;
 pub mod checks;
@@ -21,7 +21,7 @@ pub mod kmsg;
 pub mod profile;
 pub mod report;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -189,30 +189,7 @@ impl CheckResult {
     }
 }
 
-/// Where time comes from, so tests are deterministic.
-pub trait Clock {
-    fn now(&self) -> Instant;
-}
-
-/// The real monotonic clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
-
-/// A clock that never moves: every duration is 0.
-#[derive(Debug, Clone, Copy)]
-pub struct FrozenClock(pub Instant);
-
-impl Clock for FrozenClock {
-    fn now(&self) -> Instant {
-        self.0
-    }
-}
+pub use keel_time::{FrozenClock, Monotonic, SystemClock};
 
 /// Options that change which checks run.
 #[derive(Debug, Clone, Copy, Default)]
@@ -227,7 +204,7 @@ pub fn run(
     profile: &Profile,
     inputs: &Inputs,
     opts: RunOptions,
-    clock: &dyn Clock,
+    clock: &dyn Monotonic,
 ) -> Vec<CheckResult> {
     let mut out = Vec::new();
     for (_, check) in checks::PASSIVE {

@@ -39,19 +39,7 @@ pub use readings::Readings;
 pub use sampler::Sampler;
 
 /// The monotonic clock, injected so tests and replays control time.
-pub trait Clock: Send + Sync + std::fmt::Debug {
-    fn now(&self) -> Instant;
-}
-
-/// The system's monotonic clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
+pub use keel_time::{Monotonic, SystemClock};
 
 /// Which metric names to expose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,7 +119,7 @@ struct Inner {
     opts: ExporterOptions,
     root: Root,
     sampler: Sampler,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Monotonic>,
     host: Mutex<HostState>,
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
 }
@@ -147,7 +135,7 @@ impl Exporter {
     pub fn new(
         opts: ExporterOptions,
         probe: Box<dyn GpuProbe + Send>,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Monotonic>,
     ) -> std::io::Result<Self> {
         let sampler = Sampler::start(probe, clock.clone())?;
         Ok(Self {

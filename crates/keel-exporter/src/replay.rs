@@ -9,21 +9,21 @@ use std::time::Duration;
 
 use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
 
-use crate::Clock;
+use crate::Monotonic;
 
 /// Replays snapshots in turn, `step` apart.
 #[derive(Debug)]
 pub struct ReplayProbe {
     snapshots: Vec<GpuSnapshot>,
     step: Duration,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Monotonic>,
     start: std::time::Instant,
 }
 
 impl ReplayProbe {
     /// `snapshots` must not be empty (an empty list answers
     /// [`GpuError::Unavailable`], as a node without GPUs).
-    pub fn new(snapshots: Vec<GpuSnapshot>, step: Duration, clock: Arc<dyn Clock>) -> Self {
+    pub fn new(snapshots: Vec<GpuSnapshot>, step: Duration, clock: Arc<dyn Monotonic>) -> Self {
         let start = clock.now();
         Self {
             snapshots,
@@ -37,7 +37,7 @@ impl ReplayProbe {
     pub fn load(
         paths: &[impl AsRef<Path>],
         step: Duration,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Monotonic>,
     ) -> Result<Self, GpuError> {
         let snapshots = paths
             .iter()

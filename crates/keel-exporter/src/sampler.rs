@@ -15,7 +15,7 @@ use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
 use tokio::sync::watch;
 
 use crate::readings::{GpuState, ProbeFailure};
-use crate::Clock;
+use crate::Monotonic;
 
 #[derive(Debug, Clone, Default)]
 struct Latest {
@@ -31,7 +31,7 @@ struct Latest {
 pub struct Sampler {
     ask: SyncSender<()>,
     latest: watch::Receiver<Latest>,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Monotonic>,
     /// `seq + 1` of the answer count during which a scrape already waited
     /// out its deadline: the call in progress hangs, and later scrapes do
     /// not wait for it again.
@@ -41,7 +41,10 @@ pub struct Sampler {
 impl Sampler {
     /// Starts the probe's thread. It ends when every `Sampler` clone is
     /// dropped (after its current call returns).
-    pub fn start(probe: Box<dyn GpuProbe + Send>, clock: Arc<dyn Clock>) -> std::io::Result<Self> {
+    pub fn start(
+        probe: Box<dyn GpuProbe + Send>,
+        clock: Arc<dyn Monotonic>,
+    ) -> std::io::Result<Self> {
         // Capacity 1: requests made while a call is running fold into one.
         let (ask, asked) = sync_channel::<()>(1);
         let (tx, latest) = watch::channel(Latest::default());

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use keel_exporter::{Clock, Exporter, ExporterOptions};
+use keel_exporter::{Exporter, ExporterOptions, Monotonic};
 use keel_gpu::{CallGate, GpuError, GpuProbe, GpuSnapshot};
 
 /// What `LoadedNvmlProbe::snapshot` does, with a driver call that never
@@ -34,7 +34,7 @@ impl GpuProbe for NeverAnswers {
 #[derive(Debug)]
 struct Wall;
 
-impl Clock for Wall {
+impl Monotonic for Wall {
     fn now(&self) -> Instant {
         Instant::now()
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use keel_exporter::cost::{encode, http_get};
 use keel_exporter::replay::ReplayProbe;
 use keel_exporter::server::{serve, sha256_hex, Auth, ServeOptions};
-use keel_exporter::{Clock, Exporter, ExporterOptions};
+use keel_exporter::{Exporter, ExporterOptions, Monotonic};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -163,7 +163,7 @@ fn query(
 #[derive(Debug, Default)]
 struct JumpClock(std::sync::Mutex<Duration>);
 
-impl Clock for JumpClock {
+impl Monotonic for JumpClock {
     fn now(&self) -> Instant {
         Instant::now() + *self.0.lock().expect("lock")
     }

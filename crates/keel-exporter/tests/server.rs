@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use keel_exporter::replay::ReplayProbe;
 use keel_exporter::server::{serve, sha256_hex, Auth, ServeOptions};
-use keel_exporter::{Clock, Exporter, ExporterOptions};
+use keel_exporter::{Exporter, ExporterOptions, Monotonic};
 use keel_gpu::{GpuError, GpuProbe, GpuSnapshot};
 use keel_testkit::http;
 
@@ -37,7 +37,7 @@ impl ManualClock {
     }
 }
 
-impl Clock for ManualClock {
+impl Monotonic for ManualClock {
     fn now(&self) -> Instant {
         *self.0.lock().expect("lock")
     }
@@ -88,7 +88,7 @@ impl Drop for Server {
 fn start(
     root: &str,
     probe: Box<dyn GpuProbe + Send>,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Monotonic>,
     serve_opts: ServeOptions,
     tweak: impl FnOnce(&mut ExporterOptions),
 ) -> Server {

@@ -497,7 +497,7 @@ impl Drop for Pending<'_> {
             crate::server::emit_access(
                 self.gw.inner.access_sink.as_ref().map(|s| &s.0),
                 AccessRecord {
-                    at: std::time::SystemTime::now(),
+                    at: std::time::UNIX_EPOCH + Duration::from_micros(self.gw.inner.clock.now_us()),
                     method: self.method.clone(),
                     status: CLIENT_CLOSED,
                     duration_ms: total.as_secs_f64() * 1e3,
@@ -956,6 +956,11 @@ impl Gateway {
     /// The injected clock's time.
     pub(crate) fn now_ms(&self) -> u64 {
         self.inner.clock.now_ms()
+    }
+
+    /// The injected clock (the access log stamps its records with it).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock.clone()
     }
 
     /// Gives the admin API the rollouts (once; later calls are ignored).

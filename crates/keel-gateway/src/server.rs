@@ -7,6 +7,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use tower::{Layer, Service, ServiceBuilder};
 use keel_http::{ConnService, Deadlines, Guarded, Place, Places};
 
 use crate::body::GwBody;
+use crate::clock::Clock;
 use crate::error::ApiError;
 use crate::gateway::{AccessInfo, AccessRecord, AccessSink, Gateway, Listener};
 use crate::keys::sha256_hex;
@@ -267,6 +269,8 @@ impl Service<Request<Incoming>> for Gateway {
 pub struct AccessLogLayer {
     pub enabled: bool,
     pub sink: Option<AccessSink>,
+    /// Stamps each record (the gateway's injected clock).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for AccessLogLayer {
@@ -294,6 +298,7 @@ impl<S> Layer<S> for AccessLogLayer {
             inner,
             enabled: self.enabled,
             sink: self.sink.clone(),
+            clock: self.clock.clone(),
         }
     }
 }
@@ -303,6 +308,7 @@ pub struct AccessLog<S> {
     inner: S,
     enabled: bool,
     sink: Option<AccessSink>,
+    clock: Arc<dyn Clock>,
 }
 
 impl<S> Service<Request<Incoming>> for AccessLog<S>
@@ -321,6 +327,7 @@ where
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let enabled = self.enabled;
         let sink = self.sink.clone();
+        let clock = self.clock.clone();
         let method = req.method().clone();
         let start = Instant::now();
         let fut = self.inner.call(req);
@@ -334,7 +341,7 @@ where
                 emit_access(
                     sink.as_ref(),
                     AccessRecord {
-                        at: std::time::SystemTime::now(),
+                        at: std::time::UNIX_EPOCH + Duration::from_micros(clock.now_us()),
                         method,
                         status: resp.status().as_u16(),
                         duration_ms: start.elapsed().as_secs_f64() * 1e3,
@@ -683,6 +690,7 @@ pub async fn run(
         .layer(AccessLogLayer {
             enabled: cfg.server.access_log,
             sink: gateway.access_sink(),
+            clock: gateway.clock(),
         })
         .service(gateway.clone());
     let mut tasks = Vec::new();

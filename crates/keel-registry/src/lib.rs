@@ -42,18 +42,17 @@ mod registry;
 mod serve;
 pub mod sign;
 mod storage;
-mod time;
 pub mod tracking;
 mod types;
 
 pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;
+pub use keel_time::{rfc3339, Clock, FixedClock};
 pub use registry::{
     limits, version_manifest, Artifacts, Connector, ModelRow, NewVersion, Registry, VersionRow,
 };
 pub use storage::{is_postgres_url, Backend, DbError, PgOptions};
-pub use time::{rfc3339, Clock, FixedClock};
 pub use types::{
     check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,
     AuditEvent, CheckpointLink, Dataset, Lineage, Model, Role, SignatureRecord, Status, Tag,

@@ -282,6 +282,11 @@ impl Registry {
     }
 
     /// The clock this registry stamps changes with.
+    /// The clock's time as the database keeps it (SQLite's integers).
+    fn now_ms(&self) -> i64 {
+        i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX)
+    }
+
     pub fn clock(&self) -> Arc<dyn Clock> {
         self.clock.clone()
     }
@@ -372,7 +377,7 @@ impl Registry {
         check_model_name(name)?;
         check_len("description", description, limits::DESCRIPTION)?;
         check_tags(tags)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         if model_id(&tx, name)?.is_some() {
             return Err(RegistryError::ModelExists {
@@ -420,7 +425,7 @@ impl Registry {
     /// Deletes a model that has no versions (versions are never deleted,
     /// so neither is a model that has any).
     pub fn delete_model(&mut self, actor: &str, name: &str) -> Result<()> {
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, name)?;
         let n: i64 = tx
@@ -451,7 +456,7 @@ impl Registry {
     /// Changes a model's description (metadata: audited).
     pub fn update_model(&mut self, actor: &str, name: &str, description: &str) -> Result<Model> {
         check_len("description", description, limits::DESCRIPTION)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, name)?;
         tx.execute(
@@ -476,7 +481,7 @@ impl Registry {
     /// rewritten, and versions' artifact URLs hold the name.
     pub fn rename_model(&mut self, actor: &str, name: &str, new_name: &str) -> Result<Model> {
         check_model_name(new_name)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, name)?;
         if model_id(&tx, new_name)?.is_some() {
@@ -531,7 +536,7 @@ impl Registry {
                 value: v.into(),
             })?;
         }
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, name)?;
         match value {
@@ -602,7 +607,7 @@ impl Registry {
             });
         }
         let lineage = serde_json::to_string(&new.lineage).unwrap_or_default();
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = match model_id(&tx, &new.model)? {
             Some(id) => id,
@@ -684,7 +689,7 @@ impl Registry {
         number: u64,
         artifacts: &Artifacts,
     ) -> Result<Version> {
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = pending_version(&tx, id, model, number)?;
@@ -710,7 +715,7 @@ impl Registry {
         message: &str,
     ) -> Result<Version> {
         let message = head(message, limits::STATUS_MESSAGE);
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = pending_version(&tx, id, model, number)?;
@@ -748,7 +753,7 @@ impl Registry {
                 value: v.into(),
             })?;
         }
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, number)?;
@@ -790,7 +795,7 @@ impl Registry {
         description: &str,
     ) -> Result<Version> {
         check_len("description", description, limits::DESCRIPTION)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, number)?;
@@ -1045,7 +1050,7 @@ impl Registry {
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
         check_len("reason", reason, limits::REASON)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, version)?;
@@ -1090,7 +1095,7 @@ impl Registry {
         reason: &str,
     ) -> Result<AliasEvent> {
         check_len("reason", reason, limits::REASON)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let old = alias_target(&tx, id, alias)?.ok_or_else(|| RegistryError::UnknownAlias {
@@ -1162,7 +1167,7 @@ impl Registry {
     ) -> Result<AliasEvent> {
         check_alias(alias)?;
         check_len("reason", reason, limits::REASON)?;
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let events = alias_events(&tx, Some(model), Some(alias))?;
@@ -1424,7 +1429,7 @@ impl Registry {
         public_key_pem: &str,
         key_hint: &str,
     ) -> Result<SignatureRecord> {
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let id = require_model(&tx, model)?;
         let vid = version_row_id(&tx, id, model, number)?;
@@ -1507,7 +1512,7 @@ impl Registry {
             });
         }
         let hash = crate::auth::secret_hash(secret);
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let exists: bool = tx
             .query_row(
@@ -1556,7 +1561,7 @@ impl Registry {
 
     /// Revokes a key; it stops working at once.
     pub fn revoke_api_key(&mut self, actor: &str, name: &str) -> Result<ApiKey> {
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         let n = tx
             .execute(
@@ -1696,7 +1701,7 @@ impl Registry {
         } else {
             crate::db::open(&self.path)?
         };
-        let now = self.clock.now_ms();
+        let now = self.now_ms();
         let tx = self.begin()?;
         audit(
             &tx,

@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::Store;
@@ -19,10 +19,10 @@ use keel_store::{Digest, FileEntry, Manifest};
 
 /// A clock that moves one second per reading.
 #[derive(Debug, Default)]
-struct Stepping(AtomicI64);
+struct Stepping(AtomicU64);
 
 impl Clock for Stepping {
-    fn now_ms(&self) -> i64 {
+    fn now_ms(&self) -> u64 {
         1_700_000_000_000 + 1000 * self.0.fetch_add(1, Ordering::Relaxed)
     }
 }

@@ -454,36 +454,7 @@ pub fn gpus_in_tres(tres: &str) -> Option<u64> {
 /// time alike) as seconds since the epoch; `None` for `Unknown`, `None`,
 /// or anything else.
 pub fn parse_time(s: &str) -> Option<i64> {
-    let s = s.trim();
-    let b = s.as_bytes();
-    if b.len() != 19
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || b[10] != b'T'
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
-        return None;
-    }
-    Some(days_from_civil(y, mo, d) * 86_400 + h * 3600 + mi * 60 + se)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
-/// algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    keel_time::parse_date_time(s)
 }
 
 /// A price table file.

@@ -221,34 +221,8 @@ pub fn parse_aws_instance_action(bytes: &[u8]) -> Result<AwsNotice, EventsError>
 
 /// `YYYY-MM-DDTHH:MM:SSZ` (UTC, whole seconds, as AWS writes it).
 fn parse_rfc3339_utc(s: &str) -> Option<SystemTime> {
-    let b = s.trim().as_bytes();
-    if b.len() != 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || b[10] != b'T'
-        || b[13] != b':'
-        || b[16] != b':'
-        || b[19] != b'Z'
-    {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| std::str::from_utf8(&b[r]).ok()?.parse::<i64>().ok();
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
-        return None;
-    }
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y2 = if mo <= 2 { y - 1 } else { y };
-    let era = y2.div_euclid(400);
-    let yoe = y2 - era * 400;
-    let mp = (mo + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + h * 3600 + mi * 60 + se;
-    u64::try_from(secs)
-        .ok()
+    keel_time::parse_rfc3339_secs(s)
+        .and_then(|secs| u64::try_from(secs).ok())
         .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
 }
 

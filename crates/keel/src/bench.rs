@@ -14,7 +14,7 @@ use keel_bench::gemm::{GemmReport, GemmRequest};
 use keel_bench::launch::Launch;
 use keel_bench::nccl::{Average, Identity, NcclReport, NcclRequest, Ranks};
 use keel_bench::sweep::Sweep;
-use keel_bench::{size, MonotonicClock};
+use keel_bench::{size, SystemClock};
 use keel_cuda::{Cuda, NcclOp, NcclType, SearchEnv};
 
 use crate::config;
@@ -379,7 +379,7 @@ fn gemm(a: &GemmArgs, out: &mut Out) -> anyhow::Result<Code> {
     keel_bench::gemm::validate(&req, usize::MAX)?;
     let cuda = open_cuda(&a.common)?;
     req.gpus = requested.unwrap_or_else(|| (0..cuda.device_count()).collect());
-    let report = keel_bench::gemm::run(&cuda, &req, &MonotonicClock)?;
+    let report = keel_bench::gemm::run(&cuda, &req, &SystemClock)?;
     if out.json {
         out.json("bench gemm", &report)?;
     } else {
@@ -507,7 +507,7 @@ fn nccl(cli: &Cli, a: &NcclArgs, out: &mut Out) -> anyhow::Result<Code> {
         host,
         pid: std::process::id(),
     };
-    let report = keel_bench::nccl::run(&cuda, &req, &ranks, &ident, &MonotonicClock)?;
+    let report = keel_bench::nccl::run(&cuda, &req, &ranks, &ident, &SystemClock)?;
     if report.is_rank0 {
         if out.json {
             out.json("bench nccl", &report)?;

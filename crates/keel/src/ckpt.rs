@@ -433,24 +433,7 @@ fn rate_text(bytes_per_sec: f64) -> String {
 
 /// `2026-01-02T03:04:05Z` from Unix seconds.
 fn utc(t: i64) -> String {
-    let days = t.div_euclid(86400);
-    let secs = t.rem_euclid(86400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        secs / 3600,
-        secs % 3600 / 60,
-        secs % 60
-    )
+    keel_time::rfc3339_secs(t)
 }
 
 /// Bytes, files, time and rate of one transfer, for JSON.

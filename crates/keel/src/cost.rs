@@ -94,32 +94,6 @@ enum IdleSource {
     Exporter { url: String, token: Option<String> },
 }
 
-/// Days since 1970-01-01 to a civil date (proleptic Gregorian).
-fn civil(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-/// Seconds since the epoch as YYYY-MM-DDTHH:MM:SS.
-fn timestamp(t: i64) -> String {
-    let (y, m, d) = civil(t.div_euclid(86_400));
-    let s = t.rem_euclid(86_400);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}",
-        s / 3600,
-        s / 60 % 60,
-        s % 60
-    )
-}
-
 /// The period's idle rows from `source`: Prometheus answers for the
 /// period (`increase` over it, evaluated at its end); an exporter for its
 /// own lifetime.
@@ -152,8 +126,8 @@ fn read_idle(
                 anyhow::Ok((
                     format!(
                         "prometheus {base} over {}..{} UTC",
-                        timestamp(since),
-                        timestamp(until)
+                        keel_time::date_time(since),
+                        keel_time::date_time(until)
                     ),
                     rows,
                 ))

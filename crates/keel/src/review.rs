@@ -133,22 +133,9 @@ fn split_kind(arg: &str) -> (Option<Kind>, PathBuf) {
 
 /// Today's date (UTC) as YYYY-MM-DD.
 fn today() -> Option<String> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .ok()?
-        .as_secs();
-    let days = i64::try_from(secs / 86_400).ok()?;
-    // H. Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    Some(format!("{y:04}-{m:02}-{d:02}"))
+    use keel_time::Clock as _;
+    let secs = i64::try_from(keel_time::SystemClock.now_ms() / 1000).ok()?;
+    Some(keel_time::date(secs))
 }
 
 pub fn run(cli: &Cli, args: &ReviewArgs, out: &mut Out) -> anyhow::Result<Code> {

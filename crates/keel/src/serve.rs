@@ -4,7 +4,6 @@
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -182,16 +181,7 @@ enum AuditCommand {
 }
 
 /// The wall clock, which the gateway library does not read itself.
-#[derive(Debug)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_ms(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-    }
-}
+use keel_time::SystemClock;
 
 /// Log lines and access records are queued and written to stderr in
 /// batches by a thread of their own (keel_gateway::batch), so no request
