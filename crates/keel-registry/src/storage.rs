@@ -908,7 +908,7 @@ impl Postgres {
                 let st = match c.client.prepare(&pg_placeholders(sql)) {
                     Ok(st) => st,
                     Err(e) => {
-                        if c.client.is_closed() {
+                        if session_over(&c.client, &e) {
                             *guard = None;
                         }
                         return Err(e.into());
@@ -919,7 +919,7 @@ impl Postgres {
             }
         };
         let out = f(&mut c.client, &st);
-        if out.is_err() && c.client.is_closed() {
+        if out.as_ref().is_err_and(|e| session_over(&c.client, e)) {
             *guard = None;
         }
         Ok(out?)
@@ -936,11 +936,21 @@ impl Postgres {
             return Err(DbError::Lost);
         };
         let out = c.client.batch_execute(sql);
-        if out.is_err() && c.client.is_closed() {
+        if out.as_ref().is_err_and(|e| session_over(&c.client, e)) {
             *guard = None;
         }
         Ok(out?)
     }
+}
+
+/// Whether a failed statement ended the connection's session: the client
+/// saw it close, or the server sent a FATAL (or PANIC) error, after which
+/// it ends the session (`pg_terminate_backend`, a shutdown), though the
+/// client may not have seen the socket close yet.
+fn session_over(c: &postgres::Client, e: &postgres::Error) -> bool {
+    c.is_closed()
+        || e.as_db_error()
+            .is_some_and(|d| matches!(d.severity(), "FATAL" | "PANIC"))
 }
 
 fn pg_params<'a>(params: &'a [Param<'a>]) -> Vec<&'a (dyn postgres::types::ToSql + Sync)> {
