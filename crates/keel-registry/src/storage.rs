@@ -29,6 +29,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -178,9 +179,9 @@ pub enum DbError {
     #[error("no row found")]
     NoRow,
     /// The database's host did not answer in time.
-    #[error("the database server at {addr} {what} within {timeout:?}")]
+    #[error("the database {location} {what} within {timeout:?}")]
     Unanswered {
-        addr: String,
+        location: String,
         what: String,
         timeout: Duration,
     },
@@ -555,6 +556,8 @@ pub(crate) struct PgTarget {
     location: PathBuf,
     pub(crate) pool_size: usize,
     pub(crate) timeout: Duration,
+    /// Connects under way (some may hang on a host that does not answer).
+    connecting: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for PgTarget {
@@ -628,6 +631,7 @@ impl PgTarget {
             location: PathBuf::from(redact(&o.url)),
             pool_size: o.pool_size,
             timeout: o.timeout,
+            connecting: Arc::default(),
         })
     }
 
@@ -635,79 +639,54 @@ impl PgTarget {
         &self.location
     }
 
+    /// A new connection within the timeout, TCP, TLS and PostgreSQL's
+    /// start-up together. The client bounds only the TCP connect: a host
+    /// that accepts and never answers (a hung proxy, a half-dead host)
+    /// would hold its start-up forever. So the connect runs on a thread of
+    /// its own, and the caller waits for it at most the timeout. A connect
+    /// left hanging ends when its socket does (TCP keepalive and
+    /// `tcp_user_timeout` end one to a dead host; a proxy that restarts
+    /// resets it); meanwhile it holds one of `2 * pool_size + 4` places,
+    /// and with none left a new connect is not tried, so a silent host
+    /// costs a bounded number of threads.
     fn connect(&self) -> Result<postgres::Client, DbError> {
-        blocking(|| {
-            self.probe()?;
-            Ok(match &self.tls {
-                Some(t) => self.config.connect(tls::MakeRustls(t.clone()))?,
-                None => self.config.connect(postgres::NoTls)?,
-            })
-        })
-    }
-}
-
-impl PgTarget {
-    /// Asks the first TCP host whether it speaks PostgreSQL (an SSLRequest,
-    /// answered with one byte at once) within the timeout. The client's
-    /// own connect bounds only the TCP handshake: a host that accepts and
-    /// never answers (a black hole, a hung proxy) would hold the startup
-    /// forever. Unix sockets and hosts that cannot be resolved are left
-    /// to the client.
-    fn probe(&self) -> Result<(), DbError> {
-        use std::io::{Read, Write};
-        use std::net::ToSocketAddrs;
-        let ports = self.config.get_ports();
-        let Some((host, port)) = self
-            .config
-            .get_hosts()
-            .iter()
-            .zip(ports.iter().chain(std::iter::repeat(&5432)))
-            .find_map(|(h, p)| match h {
-                postgres::config::Host::Tcp(h) => Some((h.clone(), *p)),
-                _ => None,
-            })
-        else {
-            return Ok(());
-        };
-        let Some(addr) = (host.as_str(), port)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-        else {
-            return Ok(());
-        };
-        let unanswered = |what: &str| DbError::Unanswered {
-            addr: addr.to_string(),
-            what: what.to_owned(),
+        let unanswered = |what: String| DbError::Unanswered {
+            location: self.location.display().to_string(),
+            what,
             timeout: self.timeout,
         };
-        let mut sock = match std::net::TcpStream::connect_timeout(&addr, self.timeout) {
-            Ok(s) => s,
-            // Refused or unreachable: the client says so in its own words.
-            Err(e) if e.kind() != std::io::ErrorKind::TimedOut => return Ok(()),
-            Err(_) => return Err(unanswered("did not accept a connection")),
-        };
-        let _ = sock.set_read_timeout(Some(self.timeout));
-        let _ = sock.set_write_timeout(Some(self.timeout));
-        // SSLRequest: length 8, code 80877103.
-        let request = [0u8, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
-        let mut answer = [0u8; 1];
-        match sock
-            .write_all(&request)
-            .and_then(|()| sock.read(&mut answer))
-        {
-            Ok(1) => Ok(()),
-            Ok(_) => Ok(()), // closed at once: the client reports it
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                Err(unanswered("accepted the connection but did not answer"))
-            }
-            Err(_) => Ok(()),
+        let taken = self.connecting.fetch_add(1, Ordering::SeqCst);
+        if taken >= 2 * self.pool_size + 4 {
+            self.connecting.fetch_sub(1, Ordering::SeqCst);
+            return Err(unanswered(format!(
+                "did not answer {taken} earlier connection attempts, still waiting"
+            )));
         }
+        let (config, tls, connecting) = (
+            self.config.clone(),
+            self.tls.clone(),
+            self.connecting.clone(),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("keel-pg-connect".into())
+            .spawn(move || {
+                let client = match tls {
+                    Some(t) => config.connect(tls::MakeRustls(t)),
+                    None => config.connect(postgres::NoTls),
+                };
+                connecting.fetch_sub(1, Ordering::SeqCst);
+                // A caller that gave up has gone: the client is dropped.
+                let _ = tx.send(client);
+            });
+        if let Err(e) = spawned {
+            self.connecting.fetch_sub(1, Ordering::SeqCst);
+            return Err(unanswered(format!("could not be connected to ({e})")));
+        }
+        blocking(|| match rx.recv_timeout(self.timeout) {
+            Ok(client) => Ok(client?),
+            Err(_) => Err(unanswered("did not finish the connection".into())),
+        })
     }
 }
 
