@@ -329,6 +329,12 @@ fn a_failed_node_is_excluded_and_training_resumes_from_dcp_with_the_same_result(
     let faulty = Node::ndv4();
     faulty.gpu(|v| v["gpus"][3]["ecc"]["volatile_dram_uncorrected"] = json!(2));
     let args = |n: &Node| n.check_args(false, &["--slurm"]).join(" ");
+    // A range of nodes starts on what is free: wait until the jobs of the
+    // tests before have ended (a cancelled job keeps its node while it
+    // completes, up to KillWait).
+    cluster
+        .wait_until_idle(Duration::from_secs(90))
+        .expect("every node idle");
     let job = Job::submit(
         &cluster,
         &format!(

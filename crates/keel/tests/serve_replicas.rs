@@ -320,12 +320,20 @@ fn a_degraded_canary_is_aborted_from_the_samples_of_both_replicas() {
         let n = c["canary_n"].as_u64().expect("n");
         assert!(n > 26, "{c}");
     }
-    // The canary alias is deleted once, and both replicas stop sending to v2.
-    let deletes: Vec<_> = f
-        .alias_history("canary")
-        .into_iter()
-        .filter(|e| e["action"] == "delete")
-        .collect();
+    // The canary alias is deleted once (by the driving replica, after the
+    // abort: the phase is set first), and both replicas stop sending to v2.
+    let until = Instant::now() + Duration::from_secs(20);
+    let deletes = loop {
+        let deletes: Vec<_> = f
+            .alias_history("canary")
+            .into_iter()
+            .filter(|e| e["action"] == "delete")
+            .collect();
+        if !deletes.is_empty() || Instant::now() > until {
+            break deletes;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     assert_eq!(deletes.len(), 1, "{deletes:?}");
     assert!(deletes[0]["reason"]
         .as_str()
