@@ -724,10 +724,23 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             (Some(true), Some(reason))
         );
         // Output drift of each version, against its first 50 answers:
-        // identical backends, no drift.
-        let m = http::get(s.gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
-            .expect("metrics")
-            .text();
+        // identical backends, no drift. The gauges are computed on an
+        // interval after the answers: read until both are there.
+        let until = std::time::Instant::now() + Duration::from_secs(15);
+        let m = loop {
+            let m = http::get(s.gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
+                .expect("metrics")
+                .text();
+            let both = ["v1", "v2"].iter().all(|v| {
+                m.contains(&format!(
+                    "keel_drift_js{{model=\"chat\",version=\"{v}\",feature=\"finish_reason\"}} "
+                ))
+            });
+            if both || std::time::Instant::now() > until {
+                break m;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
         for v in ["v1", "v2"] {
             let line = m
                 .lines()
