@@ -270,9 +270,47 @@ fn gather_host(root: &Path, opts: &GatherOptions) -> HostFacts {
     }
 }
 
+/// The file in a recorded machine root (`keel topo snapshot`) that holds
+/// the free space of its mounts when it was recorded: free space is not a
+/// file the kernel shows, so a recording keeps what statvfs(2) said.
+pub const DISK_RECORD: &str = "statvfs.json";
+
+/// [`DISK_RECORD`]'s content: free bytes (available to an unprivileged
+/// user) per mount point. A mount whose statvfs did not answer is absent.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskRecord {
+    pub schema: u32,
+    pub free_bytes: BTreeMap<String, u64>,
+}
+
 /// Free space on each of `opts.mounts` (under the root), each statvfs with
 /// the timeout: a hung network mount makes that mount unknown, no more.
+///
+/// A recorded root (any root but `/` that holds [`DISK_RECORD`]) is judged
+/// by what was recorded, never by the free space of the disk the recording
+/// now lies on; a mount it did not record is unknown.
 pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u64, String>> {
+    if root != Path::new("/") {
+        let record = root.join(DISK_RECORD);
+        if record.exists() {
+            let read = read_disk_record(&record);
+            return opts
+                .mounts
+                .iter()
+                .map(|m| {
+                    let r =
+                        match &read {
+                            Err(e) => Err(e.clone()),
+                            Ok(d) => d.free_bytes.get(m).copied().ok_or_else(|| {
+                                format!("{m} is not recorded in {}", record.display())
+                            }),
+                        };
+                    (m.clone(), r)
+                })
+                .collect();
+        }
+    }
     let mut disk_free = BTreeMap::new();
     for mount in &opts.mounts {
         let path = root.join(mount.trim_start_matches('/'));
@@ -287,6 +325,96 @@ pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u
         disk_free.insert(mount.clone(), r);
     }
     disk_free
+}
+
+fn read_disk_record(path: &Path) -> Result<DiskRecord, String> {
+    const MAX: u64 = 1 << 20;
+    let f =
+        std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut text = String::new();
+    f.take(MAX + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if text.len() as u64 > MAX {
+        return Err(format!("{} is larger than {MAX} bytes", path.display()));
+    }
+    let d: DiskRecord = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not a disk record: {e}", path.display()))?;
+    if d.schema != 1 {
+        return Err(format!(
+            "{} has schema {}; this keel reads schema 1",
+            path.display(),
+            d.schema
+        ));
+    }
+    Ok(d)
+}
+
+/// File systems with no disk behind them, left out of a recording.
+const PSEUDO_FS: &[&str] = &[
+    "proc",
+    "sysfs",
+    "devtmpfs",
+    "devpts",
+    "cgroup",
+    "cgroup2",
+    "securityfs",
+    "debugfs",
+    "tracefs",
+    "configfs",
+    "fusectl",
+    "pstore",
+    "bpf",
+    "mqueue",
+    "hugetlbfs",
+    "autofs",
+    "binfmt_misc",
+    "efivarfs",
+    "rpc_pipefs",
+    "nsfs",
+    "ramfs",
+    "squashfs",
+    "overlay",
+    "tmpfs",
+];
+
+/// For a snapshot of the node: the free space of `/` and of every mount in
+/// `root/proc/mounts` with a disk behind it, each statvfs bounded by
+/// `timeout`. Returns the record and a line for each mount left out.
+pub fn disk_record_for_snapshot(root: &Path, timeout: Duration) -> (DiskRecord, Vec<String>) {
+    let mut mounts = vec!["/".to_owned()];
+    if let Ok(text) = std::fs::read_to_string(root.join("proc/mounts")) {
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() >= 3 && !PSEUDO_FS.contains(&f[2]) && !mounts.iter().any(|m| m == f[1]) {
+                // proc/mounts writes a space in a path as \040.
+                mounts.push(f[1].replace("\\040", " "));
+            }
+        }
+    }
+    let mut record = DiskRecord {
+        schema: 1,
+        free_bytes: BTreeMap::new(),
+    };
+    let mut left_out = Vec::new();
+    for (mount, r) in disk_free(
+        root,
+        &GatherOptions {
+            timeout,
+            mounts,
+            state_file: None,
+            clock_settle: Duration::ZERO,
+            clock_poll: Duration::ZERO,
+        },
+    ) {
+        match r {
+            Ok(free) => {
+                record.free_bytes.insert(mount, free);
+            }
+            Err(e) => left_out.push(e),
+        }
+    }
+    (record, left_out)
 }
 
 /// The kernel log records checks read (XIDs, carrier losses) from
@@ -436,5 +564,68 @@ mod tests {
         let (snap, watched) = settled_snapshot(&probe, &opts(0));
         assert_eq!(clock(&snap), Some(1980));
         assert!(watched.is_some());
+    }
+
+    fn disk_opts(mounts: &[&str]) -> GatherOptions {
+        GatherOptions {
+            timeout: Duration::from_secs(5),
+            mounts: mounts.iter().map(|m| m.to_string()).collect(),
+            state_file: None,
+            clock_settle: Duration::ZERO,
+            clock_poll: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn a_recorded_root_is_judged_by_its_record_not_by_the_disk_it_lies_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir.path().join(DISK_RECORD),
+            r#"{"schema": 1, "free_bytes": {"/": 5, "/mnt": 7}}"#,
+        )
+        .expect("write");
+        let free = disk_free(dir.path(), &disk_opts(&["/", "/mnt", "/scratch"]));
+        assert_eq!(free["/"], Ok(5));
+        assert_eq!(free["/mnt"], Ok(7));
+        let e = free["/scratch"].clone().expect_err("not recorded");
+        assert!(e.contains("/scratch is not recorded"), "{e}");
+
+        // A record keel cannot read makes every mount unknown, saying why.
+        for (text, says) in [
+            (r#"{"schema": 2, "free_bytes": {}}"#, "schema 2"),
+            ("{", "is not a disk record"),
+            (
+                r#"{"schema": 1, "free_bytes": {"/": -1}}"#,
+                "is not a disk record",
+            ),
+        ] {
+            std::fs::write(dir.path().join(DISK_RECORD), text).expect("write");
+            let e = disk_free(dir.path(), &disk_opts(&["/"]))["/"]
+                .clone()
+                .expect_err("unreadable record");
+            assert!(e.contains(says), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_root_without_a_record_is_read_with_statvfs_and_a_snapshot_records_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(dir.path().join("proc")).expect("proc");
+        std::fs::create_dir_all(dir.path().join("data")).expect("data");
+        std::fs::write(
+            dir.path().join("proc/mounts"),
+            "proc /proc proc rw 0 0\n/dev/sda1 / ext4 rw 0 0\n/dev/sdb1 /data ext4 rw 0 0\n\
+             tmpfs /run tmpfs rw 0 0\n/dev/sdc1 /gone ext4 rw 0 0\n",
+        )
+        .expect("mounts");
+        let free = disk_free(dir.path(), &disk_opts(&["/"]));
+        assert!(free["/"].is_ok(), "{free:?}");
+
+        let (record, left_out) = disk_record_for_snapshot(dir.path(), Duration::from_secs(5));
+        assert_eq!(record.schema, 1);
+        let mounts: Vec<&str> = record.free_bytes.keys().map(String::as_str).collect();
+        assert_eq!(mounts, ["/", "/data"]);
+        assert_eq!(left_out.len(), 1, "{left_out:?}");
+        assert!(left_out[0].contains("gone"), "{left_out:?}");
     }
 }

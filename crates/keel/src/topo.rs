@@ -149,6 +149,19 @@ pub fn run(cli: &Cli, cmd: &TopoCommand, out: &mut Out) -> anyhow::Result<Code> 
                 Ok(log) => extra.push((PathBuf::from("dev/kmsg"), log.into_bytes())),
                 Err(e) => eprintln!("keel: warning: the snapshot has no kernel log: {e}"),
             }
+            // Free space is no file: what statvfs says of each mount, so
+            // that `keel check --root` judges the disks as they were.
+            let (disks, left_out) = keel_check::gather::disk_record_for_snapshot(
+                root.base(),
+                std::time::Duration::from_secs(2),
+            );
+            for e in left_out {
+                eprintln!("keel: warning: the snapshot leaves out a mount: {e}");
+            }
+            extra.push((
+                PathBuf::from(keel_check::gather::DISK_RECORD),
+                format!("{}\n", serde_json::to_string_pretty(&disks)?).into_bytes(),
+            ));
             let summary = keel_topo::write_snapshot(&root, &recorded, &extra, dir)
                 .with_context(|| format!("cannot write the snapshot to {}", dir.display()))?;
             if out.json {

@@ -216,6 +216,18 @@ fn every_check_fails_on_its_fault() {
         ("host.disk", "fail", "DISK_FULL", |n| {
             n.profile("[host]\ndisks = [{ mount = \"/\", min_free_gib = 1e12 }]\n")
         }),
+        // The recording's free space, whatever the disk it lies on has.
+        ("host.disk", "fail", "DISK_FULL", |n| {
+            n.profile("[host]\ndisks = [{ mount = \"/\", min_free_gib = 1 }]\n");
+            n.write(
+                "statvfs.json",
+                r#"{"schema": 1, "free_bytes": {"/": 536870912}}"#,
+            )
+        }),
+        ("host.disk", "unknown", "DISK_UNREADABLE", |n| {
+            n.profile("[host]\ndisks = [{ mount = \"/\", min_free_gib = 1 }]\n");
+            n.write("statvfs.json", r#"{"schema": 1, "free_bytes": {}}"#)
+        }),
         ("host.nvme", "fail", "NVME_MISSING", |n| {
             n.remove("sys/class/nvme/nvme7")
         }),

@@ -340,6 +340,12 @@ fn a_snapshot_of_this_machine_checks_as_the_machine() {
     let snap_s = snap.to_string_lossy().into_owned();
     let r = keel(&["--root", "/", "topo", "snapshot", "--out", &snap_s]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    // Free space is no file: the snapshot records what statvfs said.
+    let disks: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(snap.join("statvfs.json")).expect("statvfs.json"),
+    )
+    .expect("statvfs.json is JSON");
+    assert!(disks["free_bytes"]["/"].is_u64(), "{disks}");
     let verdicts = |root: &str| {
         let r = keel(&[
             "--json", "check", "--root", root, "--sku", "generic", "--gpus", "0",
