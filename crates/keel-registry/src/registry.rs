@@ -1608,21 +1608,33 @@ impl Registry {
 
     // ----- backup and restore -------------------------------------------
 
-    /// Copies the live database to `dest` with SQLite's online backup (a
-    /// consistent snapshot while others keep writing).
+    /// Copies the registry to `dest`, a new SQLite file: on SQLite with its
+    /// online backup (a consistent snapshot while others keep writing); on
+    /// PostgreSQL by copying one snapshot of it into `dest` as `keel model
+    /// migrate` does (both chains and every signature checked before the
+    /// copy commits). A backup is the same file from either store; `dest`
+    /// must not exist.
     pub fn backup_to(&self, dest: &Path) -> Result<()> {
-        self.sqlite("backup")?
-            .backup(rusqlite::MAIN_DB, dest, None)
-            .map_err(RegistryError::db("backing up"))
-    }
-
-    /// The SQLite connection, for SQLite's own backup and restore.
-    fn sqlite(&self, what: &'static str) -> Result<&rusqlite::Connection> {
-        self.conn.0.sqlite().ok_or(RegistryError::Unsupported {
-            what,
-            backend: "PostgreSQL",
-            hint: "back up with PostgreSQL's own tools (pg_dump, or the service's snapshots), and check a restored database with `keel model audit verify`",
-        })
+        if dest.exists() {
+            return Err(RegistryError::Io {
+                op: "back up into",
+                path: dest.to_owned(),
+                source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+            });
+        }
+        if let Some(conn) = self.conn.0.sqlite() {
+            return conn
+                .backup(rusqlite::MAIN_DB, dest, None)
+                .map_err(RegistryError::db("backing up"));
+        }
+        let target = Registry::open(dest, self.clock.clone())?;
+        crate::migrate::copy(self, &target)?;
+        // One file: the write-ahead log folded in before it is handed on.
+        if let Some(conn) = target.conn.0.sqlite() {
+            conn.pragma_update(None, "journal_mode", "DELETE")
+                .map_err(RegistryError::db("finishing the backup"))?;
+        }
+        Ok(())
     }
 
     /// Replaces this database's content with a backup file's, after
@@ -1633,7 +1645,6 @@ impl Registry {
             path: src.to_owned(),
             reason,
         };
-        self.sqlite("restore")?;
         // Check the backup first, on its own connection.
         {
             let conn = rusqlite::Connection::open_with_flags(
@@ -1684,9 +1695,19 @@ impl Registry {
             });
         }
         let Some(conn) = self.conn.0.sqlite_mut() else {
-            return Err(RegistryError::db("restoring")(
-                crate::storage::DbError::Lost,
-            ));
+            // PostgreSQL: the backup is copied in as `keel model migrate`
+            // copies, into an empty database only. Its tables refuse
+            // every delete, so a registry is never emptied to make room.
+            if events > 0 {
+                return Err(RegistryError::Unsupported {
+                    what: "replacing a registry that holds data",
+                    backend: "PostgreSQL",
+                    hint: "restore into a new, empty database (create it as for a new registry) and point model.db at it",
+                });
+            }
+            let backup = Registry::open(src, self.clock.clone())?;
+            crate::migrate::copy(&backup, self)?;
+            return self.audit_restore(actor, src, report);
         };
         conn.restore(
             rusqlite::MAIN_DB,
@@ -1701,6 +1722,15 @@ impl Registry {
         } else {
             crate::db::open(&self.path)?
         };
+        self.audit_restore(actor, src, report)
+    }
+
+    fn audit_restore(
+        &mut self,
+        actor: &str,
+        src: &Path,
+        report: ChainReport,
+    ) -> Result<ChainReport> {
         let now = self.now_ms();
         let tx = self.begin()?;
         audit(

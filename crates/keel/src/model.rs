@@ -99,16 +99,18 @@ enum ModelCommand {
         #[command(subcommand)]
         command: KeysCommand,
     },
-    /// Copy the registry database to object storage (SQLite online backup).
+    /// Copy the registry to object storage as a SQLite registry file (from
+    /// SQLite, its online backup; from PostgreSQL, a checked copy of one
+    /// snapshot).
     Backup {
         /// The backup object: file:///backups/registry.db, az://c/p/registry.db...
         url: String,
     },
     /// Replace the registry database with a backup, after checking its
-    /// integrity and hash chains.
+    /// integrity and hash chains (on PostgreSQL: into an empty database).
     Restore {
         url: String,
-        /// Replace a registry that already holds data.
+        /// Replace a registry that already holds data (SQLite only).
         #[arg(long)]
         force: bool,
     },
@@ -1478,7 +1480,7 @@ fn split_object_url(url: &str) -> anyhow::Result<(String, String)> {
 
 fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = tempfile_in_data_dir(reg.path())?;
+    let tmp = registry_tempfile(reg)?;
     reg.backup_to(tmp.path())?;
     let size = std::fs::metadata(tmp.path())?.len();
     let report = Registry::open(tmp.path(), Arc::new(SystemClock))?.verify_chains()?;
@@ -1513,35 +1515,64 @@ fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     Ok(Code::Ok)
 }
 
-/// A temporary file beside the database (same file system, private).
-fn tempfile_in_data_dir(db: &Path) -> anyhow::Result<TempFile> {
-    let dir = db
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let path = dir.join(format!(
-        ".keel-registry-{}-{}.tmp",
+/// A temporary file for a copy of the registry: beside a SQLite database
+/// (the same file system), or for a PostgreSQL registry in a directory of
+/// its own (owner only) under the system's temporary directory.
+fn registry_tempfile(reg: &Registry) -> anyhow::Result<TempFile> {
+    let name = format!(
+        ".keel-registry-{}-{}",
         std::process::id(),
         SystemClock.now_ms()
-    ));
-    Ok(TempFile(path))
+    );
+    match reg.backend() {
+        keel_registry::Backend::Sqlite => {
+            let dir = reg
+                .path()
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            Ok(TempFile {
+                path: dir.join(format!("{name}.tmp")),
+                dir: None,
+            })
+        }
+        keel_registry::Backend::Postgres => {
+            use std::os::unix::fs::DirBuilderExt;
+            let dir = std::env::temp_dir().join(name);
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            Ok(TempFile {
+                path: dir.join("registry.db"),
+                dir: Some(dir),
+            })
+        }
+    }
 }
 
-/// A path removed (with SQLite's side files) when dropped.
-struct TempFile(PathBuf);
+/// A path removed (with SQLite's side files, and the directory made for
+/// it) when dropped.
+struct TempFile {
+    path: PathBuf,
+    dir: Option<PathBuf>,
+}
 
 impl TempFile {
     fn path(&self) -> &Path {
-        &self.0
+        &self.path
     }
 }
 
 impl Drop for TempFile {
     fn drop(&mut self) {
         for suffix in ["", "-wal", "-shm", "-journal"] {
-            let mut p = self.0.clone().into_os_string();
+            let mut p = self.path.clone().into_os_string();
             p.push(suffix);
             let _ = std::fs::remove_file(PathBuf::from(p));
+        }
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir(dir);
         }
     }
 }
@@ -1554,7 +1585,7 @@ fn restore(
     out: &mut Out,
 ) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = tempfile_in_data_dir(reg.path())?;
+    let tmp = registry_tempfile(reg)?;
     runtime()?.block_on(async {
         let store = open_store(&parent, false)?;
         let bytes = store.get(&name).await?;

@@ -338,30 +338,36 @@ fn register_alias_pull_verify_end_to_end(e: Env) {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("tok/vocab.txt was modified"), "{err}");
 
-    if e.pg.is_some() {
-        // PostgreSQL is backed up with its own tools.
-        let (code, err) = e.fails(&["backup", "file:///tmp/never/reg.db"]);
-        assert_eq!(code, 64, "{err}");
-        assert!(err.contains("pg_dump"), "{err}");
-        let a = e.ok(&["audit", "verify"]);
-        assert!(a.ends_with("ok\n"), "{a}");
-        return;
-    }
-    // Backup and restore into another database.
-    e.ok(&[
-        "backup",
-        &format!("file://{}/backups/reg.db", e.path("").display()),
-    ]);
-    let o = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["model", "--db"])
-        .arg(e.path("restored.db"))
-        .args([
-            "restore",
-            &format!("file://{}/backups/reg.db", e.path("").display()),
-        ])
-        .output()
-        .expect("run");
+    // Backup and restore into another database of the same kind (from
+    // PostgreSQL too, a backup is a SQLite registry file).
+    let url = format!("file://{}/backups/reg.db", e.path("").display());
+    let b = e.json(&["backup", &url]);
+    assert_eq!(b["audit_events"].as_u64().map(|n| n > 0), Some(true), "{b}");
+    let target = match &e.pg {
+        Some(_) => Env {
+            dir: tempfile::tempdir().expect("tmp"),
+            pg: Some(keel_testkit::pg::PgDb::create()),
+        },
+        None => Env {
+            dir: tempfile::tempdir().expect("tmp"),
+            pg: None,
+        },
+    };
+    let o = target.keel(&["restore", &url]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let a = target.ok(&["audit", "verify"]);
+    assert!(a.ends_with("ok\n"), "{a}");
+    let log = target.ok(&["audit", "log"]);
+    assert!(log.contains("registry.restore"), "{log}");
+    // Into a registry that holds data: refused without --force, and on
+    // PostgreSQL refused with what to do instead.
+    let (code, err) = target.fails(&["restore", &url]);
+    assert_eq!(code, 64, "{err}");
+    if e.pg.is_some() {
+        let (code, err) = target.fails(&["restore", &url, "--force"]);
+        assert_eq!(code, 64, "{err}");
+        assert!(err.contains("empty database"), "{err}");
+    }
     let a = e.ok(&["audit", "verify"]);
     assert!(a.ends_with("ok\n"), "{a}");
 }
