@@ -358,7 +358,11 @@ fn open_named(
         .into());
     }
     if existing && !path.is_file() {
-        return Err(UsageError(format!("{}: no registry database there", path.display())).into());
+        return Err(UsageError(format!(
+            "{}: no registry database there (name a SQLite file, as PATH or sqlite:PATH, or a postgres://USER@HOST:PORT/DB URL)",
+            path.display()
+        ))
+        .into());
     }
     Ok(Registry::open(path, clock)?)
 }

@@ -855,5 +855,6 @@ fn migrate_copies_a_sqlite_registry_into_postgres_once() {
     ]);
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("no registry database there"), "{err}");
+    assert!(err.contains("postgres://"), "{err}");
     assert!(!e.path("nothing.db").exists());
 }
