@@ -667,6 +667,13 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             "candidate",
         ],
     ));
+    // Output drift needs a version's first 50 answers and its last 50:
+    // v1 answers these 100 before the rollout (it serves little during it,
+    // and nothing once v2 is promoted).
+    const DRIFT_ANSWERS: u64 = 100;
+    for _ in 0..DRIFT_ANSWERS {
+        assert_eq!(served_by(&s.gw, &s.key), "v1");
+    }
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|sc| {
         // A failing assertion below still ends the driver thread, so the
@@ -685,6 +692,11 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             served.contains_key("v1") && served.contains_key("v2"),
             "{served:?}"
         );
+        // And v2 as many (how many it got during the rollout depends on
+        // how fast the machine answered).
+        for _ in served.get("v2").copied().unwrap_or(0)..DRIFT_ANSWERS {
+            assert_eq!(served_by(&s.gw, &s.key), "v2");
+        }
         let id = st["id"].as_str().expect("id").to_owned();
         let verdicts = st["verdicts"].as_array().expect("verdicts");
         assert_eq!(
@@ -723,9 +735,9 @@ fn a_healthy_canary_is_promoted_through_every_step() {
             (promote["ok"].as_bool(), promote["reason"].as_str()),
             (Some(true), Some(reason))
         );
-        // Output drift of each version, against its first 50 answers:
-        // identical backends, no drift. The gauges are computed on an
-        // interval after the answers: read until both are there.
+        // Output drift of each version, its last 50 answers against its
+        // first 50: identical backends, no drift. The gauges are computed
+        // on an interval after the answers: read until both are there.
         let until = std::time::Instant::now() + Duration::from_secs(15);
         let m = loop {
             let m = http::get(s.gw.metrics.expect("metrics"), "/metrics", METRICS_TOKEN)
