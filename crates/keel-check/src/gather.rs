@@ -294,7 +294,7 @@ pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u
     if root != Path::new("/") {
         let record = root.join(DISK_RECORD);
         if record.exists() {
-            let read = read_disk_record(&record);
+            let read = read_disk_record(&record, opts.timeout);
             return opts
                 .mounts
                 .iter()
@@ -327,17 +327,38 @@ pub fn disk_free(root: &Path, opts: &GatherOptions) -> BTreeMap<String, Result<u
     disk_free
 }
 
-fn read_disk_record(path: &Path) -> Result<DiskRecord, String> {
+/// Reads a disk record: a regular file (opened without blocking, so a FIFO
+/// planted at its name cannot hold the check) of at most 1 MiB, within
+/// `timeout`.
+fn read_disk_record(path: &Path, timeout: Duration) -> Result<DiskRecord, String> {
     const MAX: u64 = 1 << 20;
-    let f =
-        std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let mut text = String::new();
-    f.take(MAX + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if text.len() as u64 > MAX {
-        return Err(format!("{} is larger than {MAX} bytes", path.display()));
-    }
+    let p = path.to_owned();
+    let text = with_timeout(timeout, move || -> Result<String, String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        const O_NONBLOCK: i32 = 0o4000;
+        let cannot = |e: io::Error| format!("cannot read {}: {e}", p.display());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(O_NONBLOCK)
+            .open(&p)
+            .map_err(cannot)?;
+        if !f.metadata().map_err(cannot)?.is_file() {
+            return Err(format!("{} is not a regular file", p.display()));
+        }
+        let mut text = String::new();
+        f.take(MAX + 1).read_to_string(&mut text).map_err(cannot)?;
+        if text.len() as u64 > MAX {
+            return Err(format!("{} is larger than {MAX} bytes", p.display()));
+        }
+        Ok(text)
+    })
+    .unwrap_or_else(|| {
+        Err(format!(
+            "{} was not read within {:?}",
+            path.display(),
+            timeout
+        ))
+    })?;
     let d: DiskRecord = serde_json::from_str(&text)
         .map_err(|e| format!("{} is not a disk record: {e}", path.display()))?;
     if d.schema != 1 {
@@ -348,6 +369,41 @@ fn read_disk_record(path: &Path) -> Result<DiskRecord, String> {
         ));
     }
     Ok(d)
+}
+
+/// A mount point as `proc/mounts` writes it, its octal escapes (`\040`
+/// space, `\011` tab, `\012` newline, `\134` backslash) decoded; `None`
+/// for one that is not an absolute path of plain names.
+fn mount_point(field: &str) -> Option<String> {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let escape = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match escape {
+            Some(d) if b[i] == b'\\' => {
+                let v = d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0'));
+                out.push(u8::try_from(v).ok()?);
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    let s = String::from_utf8(out).ok()?;
+    let plain = Path::new(&s)
+        .components()
+        .enumerate()
+        .all(|(n, c)| match c {
+            std::path::Component::RootDir => n == 0,
+            std::path::Component::Normal(_) => n > 0,
+            _ => false,
+        });
+    (s.starts_with('/') && plain).then_some(s)
 }
 
 /// File systems with no disk behind them, left out of a recording.
@@ -386,9 +442,11 @@ pub fn disk_record_for_snapshot(root: &Path, timeout: Duration) -> (DiskRecord, 
     if let Ok(text) = std::fs::read_to_string(root.join("proc/mounts")) {
         for line in text.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() >= 3 && !PSEUDO_FS.contains(&f[2]) && !mounts.iter().any(|m| m == f[1]) {
-                // proc/mounts writes a space in a path as \040.
-                mounts.push(f[1].replace("\\040", " "));
+            if f.len() < 3 || PSEUDO_FS.contains(&f[2]) {
+                continue;
+            }
+            if let Some(m) = mount_point(f[1]).filter(|m| !mounts.contains(m)) {
+                mounts.push(m);
             }
         }
     }
@@ -627,5 +685,38 @@ mod tests {
         assert_eq!(mounts, ["/", "/data"]);
         assert_eq!(left_out.len(), 1, "{left_out:?}");
         assert!(left_out[0].contains("gone"), "{left_out:?}");
+    }
+
+    #[test]
+    fn a_fifo_at_the_records_name_is_unknown_not_a_hang() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join(DISK_RECORD);
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .expect("mkfifo");
+        let e = disk_free(dir.path(), &disk_opts(&["/"]))["/"]
+            .clone()
+            .expect_err("a fifo");
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn mount_points_are_decoded_and_only_plain_paths_kept() {
+        assert_eq!(mount_point("/").as_deref(), Some("/"));
+        assert_eq!(
+            mount_point("/mnt/my\\040disk").as_deref(),
+            Some("/mnt/my disk")
+        );
+        assert_eq!(mount_point("/a\\011b\\134c").as_deref(), Some("/a\tb\\c"));
+        assert_eq!(
+            mount_point("/trailing\\04").as_deref(),
+            Some("/trailing\\04")
+        );
+        for bad in ["relative", "/a/../../etc", "/bad\\777"] {
+            assert_eq!(mount_point(bad), None, "{bad}");
+        }
     }
 }

@@ -1615,32 +1615,57 @@ impl Registry {
     /// copy commits). A backup is the same file from either store; `dest`
     /// must not exist.
     pub fn backup_to(&self, dest: &Path) -> Result<()> {
-        if dest.exists() {
+        // Nothing at `dest`, not even a link to elsewhere.
+        if std::fs::symlink_metadata(dest).is_ok() {
             return Err(RegistryError::Io {
                 op: "back up into",
                 path: dest.to_owned(),
                 source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
             });
         }
-        if let Some(conn) = self.conn.0.sqlite() {
-            return conn
+        let made = match self.conn.0.sqlite() {
+            Some(conn) => conn
                 .backup(rusqlite::MAIN_DB, dest, None)
-                .map_err(RegistryError::db("backing up"));
+                .map_err(RegistryError::db("backing up")),
+            None => Registry::open(dest, self.clock.clone()).and_then(|target| {
+                crate::migrate::copy(self, &target)?;
+                // One file: the write-ahead log folded in before it is
+                // handed on.
+                if let Some(conn) = target.conn.0.sqlite() {
+                    conn.pragma_update(None, "journal_mode", "DELETE")
+                        .map_err(RegistryError::db("finishing the backup"))?;
+                }
+                Ok(())
+            }),
+        };
+        if made.is_err() {
+            // No half backup left at `dest` (made by this call: nothing
+            // was there).
+            for suffix in ["", "-wal", "-shm", "-journal"] {
+                let mut p = dest.as_os_str().to_owned();
+                p.push(suffix);
+                let _ = std::fs::remove_file(std::path::PathBuf::from(p));
+            }
         }
-        let target = Registry::open(dest, self.clock.clone())?;
-        crate::migrate::copy(self, &target)?;
-        // One file: the write-ahead log folded in before it is handed on.
-        if let Some(conn) = target.conn.0.sqlite() {
-            conn.pragma_update(None, "journal_mode", "DELETE")
-                .map_err(RegistryError::db("finishing the backup"))?;
-        }
-        Ok(())
+        made
     }
 
     /// Replaces this database's content with a backup file's, after
     /// checking that the backup is a registry whose chains verify. Refuses
     /// to overwrite a registry that holds anything unless `force`.
     pub fn restore_from(&mut self, actor: &str, src: &Path, force: bool) -> Result<ChainReport> {
+        self.restore_from_named(actor, src, &src.display().to_string(), force)
+    }
+
+    /// [`Registry::restore_from`], the audit event naming the backup as
+    /// `from` (its URL) rather than the local copy's path.
+    pub fn restore_from_named(
+        &mut self,
+        actor: &str,
+        src: &Path,
+        from: &str,
+        force: bool,
+    ) -> Result<ChainReport> {
         let bad = |reason: String| RegistryError::BadBackup {
             path: src.to_owned(),
             reason,
@@ -1689,25 +1714,26 @@ impl Registry {
             .conn
             .query_row("SELECT COUNT(*) FROM audit_events", params![], |r| r.get(0))
             .map_err(RegistryError::db("reading the audit log"))?;
+        // PostgreSQL: the backup is copied in as `keel model migrate`
+        // copies, into an empty database only. Its tables refuse every
+        // delete, so a registry is never emptied to make room.
+        let on_postgres = self.conn.0.sqlite().is_none();
+        if events > 0 && on_postgres {
+            return Err(RegistryError::Unsupported {
+                what: "restoring over a registry that holds data",
+                backend: "PostgreSQL",
+                hint: "restore into a new, empty database (create it as for a new registry) and point model.db at it",
+            });
+        }
         if events > 0 && !force {
             return Err(RegistryError::NotEmpty {
                 path: self.path.clone(),
             });
         }
         let Some(conn) = self.conn.0.sqlite_mut() else {
-            // PostgreSQL: the backup is copied in as `keel model migrate`
-            // copies, into an empty database only. Its tables refuse
-            // every delete, so a registry is never emptied to make room.
-            if events > 0 {
-                return Err(RegistryError::Unsupported {
-                    what: "replacing a registry that holds data",
-                    backend: "PostgreSQL",
-                    hint: "restore into a new, empty database (create it as for a new registry) and point model.db at it",
-                });
-            }
             let backup = Registry::open(src, self.clock.clone())?;
             crate::migrate::copy(&backup, self)?;
-            return self.audit_restore(actor, src, report);
+            return self.audit_restore(actor, from, report);
         };
         conn.restore(
             rusqlite::MAIN_DB,
@@ -1722,13 +1748,13 @@ impl Registry {
         } else {
             crate::db::open(&self.path)?
         };
-        self.audit_restore(actor, src, report)
+        self.audit_restore(actor, from, report)
     }
 
     fn audit_restore(
         &mut self,
         actor: &str,
-        src: &Path,
+        from: &str,
         report: ChainReport,
     ) -> Result<ChainReport> {
         let now = self.now_ms();
@@ -1739,7 +1765,7 @@ impl Registry {
             actor,
             "registry.restore",
             "registry",
-            json!({"from": src.display().to_string(), "audit_head": report.audit_head, "alias_head": report.alias_head}),
+            json!({"from": from, "audit_head": report.audit_head, "alias_head": report.alias_head}),
         )?;
         tx.commit().map_err(RegistryError::db("committing"))?;
         Ok(report)

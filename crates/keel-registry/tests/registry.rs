@@ -401,16 +401,18 @@ fn backup_and_restore_keep_everything_and_refuse_broken_backups(store: Store) {
     assert!(fresh.verify_chains().expect("verify").ok());
     // A registry with data is not replaced without force, and on
     // PostgreSQL not at all.
-    assert!(matches!(
-        fresh.restore_from("ops", &backup, false),
-        Err(RegistryError::NotEmpty { .. })
-    ));
     if store.is_postgres() {
-        let e = fresh
-            .restore_from("ops", &backup, true)
-            .expect_err("forced on PostgreSQL");
-        assert!(e.to_string().contains("empty database"), "{e}");
+        for force in [false, true] {
+            let e = fresh
+                .restore_from("ops", &backup, force)
+                .expect_err("over data on PostgreSQL");
+            assert!(e.to_string().contains("empty database"), "{e}");
+        }
     } else {
+        assert!(matches!(
+            fresh.restore_from("ops", &backup, false),
+            Err(RegistryError::NotEmpty { .. })
+        ));
         fresh.restore_from("ops", &backup, true).expect("forced");
     }
     assert_eq!(

@@ -20,7 +20,7 @@ use keel_registry::{
 use keel_store::{FileEntry, Store, StoreOptions, StoreUrl, TransferOptions};
 
 use crate::config::{self, ModelConfig};
-use crate::exit::{Code, UsageError};
+use crate::exit::{Code, DataError, UsageError};
 use crate::output::Out;
 use crate::table::Table;
 
@@ -1488,6 +1488,17 @@ fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     reg.backup_to(tmp.path())?;
     let size = std::fs::metadata(tmp.path())?.len();
     let report = Registry::open(tmp.path(), Arc::new(SystemClock))?.verify_chains()?;
+    if !report.ok() {
+        return Err(DataError(format!(
+            "the registry's chains do not verify ({}), so no backup was uploaded; run `keel model audit verify`",
+            report
+                .breaks
+                .first()
+                .map(|b| b.what.clone())
+                .unwrap_or_default()
+        ))
+        .into());
+    }
     runtime()?.block_on(async {
         let store = open_store(&parent, true)?;
         keel_store::transfer::upload_files(
@@ -1519,47 +1530,40 @@ fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     Ok(Code::Ok)
 }
 
-/// A temporary file for a copy of the registry: beside a SQLite database
-/// (the same file system), or for a PostgreSQL registry in a directory of
-/// its own (owner only) under the system's temporary directory.
+/// A temporary file for a copy of the registry, in a directory of its own
+/// (owner only): beside a SQLite database (the same file system), or for a
+/// PostgreSQL registry under the system's temporary directory.
 fn registry_tempfile(reg: &Registry) -> anyhow::Result<TempFile> {
-    let name = format!(
+    use std::os::unix::fs::DirBuilderExt;
+    let base = match reg.backend() {
+        keel_registry::Backend::Sqlite => reg
+            .path()
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_owned(),
+        keel_registry::Backend::Postgres => std::env::temp_dir(),
+    };
+    let dir = base.join(format!(
         ".keel-registry-{}-{}",
         std::process::id(),
         SystemClock.now_ms()
-    );
-    match reg.backend() {
-        keel_registry::Backend::Sqlite => {
-            let dir = reg
-                .path()
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            Ok(TempFile {
-                path: dir.join(format!("{name}.tmp")),
-                dir: None,
-            })
-        }
-        keel_registry::Backend::Postgres => {
-            use std::os::unix::fs::DirBuilderExt;
-            let dir = std::env::temp_dir().join(name);
-            std::fs::DirBuilder::new()
-                .mode(0o700)
-                .create(&dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            Ok(TempFile {
-                path: dir.join("registry.db"),
-                dir: Some(dir),
-            })
-        }
-    }
+    ));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(TempFile {
+        path: dir.join("registry.db"),
+        dir,
+    })
 }
 
 /// A path removed (with SQLite's side files, and the directory made for
 /// it) when dropped.
 struct TempFile {
     path: PathBuf,
-    dir: Option<PathBuf>,
+    dir: PathBuf,
 }
 
 impl TempFile {
@@ -1575,9 +1579,7 @@ impl Drop for TempFile {
             p.push(suffix);
             let _ = std::fs::remove_file(PathBuf::from(p));
         }
-        if let Some(dir) = &self.dir {
-            let _ = std::fs::remove_dir(dir);
-        }
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
@@ -1608,7 +1610,7 @@ fn restore(
         written.with_context(|| format!("cannot write {}", tmp.path().display()))?;
         Ok::<_, anyhow::Error>(())
     })?;
-    let report = reg.restore_from(actor, tmp.path(), force)?;
+    let report = reg.restore_from_named(actor, tmp.path(), url, force)?;
     if out.json {
         out.json(
             "model restore",

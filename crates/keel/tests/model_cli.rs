@@ -357,16 +357,39 @@ fn register_alias_pull_verify_end_to_end(e: Env) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let a = target.ok(&["audit", "verify"]);
     assert!(a.ends_with("ok\n"), "{a}");
-    let log = target.ok(&["audit", "log"]);
-    assert!(log.contains("registry.restore"), "{log}");
+    // The restore is audited, naming the backup it came from.
+    let log = target.json(&["audit", "log"]);
+    let last = log["events"]
+        .as_array()
+        .and_then(|e| e.last())
+        .expect("an event")
+        .clone();
+    assert_eq!(last["action"], "registry.restore", "{last}");
+    let detail: Value =
+        serde_json::from_str(last["detail"].as_str().expect("detail")).expect("detail is JSON");
+    assert_eq!(detail["from"], url.as_str(), "{detail}");
+    // The backup's temporary copy is gone.
+    let left: Vec<_> = std::fs::read_dir(e.path(""))
+        .expect("ls")
+        .flatten()
+        .filter(|f| {
+            f.file_name()
+                .to_string_lossy()
+                .starts_with(".keel-registry-")
+        })
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     // Into a registry that holds data: refused without --force, and on
     // PostgreSQL refused with what to do instead.
     let (code, err) = target.fails(&["restore", &url]);
     assert_eq!(code, 64, "{err}");
     if e.pg.is_some() {
+        assert!(err.contains("empty database"), "{err}");
         let (code, err) = target.fails(&["restore", &url, "--force"]);
         assert_eq!(code, 64, "{err}");
         assert!(err.contains("empty database"), "{err}");
+    } else {
+        assert!(err.contains("use force"), "{err}");
     }
     let a = e.ok(&["audit", "verify"]);
     assert!(a.ends_with("ok\n"), "{a}");
