@@ -185,8 +185,18 @@ proptest! {
 }
 
 proptest! {
-    // Each case draws thousands of samples: a few seeds are enough.
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    // Each case draws thousands of samples: a few seeds are enough. The
+    // seeds are fixed: these check a test's level and power, which a
+    // calibrated test misses by chance at a known rate (13 or more
+    // rejections of 400 at 0.01 has a chance of 2.5e-4; two tests in each
+    // of twelve random cases would fail about one run in 170). Fixed, the
+    // suite gives the same answer every time, and a change that breaks
+    // calibration or power still fails it.
+    #![proptest_config(ProptestConfig {
+        cases: 12,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b65_656c_6361_6e61),
+        ..ProptestConfig::default()
+    })]
 
     /// Under identical distributions each test rejects at about its level:
     /// at 0.01 over 400 replicates, 13 or more rejections would have a
