@@ -41,6 +41,7 @@ pub mod migrate;
 mod registry;
 mod serve;
 pub mod sign;
+mod staging;
 mod storage;
 pub mod tracking;
 mod types;
@@ -52,6 +53,7 @@ pub use keel_time::{rfc3339, Clock, FixedClock};
 pub use registry::{
     limits, version_manifest, Artifacts, Connector, ModelRow, NewVersion, Registry, VersionRow,
 };
+pub use staging::Staged;
 pub use storage::{is_postgres_url, Backend, DbError, PgOptions};
 pub use types::{
     check_alias, check_model_name, parse_version, AliasAction, AliasEvent, AliasTarget, ApiKey,

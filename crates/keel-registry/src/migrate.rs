@@ -240,6 +240,17 @@ fn failed(reason: impl Into<String>) -> RegistryError {
 /// Copies everything in `from` into `to`, which must hold nothing (see
 /// the module's documentation for what is checked before the commit).
 pub fn copy(from: &Registry, to: &Registry) -> Result<CopyReport> {
+    copy_then(from, to, |_| Ok(()))
+}
+
+/// [`copy`], with `last` run in the copy's transaction after everything
+/// is checked and before it commits (a restore's audit event goes in with
+/// the data it records, or neither does).
+pub(crate) fn copy_then(
+    from: &Registry,
+    to: &Registry,
+    last: impl FnOnce(&Db) -> Result<()>,
+) -> Result<CopyReport> {
     if from.path() == to.path() {
         return Err(failed("the source and the target are the same database"));
     }
@@ -384,6 +395,7 @@ pub fn copy(from: &Registry, to: &Registry) -> Result<CopyReport> {
                 signatures.problems.first().cloned().unwrap_or_default()
             )));
         }
+        last(&tx)?;
         tx.commit()
             .map_err(RegistryError::db("committing the copy"))?;
         Ok(CopyReport {

@@ -1730,45 +1730,71 @@ impl Registry {
                 path: self.path.clone(),
             });
         }
-        let Some(conn) = self.conn.0.sqlite_mut() else {
+        let now = self.now_ms();
+        let detail =
+            json!({"from": from, "audit_head": report.audit_head, "alias_head": report.alias_head});
+        let restored = |tx: &Db| audit(tx, now, actor, "registry.restore", "registry", detail);
+        if self.conn.0.sqlite().is_none() {
             let backup = Registry::open(src, self.clock.clone())?;
-            crate::migrate::copy(&backup, self)?;
-            return self.audit_restore(actor, from, report);
+            crate::migrate::copy_then(&backup, self, restored)?;
+            return Ok(report);
+        }
+        // SQLite: the backup is copied into a private staging file (and
+        // migrated there, if from an older schema), its restore event
+        // appended, and the result put in place with one online restore:
+        // the registry never holds the backup's data without the event.
+        let staged = self.staging()?;
+        {
+            let conn = rusqlite::Connection::open_with_flags(
+                src,
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+            )
+            .map_err(|e| bad(e.to_string()))?;
+            conn.backup(rusqlite::MAIN_DB, staged.path(), None)
+                .map_err(RegistryError::db("staging the backup"))?;
+            let mut copy = Registry::open(staged.path(), self.clock.clone())?;
+            let tx = copy.begin()?;
+            restored(&tx)?;
+            tx.commit().map_err(RegistryError::db("committing"))?;
+            if let Some(conn) = copy.conn.0.sqlite() {
+                conn.pragma_update(None, "journal_mode", "DELETE")
+                    .map_err(RegistryError::db("staging the backup"))?;
+            }
+        }
+        let Some(conn) = self.conn.0.sqlite_mut() else {
+            unreachable!("checked above: a SQLite registry");
         };
         conn.restore(
             rusqlite::MAIN_DB,
-            src,
+            staged.path(),
             None::<fn(rusqlite::backup::Progress)>,
         )
         .map_err(RegistryError::db("restoring"))?;
-        // Migrate a backup from an older schema.
+        // Reopened (migrating a backup from an older schema), the old
+        // connection closed first.
         self.conn = crate::db::open_in_memory()?;
         self.conn = if self.path == Path::new(":memory:") {
             crate::db::open_in_memory()?
         } else {
             crate::db::open(&self.path)?
         };
-        self.audit_restore(actor, from, report)
+        Ok(report)
     }
 
-    fn audit_restore(
-        &mut self,
-        actor: &str,
-        from: &str,
-        report: ChainReport,
-    ) -> Result<ChainReport> {
-        let now = self.now_ms();
-        let tx = self.begin()?;
-        audit(
-            &tx,
-            now,
-            actor,
-            "registry.restore",
-            "registry",
-            json!({"from": from, "audit_head": report.audit_head, "alias_head": report.alias_head}),
-        )?;
-        tx.commit().map_err(RegistryError::db("committing"))?;
-        Ok(report)
+    /// A private staging file for a copy of this registry: beside a SQLite
+    /// database (on its file system), under the system's temporary
+    /// directory for PostgreSQL or an in-memory database.
+    pub fn staging(&self) -> Result<crate::staging::Staged> {
+        let base = match self.backend() {
+            Backend::Sqlite if self.path != Path::new(":memory:") => self
+                .path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .to_owned(),
+            _ => std::env::temp_dir(),
+        };
+        crate::staging::Staged::under(&base)
     }
 }
 

@@ -398,7 +398,33 @@ fn backup_and_restore_keep_everything_and_refuse_broken_backups(store: Store) {
         log.last().map(|e| e.action.as_str()),
         Some("registry.restore")
     );
+    // The backup's events, then the restore's (written with the data, in
+    // one step), and the backup itself untouched.
+    assert_eq!(log.len() as u64, chains.audit_events + 1);
+    let backup_log = Registry::open(&backup, Arc::new(Stepping::default()))
+        .expect("open backup")
+        .audit_log()
+        .expect("log");
+    assert_eq!(backup_log.len() as u64, chains.audit_events);
     assert!(fresh.verify_chains().expect("verify").ok());
+    // No staging copy left behind, beside the registry or the backup.
+    let leftovers = |d: &std::path::Path| {
+        std::fs::read_dir(d)
+            .map(|it| {
+                it.filter_map(|e| e.ok())
+                    .filter(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .starts_with(".keel-registry-")
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(leftovers(dir.path()), 0);
+    if let Some(parent) = fresh.path().parent() {
+        assert_eq!(leftovers(parent), 0);
+    }
     // A registry with data is not replaced without force, and on
     // PostgreSQL not at all.
     if store.is_postgres() {

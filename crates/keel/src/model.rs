@@ -1484,7 +1484,7 @@ fn split_object_url(url: &str) -> anyhow::Result<(String, String)> {
 
 fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = registry_tempfile(reg)?;
+    let tmp = reg.staging()?;
     reg.backup_to(tmp.path())?;
     let size = std::fs::metadata(tmp.path())?.len();
     let report = Registry::open(tmp.path(), Arc::new(SystemClock))?.verify_chains()?;
@@ -1530,59 +1530,6 @@ fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     Ok(Code::Ok)
 }
 
-/// A temporary file for a copy of the registry, in a directory of its own
-/// (owner only): beside a SQLite database (the same file system), or for a
-/// PostgreSQL registry under the system's temporary directory.
-fn registry_tempfile(reg: &Registry) -> anyhow::Result<TempFile> {
-    use std::os::unix::fs::DirBuilderExt;
-    let base = match reg.backend() {
-        keel_registry::Backend::Sqlite => reg
-            .path()
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_owned(),
-        keel_registry::Backend::Postgres => std::env::temp_dir(),
-    };
-    let dir = base.join(format!(
-        ".keel-registry-{}-{}",
-        std::process::id(),
-        SystemClock.now_ms()
-    ));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .with_context(|| format!("cannot create {}", dir.display()))?;
-    Ok(TempFile {
-        path: dir.join("registry.db"),
-        dir,
-    })
-}
-
-/// A path removed (with SQLite's side files, and the directory made for
-/// it) when dropped.
-struct TempFile {
-    path: PathBuf,
-    dir: PathBuf,
-}
-
-impl TempFile {
-    fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-journal"] {
-            let mut p = self.path.clone().into_os_string();
-            p.push(suffix);
-            let _ = std::fs::remove_file(PathBuf::from(p));
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
 fn restore(
     reg: &mut Registry,
     actor: &str,
@@ -1591,7 +1538,7 @@ fn restore(
     out: &mut Out,
 ) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = registry_tempfile(reg)?;
+    let tmp = reg.staging()?;
     runtime()?.block_on(async {
         let store = open_store(&parent, false)?;
         let bytes = store.get(&name).await?;
