@@ -11,9 +11,13 @@
 //! monotonic offsets ([`std::time::Duration`] since an origin the caller
 //! chooses) or wall-clock milliseconds, never reading a clock themselves.
 //!
-//! It deliberately does not launch processes, send signals, run health
-//! checks, talk to Slurm or to checkpoint stores: the `keel` binary does,
-//! and feeds what it sees into these functions.
+//! Those modules launch nothing and read no clock. [`supervisor`] is the
+//! I/O shell around them: it starts the trainer, signals it, runs the
+//! pre-flight checks with srun, talks to Slurm, to the checkpoint store
+//! and to the metadata services, and feeds what it sees into them; its
+//! console and wall clock are given by the caller (the `keel` binary, which
+//! turns flags into a [`supervisor::Plan`] and renders the
+//! [`supervisor::Conclusion`]).
 
 #![forbid(unsafe_code)]
 
@@ -24,6 +28,7 @@ pub mod goodput;
 pub mod hang;
 pub mod history;
 pub mod metrics;
+pub mod supervisor;
 
 pub use decide::{decide, placed_on_excluded, Decision, NodeReport, Outcome, RunPolicy, Verdict};
 pub use goodput::{account, AttemptTimes, Goodput};

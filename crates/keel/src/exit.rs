@@ -67,6 +67,15 @@ pub fn classify(err: &anyhow::Error) -> Code {
         if e.downcast_ref::<UsageError>().is_some() {
             return Code::Usage;
         }
+        if let Some(s) = e.downcast_ref::<keel_run::supervisor::SuperviseError>() {
+            use keel_run::supervisor::SuperviseError as S;
+            match s {
+                S::Usage(_) => return Code::Usage,
+                S::State(h) => return history_code(h),
+                S::Ckpt(c) | S::Checkpoints { source: c, .. } => return ckpt_code(c),
+                S::Io { .. } | S::Signal(_) => return Code::Io,
+            }
+        }
         if e.downcast_ref::<DataError>().is_some() {
             return Code::Data;
         }
@@ -96,11 +105,7 @@ pub fn classify(err: &anyhow::Error) -> Code {
             return cuda_code(c);
         }
         if let Some(h) = e.downcast_ref::<keel_run::HistoryError>() {
-            use keel_run::HistoryError as H;
-            return match h {
-                H::Fs(_) => Code::Io,
-                H::Corrupt { .. } | H::Version { .. } | H::Encode(_) => Code::Data,
-            };
+            return history_code(h);
         }
         if let Some(c) = e.downcast_ref::<keel_ckpt::CkptError>() {
             return ckpt_code(c);
@@ -237,6 +242,14 @@ fn topo_code(t: &TopoError) -> Code {
             Code::Data
         }
         TopoError::NoSuchProcess { .. } => Code::Usage,
+    }
+}
+
+fn history_code(h: &keel_run::HistoryError) -> Code {
+    use keel_run::HistoryError as H;
+    match h {
+        H::Fs(_) => Code::Io,
+        H::Corrupt { .. } | H::Version { .. } | H::Encode(_) => Code::Data,
     }
 }
 
