@@ -22,8 +22,18 @@ call) and as a whole (wall time for the throughput):
                 threads (the client asks for the alias's version, then its
                 download URI: two requests)
 A call that raises counts as an error (the client's own retries, on 429
-and 5xx, happen inside the call, as for any user). Writes one JSON object:
-{phase: {ops, errors, seconds, per_s, p50_ms, p99_ms}, ...}.
+and 5xx, happen inside the call, as for any user).
+
+Where the cores go, per phase: CPU seconds (user + system, from
+/proc/PID/stat) used by the client (this process, all its threads), by the
+servers (every process in the process groups --server-pgids names) and by
+PostgreSQL (every process named postgres), each divided by the calls
+answered: `cpu_ms_per_call`. A process that ends during a phase takes its
+CPU time with it (the servers and their pooled database connections live
+through every phase).
+
+Writes one JSON object:
+{phase: {ops, errors, seconds, per_s, p50_ms, p99_ms, cpu_ms_per_call}, ...}.
 """
 
 import argparse
@@ -42,6 +52,32 @@ def percentile(xs, q):
     xs = sorted(xs)
     i = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
     return xs[i]
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SERVER_PGIDS = set()
+
+
+def cpu_seconds():
+    """CPU seconds so far: {client, server, postgres}."""
+    server = postgres = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # After the name: state ppid pgrp ... utime (14th field) stime (15th).
+        pgrp, ticks = int(fields[2]), int(fields[11]) + int(fields[12])
+        if pgrp in SERVER_PGIDS:
+            server += ticks
+        elif comm == "postgres":
+            postgres += ticks
+    return {"client": time.process_time(), "server": server / CLK_TCK, "postgres": postgres / CLK_TCK}
 
 
 def run(n_threads, total, urls, op):
@@ -73,13 +109,17 @@ def run(n_threads, total, urls, op):
             lat.extend(mine)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    cpu0 = cpu_seconds()
     t0 = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     seconds = time.perf_counter() - t0
+    cpu1 = cpu_seconds()
+    calls = max(1, len(lat))
     return {
+        "cpu_ms_per_call": {k: round((cpu1[k] - cpu0[k]) * 1000 / calls, 2) for k in cpu0},
         "ops": len(lat),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
@@ -98,7 +138,9 @@ def main():
     ap.add_argument("--resolves", type=int, default=2000)
     ap.add_argument("--phases", default="write,search")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--server-pgids", default="", help="the servers' process groups, comma-separated")
     a = ap.parse_args()
+    SERVER_PGIDS.update(int(p) for p in a.server_pgids.split(",") if p)
     urls = a.urls.split(",")
     phases = a.phases.split(",")
     c = MlflowClient(tracking_uri=urls[0], registry_uri=urls[0])
