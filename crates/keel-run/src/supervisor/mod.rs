@@ -15,7 +15,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -26,8 +26,13 @@ use keel_time::Clock;
 pub use rustix::process::Signal;
 
 mod endpoint;
+mod launch;
 mod notices;
 mod slurm;
+#[cfg(test)]
+mod tests;
+
+pub use launch::{Launch, Launcher, ProcessLauncher, Trainer};
 
 use endpoint::serve_metrics;
 use notices::{poll_aws, poll_gcp, poll_imds};
@@ -254,18 +259,6 @@ enum Note {
     },
 }
 
-fn pgid(child: &Child) -> Option<rustix::process::Pid> {
-    i32::try_from(child.id())
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-}
-
-fn signal_group(child: &Child, sig: rustix::process::Signal) {
-    if let Some(p) = pgid(child) {
-        let _ = rustix::process::kill_process_group(p, sig);
-    }
-}
-
 /// The checkpoint request file's name in the checkpoint directory.
 pub const REQUEST_FILE: &str = ".keel-checkpoint-request";
 
@@ -275,7 +268,7 @@ pub const REQUEST_FILE: &str = ".keel-checkpoint-request";
 /// The file reaches every rank under any launcher (torchrun's agent
 /// forwards no signal without shutting its workers down); a trainer reads
 /// it at a step boundary and saves when its content changed.
-fn request_checkpoint(sh: &Shell, plan: &Plan, child: &Child, why: &str) {
+fn request_checkpoint(sh: &Shell, plan: &Plan, child: &dyn Trainer, why: &str) {
     let body = format!("{} {why}\n", sh.now_ms());
     if let Err(e) = keel_fs::write_atomic(&plan.request_file, body.as_bytes(), 0o644) {
         sh.say(&format!(
@@ -284,26 +277,26 @@ fn request_checkpoint(sh: &Shell, plan: &Plan, child: &Child, why: &str) {
         ));
     }
     if let Some(sig) = plan.checkpoint_signal {
-        signal_group(child, sig);
+        child.signal(sig);
     }
 }
 
 /// SIGTERM to the trainer's process group, SIGKILL after the grace.
-fn stop(sh: &Shell, child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
-    if let Ok(Some(s)) = child.try_wait() {
+fn stop(sh: &Shell, child: &mut dyn Trainer, grace: Duration) -> Option<std::process::ExitStatus> {
+    if let Some(s) = child.try_wait() {
         return Some(s);
     }
-    signal_group(child, rustix::process::Signal::TERM);
+    child.signal(Signal::TERM);
     let until = Instant::now() + grace;
     while Instant::now() < until {
-        if let Ok(Some(s)) = child.try_wait() {
+        if let Some(s) = child.try_wait() {
             return Some(s);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     sh.say("the trainer ignored SIGTERM; sending SIGKILL");
-    signal_group(child, rustix::process::Signal::KILL);
-    child.wait().ok()
+    child.signal(Signal::KILL);
+    child.wait()
 }
 
 /// A checkpoint asked for before stopping: until when its commit is
@@ -442,7 +435,7 @@ struct Hung {
 async fn stop_hung(
     sh: &Shell,
     hung: Hung,
-    child: &mut Child,
+    child: &mut dyn Trainer,
     plan: &Plan,
     watcher: &mut Watcher,
     topts: &TransferOptions,
@@ -475,13 +468,95 @@ async fn stop_hung(
 /// Runs one attempt of `plan`'s trainer to its end (completed, failed,
 /// preempted, cancelled), records it in the state file, carries out the
 /// decision (drain, requeue) under Slurm and says what it did through
-/// `out`; wall-clock times come from `clock`.
+/// `out`; wall-clock times come from `clock`. The trainer is a process and
+/// the signals are the process's: [`Supervisor`] replaces either.
 pub async fn supervise(
     plan: &Plan,
     out: Arc<dyn Console>,
     clock: Arc<dyn Clock>,
 ) -> Result<Conclusion, SuperviseError> {
-    let sh = &Shell { out, clock };
+    Supervisor::new(out, clock).run(plan).await
+}
+
+/// A signal that asks the supervisor to checkpoint and stop (Slurm's
+/// SIGTERM, its `--signal` warning, an operator's USR2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopSignal {
+    Term,
+    Usr1,
+    Usr2,
+}
+
+impl StopSignal {
+    fn name(self) -> &'static str {
+        match self {
+            StopSignal::Term => "SIGTERM",
+            StopSignal::Usr1 => "SIGUSR1",
+            StopSignal::Usr2 => "SIGUSR2",
+        }
+    }
+}
+
+/// The supervisor with its seams: where it speaks, its wall clock, how it
+/// starts the trainer, and where its stop signals come from (by default
+/// the process's SIGTERM, SIGUSR1 and SIGUSR2, taken from the start).
+pub struct Supervisor {
+    out: Arc<dyn Console>,
+    clock: Arc<dyn Clock>,
+    launcher: Box<dyn Launcher>,
+    signals: Mutex<Option<mpsc::Receiver<StopSignal>>>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor").finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// Trainers started as processes; the process's own signals.
+    pub fn new(out: Arc<dyn Console>, clock: Arc<dyn Clock>) -> Self {
+        Supervisor {
+            out,
+            clock,
+            launcher: Box::new(ProcessLauncher),
+            signals: Mutex::new(None),
+        }
+    }
+
+    /// Starts trainers with `launcher`.
+    pub fn with_launcher(mut self, launcher: Box<dyn Launcher>) -> Self {
+        self.launcher = launcher;
+        self
+    }
+
+    /// Takes its stop signals from `signals` instead of the process's.
+    pub fn with_signals(self, signals: mpsc::Receiver<StopSignal>) -> Self {
+        *self.signals.lock().unwrap_or_else(|e| e.into_inner()) = Some(signals);
+        self
+    }
+
+    /// Runs one attempt: see [`supervise`].
+    pub async fn run(&self, plan: &Plan) -> Result<Conclusion, SuperviseError> {
+        let signals = self
+            .signals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let sh = &Shell {
+            out: self.out.clone(),
+            clock: self.clock.clone(),
+        };
+        attempt(plan, sh, self.launcher.as_ref(), signals).await
+    }
+}
+
+async fn attempt(
+    plan: &Plan,
+    sh: &Shell,
+    launcher: &dyn Launcher,
+    signals: Option<mpsc::Receiver<StopSignal>>,
+) -> Result<Conclusion, SuperviseError> {
     let started = Instant::now();
     let mut at = Attempt {
         times: AttemptTimes {
@@ -533,24 +608,36 @@ pub async fn supervise(
     // not kill keel (their default action); it is answered once the
     // trainer runs.
     let (tx, rx) = mpsc::channel::<Note>();
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).map_err(SuperviseError::Signal)?;
-        let mut usr1 = signal(SignalKind::user_defined1()).map_err(SuperviseError::Signal)?;
-        let mut usr2 = signal(SignalKind::user_defined2()).map_err(SuperviseError::Signal)?;
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            loop {
-                let name = tokio::select! {
-                    _ = term.recv() => "SIGTERM",
-                    _ = usr1.recv() => "SIGUSR1",
-                    _ = usr2.recv() => "SIGUSR2",
-                };
-                if tx.send(Note::Signal(name)).is_err() {
-                    break;
+    match signals {
+        Some(signals) => {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for s in signals {
+                    if tx.send(Note::Signal(s.name())).is_err() {
+                        break;
+                    }
                 }
-            }
-        });
+            });
+        }
+        None => {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).map_err(SuperviseError::Signal)?;
+            let mut usr1 = signal(SignalKind::user_defined1()).map_err(SuperviseError::Signal)?;
+            let mut usr2 = signal(SignalKind::user_defined2()).map_err(SuperviseError::Signal)?;
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                loop {
+                    let name = tokio::select! {
+                        _ = term.recv() => StopSignal::Term,
+                        _ = usr1.recv() => StopSignal::Usr1,
+                        _ = usr2.recv() => StopSignal::Usr2,
+                    };
+                    if tx.send(Note::Signal(name.name())).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
     }
 
     if let Some(m) = &plan.slurm {
@@ -680,32 +767,39 @@ pub async fn supervise(
             )(e))
         }
     }
-    let mut cmd = Command::new(&plan.command[0]);
-    cmd.args(&plan.command[1..])
-        .env("KEEL_CKPT_DIR", &plan.ckpt_dir)
-        .env("KEEL_CKPT_REQUEST", &plan.request_file)
-        .env_remove("KEEL_RESUME_DIR")
-        .env_remove("KEEL_RESUME_STEP")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut launch = Launch {
+        command: plan.command.clone(),
+        env: vec![
+            ("KEEL_CKPT_DIR".into(), plan.ckpt_dir.clone().into()),
+            ("KEEL_CKPT_REQUEST".into(), plan.request_file.clone().into()),
+        ],
+        env_remove: vec!["KEEL_RESUME_DIR".into(), "KEEL_RESUME_STEP".into()],
+    };
     if let Some((dir, step)) = &resume {
-        cmd.env("KEEL_RESUME_DIR", dir)
-            .env("KEEL_RESUME_STEP", step.to_string());
+        launch
+            .env
+            .push(("KEEL_RESUME_DIR".into(), dir.clone().into()));
+        launch
+            .env
+            .push(("KEEL_RESUME_STEP".into(), step.to_string().into()));
     }
     if let Some(f) = &plan.heartbeat_file {
-        cmd.env("KEEL_HEARTBEAT_FILE", f);
+        launch
+            .env
+            .push(("KEEL_HEARTBEAT_FILE".into(), f.clone().into()));
     }
     if let Some(d) = &plan.heartbeat_dir {
         std::fs::create_dir_all(d).map_err(SuperviseError::io("create", d))?;
-        cmd.env("KEEL_HEARTBEAT_DIR", d);
+        launch
+            .env
+            .push(("KEEL_HEARTBEAT_DIR".into(), d.clone().into()));
     }
-    let mut child = cmd.spawn().map_err(|e| {
+    let mut child = launcher.launch(&launch).map_err(|e| {
         let shown: String = plan.command[0].chars().take(200).collect();
         SuperviseError::Usage(format!("cannot start the trainer {shown:?}: {e}"))
     })?;
     at.times.training_started_ms = Some(sh.now_ms());
-    if let Some(out) = child.stdout.take() {
+    if let Some(out) = child.take_stdout() {
         let tx = tx.clone();
         let console = sh.out.clone();
         let pattern = plan.heartbeat_pattern.clone();
@@ -723,7 +817,7 @@ pub async fn supervise(
             }
         });
     }
-    if let Some(err) = child.stderr.take() {
+    if let Some(err) = child.take_stderr() {
         let tx = tx.clone();
         let console = sh.out.clone();
         std::thread::spawn(move || {
@@ -777,11 +871,11 @@ pub async fn supervise(
     loop {
         if cancelled {
             // Slurm's SIGKILL follows its SIGTERM by KillWait.
-            stop(sh, &mut child, stop_plan(sh, plan, kill_wait).grace);
+            stop(sh, child.as_mut(), stop_plan(sh, plan, kill_wait).grace);
             outcome = Outcome::Cancelled;
             break;
         }
-        if let Ok(Some(status)) = child.try_wait() {
+        if let Some(status) = child.try_wait() {
             // A last pass pushes what the trainer wrote before it exited.
             push_pass(
                 sh,
@@ -845,7 +939,7 @@ pub async fn supervise(
                                 l.as_secs_f64()
                             ))
                         ));
-                        request_checkpoint(sh, plan, &child, name);
+                        request_checkpoint(sh, plan, child.as_ref(), name);
                         draining = Some(Draining {
                             deadline: Instant::now() + waits.checkpoint_deadline,
                             grace: waits.grace,
@@ -874,7 +968,7 @@ pub async fn supervise(
                             "scheduled event {kind} ({id}){on}, {:.0} s notice: asking the trainer to checkpoint now",
                             notice.as_secs_f64()
                         ));
-                        request_checkpoint(sh, plan, &child, &kind);
+                        request_checkpoint(sh, plan, child.as_ref(), &kind);
                         draining = Some(Draining {
                             deadline: Instant::now() + waits.checkpoint_deadline,
                             grace: waits.grace,
@@ -952,7 +1046,7 @@ pub async fn supervise(
                 } else {
                     sh.say("WARNING: no checkpoint was committed before the deadline; stopping the trainer");
                 }
-                stop(sh, &mut child, *grace);
+                stop(sh, child.as_mut(), *grace);
                 push_pass(
                     sh,
                     &plan.host,
@@ -1021,7 +1115,7 @@ pub async fn supervise(
             outcome = stop_hung(
                 sh,
                 hung,
-                &mut child,
+                child.as_mut(),
                 plan,
                 &mut watcher,
                 &topts,
@@ -1051,7 +1145,7 @@ pub async fn supervise(
             outcome = stop_hung(
                 sh,
                 hung,
-                &mut child,
+                child.as_mut(),
                 plan,
                 &mut watcher,
                 &topts,
