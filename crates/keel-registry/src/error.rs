@@ -84,6 +84,10 @@ pub enum RegistryError {
     },
     #[error("cannot migrate the registry: {reason}")]
     Migrate { reason: String },
+    #[error("the registry's chains do not verify ({what}), so no backup was uploaded; run `keel model audit verify`")]
+    Unverified { what: String },
+    #[error(transparent)]
+    Store(#[from] keel_store::StoreError),
 }
 
 impl RegistryError {

@@ -33,6 +33,7 @@
 
 pub mod artifacts;
 pub mod auth;
+mod backup;
 mod chain;
 mod db;
 mod error;
@@ -46,6 +47,7 @@ mod storage;
 pub mod tracking;
 mod types;
 
+pub use backup::BackupReport;
 pub use chain::{Break, ChainName, ChainReport};
 pub use db::SCHEMA_VERSION;
 pub use error::RegistryError;

@@ -64,20 +64,27 @@ mod tests {
 
     #[test]
     fn the_directory_is_the_owners_only_and_goes_with_the_copy() {
-        let base = tempfile::tempdir().unwrap();
-        let staged = Staged::under(base.path()).unwrap();
-        let dir = staged.path().parent().unwrap().to_owned();
-        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        let base = tempfile::tempdir().expect("test setup");
+        let staged = Staged::under(base.path()).expect("test setup");
+        let dir = staged.path().parent().expect("test setup").to_owned();
+        let mode = std::fs::metadata(&dir)
+            .expect("test setup")
+            .permissions()
+            .mode()
+            & 0o777;
         assert_eq!(mode, 0o700);
-        std::fs::write(staged.path(), b"x").unwrap();
+        std::fs::write(staged.path(), b"x").expect("test setup");
         let mut wal = staged.path().as_os_str().to_owned();
         wal.push("-wal");
-        std::fs::write(PathBuf::from(wal), b"x").unwrap();
-        let other = Staged::under(base.path()).unwrap();
+        std::fs::write(PathBuf::from(wal), b"x").expect("test setup");
+        let other = Staged::under(base.path()).expect("test setup");
         assert_ne!(other.path(), staged.path());
         drop(staged);
         assert!(!dir.exists());
         drop(other);
-        assert_eq!(std::fs::read_dir(base.path()).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(base.path()).expect("test setup").count(),
+            0
+        );
     }
 }

@@ -282,7 +282,8 @@ fn registry_code(r: &keel_registry::RegistryError) -> Code {
     use keel_registry::RegistryError as E;
     match r {
         E::Open { .. } | E::Connect { .. } | E::Db { .. } | E::Io { .. } => Code::Io,
-        E::SchemaTooNew { .. } | E::BadBackup { .. } => Code::Data,
+        E::SchemaTooNew { .. } | E::BadBackup { .. } | E::Unverified { .. } => Code::Data,
+        E::Store(s) => store_code(s),
         E::Migrate { .. } => Code::Failed,
         E::Unsupported { .. } => Code::Usage,
         E::Invalid { .. }

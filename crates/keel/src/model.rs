@@ -14,13 +14,13 @@ use serde_json::json;
 use keel_registry::artifacts::{self, ArtifactError};
 use keel_registry::sign::{self, DirOptions, PrivateKey, PublicKey, SignError};
 use keel_registry::{
-    rfc3339, version_manifest, Artifacts, Clock, Dataset, Lineage, NewVersion, Registry, Role, Tag,
-    Version, VersionRef,
+    rfc3339, version_manifest, Artifacts, BackupReport, Clock, Dataset, Lineage, NewVersion,
+    Registry, Role, Tag, Version, VersionRef,
 };
 use keel_store::{FileEntry, Store, StoreOptions, StoreUrl, TransferOptions};
 
 use crate::config::{self, ModelConfig};
-use crate::exit::{Code, DataError, UsageError};
+use crate::exit::{Code, UsageError};
 use crate::output::Out;
 use crate::table::Table;
 
@@ -1484,35 +1484,15 @@ fn split_object_url(url: &str) -> anyhow::Result<(String, String)> {
 
 fn backup(reg: &Registry, url: &str, out: &mut Out) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = reg.staging()?;
-    reg.backup_to(tmp.path())?;
-    let size = std::fs::metadata(tmp.path())?.len();
-    let report = Registry::open(tmp.path(), Arc::new(SystemClock))?.verify_chains()?;
-    if !report.ok() {
-        return Err(DataError(format!(
-            "the registry's chains do not verify ({}), so no backup was uploaded; run `keel model audit verify`",
-            report
-                .breaks
-                .first()
-                .map(|b| b.what.clone())
-                .unwrap_or_default()
-        ))
-        .into());
-    }
-    runtime()?.block_on(async {
-        let store = open_store(&parent, true)?;
-        keel_store::transfer::upload_files(
-            &store,
-            vec![keel_store::transfer::Upload {
-                local: tmp.path().to_owned(),
-                key: name.clone(),
-                name: name.clone(),
-            }],
-            &TransferOptions::default(),
-        )
-        .await?;
-        Ok::<_, anyhow::Error>(())
-    })?;
+    let rt = runtime()?;
+    let store = {
+        let _in = rt.enter();
+        open_store(&parent, true)?
+    };
+    let BackupReport {
+        bytes: size,
+        chains: report,
+    } = rt.block_on(reg.backup_to_object(&store, &name))?;
     if out.json {
         out.json(
             "model backup",
@@ -1538,26 +1518,12 @@ fn restore(
     out: &mut Out,
 ) -> anyhow::Result<Code> {
     let (parent, name) = split_object_url(url)?;
-    let tmp = reg.staging()?;
-    runtime()?.block_on(async {
-        let store = open_store(&parent, false)?;
-        let bytes = store.get(&name).await?;
-        // A new file only (never through a link left at that name), its
-        // owner's only: it is a copy of the registry.
-        use std::os::unix::fs::OpenOptionsExt;
-        let written = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(tmp.path())
-            .and_then(|mut f| {
-                std::io::Write::write_all(&mut f, &bytes)?;
-                f.sync_all()
-            });
-        written.with_context(|| format!("cannot write {}", tmp.path().display()))?;
-        Ok::<_, anyhow::Error>(())
-    })?;
-    let report = reg.restore_from_named(actor, tmp.path(), url, force)?;
+    let rt = runtime()?;
+    let store = {
+        let _in = rt.enter();
+        open_store(&parent, false)?
+    };
+    let report = rt.block_on(reg.restore_from_object(actor, &store, &name, url, force))?;
     if out.json {
         out.json(
             "model restore",
