@@ -1750,6 +1750,18 @@ impl Registry {
                 rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
             )
             .map_err(|e| bad(e.to_string()))?;
+            // The copy is its owner's only, as the registry's content.
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(staged.path())
+                .map_err(|source| RegistryError::Io {
+                    op: "create",
+                    path: staged.path().to_owned(),
+                    source,
+                })?;
             conn.backup(rusqlite::MAIN_DB, staged.path(), None)
                 .map_err(RegistryError::db("staging the backup"))?;
             let mut copy = Registry::open(staged.path(), self.clock.clone())?;

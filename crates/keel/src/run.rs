@@ -183,12 +183,16 @@ pub fn run(args: &RunArgs, json: bool) -> anyhow::Result<Code> {
     if let Some(RunSub::Report { state, job }) = &args.sub {
         return report(state, job.as_deref(), json);
     }
-    let plan = plan_from_args(args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    // The store is opened inside the runtime, as everywhere else.
+    let plan = {
+        let _in = rt.enter();
+        plan_from_args(args)?
+    };
     let c = rt.block_on(supervise(&plan, Arc::new(Terminal), Arc::new(SystemClock)))?;
     let code = match c.ending {
         Ending::Done => Code::Ok,
@@ -375,7 +379,6 @@ fn plan_from_args(args: &RunArgs) -> anyhow::Result<Plan> {
             .state
             .clone()
             .unwrap_or_else(|| ckpt_dir.join("keel-run.json")),
-        store: crate::ckpt::open_for_writing(&store_url)?,
         run,
         ckpt_dir,
         marker: o.marker.clone(),
@@ -418,6 +421,9 @@ fn plan_from_args(args: &RunArgs) -> anyhow::Result<Plan> {
             .map(keel_http::TokenHash::parse)
             .transpose()
             .map_err(|e| UsageError(format!("--metrics-token-sha256: {e}")))?,
+        // Last: every flag is checked before the store (a file:// root
+        // is created) is opened.
+        store: crate::ckpt::open_for_writing(&store_url)?,
     })
 }
 
