@@ -1,23 +1,19 @@
 //! The response body type: a whole body, a whole body counted in the
-//! gateway's body budget, or chunks sent by a task as they arrive (streams
-//! are passed on chunk by chunk, never buffered).
+//! gateway's body budget, or a stream read from the backend as the client takes it (streams are
+//! passed on event by event, never buffered).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
-use tokio::sync::mpsc;
 
 use crate::budget::BodyPermit;
-
-/// Chunks sent over a channel; the sender ends the body by dropping.
-pub type ChunkSender = mpsc::Sender<Bytes>;
+use crate::stream::SseStream;
 
 #[derive(Debug)]
 pub enum GwBody {
     Full(Option<Bytes>),
-    Channel(mpsc::Receiver<Bytes>),
     /// A body counted in the budget until the connection has taken all
     /// of it. One longer than `HELD_PIECE` is handed on in copied pieces
     /// of that size, which hyper's write buffer takes only as it has room:
@@ -25,6 +21,8 @@ pub enum GwBody {
     /// alive, uncounted, while a client that does not read holds the
     /// piece.
     Held(Bytes, BodyPermit),
+    /// A streamed response read from the backend as the client takes it.
+    Stream(Box<SseStream>),
 }
 
 /// The largest piece of a held body handed to the connection at once.
@@ -41,11 +39,6 @@ impl GwBody {
     pub fn held(b: Bytes, permit: BodyPermit) -> Self {
         Self::Held(b, permit)
     }
-    /// A body fed by the returned sender; `depth` chunks may wait.
-    pub fn channel(depth: usize) -> (ChunkSender, Self) {
-        let (tx, rx) = mpsc::channel(depth);
-        (tx, Self::Channel(rx))
-    }
 }
 
 impl Body for GwBody {
@@ -58,7 +51,7 @@ impl Body for GwBody {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
             GwBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            GwBody::Channel(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+            GwBody::Stream(s) => s.poll_next(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
             GwBody::Held(b, permit) => {
                 if b.is_empty() {
                     return Poll::Ready(None);
@@ -85,7 +78,7 @@ impl Body for GwBody {
         match self {
             GwBody::Full(b) => b.is_none(),
             GwBody::Held(b, _) => b.is_empty(),
-            GwBody::Channel(_) => false,
+            GwBody::Stream(s) => s.is_done(),
         }
     }
 
@@ -94,7 +87,7 @@ impl Body for GwBody {
             GwBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             GwBody::Full(None) => SizeHint::with_exact(0),
             GwBody::Held(b, _) => SizeHint::with_exact(b.len() as u64),
-            GwBody::Channel(_) => SizeHint::default(),
+            GwBody::Stream(_) => SizeHint::default(),
         }
     }
 }

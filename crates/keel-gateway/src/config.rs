@@ -326,7 +326,10 @@ pub struct ServerConfig {
     /// gateway; a body that would go over gets 503.
     pub max_body_bytes_in_flight: usize,
     /// Open connections per listener; more are answered 503 and closed.
-    pub max_connections: usize,
+    /// `None`: the public listener's cap is chosen at start from the
+    /// machine's open-file limit and memory (`server::connection_cap`),
+    /// the admin and metrics listeners' is 1024. Read at start only.
+    pub max_connections: Option<usize>,
     /// Open connections per listener from one client (an IPv4 address or
     /// an IPv6 /64); more are answered 503 and closed.
     pub max_connections_per_client: usize,
@@ -856,7 +859,7 @@ impl GatewayConfig {
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
             max_body_bytes: f.server.max_body_bytes.unwrap_or(4 << 20),
             max_body_bytes_in_flight: f.server.max_body_bytes_in_flight.unwrap_or(64 << 20),
-            max_connections: f.server.max_connections.unwrap_or(1024),
+            max_connections: f.server.max_connections,
             max_connections_per_client: f.server.max_connections_per_client.unwrap_or(256),
             max_header_bytes: f.server.max_header_bytes.unwrap_or(32 << 10),
             header_timeout_ms: f.server.header_timeout_ms.unwrap_or(10_000),
@@ -889,7 +892,7 @@ impl GatewayConfig {
                 server.max_body_bytes_in_flight, server.max_body_bytes
             ));
         }
-        if server.max_connections == 0 {
+        if server.max_connections == Some(0) {
             return bad("server.max_connections must be at least 1".into());
         }
         if server.max_connections_per_client == 0 {
@@ -1774,7 +1777,7 @@ url = "http://127.0.0.1:8002/prefix"
                 c.server.idle_timeout_ms,
                 c.server.write_timeout_ms
             ),
-            (1024, 32 << 10, 64 << 20, 30_000, 30_000)
+            (None, 32 << 10, 64 << 20, 30_000, 30_000)
         );
         let c = GatewayConfig::from_toml(
             &EXAMPLE.replace("[server]\n", "[server]\nworkers = 2\n"),

@@ -1724,8 +1724,8 @@ impl Gateway {
         Ok(r)
     }
 
-    /// Passes an SSE stream on chunk by chunk from a task that settles,
-    /// counts and audits when it ends.
+    /// Passes an SSE stream on event by event as the client's connection
+    /// takes it (crate::stream); settles, counts and audits when it ends.
     fn stream(
         &self,
         gen: &Generation,
@@ -1735,105 +1735,85 @@ impl Gateway {
         mut ctx: Ctx,
         started: Instant,
     ) -> Response<GwBody> {
-        let (parts, mut body) = served.resp.into_parts();
-        let (tx, gw_body) = GwBody::channel(16);
+        let (parts, body) = served.resp.into_parts();
         let idle = Duration::from_millis(gen.cfg.traffic.stream_idle_timeout_ms);
-        let capture = gen.cfg.audit.include_content;
+        let capture = gen.cfg.audit.include_content.then_some(CONTENT_CAP);
         let gw = self.clone();
         let sent_at = served.sent_at;
-        let mut resp = Response::new(gw_body);
+        ctx.status = parts.status.as_u16();
+        // Counted until the request is settled, so that shutdown waits
+        // for it.
+        let guard = TaskGuard::new(&self.inner);
+        let ending: crate::stream::Ending = Box::new(move |end| {
+            Box::pin(async move {
+                let _guard = guard;
+                gw.end_stream(end, ctx, reservation, sent_at, started).await;
+            })
+        });
+        let s = crate::stream::SseStream::new(body, SseFilter::new(strip), idle, capture, ending);
+        let mut resp = Response::new(GwBody::Stream(Box::new(s)));
         *resp.status_mut() = parts.status;
         for h in [http::header::CONTENT_TYPE, http::header::CACHE_CONTROL] {
             if let Some(v) = parts.headers.get(&h) {
                 resp.headers_mut().insert(h, v.clone());
             }
         }
-        ctx.status = parts.status.as_u16();
-        let guard = TaskGuard::new(&self.inner);
-        tokio::spawn(async move {
-            let _guard = guard;
-            let mut f = SseFilter::new(strip);
-            let mut ok = true;
-            let mut captured = Vec::new();
-            loop {
-                match tokio::time::timeout(idle, body.frame()).await {
-                    Err(_) => {
-                        ok = false;
-                        ctx.error = Some("backend stream idle too long".into());
-                        break;
-                    }
-                    Ok(None) => break,
-                    Ok(Some(Err(e))) => {
-                        ok = false;
-                        ctx.error = Some(format!("backend stream broke off: {e}"));
-                        break;
-                    }
-                    Ok(Some(Ok(frame))) => {
-                        let Ok(data) = frame.into_data() else {
-                            continue;
-                        };
-                        let out = f.push(&data);
-                        if out.is_empty() {
-                            continue;
-                        }
-                        if capture && captured.len() < CONTENT_CAP {
-                            captured.extend_from_slice(&out);
-                        }
-                        if !matches!(
-                            tokio::time::timeout(idle, tx.send(Bytes::from(out))).await,
-                            Ok(Ok(()))
-                        ) {
-                            ok = false;
-                            ctx.error = Some("client stopped reading the stream".into());
-                            break;
-                        }
-                    }
-                }
-            }
-            if ok {
-                let tail = f.finish();
-                if !tail.is_empty() {
-                    let _ = tx.send(Bytes::from(tail)).await;
-                }
-            }
-            ctx.backend_time = Some(sent_at.elapsed());
-            ctx.usage = f.usage;
-            ctx.finish_reason = f.finish_reason;
-            ctx.answer_chars = Some(f.answer_chars);
-            ctx.stream_aborted = !ok || !f.done;
-            match f.usage {
-                Some(u) => gw.settle(reservation.as_ref(), u.total()).await,
-                None if f.events == 0 => gw.settle(reservation.as_ref(), 0).await,
-                None => {
-                    // No usage chunk (a server that ignores
-                    // `stream_options`, or a stream cut short): charge
-                    // the prompt estimate and the text that was sent, by
-                    // the same quarter-of-the-bytes rule.
-                    let u = TokenUsage {
-                        prompt: ctx.prompt_estimate,
-                        completion: f.content_bytes.div_ceil(4),
-                    };
-                    ctx.usage = Some(u);
-                    ctx.usage_estimated = true;
-                    gw.settle(reservation.as_ref(), u.total()).await;
-                }
-            }
-            if capture {
-                ctx.response_body = Some(Bytes::from(captured));
-            }
-            if !ok && ctx.status < 400 {
-                ctx.error.get_or_insert_with(|| "stream ended early".into());
-            }
-            // The body ends only after the request is settled and, with
-            // `audit.sync`, its line is on disk.
-            if let Some(synced) = gw.finish(ctx, started.elapsed()) {
-                if !synced.await.unwrap_or(false) {
-                    tracing::error!("the audit log could not be written for a finished stream");
-                }
-            }
-            drop(tx);
-        });
         resp
+    }
+
+    /// Settles, counts and audits a stream that ended.
+    async fn end_stream(
+        &self,
+        end: crate::stream::StreamEnd,
+        mut ctx: Ctx,
+        reservation: Option<Reservation>,
+        sent_at: Instant,
+        started: Instant,
+    ) {
+        let crate::stream::StreamEnd {
+            filter: f,
+            ok,
+            error,
+            captured,
+        } = end;
+        if let Some(e) = error {
+            ctx.error = Some(e);
+        }
+        ctx.backend_time = Some(sent_at.elapsed());
+        ctx.usage = f.usage;
+        ctx.finish_reason = f.finish_reason;
+        ctx.answer_chars = Some(f.answer_chars);
+        ctx.stream_aborted = !ok || !f.done;
+        match f.usage {
+            Some(u) => self.settle(reservation.as_ref(), u.total()).await,
+            None if f.events == 0 => self.settle(reservation.as_ref(), 0).await,
+            None => {
+                // No usage chunk (a server that ignores `stream_options`,
+                // or a stream cut short): charge the prompt estimate and
+                // the text that was sent, by the same quarter-of-the-bytes
+                // rule.
+                let u = TokenUsage {
+                    prompt: ctx.prompt_estimate,
+                    completion: f.content_bytes.div_ceil(4),
+                };
+                ctx.usage = Some(u);
+                ctx.usage_estimated = true;
+                self.settle(reservation.as_ref(), u.total()).await;
+            }
+        }
+        if let Some(c) = captured {
+            ctx.response_body = Some(Bytes::from(c));
+        }
+        if !ok && ctx.status < 400 {
+            ctx.error.get_or_insert_with(|| "stream ended early".into());
+        }
+        // The body ends only after the request is settled and, with
+        // `audit.sync`, its line is on disk.
+        if let Some(synced) = self.finish(ctx, started.elapsed()) {
+            if !synced.await.unwrap_or(false) {
+                tracing::error!("the audit log could not be written for a finished stream");
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -43,6 +43,7 @@ pub mod request;
 pub mod rollout;
 pub mod samples;
 pub mod server;
+pub mod stream;
 pub mod tls;
 pub mod traffic;
 

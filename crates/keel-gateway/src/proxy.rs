@@ -213,7 +213,7 @@ pub struct Upstream {
 /// held by every connection that read a large response, pooled ones too,
 /// would make many concurrent large responses cost more than the body
 /// budget they are counted in).
-const BACKEND_BUFFER: usize = 64 << 10;
+pub const BACKEND_BUFFER: usize = 64 << 10;
 
 /// How many idle connections are kept per backend, and for how long.
 const MAX_IDLE: usize = 512;

@@ -61,16 +61,67 @@ pub struct ServeOptions {
     pub tls: Option<ServerTls>,
 }
 
+/// The connections the admin and metrics listeners serve at once unless
+/// `server.max_connections` says otherwise.
+pub const SIDE_LISTENER_CONNECTIONS: usize = 1024;
+
+/// The most memory one connection of the public listener may hold: its
+/// read and write buffers (`max_header_bytes` each), and for a stream the
+/// backend connection's read buffer, one unfinished event and the piece
+/// being written.
+pub fn connection_worst_case_bytes(s: &crate::config::ServerConfig) -> u64 {
+    (2 * s.max_header_bytes
+        + crate::proxy::BACKEND_BUFFER
+        + crate::proxy::MAX_PENDING_EVENT
+        + crate::body::HELD_PIECE) as u64
+}
+
+/// What a public connection costs, for choosing the cap from the machine:
+/// its worst case in memory (beside the body budget and the process's own
+/// 32 MiB), two descriptors (the client's and the backend's), and 1024
+/// descriptors kept for the admin and metrics listeners, idle backend
+/// connections and files.
+pub fn connection_cost(s: &crate::config::ServerConfig) -> keel_http::machine::ConnectionCost {
+    keel_http::machine::ConnectionCost {
+        bytes: connection_worst_case_bytes(s),
+        fixed_bytes: s.max_body_bytes_in_flight as u64 + (32 << 20),
+        files: 2,
+        reserved_files: 1024,
+    }
+}
+
+/// The public listener's connection cap: `server.max_connections`, or
+/// when it is not set, what the machine allows (keel-http's
+/// `connection_cap` over this process's open-file limit and memory).
+pub fn connection_cap(s: &crate::config::ServerConfig) -> usize {
+    s.max_connections.unwrap_or_else(|| {
+        keel_http::machine::connection_cap(
+            &keel_http::machine::Machine::read(std::path::Path::new("/")),
+            &connection_cost(s),
+        )
+    })
+}
+
 impl ServeOptions {
     /// The options `[server]` gives a listener.
-    pub fn from_config(s: &crate::config::ServerConfig, tls: Option<ServerTls>) -> Self {
+    pub fn from_config(
+        s: &crate::config::ServerConfig,
+        listener: Listener,
+        tls: Option<ServerTls>,
+    ) -> Self {
+        let max_connections = match listener {
+            Listener::Public => connection_cap(s),
+            Listener::Admin | Listener::Metrics => {
+                s.max_connections.unwrap_or(SIDE_LISTENER_CONNECTIONS)
+            }
+        };
         Self {
             header_timeout: Duration::from_millis(s.header_timeout_ms),
             idle_timeout: Duration::from_millis(s.idle_timeout_ms),
             write_timeout: Duration::from_millis(s.write_timeout_ms),
-            max_connections: s.max_connections,
+            max_connections,
             max_connections_per_client: s.max_connections_per_client,
-            reserved_connections: s.max_connections / 8,
+            reserved_connections: max_connections / 8,
             max_header_bytes: s.max_header_bytes,
             grace: Duration::from_secs_f64(s.shutdown_grace_s),
             tls,
@@ -680,7 +731,7 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let gen = gateway.generation();
     let cfg = &gen.cfg;
-    let opts = |l: Listener| ServeOptions::from_config(&cfg.server, gateway.listener_tls(l));
+    let opts = |l: Listener| ServeOptions::from_config(&cfg.server, l, gateway.listener_tls(l));
     let grace = Duration::from_secs_f64(cfg.server.shutdown_grace_s);
     let (tx, rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

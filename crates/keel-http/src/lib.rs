@@ -36,6 +36,7 @@
 mod bearer;
 mod client;
 mod conn;
+pub mod machine;
 mod places;
 mod serve;
 

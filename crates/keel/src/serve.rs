@@ -773,9 +773,13 @@ fn load_gateway_config(sc: &ServeConfig) -> anyhow::Result<(GatewayConfig, PathB
 
 fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Result<Code> {
     let (cfg, path) = load_gateway_config(sc)?;
+    // Every stream holds two descriptors: the soft limit (often 1024) is
+    // raised to the hard one before the connection cap is chosen from it.
+    let files = keel_http::machine::raise_open_files();
     if print_config {
         // The Redis URL may carry a password: never printed.
         let mut cfg = cfg;
+        cfg.server.max_connections = Some(keel_gateway::server::connection_cap(&cfg.server));
         if let Some(u) = &mut cfg.limits.redis_url {
             *u = keel_gateway::redis::redact(u);
         }
@@ -818,6 +822,8 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    let cfg_connections = cfg.server.max_connections;
+    let chosen_connections = keel_gateway::server::connection_cap(&cfg.server);
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
@@ -884,6 +890,16 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         lines.push("ready".into());
         out.text(&format!("{}\n", lines.join("\n")))?;
         tracing::info!(config = %path.display(), "keel serve started");
+        if cfg_connections.is_none() {
+            let m = keel_http::machine::Machine::read(std::path::Path::new("/"));
+            tracing::info!(
+                max_connections = chosen_connections,
+                open_files = ?m.open_files,
+                open_files_before = ?files.0,
+                memory_bytes = ?m.memory_bytes,
+                "server.max_connections chosen from the open-file limit and memory"
+            );
+        }
 
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
