@@ -810,7 +810,7 @@ pub struct Throughput {
 /// (`iomem=malloc`, the default) and most applications' are in base
 /// pages, so `verify` measures with base pages too: its figures then
 /// describe the storage, not how the buffer happened to be allocated
-/// (mimalloc, keel's allocator, backs large allocations with huge pages).
+/// (a large allocation of keel's allocator may be in huge pages).
 pub struct DirectBuf {
     map: memmap2::MmapMut,
 }

@@ -1,6 +1,6 @@
 //! `keel scratch verify` measures with buffers in base pages under the
-//! allocator the keel binary uses (mimalloc), which backs large
-//! allocations with transparent huge pages where the kernel allows them:
+//! allocator the keel binary uses (jemalloc), whose large allocations
+//! the kernel backs with transparent huge pages where it allows them:
 //! a buffer in huge pages is one segment per request instead of 256, which
 //! some devices turn into a higher figure than fio's (see
 //! `keel_tune::scratch::DirectBuf`).
@@ -8,7 +8,7 @@
 use keel_tune::scratch::DirectBuf;
 
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// What `/proc/self/smaps` says of the mapping that holds `addr`.
 #[derive(Debug)]
@@ -73,9 +73,10 @@ fn direct_buffers_are_never_in_huge_pages() {
     }
 }
 
-/// The check above can fail: a plain allocation of the same sizes, from
-/// the same allocator, is eligible for huge pages where the kernel's mode
-/// allows them (what `verify` measured with before).
+/// The check above can fail: an anonymous mapping of the same size that
+/// asks for huge pages (as an allocator may for its large allocations) is
+/// eligible for them where the kernel's mode allows them (what `verify`
+/// measured with before).
 #[test]
 fn the_smaps_check_sees_an_allocation_eligible_for_huge_pages() {
     let mode = thp_mode();
@@ -86,7 +87,10 @@ fn the_smaps_check_sees_an_allocation_eligible_for_huge_pages() {
         );
         return;
     }
-    let v = vec![0x5a_u8; 16 << 20];
-    let m = mapping_of(v.as_ptr() as usize);
-    assert_eq!(m.thp_eligible, Some(true), "{m:?}");
+    let mut m = memmap2::MmapMut::map_anon(16 << 20).expect("anonymous mapping");
+    m.advise(memmap2::Advice::HugePage)
+        .expect("madvise(MADV_HUGEPAGE)");
+    m.fill(0x5a);
+    let found = mapping_of(m.as_ptr() as usize);
+    assert_eq!(found.thp_eligible, Some(true), "{found:?}");
 }
