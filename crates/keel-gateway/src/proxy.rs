@@ -674,14 +674,16 @@ impl SseFilter {
     /// sends.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         self.buf.extend_from_slice(chunk);
-        let mut out = Vec::new();
+        // Read in place: the buffer is taken out for the loop and put back.
+        let buf = std::mem::take(&mut self.buf);
+        let mut out = Vec::with_capacity(buf.len());
         let mut start = 0;
-        while let Some((end, sep)) = find_event_end(&self.buf[start..]) {
-            let ev = start..start + end + sep;
-            let event = self.buf[ev.clone()].to_vec();
-            self.event(&event, &mut out);
-            start = ev.end;
+        while let Some((end, sep)) = find_event_end(&buf[start..]) {
+            let next = start + end + sep;
+            self.event(&buf[start..next], &mut out);
+            start = next;
         }
+        self.buf = buf;
         self.buf.drain(..start);
         if self.buf.len() > MAX_PENDING_EVENT {
             out.append(&mut self.buf);
@@ -697,7 +699,7 @@ impl SseFilter {
 
     fn event(&mut self, ev: &[u8], out: &mut Vec<u8>) {
         self.events += 1;
-        let has = |needle: &[u8]| ev.windows(needle.len()).any(|w| w == needle);
+        let has = |needle: &[u8]| memchr::memmem::find(ev, needle).is_some();
         if has(b"data: [DONE]") || has(b"data:[DONE]") {
             self.done = true;
         }
@@ -821,15 +823,13 @@ fn content_of(ev: &[u8]) -> Content {
 
 /// End of the first event: (offset of its blank line, separator length).
 fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
-    while i + 1 < b.len() {
-        if b[i] == b'\n' && b[i + 1] == b'\n' {
+    for i in memchr::memchr_iter(b'\n', b) {
+        if b.get(i + 1) == Some(&b'\n') {
             return Some((i, 2));
         }
-        if i + 3 < b.len() && &b[i..i + 4] == b"\r\n\r\n" {
-            return Some((i, 4));
+        if i >= 1 && b[i - 1] == b'\r' && b.get(i + 1..i + 3) == Some(b"\r\n") {
+            return Some((i - 1, 4));
         }
-        i += 1;
     }
     None
 }
@@ -994,7 +994,28 @@ mod tests {
         (String::from_utf8(out).expect("utf8"), f)
     }
 
+    /// The first event end in `b`, one byte at a time: what
+    /// `find_event_end` finds with memchr.
+    fn event_end_by_bytes(b: &[u8]) -> Option<(usize, usize)> {
+        (0..b.len()).find_map(|i| {
+            if b[i..].starts_with(b"\n\n") {
+                Some((i, 2))
+            } else if b[i..].starts_with(b"\r\n\r\n") {
+                Some((i, 4))
+            } else {
+                None
+            }
+        })
+    }
+
     proptest::proptest! {
+        #[test]
+        fn event_ends_are_found_where_a_byte_scan_finds_them(
+            b in proptest::collection::vec(proptest::sample::select(vec![b'\n', b'\r', b'x']), 0..40),
+        ) {
+            proptest::prop_assert_eq!(find_event_end(&b), event_end_by_bytes(&b));
+        }
+
         #[test]
         fn sse_filter_never_panics_and_passes_streams_without_usage_unchanged(
             data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
