@@ -2,7 +2,7 @@
 //! (hyper's HTTP/1 server and client, here through hyper-util's pooled
 //! client with the gateway's connector settings where keel keeps its own
 //! pool of hyper's client connections; a tokio runtime of WORKERS threads,
-//! mimalloc) forwarding every request to one backend as it is, and nothing
+//! jemalloc, as keel) forwarding every request to one backend as it is, and nothing
 //! else: no authentication, limits, routing, metrics or logs. What keel
 //! adds over this is what its features cost; what this adds over nginx is
 //! what the stack costs.
@@ -10,21 +10,24 @@
 //!     cargo run --release -p keel-gateway --example bare-proxy -- LISTEN BACKEND [WORKERS]
 //!
 //! LISTEN is `127.0.0.1:PORT`, BACKEND `http://host:port`. Not a product:
-//! it answers 502 when the backend fails and has no timeouts.
+//! it answers 502 when the backend fails and has no timeouts. A streamed
+//! answer (`text/event-stream`) is passed on as it comes, hyper's body
+//! straight through (`scripts/bench-streams`' floor); any other is read
+//! whole first, as keel reads it.
 
 use std::convert::Infallible;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Either, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn usage() -> ! {
     eprintln!(
@@ -92,15 +95,25 @@ fn main() {
     });
 }
 
+/// A whole body, or a stream passed on as it comes.
+type Answer = Either<
+    http_body_util::combinators::MapErr<Full<Bytes>, fn(Infallible) -> hyper::Error>,
+    Incoming,
+>;
+
+fn whole(b: Bytes) -> Answer {
+    Either::Left(Full::new(b).map_err((|never| match never {}) as fn(Infallible) -> hyper::Error))
+}
+
 /// The request to the backend with its path, headers and body; the
 /// backend's answer (status, headers, body) back.
 async fn forward(
     client: Client<HttpConnector, Full<Bytes>>,
     backend: String,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Answer>, Infallible> {
     let bad_gateway = || {
-        let mut r = Response::new(Full::new(Bytes::new()));
+        let mut r = Response::new(whole(Bytes::new()));
         *r.status_mut() = StatusCode::BAD_GATEWAY;
         r
     };
@@ -121,8 +134,15 @@ async fn forward(
         return Ok(bad_gateway());
     };
     let (parts, body) = resp.into_parts();
+    let streamed = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if streamed {
+        return Ok(Response::from_parts(parts, Either::Right(body)));
+    }
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return Ok(bad_gateway());
     };
-    Ok(Response::from_parts(parts, Full::new(body)))
+    Ok(Response::from_parts(parts, whole(body)))
 }

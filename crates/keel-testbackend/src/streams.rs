@@ -472,6 +472,10 @@ pub struct Measured {
     /// Each stream's time to first token minus the backend's own wait
     /// (request there and back through the path).
     pub ttft_path: Vec<u32>,
+    /// The same for the streams opened inside the window (while the N
+    /// streams were held, replacing ones that ended), not while they were
+    /// being opened at the open rate.
+    pub ttft_window: Vec<u32>,
     /// Each token inside the window: received minus sent.
     pub delay: Vec<u32>,
     /// Each gap between two tokens inside the window: the client's gap
@@ -719,13 +723,28 @@ async fn one_stream(
                 let Ok(d) = f.into_data() else { continue };
                 let t = now_us();
                 r.push(&d, t, &shared);
+                let mut first = None;
                 if ttft.is_none() {
                     if let Some((arrived, sent)) = r.first {
                         // The client's whole wait minus the backend's own.
                         let total = t.saturating_sub(sent_at);
                         let backend = sent.saturating_sub(arrived);
-                        ttft = Some(total.saturating_sub(backend).min(u64::from(u32::MAX)) as u32);
+                        let v = total.saturating_sub(backend).min(u64::from(u32::MAX)) as u32;
+                        ttft = Some(v);
+                        first = Some(v);
                     }
+                }
+                // Recorded as they come: a stream still open when the
+                // run ends is dropped where it waits.
+                if first.is_some() || !r.delay.is_empty() || !r.gaps.is_empty() {
+                    let mut m = shared.measured.lock().unwrap_or_else(|p| p.into_inner());
+                    m.ttft_path.extend(first);
+                    if shared.in_window(sent_at) {
+                        m.ttft_window.extend(first);
+                    }
+                    m.window_tokens += r.delay.len() as u64;
+                    m.delay.append(&mut r.delay);
+                    m.gap_excess.append(&mut r.gaps);
                 }
             }
             Ok(None) => break,
@@ -737,13 +756,6 @@ async fn one_stream(
     out.in_order = r.in_order;
     out.done = r.done;
     out.usage = r.usage;
-    let mut m = shared.measured.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(t) = ttft {
-        m.ttft_path.push(t);
-    }
-    m.window_tokens += r.delay.len() as u64;
-    m.delay.extend_from_slice(&r.delay);
-    m.gap_excess.extend_from_slice(&r.gaps);
     out
 }
 

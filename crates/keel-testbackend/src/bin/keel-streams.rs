@@ -19,7 +19,8 @@
 //! failed (no answer, a status other than 200, or a stream that ended
 //! without `[DONE]` or with a token missing or out of order) by reason,
 //! and the quantiles (µs) of the path's time to first token (the client's
-//! wait minus the backend's own), of each token's delay (received minus
+//! wait minus the backend's own; of all streams, and of those opened
+//! inside the window), of each token's delay (received minus
 //! sent) and of each inter-token gap's excess over the backend's gap.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -225,6 +226,7 @@ fn main() {
             let started = std::time::Instant::now();
             let mut m = runtime(threads).block_on(streams::run_load(opts));
             m.ttft_path.sort_unstable();
+            m.ttft_window.sort_unstable();
             m.delay.sort_unstable();
             m.gap_excess.sort_unstable();
             let q3 = |v: &Vec<u32>| json!({"n": v.len(), "p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "p999": quantile(v, 0.999), "max": v.last()});
@@ -262,8 +264,11 @@ fn main() {
                 "by_status": by_status,
                 "errors": m.errors,
                 "window_s": (m.window.1.saturating_sub(m.window.0)) as f64 / 1e6,
+                "window_start_us": m.window.0,
+                "window_end_us": m.window.1,
                 "window_tokens": m.window_tokens,
                 "ttft_path_us": q3(&m.ttft_path),
+                "ttft_window_us": q3(&m.ttft_window),
                 "token_delay_us": q3(&m.delay),
                 "gap_excess_us": {"n": m.gap_excess.len(), "p50": quantile(&m.gap_excess, 0.5), "p99": quantile(&m.gap_excess, 0.99), "p999": quantile(&m.gap_excess, 0.999)},
                 "elapsed_s": started.elapsed().as_secs_f64(),
