@@ -75,7 +75,7 @@ def main():
     for n in ns:
         L.append(f"## {n:,} concurrent streams")
         L.append("")
-        L.append("| target | held at once | completed | lost or refused | TTFT p50 / p99 / p99.9 ms | added TTFT p50 / p99 / p99.9 ms | added TTFT p99 while opening ms | token delay p50 / p99 ms | added token delay p99 ms | gap excess p99 ms | RSS idle MiB | RSS open MiB | RSS per stream KiB | CPU s per 1,000 tokens | CPU of its core | within budget |")
+        L.append("| target | held at once | completed | lost or refused | TTFT p50 / p99 / p99.9 ms (streams) | added TTFT p50 / p99 / p99.9 ms | added TTFT p99 while opening ms | token delay p50 / p99 ms | added token delay p99 ms | gap excess p99 ms | RSS idle MiB | RSS open MiB | RSS per stream KiB | CPU s per 1,000 tokens | CPU of its core | within budget |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         d = by.get(("direct", n), {}).get("load")
         for name in names:
@@ -118,7 +118,7 @@ def main():
                 ok = "yes" if not fails else "no (" + ", ".join(fails) + ")"
                 r["within_budget"] = not fails
             L.append(
-                f"| {name} | {m.get('peak_open')} | {m.get('completed')} | {'; '.join(why) or 0} | {' / '.join(fmt(x) for x in tt)} | {' / '.join(att)} | {fmt(add_all99)} | {' / '.join(fmt(x) for x in dl)} | {fmt(adl)} | {fmt(gap)} | "
+                f"| {name} | {m.get('peak_open')} | {m.get('completed')} | {'; '.join(why) or 0} | {' / '.join(fmt(x) for x in tt)} ({(m.get('ttft_window_us') or {}).get('n', 0)}) | {' / '.join(att)} | {fmt(add_all99)} | {' / '.join(fmt(x) for x in dl)} | {fmt(adl)} | {fmt(gap)} | "
                 f"{fmt(idle / 2**20 if idle else None, 0)} | {fmt(rss / 2**20 if rss else None, 0)} | {fmt(per, 1)} | {fmt(r.get('cpu_per_1000_tokens_s'), 3)} | {fmt(100 * r['cpu_share'] if r.get('cpu_share') is not None else None, 0)}% | {ok} |"
             )
         L.append("")
