@@ -327,8 +327,10 @@ pub struct ServerConfig {
     pub max_body_bytes_in_flight: usize,
     /// Open connections per listener; more are answered 503 and closed.
     /// `None`: the public listener's cap is chosen at start from the
-    /// machine's open-file limit and memory (`server::connection_cap`),
-    /// the admin and metrics listeners' is 1024. Read at start only.
+    /// machine's open-file limit and memory (`server::connection_cap`
+    /// over `GatewayOptions::machine`, which `keel serve` reads; 1024
+    /// without), the admin and metrics listeners' is 1024. Read at start
+    /// only.
     pub max_connections: Option<usize>,
     /// Open connections per listener from one client (an IPv4 address or
     /// an IPv6 /64); more are answered 503 and closed.

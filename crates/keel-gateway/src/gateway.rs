@@ -48,6 +48,10 @@ pub struct GatewayOptions {
     /// [`crate::server::access_line`], off the request path). Without one
     /// they are `tracing` events (target `keel::access`).
     pub access_sink: Option<AccessSink>,
+    /// The machine's limits (open files, memory) the public listener's
+    /// connection cap is chosen from when `server.max_connections` is not
+    /// set (`keel serve` reads them at start); without them, 1024.
+    pub machine: Option<keel_http::machine::Machine>,
 }
 
 /// Takes one access-log record.
@@ -69,6 +73,7 @@ impl std::fmt::Debug for GatewayOptions {
         f.debug_struct("GatewayOptions")
             .field("clock", &self.clock)
             .field("seed", &self.seed)
+            .field("machine", &self.machine)
             .finish()
     }
 }
@@ -130,6 +135,7 @@ struct Inner {
     budget: RetryBudget,
     reload: Option<ReloadFnBox>,
     access_sink: Option<AccessSinkBox>,
+    machine: Option<keel_http::machine::Machine>,
     reload_lock: tokio::sync::Mutex<()>,
     /// Stream and mirror tasks still running.
     tasks: std::sync::atomic::AtomicUsize,
@@ -749,6 +755,11 @@ const PRECHECK_BODY_BYTES: u64 = 64 << 10;
 impl Gateway {
     /// Builds the gateway: limit store, audit log, keys, JWKS, routing
     /// table and health probes. Must run inside a tokio runtime.
+    /// The machine's limits it was given (`GatewayOptions::machine`).
+    pub fn machine(&self) -> Option<&keel_http::machine::Machine> {
+        self.inner.machine.as_ref()
+    }
+
     pub async fn new(cfg: GatewayConfig, opts: GatewayOptions) -> Result<Self, GatewayError> {
         let limiter = match &cfg.limits.redis_url {
             Some(url) => {
@@ -806,6 +817,7 @@ impl Gateway {
                 budget,
                 reload: opts.reload.map(ReloadFnBox),
                 access_sink: opts.access_sink.map(AccessSinkBox),
+                machine: opts.machine,
                 reload_lock: tokio::sync::Mutex::new(()),
                 tasks: std::sync::atomic::AtomicUsize::new(0),
                 bodies: BodyBudget::default(),

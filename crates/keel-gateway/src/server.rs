@@ -91,14 +91,16 @@ pub fn connection_cost(s: &crate::config::ServerConfig) -> keel_http::machine::C
 }
 
 /// The public listener's connection cap: `server.max_connections`, or
-/// when it is not set, what the machine allows (keel-http's
-/// `connection_cap` over this process's open-file limit and memory).
-pub fn connection_cap(s: &crate::config::ServerConfig) -> usize {
-    s.max_connections.unwrap_or_else(|| {
-        keel_http::machine::connection_cap(
-            &keel_http::machine::Machine::read(std::path::Path::new("/")),
-            &connection_cost(s),
-        )
+/// when it is not set, what `machine` allows (keel-http's
+/// `connection_cap` over its open-file limit and memory), 1024 when the
+/// machine is not known.
+pub fn connection_cap(
+    s: &crate::config::ServerConfig,
+    machine: Option<&keel_http::machine::Machine>,
+) -> usize {
+    s.max_connections.unwrap_or_else(|| match machine {
+        Some(m) => keel_http::machine::connection_cap(m, &connection_cost(s)),
+        None => keel_http::machine::FALLBACK_CONNECTIONS,
     })
 }
 
@@ -108,9 +110,10 @@ impl ServeOptions {
         s: &crate::config::ServerConfig,
         listener: Listener,
         tls: Option<ServerTls>,
+        machine: Option<&keel_http::machine::Machine>,
     ) -> Self {
         let max_connections = match listener {
-            Listener::Public => connection_cap(s),
+            Listener::Public => connection_cap(s, machine),
             Listener::Admin | Listener::Metrics => {
                 s.max_connections.unwrap_or(SIDE_LISTENER_CONNECTIONS)
             }
@@ -731,7 +734,9 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let gen = gateway.generation();
     let cfg = &gen.cfg;
-    let opts = |l: Listener| ServeOptions::from_config(&cfg.server, l, gateway.listener_tls(l));
+    let opts = |l: Listener| {
+        ServeOptions::from_config(&cfg.server, l, gateway.listener_tls(l), gateway.machine())
+    };
     let grace = Duration::from_secs_f64(cfg.server.shutdown_grace_s);
     let (tx, rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

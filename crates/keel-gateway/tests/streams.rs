@@ -220,6 +220,7 @@ fn idle_parks(streams: usize) -> (u64, Duration) {
                 seed: 1,
                 reload: None,
                 access_sink: None,
+                machine: None,
             },
         )
         .await

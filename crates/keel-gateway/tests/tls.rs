@@ -355,6 +355,7 @@ fn jwks_over_https_with_the_private_ca() {
                 seed: 1,
                 reload: None,
                 access_sink: None,
+                machine: None,
             },
         ))
         .expect_err("untrusted JWKS server");

@@ -776,10 +776,14 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     // Every stream holds two descriptors: the soft limit (often 1024) is
     // raised to the hard one before the connection cap is chosen from it.
     let files = keel_http::machine::raise_open_files();
+    let machine = keel_http::machine::Machine::read(std::path::Path::new("/"));
     if print_config {
         // The Redis URL may carry a password: never printed.
         let mut cfg = cfg;
-        cfg.server.max_connections = Some(keel_gateway::server::connection_cap(&cfg.server));
+        cfg.server.max_connections = Some(keel_gateway::server::connection_cap(
+            &cfg.server,
+            Some(&machine),
+        ));
         if let Some(u) = &mut cfg.limits.redis_url {
             *u = keel_gateway::redis::redact(u);
         }
@@ -823,7 +827,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .build()
         .context("cannot start the async runtime")?;
     let cfg_connections = cfg.server.max_connections;
-    let chosen_connections = keel_gateway::server::connection_cap(&cfg.server);
+    let chosen_connections = keel_gateway::server::connection_cap(&cfg.server, Some(&machine));
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
@@ -855,6 +859,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
                     write_now(item);
                 }
             })),
+            machine: Some(machine),
         }).await?;
         if let Some((f, every, writer, cfg, drift)) = follower {
             drift.spawn(&gw);
@@ -891,12 +896,11 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         out.text(&format!("{}\n", lines.join("\n")))?;
         tracing::info!(config = %path.display(), "keel serve started");
         if cfg_connections.is_none() {
-            let m = keel_http::machine::Machine::read(std::path::Path::new("/"));
             tracing::info!(
                 max_connections = chosen_connections,
-                open_files = ?m.open_files,
+                open_files = ?machine.open_files,
                 open_files_before = ?files.0,
-                memory_bytes = ?m.memory_bytes,
+                memory_bytes = ?machine.memory_bytes,
                 "server.max_connections chosen from the open-file limit and memory"
             );
         }

@@ -147,6 +147,7 @@ impl Running {
                     seed: 7,
                     reload: Some(Arc::new(move || GatewayConfig::load(&reload_path))),
                     access_sink: None,
+                    machine: None,
                 },
             )
             .await
