@@ -133,7 +133,8 @@ pub struct ConnectionCost {
     /// the backend's).
     pub files: u64,
     /// Descriptors kept for everything else (other listeners, idle
-    /// backend connections, log files).
+    /// backend connections, log files); a quarter of the limit where that
+    /// is fewer.
     pub reserved_files: u64,
 }
 
@@ -147,14 +148,15 @@ pub const MIN_CONNECTIONS: usize = 64;
 pub const MEMORY_SHARE: (u64, u64) = (1, 2);
 
 /// The connections a listener can serve at once on `m`: as many as the
-/// open files allow (after the reserved ones, each connection taking
-/// `cost.files`) and as many whose worst case fits in half of the memory
+/// open files allow (after the reserved ones, or a quarter of the limit
+/// where that is fewer, each connection taking `cost.files`) and as many
+/// whose worst case fits in half of the memory
 /// (after the fixed part), whichever is fewer, and at least
 /// [`MIN_CONNECTIONS`]; [`FALLBACK_CONNECTIONS`] when neither is known.
 pub fn connection_cap(m: &Machine, cost: &ConnectionCost) -> usize {
     let by_files = m
         .open_files
-        .map(|f| f.saturating_sub(cost.reserved_files) / cost.files.max(1));
+        .map(|f| f.saturating_sub(cost.reserved_files.min(f / 4)) / cost.files.max(1));
     let by_memory = m.memory_bytes.map(|b| {
         (b / MEMORY_SHARE.1 * MEMORY_SHARE.0).saturating_sub(cost.fixed_bytes) / cost.bytes.max(1)
     });
@@ -246,9 +248,48 @@ mod tests {
             connection_cap(&m(Some(1 << 20), Some(1 << 30)), &cost),
             ((512u64 << 20) - (96 << 20)) as usize / (448 << 10)
         );
-        // Too few files for the reserve: the floor, not zero.
-        assert_eq!(connection_cap(&m(Some(1024), None), &cost), MIN_CONNECTIONS);
+        // A small limit keeps a quarter for the rest, not the whole reserve.
+        assert_eq!(
+            connection_cap(&m(Some(1024), None), &cost),
+            (1024 - 256) / 2
+        );
+        // Too few files for anything: the floor, not zero.
+        assert_eq!(connection_cap(&m(Some(64), None), &cost), MIN_CONNECTIONS);
         assert_eq!(connection_cap(&m(None, None), &cost), FALLBACK_CONNECTIONS);
         assert_eq!(connection_cap(&m(None, Some(4 << 30)), &cost), 4461);
+    }
+
+    proptest::proptest! {
+        /// The parsers take any text without panicking.
+        #[test]
+        fn parsers_take_any_text(t in ".{0,200}") {
+            let _ = mem_total(&t);
+            let _ = cgroup_limit(&t);
+            let _ = cgroup_limit_files(&t);
+        }
+
+        /// The cap is never under the floor, and more files or more memory
+        /// never lower it.
+        #[test]
+        fn more_files_or_memory_never_lower_the_cap(
+            files in proptest::option::of(0u64..(1 << 21)),
+            mem in proptest::option::of(0u64..(1 << 36)),
+            more_files in 0u64..(1 << 20),
+            more_mem in 0u64..(1 << 34),
+            bytes in 1u64..(1 << 20),
+            fixed in 0u64..(1 << 28),
+        ) {
+            let cost = ConnectionCost { bytes, fixed_bytes: fixed, files: 2, reserved_files: 1024 };
+            let m = Machine { open_files: files, memory_bytes: mem };
+            let n = connection_cap(&m, &cost);
+            proptest::prop_assert!(n >= MIN_CONNECTIONS);
+            if files.is_some() && mem.is_some() {
+                let bigger = Machine {
+                    open_files: files.map(|f| f + more_files),
+                    memory_bytes: mem.map(|b| b + more_mem),
+                };
+                proptest::prop_assert!(connection_cap(&bigger, &cost) >= n);
+            }
+        }
     }
 }
