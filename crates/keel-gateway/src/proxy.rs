@@ -676,7 +676,7 @@ impl SseFilter {
         self.buf.extend_from_slice(chunk);
         // Read in place: the buffer is taken out for the loop and put back.
         let buf = std::mem::take(&mut self.buf);
-        let mut out = Vec::with_capacity(buf.len());
+        let mut out = Vec::new();
         let mut start = 0;
         while let Some((end, sep)) = find_event_end(&buf[start..]) {
             let next = start + end + sep;

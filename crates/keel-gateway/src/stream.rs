@@ -123,8 +123,15 @@ impl SseStream {
         }
     }
 
-    /// Starts settling: the ending's future runs from the next poll.
+    /// Starts settling: the ending's future runs from the next poll. A
+    /// stream whose `[DONE]` was passed on is whole, whatever happens to
+    /// either connection after it.
     fn end(&mut self, ok: bool, error: Option<String>) {
+        let (ok, error) = if self.filter.done {
+            (true, None)
+        } else {
+            (ok, error)
+        };
         let end = StreamEnd {
             filter: std::mem::take(&mut self.filter),
             ok,
@@ -151,9 +158,16 @@ impl SseStream {
         loop {
             match &mut self.state {
                 State::Done => return Poll::Ready(None),
-                State::Finishing(f) => {
-                    ready!(f.as_mut().poll(cx));
-                    self.state = State::Done;
+                State::Finishing(_) => {
+                    // Taken out while polled: a future that panics is not
+                    // left for `Drop` to run again.
+                    if let State::Finishing(mut f) = std::mem::replace(&mut self.state, State::Done)
+                    {
+                        if f.as_mut().poll(cx).is_pending() {
+                            self.state = State::Finishing(f);
+                            return Poll::Pending;
+                        }
+                    }
                     return Poll::Ready(None);
                 }
                 State::Streaming => {}

@@ -93,9 +93,14 @@ pub fn cgroup_limit(text: &str) -> Option<u64> {
     (n < 1 << 62).then_some(n)
 }
 
-/// The memory limit files of the cgroups in `/proc/self/cgroup`, relative
-/// to the root: v2 (`0::/path`) and v1's memory controller
-/// (`N:memory:/path`), where cgroupfs is mounted as usual.
+/// The memory limit files that may bound this process, relative to the
+/// root, for the cgroups in `/proc/self/cgroup` (v2's `0::/path` and v1's
+/// memory controller `N:memory:/path`, where cgroupfs is mounted as
+/// usual): its own cgroup's, every ancestor's (a slice's or a pod's limit
+/// bounds the cgroups under it), and the mount root's (a container without
+/// a cgroup namespace sees its host path in `/proc/self/cgroup` but its
+/// own cgroup at the mount root). Files that do not exist are skipped by
+/// the caller; the smallest limit found applies.
 pub fn cgroup_limit_files(self_cgroup: &str) -> Vec<String> {
     let mut out = Vec::new();
     for line in self_cgroup.lines() {
@@ -103,18 +108,21 @@ pub fn cgroup_limit_files(self_cgroup: &str) -> Vec<String> {
         let (Some(_), Some(ctrl), Some(path)) = (f.next(), f.next(), f.next()) else {
             continue;
         };
-        let path = path.trim().trim_start_matches('/');
-        let join = |base: &str, file: &str| {
-            if path.is_empty() {
+        let (base, file) = if ctrl.is_empty() {
+            ("sys/fs/cgroup", "memory.max")
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            ("sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let parts: Vec<&str> = path.trim().split('/').filter(|p| !p.is_empty()).collect();
+        for n in (0..=parts.len()).rev() {
+            let dir = parts[..n].join("/");
+            out.push(if dir.is_empty() {
                 format!("{base}/{file}")
             } else {
-                format!("{base}/{path}/{file}")
-            }
-        };
-        if ctrl.is_empty() {
-            out.push(join("sys/fs/cgroup", "memory.max"));
-        } else if ctrl.split(',').any(|c| c == "memory") {
-            out.push(join("sys/fs/cgroup/memory", "memory.limit_in_bytes"));
+                format!("{base}/{dir}/{file}")
+            });
         }
     }
     out
@@ -188,13 +196,19 @@ mod tests {
         assert_eq!(cgroup_limit(""), None);
         assert_eq!(
             cgroup_limit_files("0::/system.slice/keel.service\n"),
-            ["sys/fs/cgroup/system.slice/keel.service/memory.max"]
+            [
+                "sys/fs/cgroup/system.slice/keel.service/memory.max",
+                "sys/fs/cgroup/system.slice/memory.max",
+                "sys/fs/cgroup/memory.max"
+            ]
         );
         assert_eq!(cgroup_limit_files("0::/\n"), ["sys/fs/cgroup/memory.max"]);
         assert_eq!(
             cgroup_limit_files("9:pids:/\n4:memory:/process_api/abc\n0::/\n"),
             [
                 "sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes",
+                "sys/fs/cgroup/memory/process_api/memory.limit_in_bytes",
+                "sys/fs/cgroup/memory/memory.limit_in_bytes",
                 "sys/fs/cgroup/memory.max"
             ]
         );
@@ -217,6 +231,18 @@ mod tests {
         );
         std::fs::write(cg.join("memory.limit_in_bytes"), "9223372036854771712\n").expect("limit");
         assert_eq!(Machine::read(&dir).memory_bytes, Some(8 << 30));
+        // A parent's limit bounds the job's cgroup.
+        std::fs::write(
+            dir.join("sys/fs/cgroup/memory/memory.limit_in_bytes"),
+            "1073741824\n",
+        )
+        .expect("limit");
+        assert_eq!(Machine::read(&dir).memory_bytes, Some(1 << 30));
+        // Without a cgroup namespace the path in /proc/self/cgroup is the
+        // host's; the container's own limit is at the mount root.
+        std::fs::write(dir.join("proc/self/cgroup"), "4:memory:/docker/0123abcd\n")
+            .expect("cgroup");
+        assert_eq!(Machine::read(&dir).memory_bytes, Some(1 << 30));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

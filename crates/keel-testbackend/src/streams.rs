@@ -791,9 +791,8 @@ pub async fn run_load(opts: LoadOptions) -> Measured {
             opened < opts.streams
         };
         if window_end.is_none() && opened >= opts.streams && opts.replace {
-            // Every stream has been opened once: the window starts when
-            // the last of them has its response (or now, at the latest
-            // after the time they had to get one).
+            // Every stream has been opened once: the window starts now,
+            // as the last of them is opened.
             shared.window_start.store(now_us(), Ordering::Relaxed);
             window_end = Some(Instant::now() + opts.window);
         }
@@ -822,18 +821,19 @@ pub async fn run_load(opts: LoadOptions) -> Measured {
         }
     }
     shared.window_end.store(now_us(), Ordering::Relaxed);
-    // The streams still open are counted as such, not as cut.
-    let still = tasks.len();
+    // The streams still open are counted as such, not as cut (a task
+    // that ended before the abort keeps its outcome).
     tasks.abort_all();
     while let Some(r) = tasks.join_next().await {
-        if let Ok(o) = r {
-            outcomes.push(o);
+        match r {
+            Ok(o) => outcomes.push(o),
+            Err(e) if e.is_cancelled() => outcomes.push(Outcome {
+                open_at_end: true,
+                ..Outcome::default()
+            }),
+            Err(_) => {}
         }
     }
-    outcomes.extend((0..still).map(|_| Outcome {
-        open_at_end: true,
-        ..Outcome::default()
-    }));
     let mut m = std::mem::take(&mut *shared.measured.lock().unwrap_or_else(|p| p.into_inner()));
     m.outcomes = outcomes;
     m.window = (
