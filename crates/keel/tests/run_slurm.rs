@@ -320,10 +320,15 @@ fn a_start_up_failure_loop_is_stopped_by_the_retry_budget() {
         &[],
     );
     // The first failure requeues (no node to exclude: plain requeue).
-    s.wait("requeued", 60, |show| field(show, "Restarts") == "1");
+    let requeued = s.wait("requeued", 60, |show| field(show, "Restarts") == "1");
+    // Until slurmctld has moved the requeued job back to pending, it may
+    // still show the first attempt's end (COMPLETED, exit 0): the stop
+    // that counts is the second attempt's, which has its own start time.
+    let first_start = field(&requeued, "StartTime").to_owned();
     skip_requeue_delay(&cluster, &s.job);
     let show = s.wait("stopped", 90, |show| {
-        matches!(field(show, "JobState"), "FAILED" | "COMPLETED")
+        field(show, "StartTime") != first_start
+            && matches!(field(show, "JobState"), "FAILED" | "COMPLETED")
     });
     assert_eq!(field(&show, "JobState"), "FAILED", "{show}");
     assert_eq!(field(&show, "ExitCode"), "93:0", "{show}");
