@@ -38,7 +38,7 @@ fn usage() -> ! {
 
 fn num<T: std::str::FromStr>(flag: &str, v: &str) -> T {
     v.parse().unwrap_or_else(|_| {
-        eprintln!("keel-streams: {flag} {v:?} is not a number");
+        eprintln!("keel-streams: {flag} {v:?} is not valid here (a number, a LO-HI range or HOST:PORT, as the flag takes)");
         std::process::exit(64)
     })
 }
