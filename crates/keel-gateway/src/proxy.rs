@@ -680,7 +680,11 @@ impl SseFilter {
         let mut start = 0;
         while let Some((end, sep)) = find_event_end(&buf[start..]) {
             let next = start + end + sep;
-            self.event(&buf[start..next], &mut out);
+            let ev = &buf[start..next];
+            match self.event(ev) {
+                Pass::Whole => out.extend_from_slice(ev),
+                Pass::Replaced(r) => out.extend_from_slice(&r),
+            }
             start = next;
         }
         self.buf = buf;
@@ -691,19 +695,69 @@ impl SseFilter {
         out
     }
 
+    /// [`push`](Self::push) for a chunk the filter may hand on as it is:
+    /// when nothing is held from before and every event in the chunk
+    /// passes unchanged (a backend sends an event a chunk), the chunk's
+    /// own bytes go on, not a copy.
+    pub fn push_bytes(&mut self, chunk: Bytes) -> Bytes {
+        if !self.buf.is_empty() {
+            return Bytes::from(self.push(&chunk));
+        }
+        let mut out: Option<Vec<u8>> = None;
+        let mut start = 0;
+        while let Some((end, sep)) = find_event_end(&chunk[start..]) {
+            let next = start + end + sep;
+            let ev = &chunk[start..next];
+            match (self.event(ev), &mut out) {
+                (Pass::Whole, None) => {}
+                (Pass::Whole, Some(o)) => o.extend_from_slice(ev),
+                (Pass::Replaced(r), Some(o)) => o.extend_from_slice(&r),
+                (Pass::Replaced(r), o @ None) => {
+                    let mut v = Vec::with_capacity(chunk.len());
+                    v.extend_from_slice(&chunk[..start]);
+                    v.extend_from_slice(&r);
+                    *o = Some(v);
+                }
+            }
+            start = next;
+        }
+        let mut passed = match out {
+            None => chunk.slice(..start),
+            Some(o) => Bytes::from(o),
+        };
+        if start < chunk.len() {
+            self.buf.extend_from_slice(&chunk[start..]);
+            if self.buf.len() > MAX_PENDING_EVENT {
+                let mut all = Vec::from(passed);
+                all.append(&mut self.buf);
+                passed = Bytes::from(all);
+            }
+        }
+        passed
+    }
+
     /// The end of the stream: whatever incomplete event is left goes out
     /// as it is.
     pub fn finish(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.buf)
     }
 
-    fn event(&mut self, ev: &[u8], out: &mut Vec<u8>) {
+    /// Reads one whole event; says what of it to pass on.
+    fn event(&mut self, ev: &[u8]) -> Pass {
+        use memchr::memmem::Finder;
+        use std::sync::LazyLock;
+        static DONE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new("[DONE]"));
+        static CONTENT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new("\"content\""));
+        static TEXT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new("\"text\""));
+        static FINISH: LazyLock<Finder<'static>> =
+            LazyLock::new(|| Finder::new("\"finish_reason\""));
+        static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new("\"usage\""));
         self.events += 1;
-        let has = |needle: &[u8]| memchr::memmem::find(ev, needle).is_some();
-        if has(b"data: [DONE]") || has(b"data:[DONE]") {
+        let has = |f: &Finder<'_>| f.find(ev).is_some();
+        if has(&DONE) && is_done(ev) {
             self.done = true;
         }
-        if has(b"\"content\"") || has(b"\"text\"") || has(b"\"finish_reason\"") {
+        if has(&CONTENT) || has(&TEXT) || has(&FINISH) {
             let c = content_of(ev);
             self.content_bytes += c.bytes;
             self.answer_chars = self.answer_chars.saturating_add(c.chars);
@@ -711,9 +765,8 @@ impl SseFilter {
                 self.finish_reason = c.finish_reason;
             }
         }
-        if !has(b"\"usage\"") {
-            out.extend_from_slice(ev);
-            return;
+        if !has(&USAGE) {
+            return Pass::Whole;
         }
         let text = String::from_utf8_lossy(ev);
         let mut kept = String::new();
@@ -754,11 +807,28 @@ impl SseFilter {
             kept.push_str(line);
         }
         if !changed {
-            out.extend_from_slice(ev);
+            Pass::Whole
         } else if kept.lines().any(|l| l.starts_with("data:")) {
-            out.extend_from_slice(kept.as_bytes());
+            Pass::Replaced(kept.into_bytes())
+        } else {
+            Pass::Replaced(Vec::new())
         }
     }
+}
+
+/// What of an event the filter passes on.
+enum Pass {
+    /// The event as it came.
+    Whole,
+    /// These bytes instead (none: the event is dropped).
+    Replaced(Vec<u8>),
+}
+
+/// Whether an event holds the stream's end marker (`data: [DONE]` or
+/// `data:[DONE]`).
+fn is_done(ev: &[u8]) -> bool {
+    memchr::memmem::find(ev, b"data: [DONE]").is_some()
+        || memchr::memmem::find(ev, b"data:[DONE]").is_some()
 }
 
 /// What one SSE event's `data:` lines carry of the answer.
@@ -1034,9 +1104,63 @@ mod tests {
         }
 
         #[test]
+        fn push_bytes_passes_on_what_push_does(
+            events in proptest::collection::vec(proptest::sample::select(vec![
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ab \"}}]}\n\n",
+                "data: {\"choices\":[{\"delta\":{\"content\":\"c\"}}],\"usage\":null}\n\n",
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n",
+                "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r\n",
+                ": keep-alive\n\n",
+                "data: [DONE]\n\n",
+                "data: {\"x\":",
+                "\n",
+            ]), 0..12),
+            cuts in proptest::collection::vec(0usize..400, 0..6),
+            strip in proptest::prelude::any::<bool>(),
+        ) {
+            let data = events.concat().into_bytes();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(data.len())).collect();
+            cuts.push(0);
+            cuts.push(data.len());
+            cuts.sort_unstable();
+            let (mut a, mut b) = (SseFilter::new(strip), SseFilter::new(strip));
+            let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+            for w in cuts.windows(2) {
+                let chunk = &data[w[0]..w[1]];
+                out_a.extend(a.push(chunk));
+                out_b.extend_from_slice(&b.push_bytes(Bytes::copy_from_slice(chunk)));
+            }
+            out_a.extend(a.finish());
+            out_b.extend(b.finish());
+            proptest::prop_assert_eq!(out_a, out_b);
+            proptest::prop_assert_eq!(
+                (a.usage, a.done, a.events, a.content_bytes, a.answer_chars, a.finish_reason),
+                (b.usage, b.done, b.events, b.content_bytes, b.answer_chars, b.finish_reason)
+            );
+        }
+
+        #[test]
         fn audit_verify_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
             let _ = crate::audit::verify(&data[..]);
         }
+    }
+
+    #[test]
+    fn whole_events_that_pass_unchanged_are_handed_on_without_a_copy() {
+        let mut f = SseFilter::new(true);
+        let chunk = Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n",
+        );
+        let out = f.push_bytes(chunk.clone());
+        assert_eq!(out.as_ptr(), chunk.as_ptr(), "the chunk's own bytes");
+        assert_eq!(out.len(), chunk.len());
+        // An unfinished event after whole ones: the whole ones go on, the
+        // rest is held.
+        let out = f.push_bytes(Bytes::from_static(b"data: [DONE]\n\ndata: {"));
+        assert_eq!(&out[..], b"data: [DONE]\n\n");
+        assert!(f.done);
+        assert_eq!(f.finish(), b"data: {");
+        assert_eq!(f.events, 3);
     }
 
     #[test]

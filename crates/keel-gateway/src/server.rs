@@ -186,9 +186,24 @@ where
             TokioIo::new(io),
             TowerToHyperService::new(ConnService::new(app, in_flight, Some(bad_host))),
         );
-    tokio::select! {
-        _ = watcher.watch(conn) => {}
-        _ = place.evicted() => {
+    {
+        let conn = watcher.watch(conn);
+        let evicted = place.evicted();
+        tokio::pin!(conn, evicted);
+        // A connection that has sent a valid key keeps its place for good:
+        // its eviction is not polled again (polling it takes a lock, at
+        // every event a stream passes on).
+        let was_evicted = std::future::poll_fn(|cx| {
+            if conn.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(false);
+            }
+            if !place.in_flight().is_authenticated() && evicted.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(true);
+            }
+            Poll::Pending
+        })
+        .await;
+        if was_evicted {
             tracing::debug!("a connection without a key waiting for a request closed to make room");
         }
     }

@@ -15,7 +15,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{ready, Context, Poll};
+use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -58,6 +58,10 @@ pub struct SseStream {
     /// Fires at `last + idle` or earlier (it is not moved at every event:
     /// when it fires early it is set again).
     timer: Option<Pin<Box<Sleep>>>,
+    /// The waker the timer was last polled with: while it is the same and
+    /// the timer's deadline has not passed, the timer is not polled again
+    /// (polling it registers the waker anew, at every event).
+    timer_waker: Option<Waker>,
     /// The bytes passed on, up to `cap`, when the audit log records them.
     captured: Option<Vec<u8>>,
     cap: usize,
@@ -99,6 +103,7 @@ impl SseStream {
             idle,
             last: Instant::now(),
             timer: None,
+            timer_waker: None,
             captured: capture.map(|_| Vec::new()),
             cap: capture.unwrap_or(0),
             ending: Some(ending),
@@ -112,6 +117,14 @@ impl SseStream {
         let timer = self
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        let same_waker = self
+            .timer_waker
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()));
+        if same_waker && Instant::now() < timer.deadline() {
+            return Poll::Pending;
+        }
+        self.timer_waker = Some(cx.waker().clone());
         loop {
             ready!(timer.as_mut().poll(cx));
             let deadline = self.last + self.idle;
@@ -139,6 +152,7 @@ impl SseStream {
             captured: self.captured.take(),
         };
         self.timer = None;
+        self.timer_waker = None;
         self.state = match self.ending.take() {
             Some(f) => State::Finishing(f(end)),
             None => State::Done,
@@ -178,12 +192,12 @@ impl SseStream {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    let out = self.filter.push(&data);
+                    let out = self.filter.push_bytes(data);
                     if out.is_empty() {
                         continue;
                     }
                     self.keep(&out);
-                    return Poll::Ready(Some(Bytes::from(out)));
+                    return Poll::Ready(Some(out));
                 }
                 Poll::Ready(None) => {
                     let tail = self.filter.finish();
