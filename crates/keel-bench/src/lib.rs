@@ -68,3 +68,26 @@ pub enum BenchError {
 
 /// Where time comes from (monotonic), so tests and callers choose.
 pub use keel_time::{Monotonic, SystemClock};
+
+impl keel_error::HasKind for BenchError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        use rendezvous::RendezvousError as R;
+        match self {
+            Self::Cuda(c) => keel_error::HasKind::kind(c),
+            Self::Invalid(_) => K::Usage,
+            // The other ranks never came (or rank 0 never answered): the
+            // benchmark could not run.
+            Self::Rendezvous(R::Timeout { .. }) => K::Unavailable,
+            Self::Rendezvous(R::Protocol { .. } | R::Resolve { .. }) => K::Usage,
+            Self::Rendezvous(R::Bind { .. } | R::Io { .. }) => K::Io,
+            Self::Affinity { .. } => K::Io,
+            Self::Panicked { .. } => K::Failed,
+        }
+    }
+}
+
+/// The kind of an error of this crate, or of the CUDA calls under it.
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; BenchError; keel_cuda::error_kind)
+}

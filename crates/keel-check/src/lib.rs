@@ -252,3 +252,9 @@ pub fn overall(results: &[CheckResult]) -> Status {
         Status::Pass
     }
 }
+
+/// The kind of an error of this crate or of the crates under it whose errors it passes on
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; profile::ProfileError; keel_gpu::error_kind, keel_topo::error_kind)
+}

@@ -408,6 +408,15 @@ pub fn for_gpus(model: &str, count: usize) -> Option<&'static str> {
     }
 }
 
+impl keel_error::HasKind for ProfileError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        match self {
+            Self::Read { .. } => keel_error::ErrorKind::Io,
+            _ => keel_error::ErrorKind::Usage,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -554,3 +554,38 @@ impl Ckpt {
         Ok(rec)
     }
 }
+
+impl keel_error::HasKind for CkptError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Store(s) => keel_error::HasKind::kind(s),
+            Self::BadRun { .. }
+            | Self::BadWriter { .. }
+            | Self::NotADirectory { .. }
+            | Self::NotAFile { .. }
+            | Self::SymlinkedDir { .. }
+            | Self::BadFileName { .. }
+            | Self::EmptyCheckpoint { .. }
+            | Self::TargetNotEmpty { .. }
+            | Self::NotPinned { .. } => K::Usage,
+            Self::LocalDir { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                K::Usage
+            }
+            Self::LocalDir { .. } | Self::LocalWrite { .. } | Self::Contended { .. } => K::Io,
+            Self::Manifest { .. } | Self::Record { .. } => K::Input,
+            Self::Fenced { .. }
+            | Self::Conflict { .. }
+            | Self::Integrity { .. }
+            | Self::AllFailed { .. } => K::Failed,
+            Self::NoCheckpoint { .. }
+            | Self::NoSuchStep { .. }
+            | Self::DeletedWhilePinning { .. } => K::Unavailable,
+        }
+    }
+}
+
+/// The kind of an error of this crate, or of the object store under it.
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; CkptError; keel_store::error_kind)
+}

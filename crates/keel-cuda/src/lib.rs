@@ -111,3 +111,25 @@ impl CudaError {
 }
 
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+/// Missing libraries and drivers are unavailable; a GPU that cannot do
+/// what was asked, or one that does not exist, is a usage error; a CUDA,
+/// cuBLAS or NCCL call failing during the run is a failure.
+impl keel_error::HasKind for CudaError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Unavailable { .. } | Self::MissingSymbol { .. } => K::Unavailable,
+            Self::NoSuchDevice { .. } | Self::Unsupported { .. } => K::Usage,
+            Self::Driver { .. }
+            | Self::Blas { .. }
+            | Self::Nccl { .. }
+            | Self::OutOfBounds { .. } => K::Failed,
+        }
+    }
+}
+
+/// The kind of an error of this crate.
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; CudaError)
+}

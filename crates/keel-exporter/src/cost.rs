@@ -275,6 +275,17 @@ pub async fn http_get(
         })?
 }
 
+impl keel_error::HasKind for CostError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Url { .. } => K::Usage,
+            Self::Format { .. } => K::Input,
+            Self::Connect { .. } | Self::Timeout { .. } | Self::Status { .. } => K::Unavailable,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -236,3 +236,9 @@ impl Inner {
         }
     }
 }
+
+/// The kind of an error of this crate
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; cost::CostError)
+}

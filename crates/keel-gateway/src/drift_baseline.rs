@@ -200,6 +200,16 @@ impl Baseline {
     }
 }
 
+impl keel_error::HasKind for BaselineError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Read { .. } => K::Io,
+            Self::Parse { .. } | Self::Invalid { .. } => K::Input,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -149,6 +149,18 @@ impl ApiError {
     }
 }
 
+impl keel_error::HasKind for GatewayError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Read { .. } | Self::Write { .. } => K::Io,
+            Self::Config(_) | Self::NoSuchKey { .. } => K::Usage,
+            Self::Malformed { .. } => K::Input,
+            Self::Jwks { .. } | Self::Redis { .. } => K::Unavailable,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,3 +52,9 @@ pub use config::GatewayConfig;
 pub use error::{ApiError, GatewayError};
 pub use gateway::{Gateway, GatewayOptions, Listener, ReloadFn};
 pub use server::{run, serve, Listeners, ServeOptions};
+
+/// The kind of an error of this crate
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; GatewayError, rollout::RolloutError, registry_follow::FollowError, drift_baseline::BaselineError)
+}

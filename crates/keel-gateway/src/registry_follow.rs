@@ -425,3 +425,22 @@ impl std::fmt::Display for DisplayChain<'_> {
         Ok(())
     }
 }
+
+impl keel_error::HasKind for FollowError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use crate::registry_source::RegistrySourceError as R;
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::KeyFile { .. } => K::Io,
+            Self::Source {
+                source: R::Unauthorized { .. },
+                ..
+            } => K::Permission,
+            Self::Source {
+                source: R::Unreachable { .. } | R::Timeout { .. } | R::Status { .. },
+                ..
+            } => K::Unavailable,
+            _ => K::Usage,
+        }
+    }
+}

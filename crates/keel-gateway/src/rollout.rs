@@ -1266,3 +1266,16 @@ fn status(r: &Run) -> Value {
         })).collect::<Vec<_>>(),
     })
 }
+
+impl keel_error::HasKind for RolloutError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::StateCorrupt { .. } => K::Input,
+            Self::StateLocked { .. } => K::Usage,
+            Self::StateRead(_) | Self::NotRecorded { .. } => K::Io,
+            Self::WriteRefused { .. } => K::Permission,
+            _ => K::Usage,
+        }
+    }
+}

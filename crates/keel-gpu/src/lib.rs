@@ -264,3 +264,19 @@ pub mod throttle {
         .collect()
     }
 }
+
+impl keel_error::HasKind for GpuError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Unavailable { .. } | Self::Timeout { .. } | Self::Nvml { .. } => K::Unavailable,
+            Self::Read { .. } => K::Io,
+            Self::Format { .. } => K::Input,
+        }
+    }
+}
+
+/// The kind of an error of this crate.
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; GpuError)
+}

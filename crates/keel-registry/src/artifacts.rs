@@ -347,6 +347,28 @@ pub async fn pull(
     result
 }
 
+impl keel_error::HasKind for ArtifactError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Store(s) => keel_error::HasKind::kind(s),
+            Self::Corrupt { .. } => K::Failed,
+            Self::Manifest { .. } => K::Input,
+            Self::NoManifest { .. }
+            | Self::VersionExists { .. }
+            | Self::Claimed { .. }
+            | Self::Empty { .. }
+            | Self::Symlink { .. }
+            | Self::BadName { .. }
+            | Self::TargetNotEmpty { .. } => K::Usage,
+            Self::ReadDir { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                K::Usage
+            }
+            Self::ReadDir { .. } | Self::Write { .. } => K::Io,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

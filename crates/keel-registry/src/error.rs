@@ -139,3 +139,31 @@ impl RegistryError {
         matches!(self, Self::Invalid { .. })
     }
 }
+
+impl keel_error::HasKind for RegistryError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Open { .. } | Self::Connect { .. } | Self::Db { .. } | Self::Io { .. } => K::Io,
+            Self::SchemaTooNew { .. } | Self::BadBackup { .. } | Self::Unverified { .. } => {
+                K::Input
+            }
+            Self::Store(s) => keel_error::HasKind::kind(s),
+            Self::Migrate { .. } => K::Failed,
+            Self::Unsupported { .. } => K::Usage,
+            Self::Invalid { .. }
+            | Self::UnknownModel { .. }
+            | Self::ModelExists { .. }
+            | Self::UnknownVersion { .. }
+            | Self::UnknownAlias { .. }
+            | Self::WrongStatus { .. }
+            | Self::NothingToRollBack { .. }
+            | Self::ModelHasVersions { .. }
+            | Self::VersionsAreKept { .. }
+            | Self::NoRename { .. }
+            | Self::KeyExists { .. }
+            | Self::UnknownKey { .. }
+            | Self::NotEmpty { .. } => K::Usage,
+        }
+    }
+}

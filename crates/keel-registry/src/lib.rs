@@ -62,3 +62,9 @@ pub use types::{
     AuditEvent, CheckpointLink, Dataset, Lineage, Model, Role, SignatureRecord, Status, Tag,
     Version, VersionFile, VersionRef,
 };
+
+/// The kind of an error of this crate or of the crates under it whose errors it passes on
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; RegistryError, sign::SignError, artifacts::ArtifactError; keel_store::error_kind)
+}

@@ -831,6 +831,24 @@ pub fn statement_for(manifest: &Manifest) -> Vec<u8> {
     manifest.to_json()
 }
 
+impl keel_error::HasKind for SignError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Read { .. } => K::Io,
+            Self::BadKey { .. }
+            | Self::WrongKeyType { .. }
+            | Self::BadBundle { .. }
+            | Self::BadStatement { .. } => K::Input,
+            Self::Unsupported { .. } => K::Unavailable,
+            Self::WrongKey { .. }
+            | Self::BadSignature
+            | Self::Mismatch { .. }
+            | Self::Symlink { .. } => K::Failed,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -171,6 +171,16 @@ impl History {
     }
 }
 
+impl keel_error::HasKind for HistoryError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Fs(_) => K::Io,
+            Self::Corrupt { .. } | Self::Version { .. } | Self::Encode(_) => K::Input,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

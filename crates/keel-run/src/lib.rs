@@ -34,3 +34,9 @@ pub use decide::{decide, placed_on_excluded, Decision, NodeReport, Outcome, RunP
 pub use goodput::{account, AttemptTimes, Goodput};
 pub use hang::{HangConfig, HangDetector, HangStatus, Phase, Timeout};
 pub use history::{Cause, FailureRecord, History, HistoryError, JobHistory};
+
+/// The kind of an error of this crate or of the crates under it whose errors it passes on
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; supervisor::SuperviseError, HistoryError; keel_ckpt::error_kind)
+}

@@ -104,3 +104,25 @@ impl StoreError {
         )
     }
 }
+
+impl keel_error::HasKind for StoreError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        use BackendErrorKind as B;
+        match self {
+            Self::BadUrl { .. }
+            | Self::BadBandwidth { .. }
+            | Self::BadKey { .. }
+            | Self::Open { .. } => K::Usage,
+            Self::Backend { kind, .. } => match kind {
+                B::Unauthenticated | B::PermissionDenied => K::Permission,
+                _ => K::Io,
+            },
+            Self::DigestMismatch { .. } | Self::SizeMismatch { .. } => K::Failed,
+            Self::LocalRead { .. }
+            | Self::LocalWrite { .. }
+            | Self::Changed { .. }
+            | Self::Task { .. } => K::Io,
+        }
+    }
+}

@@ -36,3 +36,9 @@ pub use manifest::{Digest, FileEntry, Manifest, ManifestError};
 pub use store::{Backend, CreateOutcome, ObjectInfo, Store, StoreOptions};
 pub use transfer::{Progress, TransferOptions};
 pub use url::StoreUrl;
+
+/// The kind of an error of this crate
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; StoreError)
+}

@@ -33,3 +33,14 @@ impl TopoError {
         }
     }
 }
+
+impl keel_error::HasKind for TopoError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Read { .. } => K::Io,
+            Self::Missing { .. } | Self::Parse { .. } | Self::OutsideRoot { .. } => K::Input,
+            Self::NoSuchProcess { .. } => K::Usage,
+        }
+    }
+}

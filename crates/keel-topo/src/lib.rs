@@ -29,3 +29,9 @@ pub use procs::{read_processes, Process, Selection};
 pub use root::Root;
 pub use snapshot::{read_host_files, write_snapshot, SnapshotError, SnapshotSummary};
 pub use verify::{verify, Scope, Verification};
+
+/// The kind of an error of this crate
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; TopoError, SnapshotError, PlanError)
+}

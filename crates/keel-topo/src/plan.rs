@@ -489,3 +489,13 @@ fn wrapper_script(launcher: Launcher, n: usize, ranks: &[RankPlan]) -> String {
     s.push_str("esac\n");
     s
 }
+
+impl keel_error::HasKind for PlanError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::NoGpus | Self::GpuWithoutNode { .. } => K::Unavailable,
+            _ => K::Usage,
+        }
+    }
+}

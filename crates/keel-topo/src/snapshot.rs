@@ -308,3 +308,14 @@ fn make_symlink(target: &Path, at: &Path) -> Result<(), SnapshotError> {
         }),
     }
 }
+
+impl keel_error::HasKind for SnapshotError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Read(t) => keel_error::HasKind::kind(t),
+            Self::NotEmpty { .. } => K::Usage,
+            Self::Write { .. } => K::Io,
+        }
+    }
+}

@@ -632,3 +632,16 @@ pub fn epilog(ctl: &mut dyn ClockControl, opts: &Options) -> Result<Report, Cloc
         gpus: outcomes,
     })
 }
+
+impl keel_error::HasKind for ClocksError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::List(c) if c.is_unknown() => K::Unavailable,
+            Self::List(_) => K::Failed,
+            Self::Fs(_) => K::Io,
+            Self::State { .. } => K::Input,
+            Self::GpuIds(_) => K::Usage,
+        }
+    }
+}

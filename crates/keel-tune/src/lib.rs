@@ -15,3 +15,9 @@ pub mod clocks;
 pub mod env;
 pub mod fake;
 pub mod scratch;
+
+/// The kind of an error of this crate or of the crates under it whose errors it passes on
+/// (keel-error's contract: the binary maps a kind to an exit code).
+pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
+    keel_error::classify!(e; scratch::ScratchError, clocks::ClocksError; keel_gpu::error_kind, keel_topo::error_kind)
+}

@@ -1040,6 +1040,26 @@ pub fn judge(measured: f64, expected: Option<f64>, warn_factor: f64, fail_factor
     }
 }
 
+impl keel_error::HasKind for ScratchError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Topo(t) => keel_error::HasKind::kind(t),
+            Self::Io { .. } => K::Io,
+            Self::NoDrives { .. }
+            | Self::NoDirectIo { .. }
+            | Self::Buffer { .. }
+            | Self::TooFewDrives { .. }
+            | Self::Incomplete { .. }
+            | Self::Unchecked { .. } => K::Unavailable,
+            Self::MountBusy { .. } | Self::MountedElsewhere { .. } | Self::NotRoot { .. } => {
+                K::Usage
+            }
+            Self::Step { .. } => K::Failed,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Subcommand;
 use serde::Serialize;
 
-use keel_tune::scratch::{self, Plan, Request, ScratchError, Verdict, VerifyOptions};
+use keel_tune::scratch::{self, Plan, Request, Verdict, VerifyOptions};
 
 use crate::exit::Code;
 use crate::output::Out;
@@ -293,21 +293,4 @@ fn verify(cli: &Cli, a: &VerifyArgs, out: &mut Out) -> anyhow::Result<Code> {
         ))?;
     }
     Ok(code)
-}
-
-/// Exit codes for scratch errors.
-pub fn code(e: &ScratchError) -> Code {
-    match e {
-        ScratchError::Topo(_) | ScratchError::Io { .. } => Code::Io,
-        ScratchError::NoDrives { .. }
-        | ScratchError::NoDirectIo { .. }
-        | ScratchError::Buffer { .. }
-        | ScratchError::TooFewDrives { .. }
-        | ScratchError::Incomplete { .. } => Code::Unknown,
-        ScratchError::MountBusy { .. }
-        | ScratchError::MountedElsewhere { .. }
-        | ScratchError::NotRoot { .. } => Code::Usage,
-        ScratchError::Unchecked { .. } => Code::Unknown,
-        ScratchError::Step { .. } => Code::Failed,
-    }
 }

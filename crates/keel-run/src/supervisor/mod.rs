@@ -29,6 +29,19 @@ mod endpoint;
 mod launch;
 mod notices;
 mod slurm;
+
+impl keel_error::HasKind for SuperviseError {
+    fn kind(&self) -> keel_error::ErrorKind {
+        use keel_error::ErrorKind as K;
+        match self {
+            Self::Usage(_) => K::Usage,
+            Self::State(h) => keel_error::HasKind::kind(h),
+            Self::Ckpt(c) | Self::Checkpoints { source: c, .. } => keel_error::HasKind::kind(&**c),
+            Self::Io { .. } | Self::Signal(_) => K::Io,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;
 
