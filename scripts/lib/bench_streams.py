@@ -407,6 +407,37 @@ litellm_settings:
     )
 
 
+def tensorzero_target(a, work, bport):
+    """TensorZero's gateway (Rust), built by scripts/lib/build-tensorzero,
+    with its observability off (then it needs no database, and has no
+    client keys, rate limits or inference log), one tokio worker."""
+    port = free_port()
+    with open(os.path.join(work, "tensorzero.toml"), "w") as f:
+        f.write(f"""[gateway]
+bind_address = "{HOST}:{port}"
+observability.enabled = false
+disable_pseudonymous_usage_analytics = true
+
+[models.chat]
+routing = ["backend"]
+
+[models.chat.providers.backend]
+type = "openai"
+model_name = "tiny"
+api_base = "http://{HOST}:{bport}/v1"
+api_key_location = "none"
+""")
+    return dict(
+        cmd=[a.tensorzero, "--config-file", "tensorzero.toml"],
+        env={**os.environ, "TOKIO_WORKER_THREADS": "1", "RUST_LOG": "warn"},
+        health=f"http://{HOST}:{port}/health",
+        url=f"http://{HOST}:{port}/openai/v1/chat/completions",
+        headers=[],
+        model="tensorzero::model_name::chat",
+        features="TensorZero gateway (cargo release profile), observability off (no database: no keys, limits or inference log), one tokio worker",
+    )
+
+
 def direct_target(a, work, bport):
     return dict(cmd=None, url=f"http://{HOST}:{bport}/v1/chat/completions", headers=[], model="chat", features="the backend itself")
 
@@ -496,6 +527,8 @@ def main():
     p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     p.add_argument("--portkey", default="/tmp/keel-portkey/node_modules/@portkey-ai/gateway/build/start-server.js")
     p.add_argument("--litellm", default="/tmp/keel-litellm/bin/litellm")
+    p.add_argument("--tensorzero", default="")
+    p.add_argument("--tensorzero-why", default="")
     p.add_argument("--targets", default="keel nginx portkey litellm")
     p.add_argument("--streams", default="1000 5000 9000")
     p.add_argument("--window-s", type=int, default=30)
@@ -540,6 +573,10 @@ def main():
                     if not os.path.exists(a.portkey):
                         raise RuntimeError(f"not installed ({a.portkey})")
                     targets[name] = portkey_target(a, work, bport)
+                elif name == "tensorzero":
+                    if not a.tensorzero or not os.access(a.tensorzero, os.X_OK):
+                        raise RuntimeError(a.tensorzero_why or "not built (--tensorzero)")
+                    targets[name] = tensorzero_target(a, work, bport)
                 elif name == "litellm":
                     if not os.access(a.litellm, os.X_OK):
                         raise RuntimeError(f"not installed ({a.litellm})")
