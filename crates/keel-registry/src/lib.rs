@@ -13,6 +13,10 @@
 //!   verification of any directory against any such bundle.
 //! - [`artifacts`]: a version's files in any keel-store URL: upload with a
 //!   manifest, verified pull.
+//! - [`register`]: a version registered with its files: a directory
+//!   uploaded, files already stored, or a checkpoint step (resolved and
+//!   pinned through keel-ckpt), the number reserved first and the version
+//!   marked FAILED_REGISTRATION when its files cannot be put in place.
 //! - [`http`]: the HTTP API: read endpoints for versions, aliases and
 //!   history, and MLflow's model-registry REST API (enough for the MLflow
 //!   client to register, find, alias and load models), authenticated on
@@ -24,10 +28,9 @@
 //! It never prints, exits, reads environment variables (beyond where the
 //! system keeps its trusted certificates, for HTTPS to a tracking server)
 //! or the wall clock:
-//! time comes from a [`Clock`], the acting user is passed in. It knows
-//! nothing about checkpoints beyond the lineage link it records (the
-//! binary resolves `--from-ckpt` through keel-ckpt), and serves no
-//! inference.
+//! time comes from a [`Clock`], the acting user is passed in. It reads
+//! checkpoints only through keel-ckpt (to register a step and pin it),
+//! and serves no inference.
 
 #![forbid(unsafe_code)]
 
@@ -39,6 +42,7 @@ mod db;
 mod error;
 pub mod http;
 pub mod migrate;
+pub mod register;
 mod registry;
 mod serve;
 pub mod sign;
@@ -66,5 +70,5 @@ pub use types::{
 /// The kind of an error of this crate or of the crates under it whose errors it passes on
 /// (keel-error's contract: the binary maps a kind to an exit code).
 pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
-    keel_error::classify!(e; RegistryError, sign::SignError, artifacts::ArtifactError; keel_store::error_kind)
+    keel_error::classify!(e; RegistryError, sign::SignError, artifacts::ArtifactError, register::RegisterError; keel_ckpt::error_kind, keel_store::error_kind)
 }

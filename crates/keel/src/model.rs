@@ -11,11 +11,12 @@ use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use keel_registry::artifacts::{self, ArtifactError};
+use keel_registry::artifacts;
+use keel_registry::register as registration;
 use keel_registry::sign::{self, DirOptions, PrivateKey, PublicKey, SignError};
 use keel_registry::{
-    rfc3339, version_manifest, Artifacts, BackupReport, Clock, Dataset, Lineage, NewVersion,
-    Registry, Role, Tag, Version, VersionRef,
+    rfc3339, version_manifest, BackupReport, Clock, Dataset, Lineage, NewVersion, Registry, Role,
+    Tag, Version, VersionRef,
 };
 use keel_store::{FileEntry, Store, StoreOptions, StoreUrl, TransferOptions};
 
@@ -549,7 +550,7 @@ fn register(
         .iter()
         .map(|d| d.parse::<Dataset>())
         .collect::<Result<Vec<_>, _>>()?;
-    let mut new = NewVersion {
+    let new = NewVersion {
         model: r.name.clone(),
         source: String::new(),
         description: r.description.clone(),
@@ -565,10 +566,9 @@ fn register(
         tags,
         create_model: true,
     };
-    let rt = runtime()?;
-    let actor = &cfg.actor;
-    let v = if let Some(dir) = &r.path {
-        let store_url = r
+    let store_url;
+    let files = if let Some(dir) = &r.path {
+        store_url = r
             .artifact_store
             .clone()
             .unwrap_or_else(|| cfg.artifact_store.clone());
@@ -578,99 +578,21 @@ fn register(
             )
             .into());
         }
-        if !dir.is_dir() {
-            return Err(UsageError(format!("{} is not a directory", dir.display())).into());
-        }
-        // Fail before a number is taken when the directory is unusable.
-        artifacts::list_dir(dir)?;
-        // The uploader's local directory is not recorded: the source is
-        // the store the files go to (the version's artifact URL is under it).
-        new.source = store_url.trim_end_matches('/').to_owned();
-        let pending = reg.reserve_version(actor, &new)?;
-        let url = format!(
-            "{}/{}/v{}",
-            store_url.trim_end_matches('/'),
-            r.name,
-            pending.version
-        );
-        let uploaded = rt.block_on(async {
-            let store = open_store(&url, true)?;
-            let name = format!("{}:{}", r.name, pending.version);
-            let claim = format!(
-                "{name} by {actor} on {}, pid {}, at {}",
-                crate::ckpt::hostname(),
-                std::process::id(),
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_nanos()
-            );
-            Ok::<_, anyhow::Error>(
-                artifacts::upload_dir(&store, dir, &name, &claim, &TransferOptions::default())
-                    .await?,
-            )
-        });
-        match uploaded {
-            Ok(manifest) => reg.complete_version(
-                actor,
-                &r.name,
-                pending.version,
-                &Artifacts { url, manifest },
-            )?,
-            Err(e) => {
-                let _ = reg.fail_version(actor, &r.name, pending.version, &format!("{e:#}"));
-                let taken = e.chain().any(|c| {
-                    matches!(
-                        c.downcast_ref::<ArtifactError>(),
-                        Some(ArtifactError::VersionExists { .. } | ArtifactError::Claimed { .. })
-                    )
-                });
-                let why = if taken {
-                    " (the artifact store holds versions this registry database does not \
-                     know: another database, or this one restored from an older backup, \
-                     wrote or is writing there)"
-                } else {
-                    ""
-                };
-                return Err(e.context(format!(
-                    "upload of {}:{} failed; the version is marked FAILED_REGISTRATION{why}",
-                    r.name, pending.version
-                )));
-            }
+        registration::Files::Dir {
+            dir,
+            store_url: &store_url,
         }
     } else if let Some(url) = &r.from {
-        let url = url.trim_end_matches('/').to_owned();
-        let manifest = rt.block_on(async {
-            let store = open_store(&url, false)?;
-            let m = artifacts::read_manifest(&store, &url).await?;
-            check_files(&store, m.files(), r.sizes_only).await?;
-            Ok::<_, anyhow::Error>(m)
-        })?;
-        new.source = url.clone();
-        reg.register_version(actor, &new, Some(&Artifacts { url, manifest }))?
-    } else if let Some(ckpt_url) = &r.from_ckpt {
-        let run = r.run.clone().unwrap_or_default();
-        let step = r.step.unwrap_or_default();
-        let ckpt_url = ckpt_url.trim_end_matches('/').to_owned();
-        let (art, link, c) = rt.block_on(from_checkpoint(&ckpt_url, &run, step, r.sizes_only))?;
-        new.source = format!("{ckpt_url} run {run} step {step}");
-        if new.lineage.run_id.is_none() {
-            new.lineage.run_id = Some(run.clone());
+        registration::Files::Stored {
+            url,
+            sizes_only: r.sizes_only,
         }
-        new.lineage.checkpoint = Some(link);
-        // The version is READY only once its checkpoint is pinned (so gc
-        // cannot delete what a READY version names). The pin's reason
-        // names the version, so `keel ckpt ls` shows which one holds it.
-        let pending = reg.reserve_version(actor, &new)?;
-        match rt.block_on(pin_checkpoint(&ckpt_url, &run, c, &r.name, pending.version)) {
-            Ok(()) => reg.complete_version(actor, &r.name, pending.version, &art)?,
-            Err(e) => {
-                let _ = reg.fail_version(actor, &r.name, pending.version, &format!("{e:#}"));
-                return Err(e.context(format!(
-                    "could not pin the checkpoint for {}:{}; the version is marked FAILED_REGISTRATION",
-                    r.name, pending.version
-                )));
-            }
+    } else if let Some(url) = &r.from_ckpt {
+        registration::Files::Checkpoint {
+            url,
+            run: r.run.as_deref().unwrap_or_default(),
+            step: r.step.unwrap_or_default(),
+            sizes_only: r.sizes_only,
         }
     } else {
         return Err(UsageError(
@@ -678,6 +600,21 @@ fn register(
         )
         .into());
     };
+    let who = registration::Registrant {
+        actor: cfg.actor.clone(),
+        host: crate::ckpt::hostname(),
+        pid: std::process::id(),
+        now: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default(),
+    };
+    let v = runtime()?.block_on(registration::register(
+        reg,
+        new,
+        files,
+        &store_options(false),
+        &who,
+    ))?;
     if out.json {
         out.json("model register", &json!({ "model_version": v }))?;
     } else {
@@ -692,114 +629,6 @@ fn register(
         ))?;
     }
     Ok(Code::Ok)
-}
-
-/// Checks the files a manifest lists: every byte against its SHA-256, or
-/// with `sizes_only` that each is stored with its size.
-async fn check_files(store: &Store, files: &[FileEntry], sizes_only: bool) -> anyhow::Result<()> {
-    if sizes_only {
-        return check_present(store, files).await;
-    }
-    let bad = artifacts::check_stored(store, files, &TransferOptions::default()).await?;
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(ArtifactError::Corrupt { bad }.into())
-    }
-}
-
-/// Checks that every file a manifest lists is stored with its size (a
-/// cheap check; `verify` reads every byte).
-async fn check_present(store: &Store, files: &[FileEntry]) -> anyhow::Result<()> {
-    let mut bad = Vec::new();
-    for f in files {
-        match store.head(&f.name).await? {
-            None => bad.push(artifacts::BadObject {
-                name: f.name.clone(),
-                reason: "missing from storage".into(),
-            }),
-            Some(h) if h.size != f.size => bad.push(artifacts::BadObject {
-                name: f.name.clone(),
-                reason: format!("{} bytes, the manifest says {}", h.size, f.size),
-            }),
-            Some(_) => {}
-        }
-    }
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(ArtifactError::Corrupt { bad }.into())
-    }
-}
-
-async fn from_checkpoint(
-    url: &str,
-    run: &str,
-    step: u64,
-    sizes_only: bool,
-) -> anyhow::Result<(Artifacts, keel_registry::CheckpointLink, keel_ckpt::CkptRef)> {
-    let store = open_store(url, false)?;
-    let ckpt = keel_ckpt::Ckpt::new(&store, run)?;
-    let refs = ckpt.resolve(keel_ckpt::Selector::Step(step)).await?;
-    let c = refs
-        .first()
-        .copied()
-        .ok_or_else(|| keel_ckpt::CkptError::NoSuchStep {
-            run: run.to_owned(),
-            step,
-        })?;
-    let (manifest, meta) =
-        ckpt.manifest(c)
-            .await?
-            .ok_or_else(|| keel_ckpt::CkptError::NoSuchStep {
-                run: run.to_owned(),
-                step,
-            })?;
-    let data = keel_ckpt::layout::data_prefix(c.step, c.epoch, &meta.attempt);
-    let link = keel_registry::CheckpointLink {
-        url: url.to_owned(),
-        run: run.to_owned(),
-        step,
-        manifest_digest: manifest.subject_digest().hex(),
-    };
-    let art = Artifacts {
-        url: format!("{url}/{run}/{data}"),
-        manifest,
-    };
-    // The data must still be there, intact (GC may have run before the pin).
-    check_files(
-        &open_store(&art.url, false)?,
-        art.manifest.files(),
-        sizes_only,
-    )
-    .await?;
-    Ok((art, link, c))
-}
-
-async fn pin_checkpoint(
-    url: &str,
-    run: &str,
-    c: keel_ckpt::CkptRef,
-    model: &str,
-    version: u64,
-) -> anyhow::Result<()> {
-    let store = open_store(url, false)?;
-    let ckpt = keel_ckpt::Ckpt::new(&store, run)?;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let ctx = keel_ckpt::Context {
-        now_unix: now.as_secs() as i64,
-        host: crate::ckpt::hostname(),
-        nonce: now.as_nanos() as u64 ^ u64::from(std::process::id()),
-    };
-    ckpt.pin_ref(
-        c,
-        &format!("registered as model version {model}:{version}"),
-        &ctx,
-    )
-    .await?;
-    Ok(())
 }
 
 // ----- reading ----------------------------------------------------------------
