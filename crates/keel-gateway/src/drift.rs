@@ -46,15 +46,8 @@ use keel_canary::drift::{
 use serde_json::{json, Value};
 
 use crate::drift_baseline::{Baseline, BaselineFeature, BaselineFile, BASELINE_VERSION};
-
-/// The output features, in the order [`values`] gives them.
-pub const FEATURES: [&str; 5] = [
-    "completion_tokens",
-    "answer_chars",
-    "latency_ms",
-    "finish_reason",
-    "prompt_tokens",
-];
+use crate::drift_features::{label_char, MAX_TENSOR_NAME};
+pub use crate::drift_features::{valid_input_label, FEATURES, MAX_INPUT_FEATURES};
 
 /// The output features that clients and load control rather than the
 /// model: the prompt's length (the client's choice) and the latency (the
@@ -66,9 +59,6 @@ pub const FEATURES: [&str; 5] = [
 /// latency against the stable version over the same period instead.
 pub const REPORTED_ONLY: [&str; 2] = ["latency_ms", "prompt_tokens"];
 
-/// Input features a model's version keeps at most (the first ones
-/// admitted, or a baseline's).
-pub const MAX_INPUT_FEATURES: usize = 32;
 /// Distinct requests an input feature must be seen in before it is
 /// watched (without a baseline): a few requests with other tensors cannot
 /// take the [`MAX_INPUT_FEATURES`] slots.
@@ -84,8 +74,6 @@ pub const INPUT_BINS: usize = 10;
 /// Reference values an input feature's bins are learnt from, at most
 /// (the rest of its reference fills those bins).
 pub const LEARN_VALUES: usize = 4096;
-/// The longest tensor name kept in a feature label.
-const MAX_TENSOR_NAME: usize = 48;
 
 fn edges(feature: usize) -> Vec<f64> {
     match feature {
@@ -117,15 +105,6 @@ fn values(s: &Sample, prompt_tokens: Option<u64>) -> [Option<f64>; 5] {
         }),
         prompt_tokens.map(|p| p as f64),
     ]
-}
-
-fn label_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')
-}
-
-/// Whether `t` (after `input.`) is a label [`oip_inputs`] can produce.
-pub fn valid_input_label(t: &str) -> bool {
-    !t.is_empty() && t.len() <= MAX_TENSOR_NAME + 12 && t.chars().all(label_char)
 }
 
 /// A tensor name as a label: characters other than letters, digits, `_`,

@@ -16,7 +16,7 @@
 //! Each feature is a histogram: `edges` strictly increasing and finite,
 //! `counts` one more than the edges (below the first edge, between two,
 //! from the last one up), not all zero. Feature names are the output
-//! features of [`crate::drift::FEATURES`] and OIP input features
+//! features of [`crate::drift_features::FEATURES`] and OIP input features
 //! (`input.TENSOR` or `input.TENSOR.COLUMN`). A file that does not read
 //! or does not pass these checks is an error at start, never ignored.
 
@@ -81,10 +81,10 @@ pub struct Baseline {
 
 /// Whether `name` is a feature a baseline may hold.
 pub fn known_feature(name: &str) -> bool {
-    crate::drift::FEATURES.contains(&name)
+    crate::drift_features::FEATURES.contains(&name)
         || name
             .strip_prefix("input.")
-            .is_some_and(crate::drift::valid_input_label)
+            .is_some_and(crate::drift_features::valid_input_label)
 }
 
 /// The largest baseline file read: a regular file
@@ -146,10 +146,10 @@ impl Baseline {
             .iter()
             .filter(|f| f.name.starts_with("input."))
             .count();
-        if inputs > crate::drift::MAX_INPUT_FEATURES {
+        if inputs > crate::drift_features::MAX_INPUT_FEATURES {
             return Err(format!(
                 "{inputs} input features; at most {} are kept",
-                crate::drift::MAX_INPUT_FEATURES
+                crate::drift_features::MAX_INPUT_FEATURES
             ));
         }
         let mut histograms = Vec::with_capacity(file.features.len());
@@ -158,7 +158,7 @@ impl Baseline {
             if !known_feature(&f.name) {
                 return Err(format!(
                     "feature {name:?} is neither one of {:?} nor input.TENSOR[.COLUMN]",
-                    crate::drift::FEATURES
+                    crate::drift_features::FEATURES
                 ));
             }
             if histograms.iter().any(|(n, _)| *n == f.name) {

@@ -28,6 +28,7 @@ pub mod digits;
 pub mod drift;
 pub mod drift_action;
 pub mod drift_baseline;
+pub mod drift_features;
 pub mod error;
 pub mod fnv;
 pub mod gateway;
