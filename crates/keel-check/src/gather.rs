@@ -156,7 +156,7 @@ fn settled_snapshot(
 pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs {
     let base = root.to_path_buf();
     let machine = match with_timeout(opts.timeout, move || {
-        keel_topo::read_machine(&Root::new(base)).map_err(|e| error_chain(&e))
+        keel_topo::read_machine(&Root::new(base)).map_err(|e| keel_error::one_line(&e))
     }) {
         Some(r) => r,
         None => Err(format!(
@@ -180,17 +180,6 @@ pub fn gather(root: &Path, probe: &dyn GpuProbe, opts: &GatherOptions) -> Inputs
         previous,
         clock_watch,
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 fn read_small(root: &Path, rel: &str) -> Option<String> {

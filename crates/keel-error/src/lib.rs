@@ -72,6 +72,19 @@ pub fn kind_of(err: &(dyn Error + 'static), classifiers: &[Classifier]) -> Optio
     None
 }
 
+/// An error and its sources on one line, `: `-separated (for a log line
+/// or a stored status message).
+pub fn one_line(e: &(dyn Error + '_)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +138,12 @@ mod tests {
         );
         assert_eq!(kind_of(&Unknown, &[inner_only]), None);
         assert_eq!(kind_of(&Inner, &[]), None);
+    }
+
+    #[test]
+    fn one_line_joins_the_chain() {
+        assert_eq!(one_line(&Outer(Inner)), "outer: inner");
+        assert_eq!(one_line(&Inner), "inner");
     }
 
     #[test]

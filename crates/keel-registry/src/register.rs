@@ -10,7 +10,6 @@
 //! the checkpoint's garbage collection cannot delete what a READY version
 //! names; the pin's reason names the version (`keel ckpt ls` shows it).
 
-use std::error::Error as _;
 use std::path::{Path, PathBuf};
 
 use keel_store::{FileEntry, Store, StoreError, StoreOptions, StoreUrl, TransferOptions};
@@ -144,7 +143,12 @@ pub async fn register(
                     &Artifacts { url, manifest },
                 )?),
                 Err(e) => {
-                    let _ = reg.fail_version(actor, &new.model, pending.version, &chain(&e));
+                    let _ = reg.fail_version(
+                        actor,
+                        &new.model,
+                        pending.version,
+                        &keel_error::one_line(&e),
+                    );
                     let taken = matches!(
                         e,
                         RegisterError::Artifact(
@@ -185,7 +189,12 @@ pub async fn register(
             match pin_checkpoint(url, run, c, &new.model, pending.version, opts, who).await {
                 Ok(()) => Ok(reg.complete_version(actor, &new.model, pending.version, &art)?),
                 Err(e) => {
-                    let _ = reg.fail_version(actor, &new.model, pending.version, &chain(&e));
+                    let _ = reg.fail_version(
+                        actor,
+                        &new.model,
+                        pending.version,
+                        &keel_error::one_line(&e),
+                    );
                     Err(RegisterError::Pin {
                         model: new.model.clone(),
                         version: pending.version,
@@ -306,18 +315,6 @@ async fn pin_checkpoint(
     )
     .await?;
     Ok(())
-}
-
-/// An error and its sources, as one line (`a: b: c`).
-fn chain(e: &RegisterError) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -58,14 +58,7 @@ pub enum TrackingError {
 impl TrackingError {
     /// The error and its causes, `: `-separated, for a log line.
     pub fn chain(&self) -> String {
-        let mut s = self.to_string();
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            s.push_str(": ");
-            s.push_str(&c.to_string());
-            cause = c.source();
-        }
-        s
+        keel_error::one_line(self)
     }
 }
 
