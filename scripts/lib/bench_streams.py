@@ -598,7 +598,7 @@ def main():
                     try:
                         rec = run_one(a, work, name, t, n, b1.pid)
                     except Exception as e:
-                        rec = {"target": name, "streams": n, "error": str(e)[:400]}
+                        rec = {"target": name, "streams": n, "features": t.get("features", ""), "error": str(e)[:400]}
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
                     lm = rec.get("load") or {}

@@ -1140,6 +1140,24 @@ mod tests {
         }
 
         #[test]
+        fn push_bytes_passes_on_what_push_does_for_any_bytes(
+            data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+            split in 1usize..64,
+            strip in proptest::prelude::any::<bool>(),
+        ) {
+            let (mut a, mut b) = (SseFilter::new(strip), SseFilter::new(strip));
+            let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+            for c in data.chunks(split) {
+                out_a.extend(a.push(c));
+                out_b.extend_from_slice(&b.push_bytes(Bytes::copy_from_slice(c)));
+            }
+            out_a.extend(a.finish());
+            out_b.extend(b.finish());
+            proptest::prop_assert_eq!(out_a, out_b);
+            proptest::prop_assert_eq!((a.usage, a.done, a.events), (b.usage, b.done, b.events));
+        }
+
+        #[test]
         fn audit_verify_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
             let _ = crate::audit::verify(&data[..]);
         }
