@@ -7,7 +7,8 @@
 //! - [`Monotonic`] is the monotonic clock ([`Instant`]), for durations and
 //!   deadlines: health checks, benchmarks, the exporter's scrapes.
 //! - [`SystemClock`] is both, reading the system; the binary hands it in.
-//!   [`FixedClock`], [`ManualClock`] and [`FrozenClock`] are for tests.
+//!   [`FixedClock`], [`ManualClock`], [`FrozenClock`] and [`SteppedClock`]
+//!   are for tests.
 //! - [`calendar`] is the proleptic Gregorian calendar in UTC (Howard
 //!   Hinnant's `days_from_civil` and `civil_from_days`), RFC 3339 text
 //!   and the parsers of the two timestamp shapes keel reads (`sacct`'s
@@ -23,7 +24,7 @@ pub mod calendar;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use calendar::{
     civil_from_days, date, date_time, day_end_ms, day_of, days_from_civil, month_end_ms, month_of,
@@ -44,9 +45,19 @@ pub trait Clock: Send + Sync + fmt::Debug {
     }
 }
 
-/// The monotonic clock, for durations and deadlines.
+/// The monotonic clock, for durations and deadlines, and the waits taken
+/// on it.
 pub trait Monotonic: Send + Sync + fmt::Debug {
     fn now(&self) -> Instant;
+
+    /// Takes a wait of `d` on this clock and returns how long the caller
+    /// really sleeps (`std::thread::sleep(clock.wait(d))`, or tokio's
+    /// sleep): `d` itself on the system's clock. A test clock
+    /// ([`SteppedClock`]) moves forward by `d` and asks for at most a
+    /// millisecond, so deadlines arrive without being waited for.
+    fn wait(&self, d: Duration) -> Duration {
+        d
+    }
 }
 
 /// The system's clocks: [`SystemTime`] for [`Clock`] (a time before the
@@ -115,6 +126,48 @@ impl Monotonic for FrozenClock {
     }
 }
 
+/// A monotonic clock that moves only by the waits taken on it and by
+/// [`SteppedClock::advance`] (tests): a loop that waits 100 ms a turn sees
+/// 100 ms pass each turn while it really sleeps a millisecond.
+#[derive(Debug)]
+pub struct SteppedClock {
+    base: Instant,
+    offset_ns: AtomicU64,
+}
+
+impl Default for SteppedClock {
+    fn default() -> Self {
+        SteppedClock {
+            base: Instant::now(),
+            offset_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl SteppedClock {
+    /// Moves the clock forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.offset_ns.fetch_add(ns, Ordering::SeqCst);
+    }
+
+    /// How far the clock has moved since it was made.
+    pub fn elapsed(&self) -> Duration {
+        Duration::from_nanos(self.offset_ns.load(Ordering::SeqCst))
+    }
+}
+
+impl Monotonic for SteppedClock {
+    fn now(&self) -> Instant {
+        self.base + self.elapsed()
+    }
+
+    fn wait(&self, d: Duration) -> Duration {
+        self.advance(d);
+        d.min(Duration::from_millis(1))
+    }
+}
+
 /// Milliseconds since the epoch of a [`SystemTime`]; `None` before the
 /// epoch.
 pub fn unix_ms(t: SystemTime) -> Option<u64> {
@@ -126,6 +179,20 @@ pub fn unix_ms(t: SystemTime) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stepped_clock_moves_by_its_waits() {
+        let c = SteppedClock::default();
+        let t0 = c.now();
+        assert_eq!(c.wait(Duration::from_secs(30)), Duration::from_millis(1));
+        assert_eq!(c.wait(Duration::from_micros(10)), Duration::from_micros(10));
+        c.advance(Duration::from_secs(2));
+        assert_eq!(c.now() - t0, Duration::from_micros(32_000_010));
+        assert_eq!(
+            SystemClock.wait(Duration::from_secs(3)),
+            Duration::from_secs(3)
+        );
+    }
 
     #[test]
     fn manual_clock_moves_when_told() {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use keel_ckpt::watch::{WatchEvent, Watcher};
 use keel_ckpt::{Ckpt, Selector};
 use keel_store::TransferOptions;
-use keel_time::Clock;
+use keel_time::{Clock, Monotonic};
 pub use rustix::process::Signal;
 
 mod endpoint;
@@ -220,9 +220,26 @@ impl SuperviseError {
 struct Shell {
     out: Arc<dyn Console>,
     clock: Arc<dyn Clock>,
+    /// Durations, deadlines and every wait.
+    mono: Arc<dyn Monotonic>,
 }
 
 impl Shell {
+    /// The monotonic clock's now.
+    fn instant(&self) -> Instant {
+        self.mono.now()
+    }
+
+    /// Since `t` on the monotonic clock.
+    fn since(&self, t: Instant) -> Duration {
+        self.mono.now().saturating_duration_since(t)
+    }
+
+    /// Waits `d` on the monotonic clock (a blocking sleep).
+    fn sleep(&self, d: Duration) {
+        std::thread::sleep(self.mono.wait(d));
+    }
+
     fn say(&self, msg: &str) {
         self.out.say(msg);
     }
@@ -300,12 +317,12 @@ fn stop(sh: &Shell, child: &mut dyn Trainer, grace: Duration) -> Option<std::pro
         return Some(s);
     }
     child.signal(Signal::TERM);
-    let until = Instant::now() + grace;
-    while Instant::now() < until {
+    let until = sh.instant() + grace;
+    while sh.instant() < until {
         if let Some(s) = child.try_wait() {
             return Some(s);
         }
-        std::thread::sleep(Duration::from_millis(50));
+        sh.sleep(Duration::from_millis(50));
     }
     sh.say("the trainer ignored SIGTERM; sending SIGKILL");
     child.signal(Signal::KILL);
@@ -395,7 +412,7 @@ async fn push_pass(
     };
     let saving = saving_now(watcher_root, marker, at.last_step);
     if saving && det.phase() == crate::Phase::Training {
-        det.save_started(origin.elapsed());
+        det.save_started(sh.since(origin));
     }
     for ev in events {
         match ev {
@@ -412,7 +429,7 @@ async fn push_pass(
                     .min(now);
                 at.times.last_commit_ms =
                     Some(at.times.last_commit_ms.map_or(written, |p| p.max(written)));
-                det.save_committed(origin.elapsed());
+                det.save_committed(sh.since(origin));
                 sh.say(&format!(
                     "committed step {} from {}",
                     report.checkpoint.step,
@@ -510,12 +527,14 @@ impl StopSignal {
     }
 }
 
-/// The supervisor with its seams: where it speaks, its wall clock, how it
+/// The supervisor with its seams: where it speaks, its wall clock, its
+/// monotonic clock (durations, deadlines and every wait), how it
 /// starts the trainer, and where its stop signals come from (by default
 /// the process's SIGTERM, SIGUSR1 and SIGUSR2, taken from the start).
 pub struct Supervisor {
     out: Arc<dyn Console>,
     clock: Arc<dyn Clock>,
+    mono: Arc<dyn Monotonic>,
     launcher: Box<dyn Launcher>,
     signals: Mutex<Option<mpsc::Receiver<StopSignal>>>,
 }
@@ -532,6 +551,7 @@ impl Supervisor {
         Supervisor {
             out,
             clock,
+            mono: Arc::new(keel_time::SystemClock),
             launcher: Box::new(ProcessLauncher),
             signals: Mutex::new(None),
         }
@@ -540,6 +560,13 @@ impl Supervisor {
     /// Starts trainers with `launcher`.
     pub fn with_launcher(mut self, launcher: Box<dyn Launcher>) -> Self {
         self.launcher = launcher;
+        self
+    }
+
+    /// Measures durations and deadlines, and takes its waits, on `mono`
+    /// (by default the system's monotonic clock).
+    pub fn with_monotonic(mut self, mono: Arc<dyn Monotonic>) -> Self {
+        self.mono = mono;
         self
     }
 
@@ -559,6 +586,7 @@ impl Supervisor {
         let sh = &Shell {
             out: self.out.clone(),
             clock: self.clock.clone(),
+            mono: self.mono.clone(),
         };
         attempt(plan, sh, self.launcher.as_ref(), signals).await
     }
@@ -570,7 +598,7 @@ async fn attempt(
     launcher: &dyn Launcher,
     signals: Option<mpsc::Receiver<StopSignal>>,
 ) -> Result<Conclusion, SuperviseError> {
-    let started = Instant::now();
+    let started = sh.instant();
     let mut at = Attempt {
         times: AttemptTimes {
             started_ms: sh.now_ms(),
@@ -673,9 +701,9 @@ async fn attempt(
             let d = decide(&outcome, &history, &[], &plan.policy);
             return conclude(sh, plan, &outcome, d, at, None);
         }
-        let t = Instant::now();
+        let t = sh.instant();
         let reports = check_nodes(sh, m);
-        at.times.preflight_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(0);
+        at.times.preflight_ms = u64::try_from(sh.since(t).as_millis()).unwrap_or(0);
         let bad: Vec<String> = reports
             .iter()
             .filter(|r| matches!(r.verdict, crate::Verdict::Unhealthy { .. }))
@@ -703,7 +731,7 @@ async fn attempt(
     // Resume from the newest checkpoint that verifies.
     let ck = Ckpt::new(&plan.store, &plan.run)?;
     let topts = TransferOptions::default();
-    let restore_started = Instant::now();
+    let restore_started = sh.instant();
     let latest = ck
         .latest()
         .await
@@ -747,7 +775,7 @@ async fn attempt(
     } else {
         sh.say("no checkpoint yet: starting fresh");
     }
-    at.times.restore_ms = u64::try_from(restore_started.elapsed().as_millis()).unwrap_or(0);
+    at.times.restore_ms = u64::try_from(sh.since(restore_started).as_millis()).unwrap_or(0);
 
     // Scheduled Events, on their own thread: a failure there is logged
     // and never ends training.
@@ -849,7 +877,7 @@ async fn attempt(
     let mut failed_nodes: Vec<String> = Vec::new();
 
     let origin = started;
-    let mut det = HangDetector::new(plan.hang, origin.elapsed());
+    let mut det = HangDetector::new(plan.hang, sh.since(origin));
     let mut watcher = Watcher::new(
         ck,
         &plan.ckpt_dir,
@@ -862,7 +890,7 @@ async fn attempt(
         std::collections::BTreeMap::new();
     let mut commits_seen = 0u64;
     let mut last_commit: Option<Duration> = None;
-    let mut next_pass = Instant::now();
+    let mut next_pass = sh.instant();
     // Set when asked to checkpoint now: the deadline, the commits seen
     // when asked, and the event to acknowledge.
     let mut draining: Option<Draining> = None;
@@ -903,7 +931,7 @@ async fn attempt(
             )
             .await?;
             // srun's last lines name the nodes whose tasks failed.
-            std::thread::sleep(Duration::from_millis(200));
+            sh.sleep(Duration::from_millis(200));
             while let Ok(note) = rx.try_recv() {
                 if let Note::TaskFailed(node) = note {
                     if !failed_nodes.contains(&node) {
@@ -927,7 +955,7 @@ async fn attempt(
         }
         while let Ok(note) = rx.try_recv() {
             match note {
-                Note::Heartbeat => det.beat(origin.elapsed()),
+                Note::Heartbeat => det.beat(sh.since(origin)),
                 Note::Tick => {}
                 Note::TaskFailed(node) => {
                     if !failed_nodes.contains(&node) {
@@ -954,7 +982,7 @@ async fn attempt(
                         ));
                         request_checkpoint(sh, plan, child.as_ref(), name);
                         draining = Some(Draining {
-                            deadline: Instant::now() + waits.checkpoint_deadline,
+                            deadline: sh.instant() + waits.checkpoint_deadline,
                             grace: waits.grace,
                             commits_then: at.commits,
                             event: None,
@@ -983,7 +1011,7 @@ async fn attempt(
                         ));
                         request_checkpoint(sh, plan, child.as_ref(), &kind);
                         draining = Some(Draining {
-                            deadline: Instant::now() + waits.checkpoint_deadline,
+                            deadline: sh.instant() + waits.checkpoint_deadline,
                             grace: waits.grace,
                             commits_then: at.commits,
                             event: Some((id, resources, job_vms)),
@@ -996,11 +1024,11 @@ async fn attempt(
             let m = mtime(f);
             if m.is_some() && m != heartbeat_mtime {
                 heartbeat_mtime = m;
-                det.beat(origin.elapsed());
+                det.beat(sh.since(origin));
             }
         }
         if let Some(d) = &plan.heartbeat_dir {
-            let now = origin.elapsed();
+            let now = sh.since(origin);
             for (name, m) in heartbeat_files(d) {
                 let room = per_name.len() < 4096;
                 match per_name.get_mut(&name) {
@@ -1026,8 +1054,8 @@ async fn attempt(
             }
             commits_seen = at.commits;
         }
-        if Instant::now() >= next_pass {
-            let before = Instant::now();
+        if sh.instant() >= next_pass {
+            let before = sh.instant();
             push_pass(
                 sh,
                 &plan.host,
@@ -1041,9 +1069,9 @@ async fn attempt(
             )
             .await?;
             if draining.is_some() {
-                at.times.stall_ms += u64::try_from(before.elapsed().as_millis()).unwrap_or(0);
+                at.times.stall_ms += u64::try_from(sh.since(before).as_millis()).unwrap_or(0);
             }
-            next_pass = Instant::now() + plan.watch_interval;
+            next_pass = sh.instant() + plan.watch_interval;
         }
         if let Some(Draining {
             deadline,
@@ -1053,7 +1081,7 @@ async fn attempt(
         }) = &draining
         {
             let committed = at.commits > *commits_then;
-            if committed || Instant::now() >= *deadline {
+            if committed || sh.instant() >= *deadline {
                 if committed {
                     sh.say("the checkpoint is committed; stopping the trainer");
                 } else {
@@ -1102,8 +1130,8 @@ async fn attempt(
                 break;
             }
         } else if let Some((names, silent_for, timeout)) = (det.phase() == crate::Phase::Training
-            && last_commit.is_none_or(|c| origin.elapsed() > c + det.training_timeout()))
-        .then(|| stopped_names(&per_name, origin.elapsed()))
+            && last_commit.is_none_or(|c| sh.since(origin) > c + det.training_timeout()))
+        .then(|| stopped_names(&per_name, sh.since(origin)))
         .flatten()
         {
             let hung = Hung {
@@ -1142,7 +1170,7 @@ async fn attempt(
             phase,
             silent_for,
             timeout,
-        } = det.check(origin.elapsed())
+        } = det.check(sh.since(origin))
         {
             let hung = Hung {
                 message: format!(
@@ -1170,7 +1198,7 @@ async fn attempt(
             break;
         }
         {
-            let now = origin.elapsed();
+            let now = sh.since(origin);
             let mut m = metrics.lock().unwrap_or_else(|e| e.into_inner());
             m.phase = if draining.is_some() {
                 "draining"
@@ -1184,7 +1212,7 @@ async fn attempt(
             m.hang_timeout_s = det.timeout().as_secs_f64();
             m.silent_s = now.saturating_sub(det.last()).as_secs_f64();
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(sh.mono.wait(Duration::from_millis(100))).await;
     }
 
     let mut outcome = outcome;

@@ -29,7 +29,7 @@ pub(super) fn poll_notice(
                 }
             }
         }
-        std::thread::sleep(every);
+        sh.sleep(every);
         if tx.send(Note::Tick).is_err() {
             return;
         }
@@ -91,7 +91,7 @@ pub(super) fn poll_imds(
                     ));
                     warned = true;
                 }
-                std::thread::sleep(Duration::from_secs(1));
+                sh.sleep(Duration::from_secs(1));
             }
         }
     };
@@ -136,7 +136,7 @@ pub(super) fn poll_imds(
                 }
             }
         }
-        std::thread::sleep(Duration::from_secs(1));
+        sh.sleep(Duration::from_secs(1));
         // The supervisor is gone when nobody listens.
         if tx.send(Note::Tick).is_err() {
             return;

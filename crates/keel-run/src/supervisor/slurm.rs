@@ -47,12 +47,12 @@ pub(super) fn check_nodes(sh: &Shell, m: &SlurmMode) -> Vec<crate::NodeReport> {
         .stdout(Stdio::null());
     match cmd.spawn() {
         Ok(mut c) => {
-            let until = Instant::now() + m.check_timeout;
+            let until = sh.instant() + m.check_timeout;
             loop {
                 match c.try_wait() {
                     Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < until => {
-                        std::thread::sleep(Duration::from_millis(100));
+                    Ok(None) if sh.instant() < until => {
+                        sh.sleep(Duration::from_millis(100));
                     }
                     _ => {
                         sh.say("the node checks did not finish in time; stopping them");

@@ -388,3 +388,77 @@ fn a_trainer_that_cannot_start_is_a_usage_error_and_nothing_is_recorded() {
     );
     assert!(!plan.state.exists());
 }
+
+#[test]
+fn production_sized_waits_pass_on_the_injected_monotonic_clock() {
+    // A trainer that ignores the checkpoint request and SIGTERM, with a
+    // 2-minute checkpoint deadline and a 1-minute grace: the supervisor
+    // waits both out on a stepped clock, in a fraction of their length.
+    let bed = Bed::new();
+    let mut plan = bed.plan();
+    plan.hang.startup = Duration::from_secs(3600);
+    plan.checkpoint_deadline = Duration::from_secs(120);
+    plan.grace = Duration::from_secs(60);
+    let shared = bed.shared.clone();
+    let sup = bed.supervisor(Arc::new(move |_ctl: &mut Ctl| {
+        shared.wait_signal(Signal::KILL);
+        0
+    }));
+    let mono = Arc::new(keel_time::SteppedClock::default());
+    let (tx, rx) = mpsc::channel();
+    let sup = sup.with_signals(rx).with_monotonic(mono.clone());
+    tx.send(StopSignal::Usr2).expect("test setup");
+    let real = std::time::Instant::now();
+    let c = rt().block_on(sup.run(&plan)).expect("an attempt");
+    assert!(
+        real.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        real.elapsed()
+    );
+    assert_eq!(c.outcome, Ended::Preempted, "{c:?}");
+    assert_eq!(c.commits, 0);
+    assert_eq!(
+        bed.shared.signals(),
+        [Signal::USR1, Signal::TERM, Signal::KILL]
+    );
+    let waited = mono.elapsed();
+    assert!(
+        waited >= Duration::from_secs(180) && waited < Duration::from_secs(3600),
+        "the deadline and the grace, not the start-up timeout: {waited:?}"
+    );
+    let said = bed.console.said.lock().expect("lock").join("\n");
+    assert!(
+        said.contains("no checkpoint was committed before the deadline"),
+        "{said}"
+    );
+    assert!(said.contains("ignored SIGTERM; sending SIGKILL"), "{said}");
+}
+
+#[test]
+fn the_start_up_timeout_is_measured_on_the_injected_monotonic_clock() {
+    let bed = Bed::new();
+    let mut plan = bed.plan();
+    plan.hang.startup = Duration::from_secs(120);
+    plan.grace = Duration::from_secs(30);
+    let shared = bed.shared.clone();
+    let sup = bed.supervisor(Arc::new(move |_ctl: &mut Ctl| {
+        shared.wait_signal(Signal::KILL);
+        0
+    }));
+    let mono = Arc::new(keel_time::SteppedClock::default());
+    let sup = sup.with_monotonic(mono.clone());
+    let real = std::time::Instant::now();
+    let c = rt().block_on(sup.run(&plan)).expect("an attempt");
+    assert!(
+        real.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        real.elapsed()
+    );
+    assert_eq!(c.outcome, Ended::Failed, "{c:?}");
+    assert_eq!(bed.history(&plan).failures[0].cause, Cause::Hang);
+    let waited = mono.elapsed();
+    assert!(
+        waited >= Duration::from_secs(150) && waited < Duration::from_secs(300),
+        "{waited:?}"
+    );
+}
