@@ -27,6 +27,7 @@ mod gc;
 pub mod layout;
 mod ops;
 pub mod records;
+mod summary;
 pub mod watch;
 
 use std::path::PathBuf;
@@ -40,6 +41,7 @@ pub use ops::{
     VerifyReport,
 };
 pub use records::{CkptMeta, CkptRef, GenKind, GenRecord, PinRecord, UnpinRecord, WriterRecord};
+pub use summary::{Details, TransferSummary};
 
 /// What a library call needs from the world: the time, this host's name,
 /// and a random number for attempt ids.

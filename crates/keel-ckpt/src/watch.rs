@@ -150,3 +150,55 @@ impl Watcher {
         Ok(events)
     }
 }
+
+/// How [`Watcher::run`] paces its passes.
+#[derive(Debug, Clone, Copy)]
+pub enum Pace {
+    /// One pass, then return.
+    Once,
+    /// A pass, then a wait of this long, until told to stop or a pass
+    /// fails as a whole.
+    Every(std::time::Duration),
+}
+
+impl Watcher {
+    /// Passes as `pace` says, each event to `on_event` (which returns
+    /// `false` to stop after this pass), taking a fresh [`Context`] from
+    /// `ctx` for each pass. Returns whether any push failed; a pass that
+    /// fails as a whole (a fenced writer, the directory gone) ends the
+    /// watch with its error.
+    pub async fn run(
+        &mut self,
+        pace: Pace,
+        ctx: impl Fn() -> Context,
+        opts: &TransferOptions,
+        mut on_event: impl FnMut(WatchEvent) -> bool,
+    ) -> Result<WatchSummary, CkptError> {
+        let mut sum = WatchSummary::default();
+        loop {
+            let mut go_on = true;
+            for ev in self.pass(&ctx(), opts).await? {
+                match &ev {
+                    WatchEvent::Pushed { .. } => sum.pushed += 1,
+                    WatchEvent::Skipped { .. } => sum.skipped += 1,
+                    WatchEvent::Failed { .. } => sum.failed += 1,
+                }
+                go_on &= on_event(ev);
+            }
+            sum.passes += 1;
+            match pace {
+                Pace::Every(d) if go_on => tokio::time::sleep(d).await,
+                _ => return Ok(sum),
+            }
+        }
+    }
+}
+
+/// What a [`Watcher::run`] did, in counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WatchSummary {
+    pub passes: u64,
+    pub pushed: u64,
+    pub skipped: u64,
+    pub failed: u64,
+}

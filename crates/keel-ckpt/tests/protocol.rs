@@ -571,6 +571,82 @@ async fn watch_pushes_completed_and_survives_restart(env: Env) {
     assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(20));
 }
 
+async fn watch_run_paces_its_passes_and_stops_when_told(env: Env) {
+    use keel_ckpt::watch::{Pace, WatchEvent, WatchSummary, Watcher};
+    let ck = Ckpt::new(&env.store, "run-p").expect("ckpt");
+    let local = tempfile::tempdir().expect("tmp");
+    make_ckpt(local.path(), 1);
+    let mut w = Watcher::new(ck.clone(), local.path(), None, "job-p".into());
+    let mut seen = Vec::new();
+    let sum = w
+        .run(
+            Pace::Once,
+            || ctx(1),
+            &opts(),
+            |ev| {
+                seen.push(ev);
+                true
+            },
+        )
+        .await
+        .expect("run");
+    assert!(
+        matches!(seen.as_slice(), [WatchEvent::Pushed { .. }]),
+        "{seen:?}"
+    );
+    assert_eq!(
+        sum,
+        WatchSummary {
+            passes: 1,
+            pushed: 1,
+            skipped: 0,
+            failed: 0
+        }
+    );
+    // Every 10 ms until the caller says stop: here after the pass that
+    // pushes step 2, written when the third pass starts.
+    let passes = std::sync::atomic::AtomicU64::new(0);
+    let sum = w
+        .run(
+            Pace::Every(std::time::Duration::from_millis(10)),
+            || {
+                if passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 2 {
+                    make_ckpt(local.path(), 2);
+                }
+                ctx(2)
+            },
+            &opts(),
+            |ev| !matches!(ev, WatchEvent::Pushed { .. }),
+        )
+        .await
+        .expect("run");
+    assert_eq!(
+        sum,
+        WatchSummary {
+            passes: 3,
+            pushed: 1,
+            skipped: 0,
+            failed: 0
+        }
+    );
+    assert_eq!(ck.latest().await.expect("latest").map(|c| c.step), Some(2));
+    // A pass that fails as a whole ends the watch with its error.
+    drop(local);
+    let e = w
+        .run(
+            Pace::Every(std::time::Duration::from_millis(10)),
+            || ctx(3),
+            &opts(),
+            |_| true,
+        )
+        .await
+        .expect_err("the directory is gone");
+    assert!(
+        matches!(e, keel_ckpt::CkptError::NotADirectory { .. }),
+        "{e}"
+    );
+}
+
 async fn a_requeued_writer_skips_leftovers_and_pushes_a_retrained_step(env: Env) {
     let ck = Ckpt::new(&env.store, "run-r").expect("ckpt");
     let local = tempfile::tempdir().expect("tmp");
@@ -708,6 +784,7 @@ suite!(
     fenced_writer_cannot_commit_or_publish,
     gc_keeps_what_it_must_and_deletes_commit_first,
     watch_pushes_completed_and_survives_restart,
+    watch_run_paces_its_passes_and_stops_when_told,
     bad_input_changes_nothing,
     gc_grace_periods_at_the_limits_of_time,
     gc_keeps_a_checkpoint_committed_but_not_yet_published,

@@ -14,8 +14,8 @@ use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
-use keel_ckpt::watch::{WatchEvent, Watcher};
-use keel_ckpt::{Ckpt, CkptRef, Context, GcPolicy, Order, PushRequest, Selector};
+use keel_ckpt::watch::{Pace, WatchEvent, Watcher};
+use keel_ckpt::{Ckpt, CkptRef, Context, GcPolicy, Order, PushRequest, Selector, TransferSummary};
 use keel_store::{Bandwidth, Limiter, Progress, Store, StoreOptions, StoreUrl, TransferOptions};
 
 use crate::exit::{Code, UsageError};
@@ -436,31 +436,6 @@ fn utc(t: i64) -> String {
     keel_time::rfc3339_secs(t)
 }
 
-/// Bytes, files, time and rate of one transfer, for JSON.
-#[derive(Debug, Serialize)]
-struct Summary {
-    bytes: u64,
-    files: usize,
-    duration_s: f64,
-    throughput_bytes_per_s: f64,
-    cap_bytes_per_s: Option<f64>,
-}
-
-fn summary(bytes: u64, files: usize, took: Duration, cap: Option<Bandwidth>) -> Summary {
-    let s = took.as_secs_f64();
-    Summary {
-        bytes,
-        files,
-        duration_s: (s * 1000.0).round() / 1000.0,
-        throughput_bytes_per_s: if s > 0.0 {
-            (bytes as f64 / s).round()
-        } else {
-            0.0
-        },
-        cap_bytes_per_s: cap.map(|c| c.bytes_per_sec()),
-    }
-}
-
 fn step_text(c: CkptRef) -> String {
     format!("step {} (epoch {})", c.step, c.epoch)
 }
@@ -506,14 +481,14 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
             drop(bar);
             let r =
                 r.with_context(|| format!("cannot push {} to {}", dir.display(), store.url()))?;
-            let sum = summary(r.bytes_uploaded, r.files, took, lim.cap());
+            let sum = TransferSummary::new(r.bytes_uploaded, r.files, took, lim.cap());
             if out.json {
                 #[derive(Serialize)]
                 struct Doc<'a> {
                     url: String,
                     #[serde(flatten)]
                     report: &'a keel_ckpt::PushReport,
-                    summary: Summary,
+                    summary: TransferSummary,
                 }
                 out.json(
                     "ckpt push",
@@ -577,33 +552,28 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
             let lim = limiter(transfer)?;
             let topts = transfer_options(transfer, lim)?;
             let mut w = Watcher::new(ck, dir, marker.clone(), writer_name(writer));
+            let pace = if *once {
+                Pace::Once
+            } else {
+                Pace::Every(Duration::from_secs_f64(*interval))
+            };
             let mut failed = false;
-            loop {
-                let events = w
-                    .pass(&context(), &topts)
-                    .await
-                    .with_context(|| format!("watching {}", dir.display()))?;
-                for ev in events {
-                    report_watch(&ev, out, &mut failed)?;
-                }
-                if *once {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_secs_f64(*interval)).await;
-            }
+            let mut rendering = Ok(());
+            w.run(pace, context, &topts, |ev| {
+                rendering = report_watch(&ev, out, &mut failed);
+                rendering.is_ok()
+            })
+            .await
+            .with_context(|| format!("watching {}", dir.display()))?;
+            rendering?;
             Ok(if failed { Code::Failed } else { Code::Ok })
         }
         CkptCommand::Latest { url, run } => {
             let store = open(url)?;
             let ck = Ckpt::new(&store, &run.run)?;
-            let latest = ck.latest().await?;
-            let meta = match latest {
-                Some(c) => ck
-                    .manifest(c)
-                    .await?
-                    .map(|(m, meta)| (m.total_bytes(), m.files().len(), meta)),
-                None => None,
-            };
+            let found = ck.latest_details().await?;
+            let latest = found.as_ref().map(|f| f.0);
+            let meta = found.and_then(|f| f.1);
             if out.json {
                 out.json(
                     "ckpt latest",
@@ -612,24 +582,25 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
                         "run": run.run,
                         "checkpoint": latest,
                         "step": latest.map(|c| c.step),
-                        "bytes": meta.as_ref().map(|m| m.0),
-                        "files": meta.as_ref().map(|m| m.1),
-                        "time": meta.as_ref().map(|m| utc(m.2.time)),
-                        "writer": meta.as_ref().map(|m| m.2.writer.clone()),
-                        "metrics": meta.as_ref().map(|m| m.2.metrics.clone()),
+                        "bytes": meta.as_ref().map(|m| m.bytes),
+                        "files": meta.as_ref().map(|m| m.files),
+                        "time": meta.as_ref().map(|m| utc(m.meta.time)),
+                        "writer": meta.as_ref().map(|m| m.meta.writer.clone()),
+                        "metrics": meta.as_ref().map(|m| m.meta.metrics.clone()),
                     }),
                 )?;
             } else {
                 match (latest, &meta) {
-                    (Some(c), Some((bytes, files, m))) => out.text(&format!(
-                        "{}\n{} of {}: {files} files, {}, written {} by {} on {}\n",
+                    (Some(c), Some(d)) => out.text(&format!(
+                        "{}\n{} of {}: {} files, {}, written {} by {} on {}\n",
                         c.step,
                         step_text(c),
                         run.run,
-                        table::bytes(*bytes),
-                        utc(m.time),
-                        m.writer,
-                        m.host
+                        d.files,
+                        table::bytes(d.bytes),
+                        utc(d.meta.time),
+                        d.meta.writer,
+                        d.meta.host
                     ))?,
                     (Some(c), None) => out.text(&format!(
                         "{}\n{}: latest names it but its manifest is gone\n",
@@ -745,7 +716,7 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
             let took = started.elapsed();
             drop(bar);
             let r = r?;
-            let sum = summary(r.bytes, r.files.len(), took, lim.cap());
+            let sum = TransferSummary::new(r.bytes, r.files.len(), took, lim.cap());
             if out.json {
                 out.json(
                     "ckpt verify",
@@ -812,7 +783,7 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
                     run.run
                 );
             }
-            let sum = summary(r.bytes, r.files, took, lim.cap());
+            let sum = TransferSummary::new(r.bytes, r.files, took, lim.cap());
             if out.json {
                 out.json(
                     "ckpt pull",
