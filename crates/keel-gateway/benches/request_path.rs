@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
+use keel_gateway::answer::usage_of_body;
 use keel_gateway::keys::{KeyFile, KeyRing, NewKey, KEY_FILE_VERSION};
 use keel_gateway::metrics::{Metrics, RequestLabels};
-use keel_gateway::proxy::usage_of_body;
 use keel_gateway::request::{self, Route};
 
 /// A chat completion request as `scripts/bench-serve` sends it.

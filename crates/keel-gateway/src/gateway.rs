@@ -11,6 +11,8 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 
+use crate::access::{AccessInfo, AccessRecord, AccessSink, RequestId, X_REQUEST_ID};
+use crate::answer::{oip_output_mean, summary_of_body, SseFilter, TokenUsage};
 use crate::audit::AuditLog;
 use crate::auth::{credential, looks_like_jwt, Identity, JwtVerifier, Rbac};
 use crate::body::GwBody;
@@ -25,10 +27,7 @@ use crate::limits::{
 };
 use crate::metrics::{Metrics, RequestLabels};
 use crate::pool::UpstreamBody;
-use crate::proxy::{
-    oip_output_mean, retry_after, summary_of_body, upstream_headers, SseFilter, TokenUsage,
-    Upstream,
-};
+use crate::proxy::{retry_after, upstream_headers, Upstream};
 use crate::request::{self, OipModel, Route, RouteError};
 use crate::tls::ServerTls;
 use crate::traffic::{Backend, ModelRoute, Permit, RetryBudget, Rng, Traffic};
@@ -45,27 +44,13 @@ pub struct GatewayOptions {
     /// How `POST /admin/reload` and `Gateway::reload` get a new config.
     pub reload: Option<ReloadFn>,
     /// Where access-log records go (the sink makes lines of them with
-    /// [`crate::server::access_line`], off the request path). Without one
+    /// [`crate::access::access_line`], off the request path). Without one
     /// they are `tracing` events (target `keel::access`).
     pub access_sink: Option<AccessSink>,
     /// The machine's limits (open files, memory) the public listener's
     /// connection cap is chosen from when `server.max_connections` is not
     /// set (`keel serve` reads them at start); without them, 1024.
     pub machine: Option<keel_http::machine::Machine>,
-}
-
-/// Takes one access-log record.
-pub type AccessSink = Arc<dyn Fn(AccessRecord) + Send + Sync>;
-
-/// One answered request as the access log records it.
-#[derive(Debug, Clone)]
-pub struct AccessRecord {
-    /// When the response was handed to the connection.
-    pub at: std::time::SystemTime,
-    pub method: Method,
-    pub status: u16,
-    pub duration_ms: f64,
-    pub info: AccessInfo,
 }
 
 impl std::fmt::Debug for GatewayOptions {
@@ -189,55 +174,6 @@ pub struct Gateway {
     inner: Arc<Inner>,
 }
 
-/// What the access log layer reads from a response.
-#[derive(Debug, Clone, Default)]
-pub struct AccessInfo {
-    pub request_id: RequestId,
-    pub route: &'static str,
-    pub key: Option<Arc<str>>,
-    pub model: Option<Arc<str>>,
-    pub deployment: Option<Arc<str>>,
-    pub stream: bool,
-}
-
-/// A request's id: 16 hex digits, kept inline (it goes into two headers
-/// and two log lines).
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-pub struct RequestId {
-    hex: [u8; 16],
-    len: u8,
-}
-
-impl RequestId {
-    pub fn new(n: u64) -> Self {
-        let mut hex = [0u8; 16];
-        crate::digits::hex_into(&n.to_be_bytes(), &mut hex);
-        Self { hex, len: 16 }
-    }
-
-    pub fn as_str(&self) -> &str {
-        std::str::from_utf8(&self.hex[..self.len as usize]).unwrap_or("")
-    }
-
-    pub fn header_value(&self) -> HeaderValue {
-        HeaderValue::from_bytes(&self.hex[..self.len as usize])
-            .unwrap_or(HeaderValue::from_static(""))
-    }
-}
-
-impl std::fmt::Display for RequestId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::fmt::Debug for RequestId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-pub(crate) const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 const X_KEEL_MODEL: http::HeaderName = http::HeaderName::from_static("x-keel-model");
 const X_KEEL_DEPLOYMENT: http::HeaderName = http::HeaderName::from_static("x-keel-deployment");
 
@@ -500,7 +436,7 @@ impl Drop for Pending<'_> {
         ctx.error = Some("the client closed the connection before the response".into());
         let total = self.started.elapsed();
         if self.access_log {
-            crate::server::emit_access(
+            crate::access::emit_access(
                 self.gw.inner.access_sink.as_ref().map(|s| &s.0),
                 AccessRecord {
                     at: std::time::UNIX_EPOCH + Duration::from_micros(self.gw.inner.clock.now_us()),

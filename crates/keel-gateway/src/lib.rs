@@ -17,6 +17,8 @@
 //! [`registry_source`] resolves a registry model's aliases to such URLs
 //! through the registry's HTTP API.
 
+pub mod access;
+pub mod answer;
 pub mod audit;
 pub mod auth;
 pub mod batch;

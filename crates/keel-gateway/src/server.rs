@@ -24,10 +24,11 @@ use tower::{Layer, Service, ServiceBuilder};
 
 use keel_http::{ConnService, Deadlines, Guarded, Place, Places};
 
+use crate::access::{emit_access, AccessInfo, AccessRecord, AccessSink};
 use crate::body::GwBody;
 use crate::clock::Clock;
 use crate::error::ApiError;
-use crate::gateway::{AccessInfo, AccessRecord, AccessSink, Gateway, Listener};
+use crate::gateway::{Gateway, Listener};
 use crate::keys::sha256_hex;
 use crate::tls::ServerTls;
 
@@ -72,7 +73,7 @@ pub const SIDE_LISTENER_CONNECTIONS: usize = 1024;
 pub fn connection_worst_case_bytes(s: &crate::config::ServerConfig) -> u64 {
     (2 * s.max_header_bytes
         + crate::proxy::BACKEND_BUFFER
-        + crate::proxy::MAX_PENDING_EVENT
+        + crate::answer::MAX_PENDING_EVENT
         + crate::body::HELD_PIECE) as u64
 }
 
@@ -423,84 +424,6 @@ where
     }
 }
 
-/// Hands one record to the sink, or without one writes it as a `tracing`
-/// event (target `keel::access`).
-pub(crate) fn emit_access(sink: Option<&AccessSink>, r: AccessRecord) {
-    match sink {
-        Some(sink) => sink(r),
-        None => {
-            let info = &r.info;
-            tracing::info!(
-                target: "keel::access",
-                request_id = %info.request_id,
-                method = %r.method,
-                route = info.route,
-                status = r.status,
-                duration_ms = r.duration_ms,
-                key = info.key.as_deref().unwrap_or("-"),
-                model = info.model.as_deref().unwrap_or("-"),
-                deployment = info.deployment.as_deref().unwrap_or("-"),
-                stream = info.stream,
-                "request"
-            )
-        }
-    }
-}
-
-/// One access-log line in the shape of the JSON `tracing` events around
-/// it: `{"timestamp":..,"level":"INFO","fields":{"message":"request",..},"target":"keel::access"}`,
-/// ending in a newline.
-pub fn access_line(r: &AccessRecord, out: &mut Vec<u8>) {
-    #[derive(serde::Serialize)]
-    struct Fields<'a> {
-        message: &'static str,
-        request_id: &'a str,
-        method: &'a str,
-        route: &'static str,
-        status: u16,
-        duration_ms: f64,
-        key: &'a str,
-        model: &'a str,
-        deployment: &'a str,
-        stream: bool,
-    }
-    #[derive(serde::Serialize)]
-    struct Line<'a> {
-        timestamp: &'a str,
-        level: &'static str,
-        fields: Fields<'a>,
-        target: &'static str,
-    }
-    let us =
-        r.at.duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
-    let stamp = crate::clock::Stamp::micros(us);
-    let i = &r.info;
-    let line = Line {
-        timestamp: stamp.as_str(),
-        level: "INFO",
-        fields: Fields {
-            message: "request",
-            request_id: i.request_id.as_str(),
-            method: r.method.as_str(),
-            route: i.route,
-            status: r.status,
-            duration_ms: r.duration_ms,
-            key: i.key.as_deref().unwrap_or("-"),
-            model: i.model.as_deref().unwrap_or("-"),
-            deployment: i.deployment.as_deref().unwrap_or("-"),
-            stream: i.stream,
-        },
-        target: "keel::access",
-    };
-    let start = out.len();
-    if serde_json::to_writer(&mut *out, &line).is_err() {
-        out.truncate(start);
-        return;
-    }
-    out.push(b'\n');
-}
-
 fn bearer_ok(req: &Request<Incoming>, token_sha256: &str) -> bool {
     crate::auth::credential(req.headers())
         .is_some_and(|t| keel_http::same_digest(&sha256_hex(t.as_bytes()), token_sha256))
@@ -837,40 +760,5 @@ mod access_tests {
         assert_eq!(len, body.len());
         let v: serde_json::Value = serde_json::from_str(body).expect("JSON");
         assert_eq!(v["error"]["code"], 503);
-    }
-
-    #[test]
-    fn access_lines_have_the_shape_of_the_tracing_events() {
-        let i = AccessInfo {
-            request_id: crate::gateway::RequestId::new(0xff),
-            route: "/v1/chat/completions",
-            key: Some("key_1".into()),
-            model: Some("chat \"x\"".into()),
-            deployment: None,
-            stream: true,
-        };
-        let t = std::time::UNIX_EPOCH + Duration::from_micros(1_780_000_000_123_456);
-        let r = AccessRecord {
-            at: t,
-            method: Method::POST,
-            status: 429,
-            duration_ms: 1.5,
-            info: i,
-        };
-        let mut line = b"before\n".to_vec();
-        access_line(&r, &mut line);
-        let line = line.strip_prefix(b"before\n").expect("appended");
-        assert_eq!(line.last(), Some(&b'\n'));
-        assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
-        let v: serde_json::Value = serde_json::from_slice(line).expect("one JSON object");
-        assert_eq!(v["timestamp"], "2026-05-28T20:26:40.123456Z");
-        assert_eq!(v["level"], "INFO");
-        assert_eq!(v["target"], "keel::access");
-        assert_eq!(
-            v["fields"],
-            json!({"message": "request", "request_id": "00000000000000ff", "method": "POST",
-                   "route": "/v1/chat/completions", "status": 429, "duration_ms": 1.5,
-                   "key": "key_1", "model": "chat \"x\"", "deployment": "-", "stream": true})
-        );
     }
 }

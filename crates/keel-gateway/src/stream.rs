@@ -22,8 +22,8 @@ use bytes::Bytes;
 use http_body::Body;
 use tokio::time::{Instant, Sleep};
 
+use crate::answer::SseFilter;
 use crate::pool::UpstreamBody;
-use crate::proxy::SseFilter;
 
 /// How a stream ended, for whoever settles it.
 #[derive(Debug)]

@@ -194,7 +194,7 @@ struct LogQueue(Arc<keel_gateway::batch::Batcher<LogItem>>);
 enum LogItem {
     /// A `tracing` event, formatted.
     Line(Vec<u8>),
-    Access(keel_gateway::gateway::AccessRecord),
+    Access(keel_gateway::access::AccessRecord),
 }
 
 #[derive(Debug)]
@@ -263,7 +263,7 @@ impl LogItem {
             LogItem::Line(l) => l,
             LogItem::Access(r) => {
                 buf.clear();
-                keel_gateway::server::access_line(r, buf);
+                keel_gateway::access::access_line(r, buf);
                 buf
             }
         }
