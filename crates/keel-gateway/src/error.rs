@@ -41,6 +41,17 @@ pub enum GatewayError {
     Redis { url: String, reason: String },
 }
 
+impl From<keel_gateway_config::ConfigError> for GatewayError {
+    fn from(e: keel_gateway_config::ConfigError) -> Self {
+        use keel_gateway_config::ConfigError as C;
+        match e {
+            C::Read { path, source } => Self::Read { path, source },
+            C::Config(m) => Self::Config(m),
+            C::Redis { url, reason } => Self::Redis { url, reason },
+        }
+    }
+}
+
 impl From<keel_fs::FsError> for GatewayError {
     fn from(e: keel_fs::FsError) -> Self {
         use keel_fs::FsError as F;

@@ -25,12 +25,9 @@ pub mod batch;
 pub mod body;
 pub mod budget;
 pub mod clock;
-pub mod config;
 pub mod digits;
 pub mod drift;
 pub mod drift_action;
-pub mod drift_baseline;
-pub mod drift_features;
 pub mod error;
 pub mod fnv;
 pub mod gateway;
@@ -50,6 +47,10 @@ pub mod stream;
 pub mod tls;
 pub mod traffic;
 
+/// The configuration (keel-gateway-config), where it always was.
+pub use keel_gateway_config as config;
+pub use keel_gateway_config::{drift_baseline, drift_features};
+
 pub use clock::{Clock, ManualClock};
 pub use config::GatewayConfig;
 pub use error::{ApiError, GatewayError};
@@ -59,5 +60,5 @@ pub use server::{run, serve, Listeners, ServeOptions};
 /// The kind of an error of this crate
 /// (keel-error's contract: the binary maps a kind to an exit code).
 pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
-    keel_error::classify!(e; GatewayError, rollout::RolloutError, registry_follow::FollowError, drift_baseline::BaselineError)
+    keel_error::classify!(e; GatewayError, config::ConfigError, rollout::RolloutError, registry_follow::FollowError, drift_baseline::BaselineError)
 }

@@ -448,7 +448,7 @@ pub fn parse(src: Source<'_>, loader: &dyn Loader, diags: &mut Vec<Diagnostic>) 
                 return Some(Input::Keel(doc));
             }
             let base = src.path.parent().unwrap_or(Path::new("."));
-            let invalid = match keel_gateway::config::GatewayConfig::from_toml(src.text, base) {
+            let invalid = match keel_gateway_config::GatewayConfig::from_toml(src.text, base) {
                 Ok(_) => None,
                 Err(e) => {
                     let msg = error_chain(&e);

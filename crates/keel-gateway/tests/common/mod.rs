@@ -145,7 +145,7 @@ impl Running {
                 GatewayOptions {
                     clock,
                     seed: 7,
-                    reload: Some(Arc::new(move || GatewayConfig::load(&reload_path))),
+                    reload: Some(Arc::new(move || Ok(GatewayConfig::load(&reload_path)?))),
                     access_sink: None,
                     machine: None,
                 },

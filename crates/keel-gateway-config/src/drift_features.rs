@@ -16,9 +16,9 @@ pub const FEATURES: [&str; 5] = [
 pub const MAX_INPUT_FEATURES: usize = 32;
 
 /// The longest tensor name kept in a feature label.
-pub(crate) const MAX_TENSOR_NAME: usize = 48;
+pub const MAX_TENSOR_NAME: usize = 48;
 
-pub(crate) fn label_char(c: char) -> bool {
+pub fn label_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')
 }
 

@@ -15,8 +15,8 @@ pub(super) fn model_registry(
     mirror: bool,
     deployments: &mut Vec<DeploymentConfig>,
     protocol: Protocol,
-) -> Result<ModelRegistryConfig, GatewayError> {
-    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: {m}")));
+) -> Result<ModelRegistryConfig, ConfigError> {
+    let bad = |m: String| Err(ConfigError::Config(format!("model {model:?}: {m}")));
     if !have_registry {
         return bad("it follows a registry model but there is no [registry] section".into());
     }
@@ -57,14 +57,14 @@ pub(super) fn model_registry(
         let ok = (b.starts_with("http://") || b.starts_with("https://"))
             && b.parse::<http::Uri>().is_ok_and(|u| u.host().is_some());
         if !ok {
-            return Err(GatewayError::Config(format!(
+            return Err(ConfigError::Config(format!(
                 "model {model:?}: registry.allowed_backends entry {:?} is not an http:// or https:// URL",
                 b.chars().take(200).collect::<String>()
             )));
         }
     }
     if require_signature && allowed_backends.is_empty() {
-        return Err(GatewayError::Config(format!(
+        return Err(ConfigError::Config(format!(
             "model {model:?}: registry.require_signature needs registry.allowed_backends, the backends its versions may be served from: the signature covers the files, the backend tag is the registry's to change"
         )));
     }
@@ -80,31 +80,31 @@ pub(super) fn model_registry(
 pub(super) fn registry_config(
     r: FileRegistry,
     rel: &impl Fn(PathBuf) -> PathBuf,
-) -> Result<RegistryConfig, GatewayError> {
+) -> Result<RegistryConfig, ConfigError> {
     let url = r.url.trim_end_matches('/').to_owned();
     let host = url
         .strip_prefix("http://")
         .or_else(|| url.strip_prefix("https://"));
     if host.is_none_or(str::is_empty) {
-        return Err(GatewayError::Config(format!(
+        return Err(ConfigError::Config(format!(
             "registry.url {:?} must be http://host:port or https://host:port",
             r.url.chars().take(200).collect::<String>()
         )));
     }
     if r.ca_file.is_some() && !url.starts_with("https://") {
-        return Err(GatewayError::Config(
+        return Err(ConfigError::Config(
             "registry.ca_file is for an https:// registry.url".into(),
         ));
     }
     let poll_ms = r.poll_ms.unwrap_or(1000);
     if !(100..=60_000).contains(&poll_ms) {
-        return Err(GatewayError::Config(format!(
+        return Err(ConfigError::Config(format!(
             "registry.poll_ms {poll_ms} must be within 100..60000"
         )));
     }
     let rollout_lease_ms = r.rollout_lease_ms.unwrap_or(10_000);
     if !(1000..=600_000).contains(&rollout_lease_ms) {
-        return Err(GatewayError::Config(format!(
+        return Err(ConfigError::Config(format!(
             "registry.rollout_lease_ms {rollout_lease_ms} must be within 1000..600000"
         )));
     }
@@ -128,10 +128,10 @@ pub(super) fn registry_config(
     })
 }
 
-pub(super) fn drift_size(key: &str, v: Option<usize>) -> Result<usize, GatewayError> {
+pub(super) fn drift_size(key: &str, v: Option<usize>) -> Result<usize, ConfigError> {
     let v = v.unwrap_or(1000);
     if !(10..=1_000_000).contains(&v) {
-        return Err(GatewayError::Config(format!(
+        return Err(ConfigError::Config(format!(
             "registry.{key} {v} must be within 10..1000000"
         )));
     }
@@ -143,8 +143,8 @@ pub(super) fn drift_config(
     d: FileModelDrift,
     rel: &impl Fn(PathBuf) -> PathBuf,
     have_write_key: bool,
-) -> Result<DriftConfig, GatewayError> {
-    let bad = |m: String| Err(GatewayError::Config(format!("model {model:?}: drift.{m}")));
+) -> Result<DriftConfig, ConfigError> {
+    let bad = |m: String| Err(ConfigError::Config(format!("model {model:?}: drift.{m}")));
     let def = DriftConfig::default();
     let action = d.action.unwrap_or(def.action);
     match (action, d.fallback_version) {
@@ -183,7 +183,7 @@ pub(super) fn drift_config(
                     msg.push_str(&format!(": {s}"));
                     src = s.source();
                 }
-                GatewayError::Config(msg)
+                ConfigError::Config(msg)
             })?,
         )),
         None => None,
@@ -199,7 +199,7 @@ pub(super) fn drift_config(
     })
 }
 
-pub(super) fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, GatewayError> {
+pub(super) fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfig, ConfigError> {
     let d = RolloutConfig::default();
     let c = RolloutConfig {
         steps: r.steps.unwrap_or(d.steps),
@@ -210,11 +210,7 @@ pub(super) fn rollout_config(model: &str, r: FileRollout) -> Result<RolloutConfi
             .latency_min_increase_ms
             .unwrap_or(d.latency_min_increase_ms),
     };
-    let bad = |m: String| {
-        Err(GatewayError::Config(format!(
-            "model {model:?}: rollout.{m}"
-        )))
-    };
+    let bad = |m: String| Err(ConfigError::Config(format!("model {model:?}: rollout.{m}")));
     let rising = c.steps.windows(2).all(|w| w[0] < w[1]);
     if c.steps.is_empty() || !rising || c.steps[0] == 0 || c.steps.iter().any(|&s| s > 100) {
         return bad(format!(

@@ -2,8 +2,26 @@
 //! docs/serve.md) and its validated form. `FileConfig` is the file as
 //! written, every key optional and unknown keys rejected; `GatewayConfig`
 //! has every default filled in and every cross-reference checked.
+//!
+//! A leaf under the gateway's data plane (keel-gateway), its control
+//! plane (keel-control) and `keel review`: it holds the configuration's
+//! types and the values they are checked into (a backend's URL, a Redis
+//! URL, the audit log's checkpoint key, a drift baseline), and it starts
+//! nothing: no socket, no task, no clock.
 
+pub mod backend_url;
+mod checkpoints;
 mod control;
+pub mod drift_baseline;
+pub mod drift_features;
+mod error;
+pub mod redis_url;
+
+pub use backend_url::BackendUrl;
+pub use checkpoints::Checkpoints;
+pub use error::{error_kind, ConfigError};
+pub use redis_url::{redact, RedisAddr};
+
 use control::{drift_config, model_registry, registry_config, rollout_config};
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -11,8 +29,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::GatewayError;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -654,15 +670,15 @@ pub struct AuditConfig {
     /// The key of the log's signed checkpoints (read from `hmac_key_file`),
     /// and how many lines apart.
     #[serde(skip)]
-    pub checkpoints: Option<crate::audit::Checkpoints>,
+    pub checkpoints: Option<crate::Checkpoints>,
 }
 
 /// The audit log's HMAC key: a file its owner alone may read, of at least
 /// 32 bytes (surrounding whitespace is not part of the key).
-fn read_hmac_key(path: &Path) -> Result<Vec<u8>, GatewayError> {
+fn read_hmac_key(path: &Path) -> Result<Vec<u8>, ConfigError> {
     use std::os::unix::fs::PermissionsExt;
     let bad =
-        |m: String| GatewayError::Config(format!("audit.hmac_key_file {}: {m}", path.display()));
+        |m: String| ConfigError::Config(format!("audit.hmac_key_file {}: {m}", path.display()));
     let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
     if meta.permissions().mode() & 0o077 != 0 {
         return Err(bad(
@@ -811,38 +827,38 @@ fn redact_values(msg: &str) -> String {
 impl GatewayConfig {
     /// Parses and validates a config file's text; relative paths are taken
     /// from `base` (the file's directory).
-    pub fn from_toml(text: &str, base: &Path) -> Result<Self, GatewayError> {
+    pub fn from_toml(text: &str, base: &Path) -> Result<Self, ConfigError> {
         let file: FileConfig =
-            toml::from_str(text).map_err(|e| GatewayError::Config(located(text, &e)))?;
+            toml::from_str(text).map_err(|e| ConfigError::Config(located(text, &e)))?;
         Self::validate(file, base)
     }
 
     /// Reads, parses and validates a config file.
-    pub fn load(path: &Path) -> Result<Self, GatewayError> {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text =
             keel_fs::read_regular_to_string(path, keel_fs::MAX_CONFIG_BYTES).map_err(|source| {
-                GatewayError::Read {
+                ConfigError::Read {
                     path: path.to_owned(),
                     source,
                 }
             })?;
         let base = path.parent().unwrap_or(Path::new("."));
         Self::from_toml(&text, base).map_err(|e| match e {
-            GatewayError::Config(m) => GatewayError::Config(format!("{}: {m}", path.display())),
+            ConfigError::Config(m) => ConfigError::Config(format!("{}: {m}", path.display())),
             other => other,
         })
     }
 
-    pub fn validate(f: FileConfig, base: &Path) -> Result<Self, GatewayError> {
-        let bad = |m: String| Err(GatewayError::Config(m));
+    pub fn validate(f: FileConfig, base: &Path) -> Result<Self, ConfigError> {
+        let bad = |m: String| Err(ConfigError::Config(m));
         let rel = |p: PathBuf| if p.is_absolute() { p } else { base.join(p) };
         let pair = |section: &str,
                     (a, b): (&str, &str),
                     x: Option<PathBuf>,
                     y: Option<PathBuf>|
-         -> Result<(Option<PathBuf>, Option<PathBuf>), GatewayError> {
+         -> Result<(Option<PathBuf>, Option<PathBuf>), ConfigError> {
             if x.is_some() != y.is_some() {
-                return Err(GatewayError::Config(format!(
+                return Err(ConfigError::Config(format!(
                     "{section}.{a} and {section}.{b} go together: give both or neither"
                 )));
             }
@@ -927,11 +943,11 @@ impl GatewayConfig {
         if !(server.shutdown_grace_s >= 0.0 && server.shutdown_grace_s.is_finite()) {
             return bad("server.shutdown_grace_s must be a number of seconds".into());
         }
-        let listener = |name: &str, l: Option<FileListener>| -> Result<_, GatewayError> {
+        let listener = |name: &str, l: Option<FileListener>| -> Result<_, ConfigError> {
             let Some(l) = l else { return Ok(None) };
             let t = l.token_sha256.to_ascii_lowercase();
             if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(GatewayError::Config(format!(
+                return Err(ConfigError::Config(format!(
                     "{name}.token_sha256 must be 64 hex digits (the SHA-256 of the token)"
                 )));
             }
@@ -1008,7 +1024,7 @@ impl GatewayConfig {
             teams: f.limits.teams,
         };
         if let Some(u) = &limits.redis_url {
-            crate::redis::RedisAddr::parse(u)?;
+            crate::RedisAddr::parse(u)?;
         }
         if limits.default_max_tokens == 0 {
             return bad(
@@ -1100,8 +1116,8 @@ impl GatewayConfig {
                 if !dnames.insert(d.name.clone()) {
                     return bad(format!("model {:?}: deployment {:?} twice", m.name, d.name));
                 }
-                crate::proxy::BackendUrl::parse(&d.url).map_err(|reason| {
-                    GatewayError::Config(format!(
+                crate::BackendUrl::parse(&d.url).map_err(|reason| {
+                    ConfigError::Config(format!(
                         "model {:?} deployment {:?}: url {:?}: {reason}",
                         m.name, d.name, d.url
                     ))
@@ -1224,7 +1240,7 @@ impl GatewayConfig {
         let group = match f.audit.group.as_deref() {
             Some(g) => Some(
                 group_id(g, Path::new("/etc/group"))
-                    .map_err(|e| GatewayError::Config(format!("audit.group: {e}")))?,
+                    .map_err(|e| ConfigError::Config(format!("audit.group: {e}")))?,
             ),
             None => None,
         };
@@ -1248,7 +1264,7 @@ impl GatewayConfig {
             return bad("audit.anchor_file must be another file than audit.path".into());
         }
         let checkpoints = match &hmac_key_file {
-            Some(k) => Some(crate::audit::Checkpoints {
+            Some(k) => Some(crate::Checkpoints {
                 key: read_hmac_key(k)?,
                 every,
                 anchor: anchor_file.clone(),
@@ -1290,7 +1306,7 @@ impl GatewayConfig {
             .is_some_and(|r| r.rollout_store == RolloutStore::Redis)
             && limits.redis_url.is_none()
         {
-            return Err(GatewayError::Config(
+            return Err(ConfigError::Config(
                 "registry.rollout_store = \"redis\" keeps the rollouts in the Redis the replicas share: set limits.redis_url".into(),
             ));
         }
@@ -1359,7 +1375,7 @@ url = "http://127.0.0.1:8002/prefix"
     #[test]
     fn a_toml_error_says_where_and_which_key_without_the_value() {
         let err = |text: &str| match GatewayConfig::from_toml(text, Path::new("/")) {
-            Err(GatewayError::Config(m)) => m,
+            Err(ConfigError::Config(m)) => m,
             other => panic!("expected a config error, got {other:?}"),
         };
         let m = err(
