@@ -129,7 +129,7 @@ struct Inner {
     /// Per-request samples of the models a rollout watches.
     samples: crate::samples::SampleBook,
     /// The rollouts of the models that follow the registry.
-    rollouts: std::sync::OnceLock<crate::rollout::Rollouts>,
+    rollouts: std::sync::OnceLock<Arc<dyn crate::control::RolloutAdmin>>,
     /// Output drift of the registry-following models' versions.
     drift: crate::drift::DriftBook,
 }
@@ -172,6 +172,18 @@ impl std::fmt::Debug for AccessSinkBox {
 #[derive(Debug, Clone)]
 pub struct Gateway {
     inner: Arc<Inner>,
+}
+
+/// A handle on a gateway that does not keep it alive (for what the
+/// gateway itself holds, such as its control plane's admin handler).
+#[derive(Debug, Clone)]
+pub struct WeakGateway(std::sync::Weak<Inner>);
+
+impl WeakGateway {
+    /// The gateway, while it is alive.
+    pub fn upgrade(&self) -> Option<Gateway> {
+        self.0.upgrade().map(|inner| Gateway { inner })
+    }
 }
 
 const X_KEEL_MODEL: http::HeaderName = http::HeaderName::from_static("x-keel-model");
@@ -892,17 +904,17 @@ impl Gateway {
 
     /// Records a rollout's event (weight change, verdict, promotion,
     /// rollback) in the audit log.
-    pub(crate) fn audit_rollout(&self, event: &str, m: Map<String, Value>) {
+    pub fn audit_rollout(&self, event: &str, m: Map<String, Value>) {
         self.audit_event(event, m);
     }
 
     /// Records a drift alarm or action in the audit log.
-    pub(crate) fn audit_drift(&self, event: &str, m: Map<String, Value>) {
+    pub fn audit_drift(&self, event: &str, m: Map<String, Value>) {
         self.audit_event(event, m);
     }
 
     /// The injected clock's time.
-    pub(crate) fn now_ms(&self) -> u64 {
+    pub fn now_ms(&self) -> u64 {
         self.inner.clock.now_ms()
     }
 
@@ -911,13 +923,19 @@ impl Gateway {
         self.inner.clock.clone()
     }
 
-    /// Gives the admin API the rollouts (once; later calls are ignored).
-    pub fn set_rollouts(&self, r: crate::rollout::Rollouts) {
+    /// A handle that does not keep the gateway alive.
+    pub fn downgrade(&self) -> WeakGateway {
+        WeakGateway(Arc::downgrade(&self.inner))
+    }
+
+    /// Gives the admin API the control plane's rollouts (once; later
+    /// calls are ignored).
+    pub fn set_rollouts(&self, r: Arc<dyn crate::control::RolloutAdmin>) {
         let _ = self.inner.rollouts.set(r);
     }
 
-    /// The rollouts, when models follow the registry.
-    pub fn rollouts(&self) -> Option<&crate::rollout::Rollouts> {
+    /// The control plane's rollouts, when models follow the registry.
+    pub fn rollouts(&self) -> Option<&Arc<dyn crate::control::RolloutAdmin>> {
         self.inner.rollouts.get()
     }
 

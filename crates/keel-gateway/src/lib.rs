@@ -9,13 +9,13 @@
 //! backends and JWKS URLs (rustls: system roots, a private CA, an optional
 //! client certificate) and can serve its listeners over HTTPS.
 //!
-//! It owns configuration validation, the request path and its state. It
-//! does not read the process environment (but for the system's trusted
-//! roots, which rustls-native-certs finds as OpenSSL does) or the wall
-//! clock (a `Clock` is injected), print, or exit; it does not train or
-//! register models; it knows deployments by backend URL, and
-//! [`registry_source`] resolves a registry model's aliases to such URLs
-//! through the registry's HTTP API.
+//! It is the data plane: it owns the request path and its state. It does
+//! not read the process environment (but for the system's trusted roots,
+//! which rustls-native-certs finds as OpenSSL does) or the wall clock (a
+//! `Clock` is injected), print, or exit; it does not train or register
+//! models; it knows deployments by backend URL. Its control plane
+//! (keel-control: following the registry, rollouts, drift actions)
+//! drives it through [`control`]: routing in, samples out.
 
 pub mod access;
 pub mod answer;
@@ -25,9 +25,9 @@ pub mod batch;
 pub mod body;
 pub mod budget;
 pub mod clock;
+pub mod control;
 pub mod digits;
 pub mod drift;
-pub mod drift_action;
 pub mod error;
 pub mod fnv;
 pub mod gateway;
@@ -37,10 +37,7 @@ pub mod metrics;
 pub mod pool;
 pub mod proxy;
 pub mod redis;
-pub mod registry_follow;
-pub mod registry_source;
 pub mod request;
-pub mod rollout;
 pub mod samples;
 pub mod server;
 pub mod stream;
@@ -54,11 +51,11 @@ pub use keel_gateway_config::{drift_baseline, drift_features};
 pub use clock::{Clock, ManualClock};
 pub use config::GatewayConfig;
 pub use error::{ApiError, GatewayError};
-pub use gateway::{Gateway, GatewayOptions, Listener, ReloadFn};
+pub use gateway::{Gateway, GatewayOptions, Listener, ReloadFn, WeakGateway};
 pub use server::{run, serve, Listeners, ServeOptions};
 
 /// The kind of an error of this crate
 /// (keel-error's contract: the binary maps a kind to an exit code).
 pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
-    keel_error::classify!(e; GatewayError, config::ConfigError, rollout::RolloutError, registry_follow::FollowError, drift_baseline::BaselineError)
+    keel_error::classify!(e; GatewayError, config::ConfigError, drift_baseline::BaselineError)
 }

@@ -521,11 +521,12 @@ async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwB
         )
         .into_response();
     };
-    let res = match (method, action) {
-        (Method::GET, None) => r.status(&model).await,
-        (Method::POST, Some("start")) => r.start(gw, &model).await,
-        (Method::POST, Some("pause")) => r.pause(gw, &model).await,
-        (Method::POST, Some("abort")) => r.abort(gw, &model).await,
+    use crate::control::RolloutCall;
+    let call = match (method, action) {
+        (Method::GET, None) => RolloutCall::Status,
+        (Method::POST, Some("start")) => RolloutCall::Start,
+        (Method::POST, Some("pause")) => RolloutCall::Pause,
+        (Method::POST, Some("abort")) => RolloutCall::Abort,
         _ => {
             return ApiError::not_found(
                 "rollout routes: GET /admin/rollouts/MODEL, POST /admin/rollouts/MODEL/start|pause|abort",
@@ -533,21 +534,14 @@ async fn rollout_route(gw: &Gateway, method: Method, rest: &str) -> Response<GwB
             .into_response()
         }
     };
-    match res {
+    match r.call(call, &model).await {
         Ok(v) => json_ok(v),
         Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(x) = src {
-                msg.push_str(": ");
-                msg.push_str(&x.to_string());
-                src = x.source();
-            }
-            let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::CONFLICT);
+            let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::CONFLICT);
             text(
                 status,
                 "application/json",
-                json!({"error": {"type": e.kind(), "message": msg}}).to_string(),
+                json!({"error": {"type": e.kind, "message": e.message}}).to_string(),
             )
         }
     }

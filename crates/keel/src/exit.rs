@@ -56,6 +56,7 @@ const CLASSIFIERS: &[keel_error::Classifier] = &[
     keel_run::error_kind,
     keel_registry::error_kind,
     keel_gateway::error_kind,
+    keel_control::error_kind,
     keel_exporter::error_kind,
     keel_tune::error_kind,
 ];

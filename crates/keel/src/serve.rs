@@ -831,8 +831,13 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
-        let (cfg, follower) = follow_registry(cfg).await?;
-        let reroute = follower.as_ref().map(|(f, ..)| f.reroute());
+        let check = match cfg.registry.as_ref().and_then(|r| r.public_key_file.as_deref()) {
+            Some(path) => Some(Arc::new(TrustedKey(keel_registry::sign::PublicKey::read(path)?))
+                as Arc<dyn keel_control::SignatureCheck>),
+            None => None,
+        };
+        let (cfg, control) = keel_control::Control::prepare(cfg, check).await?;
+        let reroute = control.as_ref().map(|c| c.reroute());
         let reload: keel_gateway::ReloadFn = Arc::new(move || {
             let mut c = GatewayConfig::load(&reload_path)?;
             if let Some(l) = listen_override {
@@ -861,8 +866,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
             })),
             machine: Some(machine),
         }).await?;
-        if let Some((f, every, writer, cfg, drift)) = follower {
-            drift.spawn(&gw);
+        if let Some(control) = control {
             // This replica's name in shared rollouts' leases: its public
             // address and a random tag (two processes may share an address
             // one after the other).
@@ -871,19 +875,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
                 public.local_addr()?,
                 u32::from_le_bytes(random::<4>()?)
             );
-            let rollouts = keel_gateway::rollout::Rollouts::new(
-                &cfg,
-                f.follows().to_vec(),
-                f.client().clone(),
-                writer,
-                f.waker(),
-                &replica,
-            )?;
-            gw.set_rollouts(rollouts.clone());
-            tokio::spawn(f.run(gw.clone(), every, std::future::pending()));
-            // Rollouts recorded before a restart go on (or stop, if the
-            // registry's aliases changed meanwhile).
-            rollouts.recover(&gw);
+            control.start(&gw, &replica)?;
         }
         let mut lines = vec![format!("public   {}", public.local_addr()?)];
         if let Some(a) = &admin {
@@ -941,7 +933,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
 /// the version's digest.
 struct TrustedKey(keel_registry::sign::PublicKey);
 
-impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
+impl keel_control::SignatureCheck for TrustedKey {
     fn check(
         &self,
         model: &str,
@@ -972,63 +964,6 @@ impl keel_gateway::registry_source::SignatureCheck for TrustedKey {
             None => Err("the version records no digest to check it against".into()),
         }
     }
-}
-
-/// The follower, its polling interval, the registry client rollouts
-/// write with, the configuration, and the drift watches.
-type Following = (
-    keel_gateway::registry_follow::Follower,
-    std::time::Duration,
-    Option<keel_gateway::registry_source::RegistryClient>,
-    GatewayConfig,
-    keel_gateway::drift_action::DriftActions,
-);
-
-/// For a configuration whose models follow the registry: the routing the
-/// registry's aliases name now (an error at start for anything the
-/// registry refuses, never a fallback), and the follower that keeps it
-/// current with its polling interval.
-async fn follow_registry(cfg: GatewayConfig) -> anyhow::Result<(GatewayConfig, Option<Following>)> {
-    use keel_gateway::registry_follow::{client, follows, write_client, Follower};
-    let Some(mut c) = client(&cfg)? else {
-        return Ok((cfg, None));
-    };
-    if let Some(path) = cfg
-        .registry
-        .as_ref()
-        .and_then(|r| r.public_key_file.as_deref())
-    {
-        let key = keel_registry::sign::PublicKey::read(path)?;
-        c = c.with_signature_check(Arc::new(TrustedKey(key)));
-    }
-    let every = std::time::Duration::from_millis(cfg.registry.as_ref().map_or(1000, |r| r.poll_ms));
-    let f = follows(&cfg);
-    if f.is_empty() {
-        return Ok((cfg, None));
-    }
-    // A bad write key is an error at start, not at the first rollout.
-    let writer = write_client(&cfg)?;
-    let (follower, routed) = Follower::new(c, f, cfg).await?;
-    for (model, r, _) in follower.routing() {
-        tracing::info!(
-            model = %model,
-            stable = r.stable.version,
-            canary = r.canary.as_ref().map(|c| c.version),
-            "routing follows the registry"
-        );
-    }
-    let drift = keel_gateway::drift_action::DriftActions::new(
-        &routed,
-        follower.follows(),
-        follower.client().clone(),
-        writer.clone(),
-        follower.waker(),
-    );
-    // A fallback version that cannot take the traffic is an error at
-    // start, not at the first drift.
-    drift.check().await?;
-    let cfg = routed.clone();
-    Ok((routed, Some((follower, every, writer, cfg, drift))))
 }
 
 fn keys_path(sc: &ServeConfig) -> anyhow::Result<PathBuf> {

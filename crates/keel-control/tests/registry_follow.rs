@@ -5,6 +5,7 @@
 //! rollback` does) reaches the gateway within 2 s; with the registry down
 //! the gateway keeps its last routing and counts the failed polls.
 
+#[path = "../../keel-gateway/tests/common/mod.rs"]
 mod common;
 
 use std::sync::atomic::AtomicU32;
@@ -12,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{add_key, chat_body, head, model, Running, TestBackend};
-use keel_gateway::registry_follow::{Follow, FollowError, Follower};
-use keel_gateway::registry_source::{
+use keel_control::registry_follow::{Follow, FollowError, Follower};
+use keel_control::registry_source::{
     ModelSource, RegistryClient, RegistrySourceError, BACKEND_TAG,
 };
 use keel_gateway::GatewayConfig;

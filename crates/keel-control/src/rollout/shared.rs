@@ -26,7 +26,7 @@
 //! - **Pooled samples.** Each replica pushes the samples it took of the
 //!   stable and canary deployments into Redis lists per rollout, step and
 //!   deployment (`keel:rollout:samples:ID:STEP:DEPLOYMENT:MODEL`, at most
-//!   [`crate::samples::MAX_SAMPLES`] each, kept a day), tagged with the
+//!   [`keel_gateway::samples::MAX_SAMPLES`] each, kept a day), tagged with the
 //!   step whose weight it applied when it served them; the driver analyses
 //!   every replica's samples of the step.
 //!
@@ -43,8 +43,8 @@ use keel_canary::rollout::{Action, Phase};
 use serde_json::{json, Map, Value};
 
 use super::{audit, lock, note_end, record, run_from_record, Record, RolloutError, Rollouts, Run};
-use crate::redis::{RedisClient, RedisError, Reply};
-use crate::Gateway;
+use keel_gateway::redis::{RedisClient, RedisError, Reply};
+use keel_gateway::Gateway;
 
 /// What a replica needs to share its rollouts.
 #[derive(Debug)]
@@ -288,7 +288,7 @@ impl Shared {
     }
 
     async fn push_samples(&self, key: &str, samples: &[Sample]) -> Result<(), RedisError> {
-        let cap = crate::samples::MAX_SAMPLES.to_string();
+        let cap = keel_gateway::samples::MAX_SAMPLES.to_string();
         let ttl = SAMPLES_TTL_MS.to_string();
         for chunk in samples.chunks(PUSH_BATCH) {
             let lines: Vec<String> = chunk.iter().map(encode).collect();

@@ -1,7 +1,7 @@
 //! The drift action of the models that follow the registry: every
 //! `drift.interval_s` a task per model reads which version the stable
 //! alias names, evaluates that version's drift
-//! ([`crate::drift::DriftBook::evaluate`]: the largest PSI of its features
+//! ([`keel_gateway::drift::DriftBook::evaluate`]: the largest PSI of its features
 //! whose windows are full) and feeds a [`Sustained`] run: the PSI above
 //! `drift.psi_threshold` on `drift.consecutive` consecutive conclusive
 //! evaluations. An evaluation is inconclusive, and neither counts nor
@@ -40,10 +40,10 @@ use std::time::Duration;
 use keel_canary::drift::Sustained;
 use serde_json::{Map, Value};
 
-use crate::config::{DriftAction, DriftConfig, GatewayConfig};
 use crate::registry_follow::Follow;
 use crate::registry_source::{ModelSource, RegistryClient, RegistrySourceError};
-use crate::Gateway;
+use keel_gateway::config::{DriftAction, DriftConfig, GatewayConfig};
+use keel_gateway::Gateway;
 
 /// A fallback version the registry cannot route to, found at start.
 #[derive(Debug, thiserror::Error)]
@@ -165,7 +165,7 @@ impl DriftActions {
             let now = gw.now_ms();
             let id = format!(
                 "dr-{}-{}",
-                crate::clock::rfc3339(now)
+                keel_gateway::clock::rfc3339(now)
                     .replace([':', '-'], "")
                     .trim_end_matches('Z')
                     .split('.')

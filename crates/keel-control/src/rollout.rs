@@ -3,7 +3,7 @@
 //!
 //! [`Rollouts::start`] checks that the model follows a registry model
 //! whose canary alias names a version other than the stable one, watches
-//! the model's per-request samples ([`crate::samples`]) and sets the
+//! the model's per-request samples ([`keel_gateway::samples`]) and sets the
 //! canary's first weight. Every `interval_s` a task takes the samples of
 //! the stable and canary deployments (`v<N>`), hands the step's windows to
 //! the rollout, and carries out its action:
@@ -75,10 +75,10 @@ use keel_canary::rollout::{Action, Phase, Plan, Rollout, Verdict};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use crate::config::RolloutConfig;
 use crate::registry_follow::Follow;
 use crate::registry_source::{RegistryClient, RegistrySourceError};
-use crate::Gateway;
+use keel_gateway::config::RolloutConfig;
+use keel_gateway::Gateway;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RolloutError {
@@ -405,7 +405,7 @@ impl Rollouts {
     /// `limits.redis_url`, and `replica` names this gateway in their
     /// leases (see the `shared` module).
     pub fn new(
-        cfg: &crate::GatewayConfig,
+        cfg: &keel_gateway::GatewayConfig,
         follows: Vec<Follow>,
         reader: RegistryClient,
         writer: Option<RegistryClient>,
@@ -418,7 +418,9 @@ impl Rollouts {
             .map(|m| (m.name.clone(), m.rollout.clone()))
             .collect();
         let shared = match (&cfg.registry, &cfg.limits.redis_url) {
-            (Some(r), Some(url)) if r.rollout_store == crate::config::RolloutStore::Redis => {
+            (Some(r), Some(url))
+                if r.rollout_store == keel_gateway::config::RolloutStore::Redis =>
+            {
                 Some(shared::Shared::new(url, replica, r.rollout_lease_ms)?)
             }
             _ => None,
@@ -793,7 +795,7 @@ impl Rollouts {
         };
         let id = format!(
             "ro-{}-{}",
-            crate::clock::rfc3339(now)
+            keel_gateway::clock::rfc3339(now)
                 .replace([':', '-'], "")
                 .trim_end_matches('Z')
                 .split('.')
@@ -818,7 +820,7 @@ impl Rollouts {
             stable: Vec::new(),
             canary: Vec::new(),
             registry: None,
-            started: crate::clock::rfc3339(now),
+            started: keel_gateway::clock::rfc3339(now),
             end_reason: None,
             registry_pending: false,
             ended_ms: None,

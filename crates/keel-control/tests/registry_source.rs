@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use keel_gateway::registry_source::{
+use keel_control::registry_source::{
     ModelSource, RegistryClient, RegistrySourceError, Routing, VersionRoute, BACKEND_TAG,
 };
 use keel_registry::http::{router, serve, ServeOptions};
@@ -167,7 +167,7 @@ async fn huge_answers(len: usize) -> (String, tokio::task::JoinHandle<()>) {
 /// than the cap; one under it is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_answer_over_the_cap_is_refused() {
-    use keel_gateway::registry_source::MAX_ANSWER_BYTES;
+    use keel_control::registry_source::MAX_ANSWER_BYTES;
     let (url, task) = huge_answers(MAX_ANSWER_BYTES + 1).await;
     let c = RegistryClient::new(&url, "k").expect("client");
     let e = c

@@ -283,15 +283,16 @@ impl RegistryClient {
         let mut authorization = http::HeaderValue::from_str(&format!("Bearer {key}"))
             .map_err(|_| RegistrySourceError::Unauthorized { status: 0 })?;
         authorization.set_sensitive(true);
-        let tls_files = crate::tls::UpstreamTlsFiles::read(&crate::config::UpstreamTlsConfig {
-            system_roots: true,
-            ca_file: ca_file.map(std::path::Path::to_owned),
-            client_cert: None,
-            client_key: None,
-        })
-        .map_err(|e| RegistrySourceError::Tls {
-            reason: e.to_string(),
-        })?;
+        let tls_files =
+            keel_gateway::tls::UpstreamTlsFiles::read(&keel_gateway::config::UpstreamTlsConfig {
+                system_roots: true,
+                ca_file: ca_file.map(std::path::Path::to_owned),
+                client_cert: None,
+                client_key: None,
+            })
+            .map_err(|e| RegistrySourceError::Tls {
+                reason: e.to_string(),
+            })?;
         let (tls, _) = tls_files
             .client_config()
             .map_err(|e| RegistrySourceError::Tls {

@@ -27,9 +27,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::config::{DeploymentConfig, GatewayConfig};
 use crate::registry_source::{ModelSource, RegistryClient, RegistrySourceError, Routing};
-use crate::Gateway;
+use keel_gateway::config::{DeploymentConfig, GatewayConfig};
+use keel_gateway::Gateway;
 
 /// A gateway model that follows a registry model's aliases.
 #[derive(Debug, Clone)]
