@@ -34,18 +34,36 @@ pub use rollout::{RolloutError, Rollouts};
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error(transparent)]
-    Follow(#[from] FollowError),
+    Follow(Box<FollowError>),
     #[error(transparent)]
-    Fallback(#[from] FallbackError),
+    Fallback(Box<FallbackError>),
     #[error(transparent)]
-    Rollout(#[from] RolloutError),
+    Rollout(Box<RolloutError>),
+}
+
+impl From<FollowError> for ControlError {
+    fn from(e: FollowError) -> Self {
+        ControlError::Follow(Box::new(e))
+    }
+}
+
+impl From<FallbackError> for ControlError {
+    fn from(e: FallbackError) -> Self {
+        ControlError::Fallback(Box::new(e))
+    }
+}
+
+impl From<RolloutError> for ControlError {
+    fn from(e: RolloutError) -> Self {
+        ControlError::Rollout(Box::new(e))
+    }
 }
 
 impl keel_error::HasKind for ControlError {
     fn kind(&self) -> keel_error::ErrorKind {
         match self {
-            ControlError::Follow(e) => keel_error::HasKind::kind(e),
-            ControlError::Rollout(e) => keel_error::HasKind::kind(e),
+            ControlError::Follow(e) => keel_error::HasKind::kind(&**e),
+            ControlError::Rollout(e) => keel_error::HasKind::kind(&**e),
             ControlError::Fallback(_) => keel_error::ErrorKind::Unavailable,
         }
     }
@@ -186,5 +204,28 @@ impl RolloutAdmin for Admin {
                 message: keel_error::one_line(&e),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_error::ErrorKind;
+
+    #[test]
+    fn a_start_error_has_the_kind_of_what_failed() {
+        let e = ControlError::from(RolloutError::StateCorrupt {
+            path: "/x/rollouts.json".into(),
+            reason: "not JSON".into(),
+        });
+        assert_eq!(error_kind(&e), Some(ErrorKind::Input));
+        assert!(e.to_string().contains("/x/rollouts.json"), "{e}");
+        let e = ControlError::from(RolloutError::NotFollowed { model: "m".into() });
+        assert_eq!(error_kind(&e), Some(ErrorKind::Usage));
+        let wrapped = std::io::Error::other(e);
+        assert_eq!(
+            keel_error::kind_of(&wrapped, &[error_kind]),
+            Some(ErrorKind::Usage)
+        );
     }
 }
