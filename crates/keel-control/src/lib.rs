@@ -222,7 +222,19 @@ mod tests {
         assert!(e.to_string().contains("/x/rollouts.json"), "{e}");
         let e = ControlError::from(RolloutError::NotFollowed { model: "m".into() });
         assert_eq!(error_kind(&e), Some(ErrorKind::Usage));
-        let wrapped = std::io::Error::other(e);
+        #[derive(Debug)]
+        struct Context(ControlError);
+        impl std::fmt::Display for Context {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("keel serve")
+            }
+        }
+        impl std::error::Error for Context {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let wrapped = Context(e);
         assert_eq!(
             keel_error::kind_of(&wrapped, &[error_kind]),
             Some(ErrorKind::Usage)
