@@ -6,8 +6,8 @@
 
 use libfuzzer_sys::fuzz_target;
 
-use keel_gateway::proxy::SseFilter;
-use keel_gateway::request::{parse_openai, route};
+use keel_gateway::parts::SseFilter;
+use keel_gateway::parts::{parse_openai, route};
 
 fuzz_target!(|data: &[u8]| {
     for field in ["messages", "prompt", "input"] {
@@ -27,8 +27,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = keel_gateway::audit::verify(data);
     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) {
-        let inputs = keel_gateway::drift::oip_inputs(&v);
-        assert!(inputs.0.len() <= keel_gateway::drift::MAX_INPUT_FEATURES);
+        let inputs = keel_gateway::parts::oip_inputs(&v);
+        assert!(inputs.0.len() <= keel_gateway::parts::MAX_INPUT_FEATURES);
         if let Ok(f) = serde_json::from_value(v) {
             let _ = keel_gateway::drift_baseline::Baseline::check(f, "m");
         }

@@ -1,7 +1,7 @@
 //! The drift action of the models that follow the registry: every
 //! `drift.interval_s` a task per model reads which version the stable
 //! alias names, evaluates that version's drift
-//! ([`keel_gateway::drift::DriftBook::evaluate`]: the largest PSI of its features
+//! ([`keel_gateway::DriftBook::evaluate`]: the largest PSI of its features
 //! whose windows are full) and feeds a [`Sustained`] run: the PSI above
 //! `drift.psi_threshold` on `drift.consecutive` consecutive conclusive
 //! evaluations. An evaluation is inconclusive, and neither counts nor
@@ -165,7 +165,7 @@ impl DriftActions {
             let now = gw.now_ms();
             let id = format!(
                 "dr-{}-{}",
-                keel_gateway::clock::rfc3339(now)
+                keel_gateway::rfc3339(now)
                     .replace([':', '-'], "")
                     .trim_end_matches('Z')
                     .split('.')

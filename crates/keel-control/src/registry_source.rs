@@ -284,7 +284,7 @@ impl RegistryClient {
             .map_err(|_| RegistrySourceError::Unauthorized { status: 0 })?;
         authorization.set_sensitive(true);
         let tls_files =
-            keel_gateway::tls::UpstreamTlsFiles::read(&keel_gateway::config::UpstreamTlsConfig {
+            keel_gateway::UpstreamTlsFiles::read(&keel_gateway::config::UpstreamTlsConfig {
                 system_roots: true,
                 ca_file: ca_file.map(std::path::Path::to_owned),
                 client_cert: None,

@@ -3,7 +3,7 @@
 //!
 //! [`Rollouts::start`] checks that the model follows a registry model
 //! whose canary alias names a version other than the stable one, watches
-//! the model's per-request samples ([`keel_gateway::samples`]) and sets the
+//! the model's per-request samples ([`keel_gateway::SampleBook`]) and sets the
 //! canary's first weight. Every `interval_s` a task takes the samples of
 //! the stable and canary deployments (`v<N>`), hands the step's windows to
 //! the rollout, and carries out its action:
@@ -795,7 +795,7 @@ impl Rollouts {
         };
         let id = format!(
             "ro-{}-{}",
-            keel_gateway::clock::rfc3339(now)
+            keel_gateway::rfc3339(now)
                 .replace([':', '-'], "")
                 .trim_end_matches('Z')
                 .split('.')
@@ -820,7 +820,7 @@ impl Rollouts {
             stable: Vec::new(),
             canary: Vec::new(),
             registry: None,
-            started: keel_gateway::clock::rfc3339(now),
+            started: keel_gateway::rfc3339(now),
             end_reason: None,
             registry_pending: false,
             ended_ms: None,

@@ -202,7 +202,7 @@ async fn tls_front(
             .collect::<Result<_, _>>()
             .expect("certs");
     let key = rustls::pki_types::PrivateKeyDer::from_pem_file(pki.server_key()).expect("key");
-    let cfg = rustls::ServerConfig::builder_with_provider(keel_gateway::tls::provider())
+    let cfg = rustls::ServerConfig::builder_with_provider(keel_gateway::tls_provider())
         .with_safe_default_protocol_versions()
         .expect("versions")
         .with_no_client_auth()

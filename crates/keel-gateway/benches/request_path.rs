@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
-use keel_gateway::answer::usage_of_body;
 use keel_gateway::keys::{KeyFile, KeyRing, NewKey, KEY_FILE_VERSION};
-use keel_gateway::metrics::{Metrics, RequestLabels};
-use keel_gateway::request::{self, Route};
+use keel_gateway::parts::usage_of_body;
+use keel_gateway::parts::{self as request, Route};
+use keel_gateway::parts::{Metrics, RequestLabels};
 
 /// A chat completion request as `scripts/bench-serve` sends it.
 const REQUEST: &[u8] = br#"{"model":"chat","messages":[{"role":"user","content":"Say something short."}],"max_tokens":16}"#;

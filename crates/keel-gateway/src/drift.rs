@@ -47,7 +47,7 @@ use serde_json::{json, Value};
 
 use crate::drift_baseline::{Baseline, BaselineFeature, BaselineFile, BASELINE_VERSION};
 use crate::drift_features::{label_char, MAX_TENSOR_NAME};
-pub use crate::drift_features::{valid_input_label, FEATURES, MAX_INPUT_FEATURES};
+pub use crate::drift_features::{FEATURES, MAX_INPUT_FEATURES};
 
 /// The output features that clients and load control rather than the
 /// model: the prompt's length (the client's choice) and the latency (the
@@ -933,6 +933,7 @@ impl DriftBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drift_features::valid_input_label;
 
     fn s(tokens: u32, chars: u32, finish: FinishReason) -> Sample {
         Sample {

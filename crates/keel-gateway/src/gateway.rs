@@ -37,7 +37,6 @@ mod deliver;
 mod protocols;
 mod upstream;
 
-pub use admission::scopes_for;
 use admission::*;
 
 /// Re-reads the configuration (the binary reads the file).

@@ -17,42 +17,67 @@
 //! (keel-control: following the registry, rollouts, drift actions)
 //! drives it through [`control`]: routing in, samples out.
 
-pub mod access;
-pub mod answer;
+// The data plane's parts, private: what other crates use is re-exported
+// below, grouped by who uses it.
+mod access;
+mod answer;
 pub mod audit;
-pub mod auth;
-pub mod batch;
-pub mod body;
-pub mod budget;
-pub mod clock;
+mod auth;
+mod batch;
+mod body;
+mod budget;
+mod clock;
 pub mod control;
-pub mod digits;
-pub mod drift;
-pub mod error;
-pub mod fnv;
-pub mod gateway;
+mod digits;
+mod drift;
+mod error;
+mod fnv;
+mod gateway;
 pub mod keys;
-pub mod limits;
-pub mod metrics;
-pub mod pool;
-pub mod proxy;
+mod limits;
+mod metrics;
+mod pool;
+mod proxy;
 pub mod redis;
-pub mod request;
-pub mod samples;
-pub mod server;
-pub mod stream;
-pub mod tls;
-pub mod traffic;
+mod request;
+mod samples;
+mod server;
+mod stream;
+mod tls;
+mod traffic;
 
 /// The configuration (keel-gateway-config), where it always was.
 pub use keel_gateway_config as config;
 pub use keel_gateway_config::{drift_baseline, drift_features};
 
-pub use clock::{Clock, ManualClock};
+// Running a gateway: build it, serve its listeners, reload it.
 pub use config::GatewayConfig;
 pub use error::{ApiError, GatewayError};
 pub use gateway::{Gateway, GatewayOptions, Listener, ReloadFn, WeakGateway};
-pub use server::{run, serve, Listeners, ServeOptions};
+pub use server::{connection_cap, run, serve, Listeners, ServeOptions};
+
+// What a gateway hands out and is handed: its clock, its access records
+// (and the batching thread that writes them off the request path), its
+// limiter, samples and drift windows.
+pub use access::{access_line, AccessInfo, AccessRecord, AccessSink, RequestId};
+pub use batch::Batcher;
+pub use clock::{rfc3339, Clock, ManualClock};
+pub use drift::DriftBook;
+pub use limits::Limiter;
+pub use samples::{SampleBook, MAX_SAMPLES};
+pub use tls::{provider as tls_provider, UpstreamTlsFiles};
+
+/// The request path's pieces, for this crate's benchmark
+/// (`benches/request_path.rs`), integration tests and fuzz target
+/// (`fuzz/fuzz_targets/request.rs`): not an API.
+#[doc(hidden)]
+pub mod parts {
+    pub use crate::answer::{usage_of_body, SseFilter};
+    pub use crate::drift::{oip_inputs, MAX_INPUT_FEATURES};
+    pub use crate::limits::{Admission, Refusal, Scope};
+    pub use crate::metrics::{Metrics, RequestLabels};
+    pub use crate::request::{parse_openai, prompt_field, route, Route, ROUTES};
+}
 
 /// The kind of an error of this crate
 /// (keel-error's contract: the binary maps a kind to an exit code).

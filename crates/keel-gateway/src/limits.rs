@@ -579,11 +579,13 @@ impl RedisLimiter {
 }
 
 /// `1s`, `59.5s`, `6m0s`: durations as OpenAI's reset headers write them.
+#[cfg(test)]
 pub fn reset_header(ms: u64) -> String {
     reset_text(ms, &mut [0; 48]).to_owned()
 }
 
-/// [`reset_header`] as a header value, without a temporary string.
+/// A duration as OpenAI's reset headers write it (`1s`, `59.5s`,
+/// `6m0s`), as a header value, without a temporary string.
 pub fn reset_header_value(ms: u64) -> Option<http::HeaderValue> {
     http::HeaderValue::from_str(reset_text(ms, &mut [0; 48])).ok()
 }

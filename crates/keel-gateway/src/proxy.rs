@@ -205,6 +205,7 @@ impl Upstream {
     }
 
     /// Idle backend connections kept now.
+    #[cfg(test)]
     pub fn idle_connections(&self) -> usize {
         self.read().pool.idle_count()
     }

@@ -391,6 +391,7 @@ impl RetryBudget {
     }
 
     /// Takes one retry from the budget if there is one.
+    #[cfg(test)]
     pub fn try_retry(&self, now: Instant) -> bool {
         if self.has_retry(now) {
             self.bump(now, 0, 1);

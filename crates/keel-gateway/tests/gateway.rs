@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use keel_gateway::request::ROUTES;
+use keel_gateway::parts::ROUTES;
 use keel_gateway::ManualClock;
 use serde_json::{json, Value};
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use common::*;
 use keel_gateway::config::LimitSet;
-use keel_gateway::limits::{Admission, Limiter, Refusal, Scope};
+use keel_gateway::parts::{Admission, Refusal, Scope};
+use keel_gateway::Limiter;
 use keel_gateway::ManualClock;
 use serde_json::json;
 

@@ -184,17 +184,17 @@ enum AuditCommand {
 use keel_time::SystemClock;
 
 /// Log lines and access records are queued and written to stderr in
-/// batches by a thread of their own (keel_gateway::batch), so no request
+/// batches by a thread of their own (keel_gateway::Batcher), so no request
 /// waits on a write or wakes a thread; access records become lines on
 /// that thread too.
 #[derive(Debug, Clone)]
-struct LogQueue(Arc<keel_gateway::batch::Batcher<LogItem>>);
+struct LogQueue(Arc<keel_gateway::Batcher<LogItem>>);
 
 #[derive(Debug)]
 enum LogItem {
     /// A `tracing` event, formatted.
     Line(Vec<u8>),
-    Access(keel_gateway::access::AccessRecord),
+    Access(keel_gateway::AccessRecord),
 }
 
 #[derive(Debug)]
@@ -238,7 +238,7 @@ impl LogQueue {
         use std::io::Write;
         let mut w = std::io::BufWriter::with_capacity(64 << 10, std::io::stderr());
         let mut line = Vec::with_capacity(512);
-        let b = keel_gateway::batch::Batcher::spawn("keel-log", move |items: Vec<LogItem>, _| {
+        let b = keel_gateway::Batcher::spawn("keel-log", move |items: Vec<LogItem>, _| {
             for item in &items {
                 let _ = w.write_all(item.text(&mut line));
             }
@@ -263,7 +263,7 @@ impl LogItem {
             LogItem::Line(l) => l,
             LogItem::Access(r) => {
                 buf.clear();
-                keel_gateway::access::access_line(r, buf);
+                keel_gateway::access_line(r, buf);
                 buf
             }
         }
@@ -780,10 +780,8 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     if print_config {
         // The Redis URL may carry a password: never printed.
         let mut cfg = cfg;
-        cfg.server.max_connections = Some(keel_gateway::server::connection_cap(
-            &cfg.server,
-            Some(&machine),
-        ));
+        cfg.server.max_connections =
+            Some(keel_gateway::connection_cap(&cfg.server, Some(&machine)));
         if let Some(u) = &mut cfg.limits.redis_url {
             *u = keel_gateway::redis::redact(u);
         }
@@ -827,7 +825,7 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
         .build()
         .context("cannot start the async runtime")?;
     let cfg_connections = cfg.server.max_connections;
-    let chosen_connections = keel_gateway::server::connection_cap(&cfg.server, Some(&machine));
+    let chosen_connections = keel_gateway::connection_cap(&cfg.server, Some(&machine));
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
@@ -998,9 +996,9 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
     let now = SystemClock.now_ms();
     let view = |k: &keel_gateway::keys::KeyRecord| -> (String, String, String) {
         (
-            keel_gateway::clock::rfc3339(k.created_ms),
+            keel_gateway::rfc3339(k.created_ms),
             k.revoked_ms
-                .map(keel_gateway::clock::rfc3339)
+                .map(keel_gateway::rfc3339)
                 .unwrap_or_else(|| "-".into()),
             if k.roles.is_empty() {
                 "-".into()
@@ -1040,8 +1038,8 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
                         name: &k.name,
                         roles: &k.roles,
                         team: k.team.as_deref(),
-                        created: keel_gateway::clock::rfc3339(k.created_ms),
-                        revoked: k.revoked_ms.map(keel_gateway::clock::rfc3339),
+                        created: keel_gateway::rfc3339(k.created_ms),
+                        revoked: k.revoked_ms.map(keel_gateway::rfc3339),
                     })
                     .collect();
                 out.json("serve keys ls", &serde_json::json!({"keys": keys}))?;
@@ -1064,7 +1062,7 @@ fn keys(sc: &ServeConfig, cmd: &KeysCommand, out: &mut Out) -> anyhow::Result<Co
         KeysCommand::Revoke { id } => {
             let rec = KeyFile::update(&path, |f| Ok(f.revoke(id, now)?.clone()))?;
             if out.json {
-                out.json("serve keys revoke", &serde_json::json!({"id": rec.id, "revoked": rec.revoked_ms.map(keel_gateway::clock::rfc3339)}))?;
+                out.json("serve keys revoke", &serde_json::json!({"id": rec.id, "revoked": rec.revoked_ms.map(keel_gateway::rfc3339)}))?;
             } else {
                 out.text(&format!("revoked {} ({})\n", rec.id, rec.name))?;
             }

@@ -26,7 +26,7 @@
 //! - **Pooled samples.** Each replica pushes the samples it took of the
 //!   stable and canary deployments into Redis lists per rollout, step and
 //!   deployment (`keel:rollout:samples:ID:STEP:DEPLOYMENT:MODEL`, at most
-//!   [`keel_gateway::samples::MAX_SAMPLES`] each, kept a day), tagged with the
+//!   [`keel_gateway::MAX_SAMPLES`] each, kept a day), tagged with the
 //!   step whose weight it applied when it served them; the driver analyses
 //!   every replica's samples of the step.
 //!
@@ -288,7 +288,7 @@ impl Shared {
     }
 
     async fn push_samples(&self, key: &str, samples: &[Sample]) -> Result<(), RedisError> {
-        let cap = keel_gateway::samples::MAX_SAMPLES.to_string();
+        let cap = keel_gateway::MAX_SAMPLES.to_string();
         let ttl = SAMPLES_TTL_MS.to_string();
         for chunk in samples.chunks(PUSH_BATCH) {
             let lines: Vec<String> = chunk.iter().map(encode).collect();
