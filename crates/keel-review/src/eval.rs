@@ -2,7 +2,7 @@
 //! kind. Each check returns where the setting is (or line 1 of the file
 //! when it is missing) and a message naming what was found.
 
-use keel_store::Bandwidth;
+use keel_units::Bandwidth;
 
 use crate::catalogue::{Params, Rule};
 use crate::inputs::{EnvVar, GatewayInput, Input, Kind, NodeFacts, PromConfig, Sbatch, TomlDoc};

@@ -14,7 +14,7 @@ fn fixtures() -> PathBuf {
 fn options() -> ReviewOptions {
     ReviewOptions {
         eval: Options {
-            storage_ingress: Some(keel_store::Bandwidth::parse("20Gbit/s").expect("bandwidth")),
+            storage_ingress: Some(keel_units::Bandwidth::parse("20Gbit/s").expect("bandwidth")),
         },
         ..ReviewOptions::default()
     }

@@ -69,7 +69,7 @@ fn sarif() -> Value {
         diags,
         &ReviewOptions {
             eval: Options {
-                storage_ingress: Some(keel_store::Bandwidth::parse("20Gbit/s").expect("bandwidth")),
+                storage_ingress: Some(keel_units::Bandwidth::parse("20Gbit/s").expect("bandwidth")),
             },
             suppressions,
             today: Some("2026-11-26".to_owned()),

@@ -75,8 +75,8 @@ pub enum StoreError {
         expected: u64,
         actual: u64,
     },
-    #[error("invalid bandwidth {input:?}: {reason}")]
-    BadBandwidth { input: String, reason: String },
+    #[error(transparent)]
+    BadBandwidth(#[from] keel_units::BandwidthError),
     #[error("invalid key {key:?}: {reason}")]
     BadKey { key: String, reason: String },
     #[error("internal task failed: {message}")]
@@ -111,7 +111,7 @@ impl keel_error::HasKind for StoreError {
         use BackendErrorKind as B;
         match self {
             Self::BadUrl { .. }
-            | Self::BadBandwidth { .. }
+            | Self::BadBandwidth(_)
             | Self::BadKey { .. }
             | Self::Open { .. } => K::Usage,
             Self::Backend { kind, .. } => match kind {

@@ -31,7 +31,7 @@ pub mod transfer;
 mod url;
 
 pub use error::{BackendErrorKind, StoreError};
-pub use limit::{Bandwidth, Limiter};
+pub use limit::{Bandwidth, BandwidthError, Limiter};
 pub use manifest::{Digest, FileEntry, Manifest, ManifestError};
 pub use store::{Backend, CreateOutcome, ObjectInfo, Store, StoreOptions};
 pub use transfer::{Progress, TransferOptions};
@@ -40,5 +40,5 @@ pub use url::StoreUrl;
 /// The kind of an error of this crate
 /// (keel-error's contract: the binary maps a kind to an exit code).
 pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
-    keel_error::classify!(e; StoreError)
+    keel_error::classify!(e; StoreError, BandwidthError)
 }
