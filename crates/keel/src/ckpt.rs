@@ -560,7 +560,9 @@ async fn run_async(command: &CkptCommand, out: &mut Out) -> anyhow::Result<Code>
             let mut failed = false;
             let mut rendering = Ok(());
             w.run(pace, context, &topts, |ev| {
-                rendering = report_watch(&ev, out, &mut failed);
+                if rendering.is_ok() {
+                    rendering = report_watch(&ev, out, &mut failed);
+                }
                 rendering.is_ok()
             })
             .await
