@@ -1,7 +1,8 @@
 //! Checks that keep the map true to the territory: ARCHITECTURE.md's crate
 //! graph against `cargo metadata`, library crates free of the binary's
-//! dependencies, and no source file in `crates/` past the size the map
-//! allows without a written reason.
+//! dependencies, no source file in `crates/` past the size the map
+//! allows without a written reason, and the gateway crates' modules
+//! importing downwards only.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -283,4 +284,169 @@ fn no_source_file_is_longer_than_the_map_allows() {
 fn code_lines_stop_at_the_unit_tests() {
     assert_eq!(code_lines("a\nb\n#[cfg(test)]\nmod tests {}\n"), 2);
     assert_eq!(code_lines("a\n    #[cfg(test)]\nb\n"), 3);
+}
+
+/// What a top-level module of the crate at `src` refers to: `crate::NAME`
+/// and the names in `use crate::{...}`, in its code before the unit tests
+/// (comments left out), with the names `lib.rs` re-exports
+/// (`pub use MODULE::{Name, ...}`) taken as their modules. A module's
+/// children (`src/MODULE/*.rs`) count as the module.
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut mods = BTreeSet::new();
+    for e in std::fs::read_dir(src).expect("read src").flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "rs") {
+            let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+            if stem != "lib" {
+                mods.insert(stem.to_owned());
+            }
+        }
+    }
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("read lib.rs");
+    let mut reexported = BTreeMap::new();
+    for line in lib.lines() {
+        let Some(rest) = line.strip_prefix("pub use ") else {
+            continue;
+        };
+        let Some((module, names)) = rest.split_once("::") else {
+            continue;
+        };
+        if mods.contains(module) {
+            for n in names.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
+                if !n.is_empty() {
+                    reexported.insert(n.to_owned(), module.to_owned());
+                }
+            }
+        }
+    }
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut graph = BTreeMap::new();
+    for m in &mods {
+        let mut files = vec![src.join(format!("{m}.rs"))];
+        rust_sources(&src.join(m), &mut files);
+        let mut refs = BTreeSet::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).expect("read source");
+            let code: String = text
+                .lines()
+                .take(code_lines(&text))
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let mut rest = code.as_str();
+            while let Some(i) = rest.find("crate::") {
+                rest = &rest[i + "crate::".len()..];
+                let names: Vec<String> = if let Some(group) = rest.strip_prefix('{') {
+                    let end = group.find('}').unwrap_or(group.len());
+                    group[..end]
+                        .split(',')
+                        .map(|item| ident(item.trim()))
+                        .collect()
+                } else {
+                    vec![ident(rest)]
+                };
+                for n in names {
+                    let target = reexported.get(&n).cloned().unwrap_or(n);
+                    if mods.contains(&target) && &target != m {
+                        refs.insert(target);
+                    }
+                }
+            }
+        }
+        graph.insert(m.clone(), refs);
+    }
+    graph
+}
+
+/// A cycle in `graph`, if it has one.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        n: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        done: &mut BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == n) {
+            let mut c = path[i..].to_vec();
+            c.push(n.to_owned());
+            return Some(c);
+        }
+        if done.contains(n) {
+            return None;
+        }
+        path.push(n.to_owned());
+        for next in graph.get(n).into_iter().flatten() {
+            if let Some(c) = visit(next, graph, done, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(n.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|n| visit(n, graph, &mut done, &mut Vec::new()))
+}
+
+#[test]
+fn the_gateway_crates_modules_import_downwards_only() {
+    for krate in ["keel-gateway", "keel-control", "keel-gateway-config"] {
+        let graph = module_graph(&repo().join("crates").join(krate).join("src"));
+        assert!(graph.len() > 3, "{krate}: only {graph:?}");
+        if let Some(c) = find_cycle(&graph) {
+            panic!(
+                "{krate}: modules import each other in a circle: {} (move what both need \
+                 into a module below them)",
+                c.join(" -> ")
+            );
+        }
+    }
+}
+
+#[test]
+fn a_circle_of_modules_is_found() {
+    let g = |edges: &[(&str, &str)]| {
+        let mut m: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            m.entry((*a).to_owned())
+                .or_default()
+                .insert((*b).to_owned());
+            m.entry((*b).to_owned()).or_default();
+        }
+        m
+    };
+    assert_eq!(find_cycle(&g(&[("a", "b"), ("b", "c"), ("a", "c")])), None);
+    assert_eq!(
+        find_cycle(&g(&[("a", "b"), ("b", "c"), ("c", "a")])),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::write(
+        dir.path().join("lib.rs"),
+        "mod a;\nmod b;\nmod c;\nmod d;\npub use b::{Bee, Buzz};\n",
+    )
+    .expect("w");
+    std::fs::write(
+        dir.path().join("a.rs"),
+        "use crate::{c::X, Bee};\n// crate::d is a comment\n",
+    )
+    .expect("w");
+    std::fs::write(
+        dir.path().join("b.rs"),
+        "fn f() { crate::c::y() }\n#[cfg(test)]\nmod tests { use crate::a; }\n",
+    )
+    .expect("w");
+    std::fs::write(dir.path().join("c.rs"), "").expect("w");
+    std::fs::write(dir.path().join("d.rs"), "use crate::a::Z;\n").expect("w");
+    let graph = module_graph(dir.path());
+    assert_eq!(graph["a"], BTreeSet::from(["b".to_owned(), "c".to_owned()]));
+    assert_eq!(graph["b"], BTreeSet::from(["c".to_owned()]));
+    assert_eq!(graph["d"], BTreeSet::from(["a".to_owned()]));
+    assert_eq!(find_cycle(&graph), None);
 }
