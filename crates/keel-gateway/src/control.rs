@@ -2,9 +2,11 @@
 //! comes in through [`Gateway::apply`](crate::Gateway::apply), per-request
 //! samples and drift windows go out ([`Gateway::samples`](crate::Gateway::samples),
 //! [`Gateway::drift`](crate::Gateway::drift)), the control plane's events go
-//! into the audit log, and the admin API's rollout routes are answered by
-//! the [`RolloutAdmin`] the control plane installs. The data plane knows
-//! nothing else of it.
+//! into the audit log (`audit_rollout`, `audit_drift`) and its failures
+//! into the error counter (`metrics().error`), its time comes from the
+//! gateway's injected clock (`now_ms`), and the admin API's rollout routes
+//! are answered by the [`RolloutAdmin`] the control plane installs. The
+//! data plane knows nothing else of it.
 
 use std::future::Future;
 use std::pin::Pin;
