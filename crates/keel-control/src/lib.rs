@@ -19,6 +19,7 @@ pub mod registry_follow;
 pub mod registry_source;
 pub mod rollout;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,20 +60,20 @@ impl From<RolloutError> for ControlError {
     }
 }
 
-impl keel_error::HasKind for ControlError {
-    fn kind(&self) -> keel_error::ErrorKind {
-        match self {
-            ControlError::Follow(e) => keel_error::HasKind::kind(&**e),
-            ControlError::Rollout(e) => keel_error::HasKind::kind(&**e),
-            ControlError::Fallback(_) => keel_error::ErrorKind::Unavailable,
-        }
-    }
-}
-
 /// The kind of an error of this crate
-/// (keel-error's contract: the binary maps a kind to an exit code).
+/// (keel-error's contract: the binary maps a kind to an exit code). A
+/// drift fallback version the registry cannot route to is left
+/// unclassified (the binary's default), as it always was.
 pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::ErrorKind> {
-    keel_error::classify!(e; ControlError, RolloutError, FollowError)
+    use keel_error::HasKind;
+    if let Some(c) = e.downcast_ref::<ControlError>() {
+        return match c {
+            ControlError::Follow(e) => Some(HasKind::kind(&**e)),
+            ControlError::Rollout(e) => Some(HasKind::kind(&**e)),
+            ControlError::Fallback(_) => None,
+        };
+    }
+    keel_error::classify!(e; RolloutError, FollowError)
 }
 
 /// The control plane of a configuration whose models follow the
@@ -93,17 +94,31 @@ impl Control {
     /// every drift fallback version, and returns the routed configuration
     /// to start the gateway with and the control plane to start on it.
     /// Without a followed model, the configuration as it is and `None`.
-    /// `check` verifies versions' signatures (`registry.public_key_file`).
-    pub async fn prepare(
+    /// `signature_check` makes the check of versions' signatures from
+    /// `registry.public_key_file`, once the registry client is made; its
+    /// error is returned as it is (`E`, which takes this crate's errors
+    /// too).
+    pub async fn prepare<E: From<ControlError>>(
         cfg: GatewayConfig,
-        check: Option<Arc<dyn SignatureCheck>>,
-    ) -> Result<(GatewayConfig, Option<Control>), ControlError> {
-        let Some(mut client) = registry_follow::client(&cfg)? else {
+        signature_check: impl FnOnce(&Path) -> Result<Arc<dyn SignatureCheck>, E>,
+    ) -> Result<(GatewayConfig, Option<Control>), E> {
+        let Some(mut client) = registry_follow::client(&cfg).map_err(ControlError::from)? else {
             return Ok((cfg, None));
         };
-        if let Some(check) = check {
-            client = client.with_signature_check(check);
+        if let Some(path) = cfg
+            .registry
+            .as_ref()
+            .and_then(|r| r.public_key_file.as_deref())
+        {
+            client = client.with_signature_check(signature_check(path)?);
         }
+        Self::prepare_with(cfg, client).await.map_err(E::from)
+    }
+
+    async fn prepare_with(
+        cfg: GatewayConfig,
+        client: RegistryClient,
+    ) -> Result<(GatewayConfig, Option<Control>), ControlError> {
         let every = Duration::from_millis(cfg.registry.as_ref().map_or(1000, |r| r.poll_ms));
         let follows = registry_follow::follows(&cfg);
         if follows.is_empty() {
@@ -235,6 +250,16 @@ mod tests {
             }
         }
         let wrapped = Context(e);
+        // A fallback version the registry cannot route to is left to the
+        // binary's default, as before the control plane had its own crate.
+        let fallback = ControlError::from(FallbackError {
+            model: "m".into(),
+            registry_model: "r".into(),
+            version: 3,
+            source: registry_source::RegistrySourceError::Unauthorized { status: 401 },
+        });
+        assert_eq!(error_kind(&fallback), None);
+        assert_eq!(keel_error::kind_of(&fallback, &[error_kind]), None);
         assert_eq!(
             keel_error::kind_of(&wrapped, &[error_kind]),
             Some(ErrorKind::Usage)

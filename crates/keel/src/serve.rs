@@ -829,12 +829,11 @@ fn gateway(sc: &ServeConfig, print_config: bool, out: &mut Out) -> anyhow::Resul
     let result = rt.block_on(async move {
         let listen_override = sc.listen;
         let reload_path = path.clone();
-        let check = match cfg.registry.as_ref().and_then(|r| r.public_key_file.as_deref()) {
-            Some(path) => Some(Arc::new(TrustedKey(keel_registry::sign::PublicKey::read(path)?))
-                as Arc<dyn keel_control::SignatureCheck>),
-            None => None,
-        };
-        let (cfg, control) = keel_control::Control::prepare(cfg, check).await?;
+        let (cfg, control) = keel_control::Control::prepare(cfg, |path| {
+            let key = keel_registry::sign::PublicKey::read(path)?;
+            Ok::<_, anyhow::Error>(Arc::new(TrustedKey(key)) as Arc<dyn keel_control::SignatureCheck>)
+        })
+        .await?;
         let reroute = control.as_ref().map(|c| c.reroute());
         let reload: keel_gateway::ReloadFn = Arc::new(move || {
             let mut c = GatewayConfig::load(&reload_path)?;
