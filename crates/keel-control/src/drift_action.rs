@@ -163,16 +163,7 @@ impl DriftActions {
             }
             let (feature, psi) = worst.unwrap_or_default();
             let now = gw.now_ms();
-            let id = format!(
-                "dr-{}-{}",
-                keel_gateway::rfc3339(now)
-                    .replace([':', '-'], "")
-                    .trim_end_matches('Z')
-                    .split('.')
-                    .next()
-                    .unwrap_or_default(),
-                self.seq.fetch_add(1, Ordering::Relaxed) + 1
-            );
+            let id = crate::event_id("dr", now, self.seq.fetch_add(1, Ordering::Relaxed) + 1);
             let reason = format!(
                 "drift {id}: {dep} PSI {psi:.3} of {feature} above {} on {} consecutive evaluations",
                 d.psi_threshold, d.consecutive

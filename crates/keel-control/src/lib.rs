@@ -76,6 +76,19 @@ pub fn error_kind(e: &(dyn std::error::Error + 'static)) -> Option<keel_error::E
     keel_error::classify!(e; RolloutError, FollowError)
 }
 
+/// The id of a rollout (`ro`) or drift action (`dr`): the prefix, the
+/// UTC time to the second and a sequence number
+/// (`ro-20260528T202640-3`), as the audit log and the admin API show it.
+pub(crate) fn event_id(prefix: &str, now_ms: u64, n: u64) -> String {
+    let stamp = keel_gateway::rfc3339(now_ms).replace([':', '-'], "");
+    let second = stamp
+        .trim_end_matches('Z')
+        .split('.')
+        .next()
+        .unwrap_or_default();
+    format!("{prefix}-{second}-{n}")
+}
+
 /// The control plane of a configuration whose models follow the
 /// registry, prepared before the gateway starts.
 #[derive(Debug)]
@@ -226,6 +239,15 @@ impl RolloutAdmin for Admin {
 mod tests {
     use super::*;
     use keel_error::ErrorKind;
+
+    #[test]
+    fn event_ids_carry_the_second_and_the_sequence() {
+        assert_eq!(event_id("ro", 1_780_000_000_123, 3), "ro-20260528T202640-3");
+        assert_eq!(
+            event_id("dr", 1_780_000_000_000, 12),
+            "dr-20260528T202640-12"
+        );
+    }
 
     #[test]
     fn a_start_error_has_the_kind_of_what_failed() {

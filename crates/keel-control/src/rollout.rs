@@ -793,16 +793,7 @@ impl Rollouts {
         } else {
             self.0.seq.fetch_add(1, Ordering::Relaxed) + 1
         };
-        let id = format!(
-            "ro-{}-{}",
-            keel_gateway::rfc3339(now)
-                .replace([':', '-'], "")
-                .trim_end_matches('Z')
-                .split('.')
-                .next()
-                .unwrap_or_default(),
-            n
-        );
+        let id = crate::event_id("ro", now, n);
         let (rollout, action) =
             Rollout::start(id.clone(), plan).map_err(|source| RolloutError::State {
                 id: id.clone(),
